@@ -1,0 +1,115 @@
+#include "common/thread_pool.h"
+
+#include <cstdlib>
+#include <memory>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KVSERVE_PAUSE() _mm_pause()
+#else
+#define KVSERVE_PAUSE() \
+  do {                  \
+  } while (0)
+#endif
+
+namespace kvserve {
+namespace {
+
+// Spin this many iterations waiting for new work before sleeping. Long
+// enough to bridge the gap between consecutive kernels of one forward pass,
+// short enough not to burn a core when the engine is idle.
+constexpr int kSpinIterations = 1 << 16;
+
+std::unique_ptr<ThreadPool>& GlobalSlot() {
+  static std::unique_ptr<ThreadPool> pool;
+  return pool;
+}
+int& GlobalRequested() {
+  static int n = 0;
+  return n;
+}
+
+}  // namespace
+
+bool& ThreadPool::in_task() {
+  thread_local bool flag = false;
+  return flag;
+}
+
+ThreadPool::ThreadPool(int n_threads) {
+  if (n_threads <= 0) n_threads = static_cast<int>(std::thread::hardware_concurrency());
+  if (n_threads <= 0) n_threads = 1;
+  n_threads_ = n_threads;
+  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  stop_.store(true);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    generation_.fetch_add(1);
+  }
+  cv_.notify_all();
+  for (auto& w : workers_) w.join();
+}
+
+void ThreadPool::RunErased(TaskFn fn, void* ctx) {
+  if (n_threads_ == 1 || in_task()) {
+    for (int t = 0; t < n_threads_; ++t) fn(ctx, t, n_threads_);
+    return;
+  }
+  task_ = fn;
+  task_ctx_ = ctx;
+  pending_.store(n_threads_ - 1, std::memory_order_relaxed);
+  {
+    // Publishing under the mutex pairs with the sleepers' predicate check,
+    // so no wake-up is lost.
+    std::lock_guard<std::mutex> lock(mu_);
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+  if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+  in_task() = true;
+  fn(ctx, 0, n_threads_);
+  in_task() = false;
+  while (pending_.load(std::memory_order_acquire) != 0) KVSERVE_PAUSE();
+}
+
+void ThreadPool::WorkerLoop(int tid) {
+  uint64_t seen = 0;
+  in_task() = true;
+  for (;;) {
+    uint64_t gen = generation_.load(std::memory_order_acquire);
+    for (int spin = 0; gen == seen && spin < kSpinIterations; ++spin) {
+      KVSERVE_PAUSE();
+      gen = generation_.load(std::memory_order_acquire);
+    }
+    if (gen == seen) {
+      std::unique_lock<std::mutex> lock(mu_);
+      sleepers_.fetch_add(1);
+      cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+      sleepers_.fetch_sub(1);
+      gen = generation_.load(std::memory_order_acquire);
+    }
+    seen = gen;
+    if (stop_.load()) return;
+    task_(task_ctx_, tid, n_threads_);
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+ThreadPool& ThreadPool::Global() {
+  auto& slot = GlobalSlot();
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    int n = GlobalRequested();
+    if (n <= 0) {
+      if (const char* env = std::getenv("KVSERVE_THREADS")) n = std::atoi(env);
+    }
+    slot = std::make_unique<ThreadPool>(n);
+  });
+  return *slot;
+}
+
+void ThreadPool::SetGlobalThreads(int n_threads) { GlobalRequested() = n_threads; }
+
+}  // namespace kvserve

@@ -1,0 +1,39 @@
+// Attention over the paged KV cache for a ragged batch: each query token
+// belongs to a sequence and sits at a position; it attends causally to
+// positions [0, pos] of its own sequence, reading K/V through the block
+// table. Prefill chunks and single decode tokens are the same case.
+#pragma once
+
+#include <cstdint>
+
+#include "common/thread_pool.h"
+#include "kernels/kv_view.h"
+
+namespace kvserve::kernels {
+
+struct AttentionBatch {
+  int32_t n_tokens = 0;
+  const int32_t* token_seq = nullptr;  // sequence index (into the view) per token
+  const int32_t* token_pos = nullptr;  // position per token
+  int32_t n_heads = 0;                 // query heads; n_heads % n_kv_heads == 0 (GQA)
+  float scale = 1.0f;                  // usually 1/sqrt(head_dim)
+};
+
+// Writes K and V of n_tokens new tokens (token t of sequence token_seq[t] at
+// position token_pos[t]) into their slots. k/v rows hold n_kv_heads*head_dim
+// floats, k_stride/v_stride floats apart.
+void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int32_t* token_seq,
+              const int32_t* token_pos, const float* k, int64_t k_stride, const float* v,
+              int64_t v_stride);
+
+// q rows: n_heads*head_dim floats, q_stride apart; out rows likewise.
+// REQUIRES: K/V for every attended position have been appended.
+void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                    const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                    ThreadPool* pool);
+
+// Plain loops, single-threaded, two-pass softmax: the reference.
+void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                             const float* q, int64_t q_stride, float* out, int64_t out_stride);
+
+}  // namespace kvserve::kernels

@@ -1,0 +1,43 @@
+// Dense matrix-vector / matrix-matrix products against (possibly quantized)
+// weights: y[t][r] = sum_i W[r][i] * x[t][i] for every token row t.
+//
+// The vectorized path (AVX2/FMA, chosen at run time) quantizes activations to
+// 8 bits per 32-element block for the quantized weight types, as llama.cpp
+// does, and works on integer dot products; the reference path dequantizes
+// weights and accumulates in float with plain loops.
+#pragma once
+
+#include <cstdint>
+
+#include "common/thread_pool.h"
+#include "kernels/dtype.h"
+
+namespace kvserve::kernels {
+
+// A row-major weight matrix of `rows` output features by `cols` input
+// features; row r starts at data + r * RowBytes(type, cols).
+struct WeightView {
+  DType type;
+  const void* data;
+  int64_t rows;
+  int64_t cols;
+};
+
+// x: n_tokens rows of `cols` floats, x_stride floats apart.
+// y: n_tokens rows of `rows` floats, y_stride floats apart.
+// pool may be null (single-threaded).
+void MatMul(const WeightView& w, const float* x, int64_t n_tokens, int64_t x_stride, float* y,
+            int64_t y_stride, ThreadPool* pool);
+
+// Plain-loop reference with the same contract. Single-threaded.
+void MatMulReference(const WeightView& w, const float* x, int64_t n_tokens, int64_t x_stride,
+                     float* y, int64_t y_stride);
+
+// Dequantizes n elements (n % BlockElems(type) == 0) of a row.
+void DequantizeRow(DType type, const void* src, float* dst, int64_t n);
+
+// Reference quantizers (round-to-nearest, ggml's formulas) for tests and for
+// writing model fixtures: n % BlockElems(type) == 0; dst holds RowBytes.
+void QuantizeRowReference(DType type, const float* src, void* dst, int64_t n);
+
+}  // namespace kvserve::kernels

@@ -1,0 +1,40 @@
+// Element-wise and normalization kernels of the Llama forward. Each has a
+// plain-loop *Reference twin used by tests.
+#pragma once
+
+#include <cstdint>
+
+namespace kvserve::kernels {
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, for n_rows rows of n.
+// out may alias x.
+void RmsNorm(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps, float* out);
+void RmsNormReference(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
+                      float* out);
+
+// Rotary position embedding, in place, over one token's heads.
+// kNorm: rotate adjacent pairs (x[2i], x[2i+1]) -- GGUF "llama" layout.
+// kNeox: rotate (x[i], x[i + rot_dim/2]) -- GPT-NeoX / HF layout.
+// Only the first rot_dim dimensions of each head rotate.
+enum class RopeStyle : uint8_t { kNorm, kNeox };
+struct RopeParams {
+  int32_t head_dim;
+  int32_t rot_dim;
+  float freq_base;
+  RopeStyle style;
+};
+void Rope(float* x, int32_t n_heads, int32_t pos, const RopeParams& p);
+void RopeReference(float* x, int32_t n_heads, int32_t pos, const RopeParams& p);
+
+// out[i] = silu(gate[i]) * up[i]. out may alias gate.
+void SiluMul(const float* gate, const float* up, int64_t n, float* out);
+void SiluMulReference(const float* gate, const float* up, int64_t n, float* out);
+
+// x[i] += y[i].
+void AddInPlace(float* x, const float* y, int64_t n);
+
+// In-place softmax over n values; returns log(sum(exp(x - max))) + max, the
+// log-normalizer (useful for log-probabilities).
+float SoftmaxInPlace(float* x, int64_t n);
+
+}  // namespace kvserve::kernels

@@ -1,0 +1,73 @@
+// GgufWriter builds GGUF files in memory for tests: fixtures for the reader,
+// and tiny Llama models with random weights so the suite exercises the real
+// engine without ../shared.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "model/gguf.h"
+
+namespace kvserve::testing {
+
+class GgufWriter {
+ public:
+  void SetU32(const std::string& key, uint32_t v);
+  void SetI32(const std::string& key, int32_t v);
+  void SetU64(const std::string& key, uint64_t v);
+  void SetF32(const std::string& key, float v);
+  void SetBool(const std::string& key, bool v);
+  void SetString(const std::string& key, const std::string& v);
+  void SetStringArray(const std::string& key, const std::vector<std::string>& v);
+  void SetF32Array(const std::string& key, const std::vector<float>& v);
+  void SetI32Array(const std::string& key, const std::vector<int32_t>& v);
+  // Adds a tensor with raw data already in `type`'s encoding; shape in ggml
+  // order (shape[0] contiguous).
+  void AddTensor(const std::string& name, GgmlType type, const std::vector<int64_t>& shape,
+                 std::string raw_bytes);
+  // Adds an F32 tensor quantized/converted to `type` (F32, F16, BF16, Q8_0,
+  // Q4_0, Q4_1) with the reference quantizers.
+  void AddTensorFromFloats(const std::string& name, GgmlType type,
+                           const std::vector<int64_t>& shape, const std::vector<float>& values);
+
+  std::string Serialize(uint32_t version = 3, uint32_t alignment = 32) const;
+  [[nodiscard]] absl::Status WriteFile(const std::string& path, uint32_t version = 3) const;
+
+ private:
+  struct Kv {
+    std::string key;
+    uint32_t type;
+    std::string payload;  // encoded value (after the type tag)
+  };
+  struct Tensor {
+    std::string name;
+    GgmlType type;
+    std::vector<int64_t> shape;
+    std::string data;
+  };
+  void SetRaw(const std::string& key, uint32_t type, std::string payload);
+  std::vector<Kv> kvs_;
+  std::vector<Tensor> tensors_;
+};
+
+struct TinyLlamaOptions {
+  int32_t n_layers = 2;
+  int32_t dim = 64;
+  int32_t n_heads = 4;
+  int32_t n_kv_heads = 2;
+  int32_t ffn_dim = 128;
+  int32_t context_length = 256;
+  float rope_freq_base = 10000.0f;
+  GgmlType weight_type = GgmlType::kF32;
+  bool tied_output = false;
+  uint64_t seed = 1;
+};
+
+// A complete Llama GGUF with random weights and a small SentencePiece-style
+// vocabulary (<unk>, <s>, </s>, 256 byte tokens <0x00>..<0xFF>, a few dozen
+// merged pieces with scores). Returns the serialized file.
+std::string MakeTinyLlamaGguf(const TinyLlamaOptions& options);
+
+}  // namespace kvserve::testing

@@ -1,0 +1,27 @@
+// Where tests find real models. The shared test model (stories260K) lives in
+// ../shared/models next to a developer checkout and is absent from a user's
+// clone; the default model (SmolLM2) is fetched by deploy/setup.sh into
+// models/. Tests that need a missing model skip with a message.
+#pragma once
+
+#include <string>
+
+namespace kvserve::testing {
+
+// Path of ../shared/models/stories260K.gguf, or "" when absent.
+std::string Stories260KPath();
+// Path of ../shared/golden/stories260K-greedy.jsonl, or "" when absent.
+std::string Stories260KGoldenPath();
+// Path of the SmolLM2 default model ($KVSERVE_MODEL_DIR or <repo>/models),
+// or "" when absent.
+std::string SmolLM2Path();
+// A fresh scratch directory for this test process.
+std::string TempDir();
+
+}  // namespace kvserve::testing
+
+// Skips the current test when `path` is empty.
+#define KVSERVE_SKIP_IF_MISSING(path, what)                                          \
+  do {                                                                               \
+    if ((path).empty()) GTEST_SKIP() << what << " not found; skipping (see README)"; \
+  } while (0)
