@@ -1,0 +1,294 @@
+// Kernel micro-benchmarks. The matmul shapes are SmolLM2-135M's (dim 576,
+// 9/3 heads of 64, FFN 1536, vocab 49152): the default model, whose decode
+// the engine must run at least as fast as llama.cpp on the same CPU.
+//
+//   ninja -C build-kern kvserve_kernels_bench
+//   build-kern/bench/kvserve_kernels_bench --benchmark_filter='MatMul/q4_1'
+//
+// weight_GB/s counts weight bytes read per second (decode is bound by it).
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/dtype.h"
+
+namespace kvserve::kernels {
+namespace {
+
+ThreadPool* Pool(int threads) {
+  if (threads <= 1) return nullptr;
+  static ThreadPool pool(threads);
+  return &pool;
+}
+
+// Quantized random weights. Quantizing a tile and repeating it keeps setup
+// fast for the 49152-row head; the kernels' speed does not depend on values.
+std::vector<uint8_t> MakeWeights(DType type, int64_t rows, int64_t cols) {
+  const int64_t row_bytes = RowBytes(type, cols);
+  const int64_t tile_rows = std::min<int64_t>(rows, 256);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  std::vector<float> src(cols);
+  std::vector<uint8_t> w(row_bytes * rows);
+  for (int64_t r = 0; r < tile_rows; ++r) {
+    for (auto& v : src) v = dist(rng);
+    QuantizeRowReference(type, src.data(), w.data() + r * row_bytes, cols);
+  }
+  for (int64_t r = tile_rows; r < rows; r += tile_rows) {
+    std::memcpy(w.data() + r * row_bytes, w.data(),
+                std::min(tile_rows, rows - r) * row_bytes);
+  }
+  return w;
+}
+
+std::vector<float> MakeActs(int64_t n) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = dist(rng);
+  return x;
+}
+
+void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, int n_tokens,
+               bool reference, int threads) {
+  const auto w = MakeWeights(type, rows, cols);
+  const auto x = MakeActs(n_tokens * cols);
+  std::vector<float> y(n_tokens * rows);
+  const WeightView view{type, w.data(), rows, cols};
+  ThreadPool* pool = Pool(threads);
+  for (auto _ : state) {
+    if (reference) {
+      MatMulReference(view, x.data(), n_tokens, cols, y.data(), rows);
+    } else {
+      MatMul(view, x.data(), n_tokens, cols, y.data(), rows, pool);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.counters["weight_GB/s"] = benchmark::Counter(
+      static_cast<double>(w.size()), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * rows * cols * n_tokens,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Every matmul of one SmolLM2-135M decode step (30 layers of q, k, v, o,
+// gate, up, down in Q4_1 plus the Q8_0 output head) over distinct weights,
+// ~96 MB, so nothing stays in cache between layers as in the real forward.
+// items/s = decode tokens/s of the matmul share of a forward. `fused` runs
+// q/k/v and gate/up through MatMulMany (one dispatch each).
+void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused) {
+  struct Mat {
+    int64_t rows, cols;
+  };
+  const Mat layer[] = {{576, 576}, {192, 576}, {192, 576}, {576, 576},
+                       {1536, 576}, {1536, 576}, {576, 1536}};
+  const int n_tokens = static_cast<int>(state.range(0));
+  std::vector<std::vector<uint8_t>> owned;
+  std::vector<WeightView> views;
+  for (int l = 0; l < 30; ++l) {
+    for (const Mat& m : layer) {
+      owned.push_back(MakeWeights(DType::kQ4_1, m.rows, m.cols));
+      views.push_back({DType::kQ4_1, owned.back().data(), m.rows, m.cols});
+    }
+  }
+  owned.push_back(MakeWeights(DType::kQ8_0, 49152, 576));
+  views.push_back({DType::kQ8_0, owned.back().data(), 49152, 576});
+  size_t bytes = 0;
+  for (const auto& o : owned) bytes += o.size();
+  const auto x = MakeActs(n_tokens * 1536);
+  std::vector<float> y(n_tokens * 49152);
+  ThreadPool* pool = Pool(threads);
+  std::vector<float> y2(n_tokens * 1536), y3(n_tokens * 1536);
+  for (auto _ : state) {
+    if (!fused) {
+      for (const WeightView& v : views) {
+        MatMul(v, x.data(), n_tokens, v.cols, y.data(), v.rows, pool);
+      }
+    } else {
+      for (int l = 0; l < 30; ++l) {
+        const WeightView* lv = &views[l * 7];
+        float* qkv_out[3] = {y.data(), y2.data(), y3.data()};
+        const int64_t qkv_strides[3] = {576, 192, 192};
+        MatMulMany(lv, 3, x.data(), n_tokens, 576, qkv_out, qkv_strides, pool);
+        MatMul(lv[3], x.data(), n_tokens, 576, y.data(), 576, pool);
+        float* gu_out[2] = {y2.data(), y3.data()};
+        const int64_t gu_strides[2] = {1536, 1536};
+        MatMulMany(lv + 4, 2, x.data(), n_tokens, 576, gu_out, gu_strides, pool);
+        MatMul(lv[6], x.data(), n_tokens, 1536, y.data(), 576, pool);
+      }
+      MatMul(views.back(), x.data(), n_tokens, 576, y.data(), 49152, pool);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * n_tokens);
+  state.counters["weight_GB/s"] = benchmark::Counter(static_cast<double>(bytes),
+                                                     benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// One layer's attention of a single decode token at context `ctx`, SmolLM2
+// geometry (9 query heads, 3 KV heads of 64), 16-token blocks.
+void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, int threads) {
+  const int32_t ctx = static_cast<int32_t>(state.range(0));
+  constexpr int32_t kBlock = 16, kKvHeads = 3, kHeads = 9, kHeadDim = 64;
+  PagedKvView kv;
+  kv.block_size = kBlock;
+  kv.n_kv_heads = kKvHeads;
+  kv.head_dim = kHeadDim;
+  kv.dtype = dtype;
+  kv.layer_bytes = 2 * PagedKvView::HalfLayerBytes(kBlock, kKvHeads, kHeadDim, dtype);
+  kv.block_bytes = kv.layer_bytes;
+  const int32_t n_blocks = (ctx + kBlock - 1) / kBlock;
+  std::vector<uint8_t> storage(n_blocks * kv.block_bytes);
+  std::vector<int32_t> ids(n_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(3));
+  const int32_t offsets[2] = {0, n_blocks};
+  kv.pool = storage.data();
+  kv.block_ids = ids.data();
+  kv.seq_block_offsets = offsets;
+  kv.n_seqs = 1;
+  const int64_t row = kKvHeads * kHeadDim;
+  const auto kvals = MakeActs(ctx * row);
+  std::vector<int32_t> seqs(ctx, 0), pos(ctx);
+  std::iota(pos.begin(), pos.end(), 0);
+  AppendKv(kv, 0, ctx, seqs.data(), pos.data(), kvals.data(), row, kvals.data(), row);
+
+  const auto q = MakeActs(kHeads * kHeadDim);
+  std::vector<float> out(kHeads * kHeadDim);
+  const int32_t seq = 0, last = ctx - 1;
+  AttentionBatch batch{1, &seq, &last, kHeads, 0.125f};
+  ThreadPool* pool = Pool(threads);
+  for (auto _ : state) {
+    if (reference) {
+      PagedAttentionReference(kv, 0, batch, q.data(), kHeads * kHeadDim, out.data(),
+                              kHeads * kHeadDim);
+    } else {
+      PagedAttention(kv, 0, batch, q.data(), kHeads * kHeadDim, out.data(), kHeads * kHeadDim,
+                     pool);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.counters["kv_GB/s"] = benchmark::Counter(
+      2.0 * ctx * row * KvElemBytes(dtype), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Element-wise ops at SmolLM2 sizes: SiluMul over the FFN width, softmax
+// over the vocabulary, RmsNorm and RoPE over one token.
+void BM_Ops(benchmark::State& state, int which, bool reference) {
+  constexpr int64_t kDim = 576, kFfn = 1536, kVocab = 49152;
+  auto a = MakeActs(kVocab);
+  const auto b = MakeActs(kVocab);
+  std::vector<float> out(kVocab);
+  const RopeParams rope{64, 64, 100000.0f, RopeStyle::kNorm};
+  for (auto _ : state) {
+    switch (which) {
+      case 0:
+        reference ? RmsNormReference(a.data(), b.data(), 1, kDim, 1e-5f, out.data())
+                  : RmsNorm(a.data(), b.data(), 1, kDim, 1e-5f, out.data());
+        break;
+      case 1:
+        reference ? SiluMulReference(a.data(), b.data(), kFfn, out.data())
+                  : SiluMul(a.data(), b.data(), kFfn, out.data());
+        break;
+      case 2:
+        reference ? RopeReference(a.data(), 9, 1000, rope) : Rope(a.data(), 9, 1000, rope);
+        break;
+      case 3:
+        std::copy(b.begin(), b.end(), out.begin());
+        benchmark::DoNotOptimize(SoftmaxInPlace(out.data(), kVocab));
+        break;
+    }
+    benchmark::ClobberMemory();
+  }
+}
+
+void RegisterAll() {
+  struct Shape {
+    DType type;
+    int64_t rows, cols;
+  };
+  std::vector<Shape> shapes;
+  for (DType t : {DType::kQ4_1, DType::kQ4_0, DType::kQ8_0, DType::kF16, DType::kBF16,
+                  DType::kF32}) {
+    for (auto [r, c] : {std::pair<int64_t, int64_t>{576, 576}, {192, 576}, {1536, 576},
+                        {576, 1536}}) {
+      shapes.push_back({t, r, c});
+    }
+  }
+  shapes.push_back({DType::kQ8_0, 49152, 576});
+  for (const Shape& s : shapes) {
+    const std::string base = std::string("MatMul/") + DTypeName(s.type) + "/" +
+                             std::to_string(s.rows) + "x" + std::to_string(s.cols);
+    for (int n_tokens : {1, 8, 32}) {
+      for (int threads : {1, 2}) {
+        benchmark::RegisterBenchmark(
+            (base + "/t" + std::to_string(n_tokens) + "/threads:" + std::to_string(threads))
+                .c_str(),
+            BM_MatMul, s.type, s.rows, s.cols, n_tokens, false, threads)
+            ->UseRealTime();
+      }
+    }
+    benchmark::RegisterBenchmark((base + "/t1/reference").c_str(), BM_MatMul, s.type, s.rows,
+                                 s.cols, 1, true, 1)
+        ->UseRealTime();
+  }
+  for (bool fused : {false, true}) {
+    for (int threads : {1, 2}) {
+      benchmark::RegisterBenchmark((std::string("SmolLM2DecodeMatMuls/") +
+                                    (fused ? "fused" : "separate") +
+                                    "/threads:" + std::to_string(threads))
+                                       .c_str(),
+                                   BM_SmolLM2DecodeMatMuls, threads, fused)
+          ->Arg(1)
+          ->Arg(8)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+  const char* op_names[] = {"RmsNorm/576", "SiluMul/1536", "Rope/9x64", "Softmax/49152"};
+  for (int which = 0; which < 4; ++which) {
+    benchmark::RegisterBenchmark((std::string("Ops/") + op_names[which]).c_str(), BM_Ops, which,
+                                 false);
+    if (which != 3) {
+      benchmark::RegisterBenchmark((std::string("Ops/") + op_names[which] + "/reference").c_str(),
+                                   BM_Ops, which, true);
+    }
+  }
+  for (KvDType dt : {KvDType::kF32, KvDType::kF16}) {
+    const std::string base =
+        std::string("AttentionDecode/") + (dt == KvDType::kF32 ? "f32" : "f16");
+    for (int threads : {1, 2}) {
+      benchmark::RegisterBenchmark((base + "/threads:" + std::to_string(threads)).c_str(),
+                                   BM_AttentionDecode, dt, false, threads)
+          ->Arg(512)
+          ->Arg(2048)
+          ->UseRealTime();
+    }
+    benchmark::RegisterBenchmark((base + "/reference").c_str(), BM_AttentionDecode, dt, true, 1)
+        ->Arg(512)
+        ->Arg(2048)
+        ->UseRealTime();
+  }
+}
+
+}  // namespace
+}  // namespace kvserve::kernels
+
+int main(int argc, char** argv) {
+  kvserve::kernels::RegisterAll();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,302 @@
+#include "model/llama.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/cpu/attention.h"
+
+namespace kvserve {
+namespace {
+
+using kernels::DType;
+using kernels::WeightView;
+
+const std::vector<GgmlType> kMatrixTypes = {GgmlType::kF32,  GgmlType::kF16,  GgmlType::kBF16,
+                                            GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1};
+
+DType ToDType(GgmlType t) {
+  switch (t) {
+    case GgmlType::kF32: return DType::kF32;
+    case GgmlType::kF16: return DType::kF16;
+    case GgmlType::kBF16: return DType::kBF16;
+    case GgmlType::kQ8_0: return DType::kQ8_0;
+    case GgmlType::kQ4_0: return DType::kQ4_0;
+    case GgmlType::kQ4_1: return DType::kQ4_1;
+  }
+  return DType::kF32;
+}
+
+// Reads an integer hyper-parameter that must be positive and not absurd.
+absl::StatusOr<int32_t> PositiveParam(const GgufFile& f, const std::string& key, int64_t max) {
+  ASSIGN_OR_RETURN(int64_t v, f.GetI64(key));
+  if (v <= 0 || v > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata ", key, " = ", v, " is out of range (1..", max, ")"));
+  }
+  return static_cast<int32_t>(v);
+}
+
+absl::StatusOr<int32_t> OptionalPositiveParam(const GgufFile& f, const std::string& key,
+                                              int64_t max, int32_t fallback) {
+  if (!f.Has(key)) return fallback;
+  return PositiveParam(f, key, max);
+}
+
+}  // namespace
+
+absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
+  LlamaConfig c;
+  ASSIGN_OR_RETURN(c.architecture, f.GetString("general.architecture"));
+  // Architectures that share Llama's graph exactly (no biases, no QK norm).
+  if (c.architecture != "llama" && c.architecture != "mistral") {
+    return absl::UnimplementedError(
+        absl::StrCat("architecture '", c.architecture, "' is not supported (llama, mistral)"));
+  }
+  if (f.Has("general.name")) {
+    ASSIGN_OR_RETURN(c.name, f.GetString("general.name"));
+  }
+  const std::string a = c.architecture + ".";
+  ASSIGN_OR_RETURN(c.n_layers, PositiveParam(f, a + "block_count", 1024));
+  ASSIGN_OR_RETURN(c.dim, PositiveParam(f, a + "embedding_length", 1 << 16));
+  ASSIGN_OR_RETURN(c.n_heads, PositiveParam(f, a + "attention.head_count", 1024));
+  ASSIGN_OR_RETURN(c.n_kv_heads,
+                   OptionalPositiveParam(f, a + "attention.head_count_kv", 1024, c.n_heads));
+  ASSIGN_OR_RETURN(c.ffn_dim, PositiveParam(f, a + "feed_forward_length", 1 << 20));
+  ASSIGN_OR_RETURN(c.context_length, PositiveParam(f, a + "context_length", 1 << 24));
+  if (c.dim % c.n_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding_length ", c.dim,
+                                                   " is not a multiple of head_count ", c.n_heads));
+  }
+  ASSIGN_OR_RETURN(c.head_dim,
+                   OptionalPositiveParam(f, a + "attention.key_length", 4096, c.dim / c.n_heads));
+  if (c.n_heads % c.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_count ", c.n_heads, " is not a multiple of head_count_kv ", c.n_kv_heads));
+  }
+  if (c.head_dim * c.n_heads != c.dim) {
+    return absl::UnimplementedError(absl::StrCat("key_length ", c.head_dim, " x head_count ",
+                                                 c.n_heads, " != embedding_length ", c.dim));
+  }
+  if (c.head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("head dimension ", c.head_dim, " is odd"));
+  }
+  ASSIGN_OR_RETURN(c.rope_dim,
+                   OptionalPositiveParam(f, a + "rope.dimension_count", c.head_dim, c.head_dim));
+  if (c.rope_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("rope.dimension_count ", c.rope_dim, " is odd"));
+  }
+  if (f.Has(a + "rope.freq_base")) {
+    ASSIGN_OR_RETURN(c.rope_freq_base, f.GetF32(a + "rope.freq_base"));
+  }
+  if (f.Has(a + "attention.layer_norm_rms_epsilon")) {
+    ASSIGN_OR_RETURN(c.rms_eps, f.GetF32(a + "attention.layer_norm_rms_epsilon"));
+  }
+  if (!(c.rope_freq_base > 0) || !std::isfinite(c.rope_freq_base)) {
+    return absl::InvalidArgumentError("rope.freq_base must be a positive number");
+  }
+  if (!(c.rms_eps >= 0) || !std::isfinite(c.rms_eps)) {
+    return absl::InvalidArgumentError("attention.layer_norm_rms_epsilon must be >= 0");
+  }
+  if (f.Has(a + "rope.scaling.type")) {
+    ASSIGN_OR_RETURN(std::string scaling, f.GetString(a + "rope.scaling.type"));
+    if (scaling != "none") {
+      return absl::UnimplementedError(absl::StrCat("rope scaling '", scaling, "' is not supported"));
+    }
+  }
+  // GGUF's llama layout rotates adjacent pairs (the converter permutes Q/K).
+  c.rope_style = kernels::RopeStyle::kNorm;
+
+  const GgufTensorInfo* embd = f.FindTensor("token_embd.weight");
+  if (embd == nullptr) return absl::NotFoundError("missing tensor token_embd.weight");
+  if (embd->shape.size() != 2 || embd->shape[0] != c.dim || embd->shape[1] <= 0 ||
+      embd->shape[1] > (1 << 24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token_embd.weight must have shape {", c.dim, ", vocab}"));
+  }
+  c.vocab_size = static_cast<int32_t>(embd->shape[1]);
+  c.tied_output = f.FindTensor("output.weight") == nullptr;
+  return c;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& path) {
+  auto file = GgufFile::Open(path);
+  if (!file.ok()) return file.status();
+  return FromGguf(std::shared_ptr<const GgufFile>(std::move(file).value()));
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromGguf(
+    std::shared_ptr<const GgufFile> file) {
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->file_ = std::move(file);
+  absl::Status s = m->Bind();
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(m->file_->path(), ": ", s.message()));
+  }
+  return m;
+}
+
+absl::Status LlamaModel::Bind() {
+  ASSIGN_OR_RETURN(config_, LlamaConfig::FromGguf(*file_));
+  const LlamaConfig& c = config_;
+  const GgufFile& f = *file_;
+  weight_bytes_ = 0;
+
+  auto matrix = [&](const std::string& name, int64_t in, int64_t out) -> absl::StatusOr<WeightView> {
+    ASSIGN_OR_RETURN(const GgufTensorInfo* t, f.RequireTensor(name, {in, out}, kMatrixTypes));
+    if (in % kernels::BlockElems(ToDType(t->type)) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": row length ", in,
+                                                     " is not a multiple of the block size"));
+    }
+    weight_bytes_ += static_cast<int64_t>(t->n_bytes);
+    return WeightView{ToDType(t->type), t->data, out, in};
+  };
+  auto vector = [&](const std::string& name, int64_t n) -> absl::StatusOr<const float*> {
+    ASSIGN_OR_RETURN(const GgufTensorInfo* t, f.RequireTensor(name, {n}, {GgmlType::kF32}));
+    weight_bytes_ += static_cast<int64_t>(t->n_bytes);
+    return reinterpret_cast<const float*>(t->data);
+  };
+
+  ASSIGN_OR_RETURN(token_embd_, matrix("token_embd.weight", c.dim, c.vocab_size));
+  weight_bytes_ = 0;  // one embedding row per token is read, not the table
+  ASSIGN_OR_RETURN(output_norm_, vector("output_norm.weight", c.dim));
+  if (c.tied_output) {
+    output_ = token_embd_;
+    weight_bytes_ += kernels::RowBytes(output_.type, c.dim) * c.vocab_size;
+  } else {
+    ASSIGN_OR_RETURN(output_, matrix("output.weight", c.dim, c.vocab_size));
+  }
+  layers_.resize(c.n_layers);
+  for (int32_t l = 0; l < c.n_layers; ++l) {
+    const std::string p = absl::StrCat("blk.", l, ".");
+    Layer& L = layers_[l];
+    ASSIGN_OR_RETURN(L.attn_norm, vector(p + "attn_norm.weight", c.dim));
+    ASSIGN_OR_RETURN(L.wq, matrix(p + "attn_q.weight", c.dim, c.n_heads * c.head_dim));
+    ASSIGN_OR_RETURN(L.wk, matrix(p + "attn_k.weight", c.dim, c.kv_dim()));
+    ASSIGN_OR_RETURN(L.wv, matrix(p + "attn_v.weight", c.dim, c.kv_dim()));
+    ASSIGN_OR_RETURN(L.wo, matrix(p + "attn_output.weight", c.n_heads * c.head_dim, c.dim));
+    ASSIGN_OR_RETURN(L.ffn_norm, vector(p + "ffn_norm.weight", c.dim));
+    ASSIGN_OR_RETURN(L.w_gate, matrix(p + "ffn_gate.weight", c.dim, c.ffn_dim));
+    ASSIGN_OR_RETURN(L.w_up, matrix(p + "ffn_up.weight", c.dim, c.ffn_dim));
+    ASSIGN_OR_RETURN(L.w_down, matrix(p + "ffn_down.weight", c.ffn_dim, c.dim));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const kernels::PagedKvView& kv) const {
+  const size_t n = b.tokens.size();
+  if (n == 0) return absl::InvalidArgumentError("empty batch");
+  if (b.token_seq.size() != n || b.positions.size() != n) {
+    return absl::InvalidArgumentError("batch arrays differ in length");
+  }
+  if (kv.n_kv_heads != config_.n_kv_heads || kv.head_dim != config_.head_dim) {
+    return absl::InvalidArgumentError("KV view does not match the model's heads");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (b.tokens[i] < 0 || b.tokens[i] >= config_.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", b.tokens[i], " is outside the vocabulary (", config_.vocab_size,
+                       ")"));
+    }
+    if (b.token_seq[i] < 0 || b.token_seq[i] >= kv.n_seqs) {
+      return absl::InvalidArgumentError(absl::StrCat("token ", i, " names sequence ",
+                                                     b.token_seq[i], " outside the KV view"));
+    }
+    const int32_t s = b.token_seq[i];
+    const int64_t capacity =
+        static_cast<int64_t>(kv.seq_block_offsets[s + 1] - kv.seq_block_offsets[s]) *
+        kv.block_size;
+    if (b.positions[i] < 0 || b.positions[i] >= capacity) {
+      return absl::InvalidArgumentError(absl::StrCat("position ", b.positions[i], " of sequence ",
+                                                     s, " has no KV slot (capacity ", capacity,
+                                                     ")"));
+    }
+  }
+  for (int32_t r : b.logit_rows) {
+    if (r < 0 || static_cast<size_t>(r) >= n) {
+      return absl::InvalidArgumentError(absl::StrCat("logit row ", r, " is outside the batch"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void LlamaModel::EnsureScratch(int64_t n, int64_t n_logits) {
+  const LlamaConfig& c = config_;
+  auto grow = [](std::vector<float>& v, int64_t size) {
+    if (static_cast<int64_t>(v.size()) < size) v.resize(size);
+  };
+  grow(x_, n * c.dim);
+  grow(xn_, n * c.dim);
+  grow(q_, n * c.n_heads * c.head_dim);
+  grow(k_, n * c.kv_dim());
+  grow(v_, n * c.kv_dim());
+  grow(attn_, n * c.n_heads * c.head_dim);
+  grow(gate_, n * c.ffn_dim);
+  grow(up_, n * c.ffn_dim);
+  grow(final_, n_logits * c.dim);
+}
+
+absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvView& kv,
+                                 float* logits, ThreadPool* pool) {
+  RETURN_IF_ERROR(CheckBatch(b, kv));
+  const LlamaConfig& c = config_;
+  const int64_t n = static_cast<int64_t>(b.tokens.size());
+  const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t kv_dim = c.kv_dim();
+  EnsureScratch(n, static_cast<int64_t>(b.logit_rows.size()));
+  float* x = x_.data();
+  float* xn = xn_.data();
+
+  for (int64_t i = 0; i < n; ++i) {
+    const auto* row = static_cast<const uint8_t*>(token_embd_.data) +
+                      kernels::RowBytes(token_embd_.type, c.dim) * b.tokens[i];
+    kernels::DequantizeRow(token_embd_.type, row, x + i * c.dim, c.dim);
+  }
+
+  const kernels::RopeParams rope{c.head_dim, c.rope_dim, c.rope_freq_base, c.rope_style};
+  kernels::AttentionBatch attn_batch;
+  attn_batch.n_tokens = static_cast<int32_t>(n);
+  attn_batch.token_seq = b.token_seq.data();
+  attn_batch.token_pos = b.positions.data();
+  attn_batch.n_heads = c.n_heads;
+  attn_batch.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+
+  for (int32_t l = 0; l < c.n_layers; ++l) {
+    const Layer& L = layers_[l];
+    // Attention block.
+    kernels::RmsNorm(x, L.attn_norm, n, c.dim, c.rms_eps, xn);
+    kernels::MatMul(L.wq, xn, n, c.dim, q_.data(), q_dim, pool);
+    kernels::MatMul(L.wk, xn, n, c.dim, k_.data(), kv_dim, pool);
+    kernels::MatMul(L.wv, xn, n, c.dim, v_.data(), kv_dim, pool);
+    for (int64_t i = 0; i < n; ++i) {
+      kernels::Rope(q_.data() + i * q_dim, c.n_heads, b.positions[i], rope);
+      kernels::Rope(k_.data() + i * kv_dim, c.n_kv_heads, b.positions[i], rope);
+    }
+    kernels::AppendKv(kv, l, static_cast<int32_t>(n), b.token_seq.data(), b.positions.data(),
+                      k_.data(), kv_dim, v_.data(), kv_dim);
+    kernels::PagedAttention(kv, l, attn_batch, q_.data(), q_dim, attn_.data(), q_dim, pool);
+    kernels::MatMul(L.wo, attn_.data(), n, q_dim, xn, c.dim, pool);
+    kernels::AddInPlace(x, xn, n * c.dim);
+    // Feed-forward block (SwiGLU).
+    kernels::RmsNorm(x, L.ffn_norm, n, c.dim, c.rms_eps, xn);
+    kernels::MatMul(L.w_gate, xn, n, c.dim, gate_.data(), c.ffn_dim, pool);
+    kernels::MatMul(L.w_up, xn, n, c.dim, up_.data(), c.ffn_dim, pool);
+    kernels::SiluMul(gate_.data(), up_.data(), n * c.ffn_dim, gate_.data());
+    kernels::MatMul(L.w_down, gate_.data(), n, c.ffn_dim, xn, c.dim, pool);
+    kernels::AddInPlace(x, xn, n * c.dim);
+  }
+
+  // Only rows that need logits pay for the output head.
+  const int64_t n_logits = static_cast<int64_t>(b.logit_rows.size());
+  if (n_logits == 0) return absl::OkStatus();
+  for (int64_t r = 0; r < n_logits; ++r) {
+    std::memcpy(final_.data() + r * c.dim, x + static_cast<int64_t>(b.logit_rows[r]) * c.dim,
+                sizeof(float) * c.dim);
+  }
+  kernels::RmsNorm(final_.data(), output_norm_, n_logits, c.dim, c.rms_eps, final_.data());
+  kernels::MatMul(output_, final_.data(), n_logits, c.dim, logits, c.vocab_size, pool);
+  return absl::OkStatus();
+}
+
+}  // namespace kvserve

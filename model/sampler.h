@@ -50,6 +50,13 @@ class Sampler {
                       absl::Span<const int32_t> generated);
 
  private:
+  bool HasPenalties() const;
+  // Applies repetition, presence and frequency penalties to scratch_.
+  void ApplyPenalties(absl::Span<const int32_t> prompt, absl::Span<const int32_t> generated);
+  // REQUIRES: temperature > 0; scratch_ holds the (penalized) logits.
+  // Overwrites scratch_ and returns the drawn token.
+  int32_t SampleFromScratch();
+
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<float> scratch_;
@@ -71,6 +78,10 @@ class StopStringMatcher {
 
  private:
   std::vector<std::string> stops_;
+  // Per stop string: KMP failure table, and the length of the longest
+  // suffix of the stream so far that is a prefix of it.
+  std::vector<std::vector<size_t>> failure_;
+  std::vector<size_t> state_;
   std::string held_;
   bool stopped_ = false;
   std::string matched_;

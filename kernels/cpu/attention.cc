@@ -1,0 +1,281 @@
+// Paged attention on the CPU: the reference, the portable and AVX2 paths of
+// the online-softmax loop, and the driver that spreads (token, KV head,
+// context chunk) items over the pool.
+
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/half.h"
+#include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/dispatch.h"
+
+namespace kvserve::kernels {
+namespace {
+
+using internal::AttnItem;
+using internal::AttnState;
+using internal::kPosTile;
+
+// Chunks of context shorter than this are not worth a separate item: the
+// merge and the dispatch would cost more than the parallelism gains.
+constexpr int32_t kMinSplitPositions = 128;
+
+template <typename Elem>
+float ToFloat(Elem e) {
+  if constexpr (sizeof(Elem) == 4) {
+    return e;
+  } else {
+    return Fp16ToFp32(e);
+  }
+}
+
+template <typename Elem>
+struct ScalarOps {
+  static void Scores(const float* q, int32_t group, int32_t hd, const Elem* k_rows, int32_t n,
+                     float scale, float* scores, int32_t ld) {
+    for (int32_t h = 0; h < group; ++h) {
+      for (int32_t j = 0; j < n; ++j) {
+        const Elem* k = k_rows + static_cast<int64_t>(j) * hd;
+        float s = 0.0f;
+        for (int32_t i = 0; i < hd; ++i) s += q[h * hd + i] * ToFloat(k[i]);
+        scores[h * ld + j] = s * scale;
+      }
+    }
+  }
+  static float Max(const float* x, int32_t n) {
+    float m = x[0];
+    for (int32_t j = 1; j < n; ++j) m = std::max(m, x[j]);
+    return m;
+  }
+  static float ExpShift(float* x, int32_t n, float shift) {
+    float sum = 0.0f;
+    for (int32_t j = 0; j < n; ++j) {
+      x[j] = std::exp(x[j] - shift);
+      sum += x[j];
+    }
+    return sum;
+  }
+  static void Scale(float* v, float c, int32_t n) {
+    for (int32_t i = 0; i < n; ++i) v[i] *= c;
+  }
+  static void AccumulateV(float* acc, int32_t group, int32_t hd, const float* p, int32_t ld,
+                          const Elem* v_rows, int32_t n) {
+    for (int32_t h = 0; h < group; ++h) {
+      for (int32_t j = 0; j < n; ++j) {
+        const Elem* v = v_rows + static_cast<int64_t>(j) * hd;
+        const float pj = p[h * ld + j];
+        for (int32_t i = 0; i < hd; ++i) acc[h * hd + i] += pj * ToFloat(v[i]);
+      }
+    }
+  }
+};
+
+void AttendScalar(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
+                  float scale, AttnState st, float* scores) {
+  if (kv.dtype == KvDType::kF32) {
+    internal::AttendRange<ScalarOps<float>, float>(kv, layer, item, group, scale, st, scores);
+  } else {
+    internal::AttendRange<ScalarOps<uint16_t>, uint16_t>(kv, layer, item, group, scale, st,
+                                                         scores);
+  }
+}
+
+void StoreRow(const float* src, int32_t n, KvDType dtype, uint8_t* dst) {
+  if (dtype == KvDType::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    auto* h = reinterpret_cast<uint16_t*>(dst);
+    for (int32_t i = 0; i < n; ++i) h[i] = Fp32ToFp16(src[i]);
+  }
+}
+
+float LoadElem(const uint8_t* base, int32_t i, KvDType dtype) {
+  if (dtype == KvDType::kF32) {
+    float v;
+    std::memcpy(&v, base + 4 * static_cast<int64_t>(i), sizeof(v));
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, base + 2 * static_cast<int64_t>(i), sizeof(h));
+  return Fp16ToFp32(h);
+}
+
+// Per-thread scratch: one state (m, l, acc) and the score tile.
+struct AttnScratch {
+  std::vector<float> buf;
+  float* Reserve(size_t n) {
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+  }
+};
+
+AttnScratch& ThreadScratch() {
+  thread_local AttnScratch scratch;
+  return scratch;
+}
+
+}  // namespace
+
+void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int32_t* token_seq,
+              const int32_t* token_pos, const float* k, int64_t k_stride, const float* v,
+              int64_t v_stride) {
+  for (int32_t t = 0; t < n_tokens; ++t) {
+    for (int32_t h = 0; h < kv.n_kv_heads; ++h) {
+      const int64_t off = static_cast<int64_t>(h) * kv.head_dim;
+      StoreRow(k + t * k_stride + off, kv.head_dim, kv.dtype,
+               kv.KeyAt(layer, token_seq[t], token_pos[t], h));
+      StoreRow(v + t * v_stride + off, kv.head_dim, kv.dtype,
+               kv.ValueAt(layer, token_seq[t], token_pos[t], h));
+    }
+  }
+}
+
+void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                    const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                    ThreadPool* pool) {
+  if (batch.n_tokens <= 0) return;
+  const int32_t group = batch.n_heads / kv.n_kv_heads;
+  const int32_t hd = kv.head_dim;
+  const int64_t n_pairs = static_cast<int64_t>(batch.n_tokens) * kv.n_kv_heads;
+  const int n_threads = pool != nullptr ? pool->num_threads() : 1;
+  const bool simd = UseAvx2();
+
+  // Few (token, KV head) pairs -- single-stream decode has n_kv_heads of
+  // them -- would leave threads idle: split each context into chunks and
+  // merge their softmax states afterwards (flash-decoding).
+  int32_t n_split = 1;
+  if (n_threads > 1 && n_pairs < 4 * n_threads) {
+    int32_t max_len = 0;
+    for (int32_t t = 0; t < batch.n_tokens; ++t) max_len = std::max(max_len, batch.token_pos[t] + 1);
+    const int64_t want = (4 * n_threads + n_pairs - 1) / n_pairs;
+    const int64_t can = std::max(1, max_len / kMinSplitPositions);
+    n_split = static_cast<int32_t>(std::min(want, can));
+  }
+  const int64_t n_items = n_pairs * n_split;
+  const int64_t state_floats = static_cast<int64_t>(group) * (hd + 2);
+  std::vector<float> partials;
+  if (n_split > 1) partials.resize(n_items * state_floats);
+
+  auto run_item = [&](int64_t idx) {
+    const int64_t pair = idx / n_split;
+    const int32_t chunk = static_cast<int32_t>(idx % n_split);
+    const int32_t t = static_cast<int32_t>(pair / kv.n_kv_heads);
+    const int32_t kvh = static_cast<int32_t>(pair % kv.n_kv_heads);
+    const int32_t len = batch.token_pos[t] + 1;
+    // Chunk boundaries on whole blocks so no block is read by two items.
+    const int32_t n_blocks = (len + kv.block_size - 1) / kv.block_size;
+    const int32_t b0 = static_cast<int32_t>(static_cast<int64_t>(n_blocks) * chunk / n_split);
+    const int32_t b1 = static_cast<int32_t>(static_cast<int64_t>(n_blocks) * (chunk + 1) / n_split);
+    AttnItem item{batch.token_seq[t], kvh, std::min(len, b0 * kv.block_size),
+                  std::min(len, b1 * kv.block_size),
+                  q + t * q_stride + static_cast<int64_t>(kvh) * group * hd};
+
+    AttnScratch& scratch = ThreadScratch();
+    float* buf = scratch.Reserve(state_floats + static_cast<size_t>(group) * kPosTile);
+    float* state = n_split > 1 ? partials.data() + idx * state_floats : buf;
+    float* scores = buf + state_floats;
+    AttnState st{state, state + group, state + 2 * group};
+    std::fill(st.m, st.m + group, -std::numeric_limits<float>::infinity());
+    std::fill(st.l, st.l + group, 0.0f);
+    std::fill(st.acc, st.acc + static_cast<int64_t>(group) * hd, 0.0f);
+    if (item.pos_begin < item.pos_end) {
+      if (simd) {
+        internal::AttendAvx2(kv, layer, item, group, batch.scale, st, scores);
+      } else {
+        AttendScalar(kv, layer, item, group, batch.scale, st, scores);
+      }
+    }
+    if (n_split == 1) {
+      float* o = out + t * out_stride + static_cast<int64_t>(kvh) * group * hd;
+      for (int32_t h = 0; h < group; ++h) {
+        const float inv = st.l[h] > 0.0f ? 1.0f / st.l[h] : 0.0f;
+        for (int32_t i = 0; i < hd; ++i) o[h * hd + i] = st.acc[h * hd + i] * inv;
+      }
+    }
+  };
+
+  if (pool != nullptr && n_items > 1) {
+    // Items differ in cost (ragged lengths, prefill vs decode), so threads
+    // pull them one by one instead of taking fixed ranges.
+    std::atomic<int64_t> next{0};
+    pool->Run([&](int, int) {
+      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
+           i = next.fetch_add(1, std::memory_order_relaxed)) {
+        run_item(i);
+      }
+    });
+  } else {
+    for (int64_t i = 0; i < n_items; ++i) run_item(i);
+  }
+
+  if (n_split > 1) {
+    for (int64_t pair = 0; pair < n_pairs; ++pair) {
+      const int32_t t = static_cast<int32_t>(pair / kv.n_kv_heads);
+      const int32_t kvh = static_cast<int32_t>(pair % kv.n_kv_heads);
+      float* o = out + t * out_stride + static_cast<int64_t>(kvh) * group * hd;
+      for (int32_t h = 0; h < group; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int32_t c = 0; c < n_split; ++c) {
+          m = std::max(m, partials[(pair * n_split + c) * state_floats + h]);
+        }
+        float l = 0.0f;
+        std::fill(o + h * hd, o + (h + 1) * hd, 0.0f);
+        for (int32_t c = 0; c < n_split; ++c) {
+          const float* st = partials.data() + (pair * n_split + c) * state_floats;
+          if (st[group + h] == 0.0f) continue;  // empty chunk
+          const float w = std::exp(st[h] - m);
+          l += st[group + h] * w;
+          const float* acc = st + 2 * group + static_cast<int64_t>(h) * hd;
+          for (int32_t i = 0; i < hd; ++i) o[h * hd + i] += acc[i] * w;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int32_t i = 0; i < hd; ++i) o[h * hd + i] *= inv;
+      }
+    }
+  }
+}
+
+void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                             const float* q, int64_t q_stride, float* out, int64_t out_stride) {
+  const int32_t group = batch.n_heads / kv.n_kv_heads;
+  const int32_t hd = kv.head_dim;
+  std::vector<double> scores;
+  std::vector<double> acc(hd);
+  for (int32_t t = 0; t < batch.n_tokens; ++t) {
+    const int32_t seq = batch.token_seq[t];
+    const int32_t len = batch.token_pos[t] + 1;
+    scores.assign(len, 0.0);
+    for (int32_t h = 0; h < batch.n_heads; ++h) {
+      const int32_t kvh = h / group;
+      const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
+      double mx = -std::numeric_limits<double>::infinity();
+      for (int32_t p = 0; p < len; ++p) {
+        const uint8_t* k = kv.KeyAt(layer, seq, p, kvh);
+        double s = 0.0;
+        for (int32_t i = 0; i < hd; ++i) s += static_cast<double>(qh[i]) * LoadElem(k, i, kv.dtype);
+        scores[p] = s * batch.scale;
+        mx = std::max(mx, scores[p]);
+      }
+      double sum = 0.0;
+      for (int32_t p = 0; p < len; ++p) {
+        scores[p] = std::exp(scores[p] - mx);
+        sum += scores[p];
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int32_t p = 0; p < len; ++p) {
+        const uint8_t* v = kv.ValueAt(layer, seq, p, kvh);
+        for (int32_t i = 0; i < hd; ++i) acc[i] += scores[p] * LoadElem(v, i, kv.dtype);
+      }
+      float* o = out + t * out_stride + static_cast<int64_t>(h) * hd;
+      for (int32_t i = 0; i < hd; ++i) o[i] = static_cast<float>(acc[i] / sum);
+    }
+  }
+}
+
+}  // namespace kvserve::kernels

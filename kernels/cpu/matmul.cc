@@ -1,0 +1,375 @@
+// MatMul dispatch and threading, the plain-loop reference, the ggml
+// quantizers, and the portable version of the quantized-activation algorithm
+// (used when AVX2 is absent or disabled).
+
+#include "kernels/cpu/matmul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/half.h"
+#include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/matmul_internal.h"
+
+namespace kvserve::kernels {
+namespace {
+
+using internal::QuantizedActs;
+
+// Per-thread scratch for quantized activations: MatMul runs hundreds of times
+// per token, so allocation is amortized across calls.
+struct ActsScratch {
+  std::vector<int8_t> qs;
+  std::vector<float> ds;
+};
+
+ActsScratch& Scratch() {
+  thread_local ActsScratch scratch;
+  return scratch;
+}
+
+float Scale16(uint16_t h) { return Fp16ToFp32(h); }
+
+// Plain dot products of one weight row against one quantized token.
+float DotQ8_0(const BlockQ8_0* w, const int8_t* xq, const float* xds, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t acc = 0;
+    for (int j = 0; j < kQK; ++j) acc += w[b].qs[j] * xq[b * kQK + j];
+    sum += static_cast<float>(acc) * Scale16(w[b].d) * xds[2 * b];
+  }
+  return sum;
+}
+
+// Q4_0 is Q4_1 with min = -8 * d: sum((q - 8) * x) = sum(q * x) - 8 * sum(x).
+template <typename Block, bool kHasMin>
+float DotQ4(const Block* w, const int8_t* xq, const float* xds, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t acc = 0;
+    const int8_t* x = xq + b * kQK;
+    for (int j = 0; j < kQK / 2; ++j) {
+      acc += (w[b].qs[j] & 0x0F) * x[j] + (w[b].qs[j] >> 4) * x[j + kQK / 2];
+    }
+    const float d = Scale16(w[b].d);
+    float m;
+    if constexpr (kHasMin) {
+      m = Scale16(w[b].m);
+    } else {
+      m = -8.0f * d;
+    }
+    sum += static_cast<float>(acc) * d * xds[2 * b] + m * xds[2 * b + 1];
+  }
+  return sum;
+}
+
+template <DType kType>
+float LoadFloat(const void* row, int64_t i) {
+  if constexpr (kType == DType::kF32) {
+    return static_cast<const float*>(row)[i];
+  } else if constexpr (kType == DType::kF16) {
+    return Fp16ToFp32(static_cast<const uint16_t*>(row)[i]);
+  } else {
+    return Bf16ToFp32(static_cast<const uint16_t*>(row)[i]);
+  }
+}
+
+template <DType kType>
+void FloatRowsScalar(const WeightView& w, const float* x, int64_t x_stride, int64_t n_tokens,
+                     int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+  const int64_t row_bytes = RowBytes(kType, w.cols);
+  for (int64_t r = r0; r < r1; ++r) {
+    const void* row = static_cast<const uint8_t*>(w.data) + r * row_bytes;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const float* xt = x + t * x_stride;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < w.cols; ++i) sum += LoadFloat<kType>(row, i) * xt[i];
+      y[t * y_stride + r] = sum;
+    }
+  }
+}
+
+}  // namespace
+
+namespace internal {
+
+void QuantizeActsScalar(const float* x, int64_t n, int8_t* qs, float* ds) {
+  for (int64_t b = 0; b < n / kQK; ++b) {
+    const float* xb = x + b * kQK;
+    float amax = 0.0f;
+    for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < kQK; ++j) {
+      const int q = static_cast<int>(std::nearbyint(xb[j] * inv));
+      qs[b * kQK + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    ds[2 * b] = scale;
+    ds[2 * b + 1] = scale * static_cast<float>(sum);
+  }
+}
+
+void MatMulRowsScalar(const WeightView& w, const float* x, int64_t x_stride,
+                      const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1, float* y,
+                      int64_t y_stride) {
+  switch (w.type) {
+    case DType::kF32:
+      return FloatRowsScalar<DType::kF32>(w, x, x_stride, n_tokens, r0, r1, y, y_stride);
+    case DType::kF16:
+      return FloatRowsScalar<DType::kF16>(w, x, x_stride, n_tokens, r0, r1, y, y_stride);
+    case DType::kBF16:
+      return FloatRowsScalar<DType::kBF16>(w, x, x_stride, n_tokens, r0, r1, y, y_stride);
+    default:
+      break;
+  }
+  const int64_t nb = acts.n_blocks;
+  const int64_t row_bytes = RowBytes(w.type, w.cols);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(w.data) + r * row_bytes;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const int8_t* xq = acts.qs + t * nb * kQK;
+      const float* xds = acts.ds + t * 2 * nb;
+      float v = 0.0f;
+      switch (w.type) {
+        case DType::kQ8_0:
+          v = DotQ8_0(reinterpret_cast<const BlockQ8_0*>(row), xq, xds, nb);
+          break;
+        case DType::kQ4_0:
+          v = DotQ4<BlockQ4_0, false>(reinterpret_cast<const BlockQ4_0*>(row), xq, xds, nb);
+          break;
+        case DType::kQ4_1:
+          v = DotQ4<BlockQ4_1, true>(reinterpret_cast<const BlockQ4_1*>(row), xq, xds, nb);
+          break;
+        default:
+          break;
+      }
+      y[t * y_stride + r] = v;
+    }
+  }
+}
+
+}  // namespace internal
+
+void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
+  switch (type) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kF16: {
+      const auto* h = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = Fp16ToFp32(h[i]);
+      return;
+    }
+    case DType::kBF16: {
+      const auto* h = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFp32(h[i]);
+      return;
+    }
+    case DType::kQ8_0: {
+      const auto* blocks = static_cast<const BlockQ8_0*>(src);
+      for (int64_t b = 0; b < n / kQK; ++b) {
+        const float d = Fp16ToFp32(blocks[b].d);
+        for (int j = 0; j < kQK; ++j) dst[b * kQK + j] = blocks[b].qs[j] * d;
+      }
+      return;
+    }
+    case DType::kQ4_0: {
+      const auto* blocks = static_cast<const BlockQ4_0*>(src);
+      for (int64_t b = 0; b < n / kQK; ++b) {
+        const float d = Fp16ToFp32(blocks[b].d);
+        for (int j = 0; j < kQK / 2; ++j) {
+          dst[b * kQK + j] = ((blocks[b].qs[j] & 0x0F) - 8) * d;
+          dst[b * kQK + j + kQK / 2] = ((blocks[b].qs[j] >> 4) - 8) * d;
+        }
+      }
+      return;
+    }
+    case DType::kQ4_1: {
+      const auto* blocks = static_cast<const BlockQ4_1*>(src);
+      for (int64_t b = 0; b < n / kQK; ++b) {
+        const float d = Fp16ToFp32(blocks[b].d);
+        const float m = Fp16ToFp32(blocks[b].m);
+        for (int j = 0; j < kQK / 2; ++j) {
+          dst[b * kQK + j] = (blocks[b].qs[j] & 0x0F) * d + m;
+          dst[b * kQK + j + kQK / 2] = (blocks[b].qs[j] >> 4) * d + m;
+        }
+      }
+      return;
+    }
+  }
+}
+
+void QuantizeRowReference(DType type, const float* src, void* dst, int64_t n) {
+  switch (type) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kF16: {
+      auto* h = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) h[i] = Fp32ToFp16(src[i]);
+      return;
+    }
+    case DType::kBF16: {
+      auto* h = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) h[i] = Fp32ToBf16(src[i]);
+      return;
+    }
+    case DType::kQ8_0: {
+      auto* blocks = static_cast<BlockQ8_0*>(dst);
+      for (int64_t b = 0; b < n / kQK; ++b) {
+        const float* x = src + b * kQK;
+        float amax = 0.0f;
+        for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        blocks[b].d = Fp32ToFp16(d);
+        for (int j = 0; j < kQK; ++j) blocks[b].qs[j] = static_cast<int8_t>(std::round(x[j] * id));
+      }
+      return;
+    }
+    case DType::kQ4_0: {
+      auto* blocks = static_cast<BlockQ4_0*>(dst);
+      for (int64_t b = 0; b < n / kQK; ++b) {
+        const float* x = src + b * kQK;
+        // The signed value of largest magnitude maps to -8, so the full
+        // [-8, 7] range is used on the side that needs it.
+        float amax = 0.0f;
+        float vmax = 0.0f;
+        for (int j = 0; j < kQK; ++j) {
+          if (std::fabs(x[j]) > amax) {
+            amax = std::fabs(x[j]);
+            vmax = x[j];
+          }
+        }
+        const float d = vmax / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        blocks[b].d = Fp32ToFp16(d);
+        for (int j = 0; j < kQK / 2; ++j) {
+          const int q0 = std::min(15, static_cast<int>(static_cast<int8_t>(x[j] * id + 8.5f)));
+          const int q1 =
+              std::min(15, static_cast<int>(static_cast<int8_t>(x[j + kQK / 2] * id + 8.5f)));
+          blocks[b].qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
+        }
+      }
+      return;
+    }
+    case DType::kQ4_1: {
+      auto* blocks = static_cast<BlockQ4_1*>(dst);
+      for (int64_t b = 0; b < n / kQK; ++b) {
+        const float* x = src + b * kQK;
+        float lo = x[0];
+        float hi = x[0];
+        for (int j = 1; j < kQK; ++j) {
+          lo = std::min(lo, x[j]);
+          hi = std::max(hi, x[j]);
+        }
+        const float d = (hi - lo) / 15.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        blocks[b].d = Fp32ToFp16(d);
+        blocks[b].m = Fp32ToFp16(lo);
+        for (int j = 0; j < kQK / 2; ++j) {
+          const int q0 = std::min(15, static_cast<int>(static_cast<int8_t>((x[j] - lo) * id + 0.5f)));
+          const int q1 = std::min(
+              15, static_cast<int>(static_cast<int8_t>((x[j + kQK / 2] - lo) * id + 0.5f)));
+          blocks[b].qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
+        }
+      }
+      return;
+    }
+  }
+}
+
+void MatMulReference(const WeightView& w, const float* x, int64_t n_tokens, int64_t x_stride,
+                     float* y, int64_t y_stride) {
+  const int64_t row_bytes = RowBytes(w.type, w.cols);
+  std::vector<float> row(w.cols);
+  for (int64_t r = 0; r < w.rows; ++r) {
+    DequantizeRow(w.type, static_cast<const uint8_t*>(w.data) + r * row_bytes, row.data(), w.cols);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const float* xt = x + t * x_stride;
+      // Double accumulation keeps the reference's own rounding well below
+      // the error the tests allow the fast path.
+      double sum = 0.0;
+      for (int64_t i = 0; i < w.cols; ++i) sum += static_cast<double>(row[i]) * xt[i];
+      y[t * y_stride + r] = static_cast<float>(sum);
+    }
+  }
+}
+
+void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_tokens,
+                int64_t x_stride, float* const* ys, const int64_t* y_strides, ThreadPool* pool) {
+  if (n_weights <= 0 || n_tokens <= 0) return;
+  const bool simd = UseAvx2();
+  const bool vnni = simd && UseAvx512Vnni();
+  const int64_t cols = ws[0].cols;
+  int64_t total_rows = 0;
+  bool any_quantized = false;
+  for (int i = 0; i < n_weights; ++i) {
+    total_rows += ws[i].rows;
+    any_quantized = any_quantized || internal::IsQuantized(ws[i].type);
+  }
+  if (total_rows <= 0) return;
+
+  QuantizedActs acts;
+  if (any_quantized) {
+    // Quantize every token once here rather than once per output row.
+    ActsScratch& scratch = Scratch();
+    const int64_t nb = cols / kQK;
+    const size_t n_blocks = static_cast<size_t>(n_tokens * nb);
+    // Slack at the ends lets vector kernels over-read past the last block.
+    if (scratch.qs.size() < n_blocks * kQK + 64) scratch.qs.resize(n_blocks * kQK + 64);
+    if (scratch.ds.size() < 2 * n_blocks + 16) scratch.ds.resize(2 * n_blocks + 16);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      int8_t* qs = scratch.qs.data() + t * nb * kQK;
+      float* ds = scratch.ds.data() + t * 2 * nb;
+      if (simd) {
+        internal::QuantizeActsAvx2(x + t * x_stride, cols, qs, ds);
+      } else {
+        internal::QuantizeActsScalar(x + t * x_stride, cols, qs, ds);
+      }
+    }
+    acts.n_blocks = nb;
+    acts.qs = scratch.qs.data();
+    acts.ds = scratch.ds.data();
+  }
+
+  // [r0, r1) indexes the weights' rows stacked one after another; each
+  // weight gets the part of the range that falls on it.
+  auto rows_fn = [&](int64_t r0, int64_t r1) {
+    int64_t base = 0;
+    for (int i = 0; i < n_weights && base < r1; base += ws[i].rows, ++i) {
+      const int64_t lo = std::max(r0, base) - base;
+      const int64_t hi = std::min(r1, base + ws[i].rows) - base;
+      if (lo >= hi) continue;
+      if (vnni) {
+        internal::MatMulRowsAvx512Vnni(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i],
+                                       y_strides[i]);
+      } else if (simd) {
+        internal::MatMulRowsAvx2(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+      } else {
+        internal::MatMulRowsScalar(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i],
+                                   y_strides[i]);
+      }
+    }
+  };
+  // Grain of 16 rows keeps every thread's share a whole number of the
+  // kernels' row groups; ParallelFor hands each thread one contiguous range,
+  // so each thread streams its own part of the weights.
+  constexpr int64_t kRowGrain = 16;
+  if (pool != nullptr && total_rows > kRowGrain) {
+    pool->ParallelFor(total_rows, kRowGrain, rows_fn);
+  } else {
+    rows_fn(0, total_rows);
+  }
+}
+
+void MatMul(const WeightView& w, const float* x, int64_t n_tokens, int64_t x_stride, float* y,
+            int64_t y_stride, ThreadPool* pool) {
+  MatMulMany(&w, 1, x, n_tokens, x_stride, &y, &y_stride, pool);
+}
+
+}  // namespace kvserve::kernels

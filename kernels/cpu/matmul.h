@@ -33,6 +33,13 @@ void MatMul(const WeightView& w, const float* x, int64_t n_tokens, int64_t x_str
 void MatMulReference(const WeightView& w, const float* x, int64_t n_tokens, int64_t x_stride,
                      float* y, int64_t y_stride);
 
+// Several products of the same input, y_i = W_i x (Q/K/V, or gate/up): the
+// activations are quantized once and the rows of all weights are split over
+// the pool in a single dispatch. REQUIRES: every ws[i].cols is the same;
+// types may differ. ys[i] has y_strides[i] as its token stride.
+void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_tokens,
+                int64_t x_stride, float* const* ys, const int64_t* y_strides, ThreadPool* pool);
+
 // Dequantizes n elements (n % BlockElems(type) == 0) of a row.
 void DequantizeRow(DType type, const void* src, float* dst, int64_t n);
 

@@ -1,0 +1,221 @@
+#include "kernels/cpu/attention.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/half.h"
+#include "common/thread_pool.h"
+#include "kernels/cpu/dispatch.h"
+
+namespace kvserve::kernels {
+namespace {
+
+ThreadPool* TestPool() {
+  static ThreadPool pool(2);
+  return &pool;
+}
+
+std::vector<float> RandomFloats(int64_t n, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+// A host KV pool of two layers whose sequences own scattered, shuffled
+// blocks, filled with random K/V through AppendKv. Tests attend on layer 1 so
+// layer offsets are exercised.
+class KvFixture {
+ public:
+  KvFixture(int32_t block_size, int32_t n_kv_heads, int32_t head_dim, KvDType dtype,
+            const std::vector<int32_t>& seq_lens, uint32_t seed)
+      : rng_(seed) {
+    constexpr int32_t kLayers = 2;
+    view_.block_size = block_size;
+    view_.n_kv_heads = n_kv_heads;
+    view_.head_dim = head_dim;
+    view_.dtype = dtype;
+    view_.layer_bytes =
+        2 * PagedKvView::HalfLayerBytes(block_size, n_kv_heads, head_dim, dtype);
+    view_.block_bytes = kLayers * view_.layer_bytes;
+    int32_t total_blocks = 0;
+    for (int32_t len : seq_lens) total_blocks += (len + block_size - 1) / block_size;
+    // Spare blocks so ids are sparse, then a shuffle so no sequence is
+    // contiguous or in order.
+    const int32_t pool_blocks = 2 * total_blocks + 3;
+    std::vector<int32_t> ids(pool_blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng_);
+    offsets_.push_back(0);
+    int32_t next = 0;
+    for (int32_t len : seq_lens) {
+      for (int32_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+        block_ids_.push_back(ids[next++]);
+      }
+      offsets_.push_back(static_cast<int32_t>(block_ids_.size()));
+    }
+    // NaN filler: reading a slot that was never written poisons the result.
+    storage_.assign(pool_blocks * view_.block_bytes / 4 + 1, std::nanf(""));
+    view_.pool = reinterpret_cast<uint8_t*>(storage_.data());
+    view_.block_ids = block_ids_.data();
+    view_.seq_block_offsets = offsets_.data();
+    view_.n_seqs = static_cast<int32_t>(seq_lens.size());
+
+    // Append every position of every sequence, one sequence-chunk at a time.
+    const int64_t row = static_cast<int64_t>(n_kv_heads) * head_dim;
+    for (int32_t s = 0; s < view_.n_seqs; ++s) {
+      const int32_t len = seq_lens[s];
+      std::vector<int32_t> seqs(len, s), pos(len);
+      std::iota(pos.begin(), pos.end(), 0);
+      const auto k = RandomFloats(len * row, rng_);
+      const auto v = RandomFloats(len * row, rng_);
+      AppendKv(view_, 1, len, seqs.data(), pos.data(), k.data(), row, v.data(), row);
+    }
+  }
+
+  const PagedKvView& view() const { return view_; }
+  std::mt19937& rng() { return rng_; }
+
+ private:
+  std::mt19937 rng_;
+  PagedKvView view_;
+  std::vector<int32_t> block_ids_;
+  std::vector<int32_t> offsets_;
+  std::vector<float> storage_;
+};
+
+// block size x head dim x GQA ratio x KV dtype x pool.
+using AttnParam = std::tuple<int, int, int, KvDType, bool>;
+
+class PagedAttentionTest : public ::testing::TestWithParam<AttnParam> {
+ protected:
+  // Runs the batch through both kernels and compares.
+  void Check(const std::vector<int32_t>& seq_lens, const std::vector<int32_t>& token_seq,
+             const std::vector<int32_t>& token_pos) {
+    const auto [block_size, head_dim, gqa, dtype, use_pool] = GetParam();
+    constexpr int32_t kKvHeads = 2;
+    KvFixture kv(block_size, kKvHeads, head_dim, dtype, seq_lens, 42);
+    AttentionBatch batch;
+    batch.n_tokens = static_cast<int32_t>(token_seq.size());
+    batch.token_seq = token_seq.data();
+    batch.token_pos = token_pos.data();
+    batch.n_heads = kKvHeads * gqa;
+    batch.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    const int64_t q_row = static_cast<int64_t>(batch.n_heads) * head_dim;
+    const int64_t q_stride = q_row + 8;  // padded rows
+    const auto q = RandomFloats(batch.n_tokens * q_stride, kv.rng());
+    std::vector<float> want(batch.n_tokens * q_stride, 0.0f);
+    std::vector<float> got(batch.n_tokens * q_stride, 0.0f);
+    PagedAttentionReference(kv.view(), 1, batch, q.data(), q_stride, want.data(), q_stride);
+    PagedAttention(kv.view(), 1, batch, q.data(), q_stride, got.data(), q_stride,
+                   use_pool ? TestPool() : nullptr);
+    for (int32_t t = 0; t < batch.n_tokens; ++t) {
+      for (int64_t i = 0; i < q_stride; ++i) {
+        ASSERT_NEAR(got[t * q_stride + i], want[t * q_stride + i], 2e-5f)
+            << "token " << t << " element " << i;
+      }
+    }
+  }
+};
+
+TEST_P(PagedAttentionTest, RaggedMixedBatchMatchesReference) {
+  // Sequence 0: one decode token at the end of a short context. Sequence 1:
+  // a prefill chunk (positions 20..36) after a cached prefix. Sequence 2: a
+  // decode token deep in a long context. Sequence 3: first token ever.
+  const std::vector<int32_t> lens = {5, 37, 100, 1};
+  std::vector<int32_t> seq = {0};
+  std::vector<int32_t> pos = {4};
+  for (int32_t p = 20; p < 37; ++p) {
+    seq.push_back(1);
+    pos.push_back(p);
+  }
+  seq.push_back(2);
+  pos.push_back(99);
+  seq.push_back(3);
+  pos.push_back(0);
+  Check(lens, seq, pos);
+}
+
+TEST_P(PagedAttentionTest, LongDecodeMatchesReference) {
+  // Few (token, KV head) pairs and a long context: the kernel splits the
+  // context across threads and merges softmax states.
+  Check({700, 300}, {0, 1}, {699, 299});
+}
+
+TEST_P(PagedAttentionTest, ScalarPathMatchesReference) {
+  ScopedDisableSimdForTesting no_simd;
+  Check({9, 130}, {0, 1, 1}, {8, 128, 129});
+}
+
+std::string AttnName(const ::testing::TestParamInfo<AttnParam>& info) {
+  const auto [block_size, head_dim, gqa, dtype, use_pool] = info.param;
+  return "bs" + std::to_string(block_size) + "_hd" + std::to_string(head_dim) + "_gqa" +
+         std::to_string(gqa) + (dtype == KvDType::kF32 ? "_f32" : "_f16") +
+         (use_pool ? "_pool" : "_nopool");
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, PagedAttentionTest,
+                         ::testing::Combine(::testing::Values(1, 4, 16, 32),
+                                            ::testing::Values(8, 64, 128),
+                                            ::testing::Values(1, 3, 4),
+                                            ::testing::Values(KvDType::kF32, KvDType::kF16),
+                                            ::testing::Bool()),
+                         AttnName);
+
+// AppendKv writes token t of sequence s at position p into block
+// block_ids[offsets[s] + p / block_size], slot p % block_size, with the
+// layout kv_view.h documents (K first, V at layer_bytes / 2).
+TEST(AppendKvTest, WritesDocumentedSlot) {
+  const int32_t bs = 4, heads = 2, hd = 8;
+  KvFixture kv(bs, heads, hd, KvDType::kF16, {6}, 1);
+  const PagedKvView& v = kv.view();
+  std::vector<float> k(heads * hd), val(heads * hd);
+  for (int i = 0; i < heads * hd; ++i) {
+    k[i] = 0.5f * i;
+    val[i] = -0.25f * i;
+  }
+  const int32_t seq = 0, pos = 5;
+  AppendKv(v, 0, 1, &seq, &pos, k.data(), heads * hd, val.data(), heads * hd);
+  const int32_t block = v.block_ids[v.seq_block_offsets[0] + pos / bs];
+  for (int h = 0; h < heads; ++h) {
+    const uint8_t* kbase = v.pool + block * v.block_bytes + 0 * v.layer_bytes +
+                           (h * bs + pos % bs) * hd * 2;
+    const uint8_t* vbase = kbase + v.layer_bytes / 2;
+    for (int i = 0; i < hd; ++i) {
+      uint16_t kh, vh;
+      std::memcpy(&kh, kbase + 2 * i, 2);
+      std::memcpy(&vh, vbase + 2 * i, 2);
+      EXPECT_EQ(Fp16ToFp32(kh), k[h * hd + i]);
+      EXPECT_EQ(Fp16ToFp32(vh), val[h * hd + i]);
+    }
+  }
+}
+
+// A query that matches one key far better than the others attends (almost)
+// only to it: a sanity check of the reference itself.
+TEST(PagedAttentionReferenceTest, SharpQueryPicksMatchingValue) {
+  KvFixture kv(4, 1, 8, KvDType::kF32, {10}, 3);
+  const PagedKvView& v = kv.view();
+  const int32_t target = 6;
+  std::vector<float> q(8);
+  const auto* key = reinterpret_cast<const float*>(v.KeyAt(1, 0, target, 0));
+  for (int i = 0; i < 8; ++i) q[i] = 100.0f * key[i];
+  const int32_t seq = 0, pos = 9;
+  AttentionBatch batch{1, &seq, &pos, 1, 1.0f};
+  std::vector<float> out(8);
+  PagedAttentionReference(v, 1, batch, q.data(), 8, out.data(), 8);
+  const auto* val = reinterpret_cast<const float*>(v.ValueAt(1, 0, target, 0));
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(out[i], val[i], 1e-3f);
+}
+
+}  // namespace
+}  // namespace kvserve::kernels

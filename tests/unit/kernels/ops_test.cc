@@ -1,0 +1,190 @@
+#include "kernels/cpu/ops.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/cpu/dispatch.h"
+
+namespace kvserve::kernels {
+namespace {
+
+std::vector<float> RandomFloats(int64_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, float rel) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], rel * (1.0f + std::fabs(want[i]))) << "at " << i;
+  }
+}
+
+// Vector length x simd. Lengths straddle the 8- and 16-wide loops' tails.
+using OpsParam = std::tuple<int, bool>;
+
+class OpsTest : public ::testing::TestWithParam<OpsParam> {
+ protected:
+  void SetUp() override {
+    if (!std::get<1>(GetParam())) no_simd_.emplace();
+  }
+  int64_t n() const { return std::get<0>(GetParam()); }
+
+ private:
+  std::optional<ScopedDisableSimdForTesting> no_simd_;
+};
+
+TEST_P(OpsTest, RmsNormMatchesReference) {
+  const int64_t rows = 3;
+  const auto x = RandomFloats(rows * n(), 1, 3.0f);
+  const auto w = RandomFloats(n(), 2);
+  std::vector<float> want(x.size()), got(x.size());
+  RmsNormReference(x.data(), w.data(), rows, n(), 1e-5f, want.data());
+  RmsNorm(x.data(), w.data(), rows, n(), 1e-5f, got.data());
+  ExpectNear(got, want, 1e-5f);
+  // In place (out aliases x) gives the same answer.
+  std::vector<float> inplace = x;
+  RmsNorm(inplace.data(), w.data(), rows, n(), 1e-5f, inplace.data());
+  ExpectNear(inplace, want, 1e-5f);
+}
+
+TEST_P(OpsTest, SiluMulMatchesReference) {
+  auto gate = RandomFloats(n(), 3, 4.0f);
+  if (n() > 2) {
+    gate[0] = -100.0f;  // exp overflow side
+    gate[1] = 100.0f;
+  }
+  const auto up = RandomFloats(n(), 4);
+  std::vector<float> want(n()), got(n());
+  SiluMulReference(gate.data(), up.data(), n(), want.data());
+  SiluMul(gate.data(), up.data(), n(), got.data());
+  ExpectNear(got, want, 1e-6f);
+  std::vector<float> inplace = gate;
+  SiluMul(inplace.data(), up.data(), n(), inplace.data());
+  ExpectNear(inplace, want, 1e-6f);
+}
+
+TEST_P(OpsTest, AddInPlaceAdds) {
+  auto x = RandomFloats(n(), 5);
+  const auto y = RandomFloats(n(), 6);
+  std::vector<float> want(n());
+  for (int64_t i = 0; i < n(); ++i) want[i] = x[i] + y[i];
+  AddInPlace(x.data(), y.data(), n());
+  EXPECT_EQ(x, want);
+}
+
+TEST_P(OpsTest, SoftmaxMatchesDoublePrecision) {
+  auto x = RandomFloats(n(), 7, 5.0f);
+  double mx = x[0];
+  for (float v : x) mx = std::max<double>(mx, v);
+  double sum = 0.0;
+  for (float v : x) sum += std::exp(v - mx);
+  std::vector<float> want(n());
+  for (int64_t i = 0; i < n(); ++i) want[i] = static_cast<float>(std::exp(x[i] - mx) / sum);
+  const float log_norm = SoftmaxInPlace(x.data(), n());
+  ExpectNear(x, want, 1e-6f);
+  EXPECT_NEAR(log_norm, std::log(sum) + mx, 1e-5 * (1.0 + std::fabs(mx)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Lengths, OpsTest,
+                         ::testing::Combine(::testing::Values(1, 7, 8, 33, 576, 1536),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           // std::string first: GCC 12 warns (-Wrestrict) on "literal" + string.
+                           return std::string("n") + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_simd" : "_scalar");
+                         });
+
+// RoPE against values worked out by hand: x = [1, 2, 3, 4], base 10000,
+// rot_dim 4, pos 1 -> theta_0 = 1, theta_1 = 10000^(-1/2) = 0.01.
+TEST(RopeTest, NormRotatesAdjacentPairs) {
+  const RopeParams p{4, 4, 10000.0f, RopeStyle::kNorm};
+  const std::vector<float> want = {-1.14263966f, 1.92207560f, 2.95985067f, 4.02979950f};
+  for (auto* fn : {&Rope, &RopeReference}) {
+    std::vector<float> x = {1, 2, 3, 4};
+    fn(x.data(), 1, 1, p);
+    ExpectNear(x, want, 1e-6f);
+  }
+}
+
+TEST(RopeTest, NeoxRotatesHalves) {
+  // Pairs (x0, x2) by theta_0 and (x1, x3) by theta_1.
+  const RopeParams p{4, 4, 10000.0f, RopeStyle::kNeox};
+  const std::vector<float> want = {-1.98411065f, 1.95990067f, 2.46237790f, 4.01979967f};
+  for (auto* fn : {&Rope, &RopeReference}) {
+    std::vector<float> x = {1, 2, 3, 4};
+    fn(x.data(), 1, 1, p);
+    ExpectNear(x, want, 1e-6f);
+  }
+}
+
+TEST(RopeTest, PartialRotationLeavesTailAlone) {
+  // head_dim 6, rot_dim 4, base 100, pos 3: theta = 3 and 3 * 100^(-1/2).
+  const RopeParams p{6, 4, 100.0f, RopeStyle::kNorm};
+  const std::vector<float> head = {-1.27223251f, -1.83886499f, 1.68392864f, 4.70790658f, 5, 6};
+  for (auto* fn : {&Rope, &RopeReference}) {
+    std::vector<float> x = {1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6};  // two heads
+    fn(x.data(), 2, 3, p);
+    std::vector<float> want = head;
+    want.insert(want.end(), head.begin(), head.end());
+    ExpectNear(x, want, 1e-6f);
+  }
+}
+
+TEST(RopeTest, PositionZeroIsIdentity) {
+  for (RopeStyle style : {RopeStyle::kNorm, RopeStyle::kNeox}) {
+    const RopeParams p{64, 64, 10000.0f, style};
+    auto x = RandomFloats(3 * 64, 8);
+    const auto want = x;
+    Rope(x.data(), 3, 0, p);
+    EXPECT_EQ(x, want);
+  }
+}
+
+// Rope caches cos/sin per position: interleaved positions, bases and
+// dimensions must still each get their own angles.
+TEST(RopeTest, InterleavedCallsMatchReference) {
+  const RopeParams a{64, 64, 10000.0f, RopeStyle::kNorm};
+  const RopeParams b{64, 32, 500000.0f, RopeStyle::kNeox};
+  for (int round = 0; round < 3; ++round) {
+    for (int32_t pos : {5, 69, 5, 133, 6, 0}) {  // 5, 69 and 133 share a cache slot
+      for (const RopeParams* p : {&a, &b}) {
+        auto x = RandomFloats(2 * 64, static_cast<uint32_t>(pos + round));
+        auto y = x;
+        Rope(x.data(), 2, pos, *p);
+        RopeReference(y.data(), 2, pos, *p);
+        ExpectNear(x, y, 1e-6f);
+      }
+    }
+  }
+}
+
+using RopeParam = std::tuple<RopeStyle, int, int>;  // style, head_dim, pos
+class RopeMatchTest : public ::testing::TestWithParam<RopeParam> {};
+
+TEST_P(RopeMatchTest, FastMatchesReference) {
+  const auto [style, head_dim, pos] = GetParam();
+  const RopeParams p{head_dim, head_dim, 10000.0f, style};
+  auto x = RandomFloats(9 * head_dim, 9);
+  auto y = x;
+  Rope(x.data(), 9, pos, p);
+  RopeReference(y.data(), 9, pos, p);
+  ExpectNear(x, y, 1e-6f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Styles, RopeMatchTest,
+                         ::testing::Combine(::testing::Values(RopeStyle::kNorm, RopeStyle::kNeox),
+                                            ::testing::Values(8, 64, 128),
+                                            ::testing::Values(1, 17, 4095)));
+
+}  // namespace
+}  // namespace kvserve::kernels

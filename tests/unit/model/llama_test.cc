@@ -1,0 +1,337 @@
+// The Llama forward end to end: golden greedy outputs of stories260K (from
+// llama.cpp), ragged batches equal to one-at-a-time runs, and tiny fixture
+// models written by the tests themselves (run with no ../shared at all).
+#include "model/llama.h"
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/kv_pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/tokenizer.h"
+#include "nlohmann/json.hpp"
+#include "scheduler/batch_generator.h"
+#include "tests/testing/gguf_writer.h"
+#include "tests/testing/test_models.h"
+
+namespace kvserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Golden {
+  std::string prompt;
+  std::vector<int32_t> ids;
+  int max_tokens;
+  std::string text;
+};
+
+std::vector<Golden> ReadGolden(const std::string& path) {
+  std::vector<Golden> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line);
+    out.push_back({j["prompt"], j["prompt_ids_with_bos"].get<std::vector<int32_t>>(),
+                   j["max_tokens"], j["output_text_including_prompt"]});
+  }
+  return out;
+}
+
+SamplingParams Greedy(int max_tokens) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+struct Engine {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+
+Engine LoadEngine(const std::string& path) {
+  Engine e;
+  auto m = LlamaModel::Load(path);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return e;
+  e.model = std::move(m).value();
+  auto t = Tokenizer::FromGguf(e.model->file());
+  EXPECT_TRUE(t.ok()) << t.status();
+  if (t.ok()) e.tokenizer = std::move(t).value();
+  return e;
+}
+
+TEST(LlamaGoldenTest, Stories260KReproducesLlamaCppGreedyOutputs) {
+  const std::string model_path = testing::Stories260KPath();
+  const std::string golden_path = testing::Stories260KGoldenPath();
+  KVSERVE_SKIP_IF_MISSING(model_path, "stories260K.gguf");
+  KVSERVE_SKIP_IF_MISSING(golden_path, "stories260K golden file");
+  Engine e = LoadEngine(model_path);
+  ASSERT_TRUE(e.model && e.tokenizer);
+  ThreadPool pool(2);
+  const std::vector<Golden> golden = ReadGolden(golden_path);
+  ASSERT_EQ(golden.size(), 5u);
+  for (const Golden& g : golden) {
+    std::vector<int32_t> ids = e.tokenizer->Encode(g.prompt, /*add_bos=*/true, false);
+    EXPECT_EQ(ids, g.ids) << g.prompt;
+    BatchGenerator gen(e.model.get(), e.tokenizer.get(), &pool, {});
+    auto out = gen.Generate({GenerationRequest{g.ids, Greedy(g.max_tokens)}});
+    ASSERT_TRUE(out.ok()) << out.status();
+    const std::vector<int32_t> prompt_no_bos(g.ids.begin() + 1, g.ids.end());
+    EXPECT_EQ(e.tokenizer->Decode(prompt_no_bos) + (*out)[0].text, g.text) << g.prompt;
+    EXPECT_EQ((*out)[0].tokens.size(), static_cast<size_t>(g.max_tokens));
+    EXPECT_EQ((*out)[0].finish_reason, "length");
+  }
+}
+
+// Prompts outside the golden file, with greedy continuations computed by
+// llama.cpp (tests/data/make_greedy_reference.py): tokenization and every
+// generated id must agree, including stopping at end-of-generation.
+TEST(LlamaGoldenTest, GreedyMatchesLlamaCppReferenceOnOtherPrompts) {
+  std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/greedy_reference.jsonl");
+  ASSERT_TRUE(in.good());
+  std::map<std::string, Engine> engines;
+  const std::map<std::string, std::string> paths = {
+      {"stories260K", testing::Stories260KPath()},
+      {"SmolLM2-135M-Instruct.Q4_1", testing::SmolLM2Path()}};
+  ThreadPool pool(2);
+  int checked = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    const std::string model = j["model"];
+    if (paths.at(model).empty()) continue;  // that model is absent here
+    if (!engines.count(model)) engines[model] = LoadEngine(paths.at(model));
+    const Engine& e = engines[model];
+    ASSERT_TRUE(e.model && e.tokenizer);
+    const auto want_prompt = j["prompt_ids"].get<std::vector<int32_t>>();
+    const auto want_out = j["output_ids"].get<std::vector<int32_t>>();
+    const std::string prompt = j["prompt"];
+    EXPECT_EQ(e.tokenizer->Encode(prompt, j["add_bos"].get<bool>(), true), want_prompt) << prompt;
+    BatchGenerator gen(e.model.get(), e.tokenizer.get(), &pool, {});
+    auto out = gen.Generate({GenerationRequest{want_prompt, Greedy(32)}});
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ((*out)[0].tokens, want_out) << model << ": " << prompt;
+    ++checked;
+  }
+  if (checked == 0) GTEST_SKIP() << "no reference model present";
+}
+
+// Runs every request alone, then all together in one ragged batch with a
+// small token budget (so prefill is chunked and mixed with decode tokens),
+// and expects identical greedy tokens.
+void ExpectBatchedEqualsSequential(const Engine& e, const std::vector<std::string>& prompts,
+                                   int max_tokens, int32_t budget, int32_t block_size) {
+  ThreadPool pool(2);
+  std::vector<GenerationRequest> reqs;
+  for (const auto& p : prompts) {
+    reqs.push_back({e.tokenizer->Encode(p, e.tokenizer->add_bos_default(), false),
+                    Greedy(max_tokens)});
+  }
+  std::vector<std::vector<int32_t>> alone;
+  for (const auto& r : reqs) {
+    BatchGenerator gen(e.model.get(), e.tokenizer.get(), &pool, {});
+    auto out = gen.Generate({r});
+    ASSERT_TRUE(out.ok()) << out.status();
+    alone.push_back((*out)[0].tokens);
+  }
+  BatchGenerator::Options opts;
+  opts.max_batched_tokens = budget;
+  opts.block_size = block_size;
+  BatchGenerator gen(e.model.get(), e.tokenizer.get(), &pool, opts);
+  GenerationStats stats;
+  auto together = gen.Generate(reqs, nullptr, &stats);
+  ASSERT_TRUE(together.ok()) << together.status();
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ((*together)[i].tokens, alone[i]) << "prompt " << i << ": " << prompts[i];
+  }
+  EXPECT_GT(stats.steps, 0);
+}
+
+const std::vector<std::string>& StoryPrompts() {
+  static const std::vector<std::string> p = {
+      "Once upon a time", "The little dog", "Lily and Ben went to the park to play with a ball",
+      "Sam", "One day, a cat saw a bird in the tree and wanted to catch it but",
+      "Tom had a red ball"};
+  return p;
+}
+
+TEST(LlamaBatchTest, Stories260KRaggedBatchEqualsOneAtATime) {
+  const std::string model_path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(model_path, "stories260K.gguf");
+  Engine e = LoadEngine(model_path);
+  ASSERT_TRUE(e.model);
+  ExpectBatchedEqualsSequential(e, StoryPrompts(), 24, /*budget=*/7, /*block_size=*/4);
+  ExpectBatchedEqualsSequential(e, StoryPrompts(), 24, /*budget=*/512, /*block_size=*/16);
+}
+
+TEST(LlamaBatchTest, SmolLM2RaggedBatchEqualsOneAtATime) {
+  const std::string model_path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(model_path, "SmolLM2 (run deploy/setup.sh)");
+  Engine e = LoadEngine(model_path);
+  ASSERT_TRUE(e.model);
+  ExpectBatchedEqualsSequential(
+      e, {"The capital of France is", "def fibonacci(n):", "Water boils at",
+          "A short poem about the sea:\n"},
+      12, /*budget=*/5, /*block_size=*/16);
+}
+
+TEST(LlamaChatTest, SmolLM2AnswersInEnglish) {
+  const std::string model_path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(model_path, "SmolLM2 (run deploy/setup.sh)");
+  Engine e = LoadEngine(model_path);
+  ASSERT_TRUE(e.model);
+  const std::string prompt =
+      "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+      "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+      "<|im_start|>assistant\n";
+  ThreadPool pool(2);
+  BatchGenerator gen(e.model.get(), e.tokenizer.get(), &pool, {});
+  auto out = gen.Generate({GenerationRequest{e.tokenizer->Encode(prompt, false, true), Greedy(40)}});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_THAT((*out)[0].text, HasSubstr("Paris"));
+  EXPECT_EQ((*out)[0].finish_reason, "stop");  // ends its turn with <|im_end|>
+}
+
+// --- Tiny fixture models: no ../shared needed. ---------------------------
+
+std::string WriteTiny(const testing::TinyLlamaOptions& o, const std::string& name) {
+  const std::string path = testing::TempDir() + "/" + name;
+  std::ofstream(path, std::ios::binary) << testing::MakeTinyLlamaGguf(o);
+  return path;
+}
+
+class TinyModelTest : public ::testing::TestWithParam<GgmlType> {};
+
+TEST_P(TinyModelTest, RaggedBatchEqualsOneAtATime) {
+  testing::TinyLlamaOptions o;
+  o.weight_type = GetParam();
+  o.tied_output = GetParam() == GgmlType::kQ8_0;
+  Engine e = LoadEngine(WriteTiny(o, std::string("tiny-") + GgmlTypeName(GetParam()) + ".gguf"));
+  ASSERT_TRUE(e.model && e.tokenizer);
+  ExpectBatchedEqualsSequential(e, {"hello world", "a", "the quick brown fox jumps", "zz top"}, 10,
+                                /*budget=*/6, /*block_size=*/4);
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightTypes, TinyModelTest,
+                         ::testing::Values(GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16,
+                                           GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1),
+                         [](const auto& info) { return std::string(GgmlTypeName(info.param)); });
+
+TEST(LlamaForwardTest, ChunkedPrefillGivesTheSameLogitsAsOnePass) {
+  testing::TinyLlamaOptions o;
+  Engine e = LoadEngine(WriteTiny(o, "tiny-chunk.gguf"));
+  ASSERT_TRUE(e.model);
+  const LlamaConfig& c = e.model->config();
+  KvPoolOptions po{c.n_layers, c.n_kv_heads, c.head_dim, 4, 8, kernels::KvDType::kF32};
+  auto pool_a = KvPool::Create(po).value();
+  auto pool_b = KvPool::Create(po).value();
+  std::vector<int32_t> ids_a, ids_b;
+  ASSERT_TRUE(pool_a->Allocate(8, &ids_a).ok());
+  ASSERT_TRUE(pool_b->Allocate(8, &ids_b).ok());
+  const int32_t offsets[2] = {0, 8};
+  const std::vector<int32_t> tokens = {1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49};
+  const int n = static_cast<int>(tokens.size());
+  ThreadPool tp(2);
+  std::vector<float> one(c.vocab_size), chunked(c.vocab_size);
+  {
+    std::vector<int32_t> seq(n, 0), pos(n), rows = {n - 1};
+    for (int i = 0; i < n; ++i) pos[i] = i;
+    ASSERT_TRUE(e.model->Forward({tokens, seq, pos, rows}, pool_a->View(ids_a.data(), offsets, 1),
+                                 one.data(), &tp).ok());
+  }
+  for (int start = 0; start < n; start += 3) {
+    const int len = std::min(3, n - start);
+    std::vector<int32_t> t(tokens.begin() + start, tokens.begin() + start + len), seq(len, 0),
+        pos(len), rows;
+    for (int i = 0; i < len; ++i) pos[i] = start + i;
+    if (start + len == n) rows = {len - 1};
+    ASSERT_TRUE(e.model->Forward({t, seq, pos, rows}, pool_b->View(ids_b.data(), offsets, 1),
+                                 chunked.data(), &tp).ok());
+  }
+  for (int v = 0; v < c.vocab_size; ++v) EXPECT_NEAR(one[v], chunked[v], 1e-4f) << v;
+}
+
+TEST(LlamaForwardTest, BadBatchesAreRejectedWithAMessage) {
+  testing::TinyLlamaOptions o;
+  Engine e = LoadEngine(WriteTiny(o, "tiny-bad.gguf"));
+  ASSERT_TRUE(e.model);
+  const LlamaConfig& c = e.model->config();
+  KvPoolOptions po{c.n_layers, c.n_kv_heads, c.head_dim, 4, 2, kernels::KvDType::kF32};
+  auto pool = KvPool::Create(po).value();
+  std::vector<int32_t> ids;
+  ASSERT_TRUE(pool->Allocate(2, &ids).ok());
+  const int32_t offsets[2] = {0, 2};
+  auto view = pool->View(ids.data(), offsets, 1);
+  std::vector<float> logits(c.vocab_size);
+  ThreadPool tp(1);
+  std::vector<int32_t> seq = {0}, pos = {0}, rows = {0};
+  std::vector<int32_t> bad_token = {c.vocab_size};
+  absl::Status s = e.model->Forward({bad_token, seq, pos, rows}, view, logits.data(), &tp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("outside the vocabulary"));
+  std::vector<int32_t> tok = {5}, far = {8};  // capacity is 2 blocks x 4 = 8 slots
+  s = e.model->Forward({tok, seq, far, rows}, view, logits.data(), &tp);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("has no KV slot"));
+  std::vector<int32_t> other_seq = {1};
+  s = e.model->Forward({tok, other_seq, pos, rows}, view, logits.data(), &tp);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("outside the KV view"));
+}
+
+TEST(LlamaLoadTest, MissingTensorIsNamed) {
+  testing::GgufWriter w;
+  testing::TinyLlamaOptions o;
+  // Re-serialize a tiny model without blk.1.ffn_up.weight.
+  const std::string full = testing::MakeTinyLlamaGguf(o);
+  auto parsed = GgufFile::FromBuffer(reinterpret_cast<const uint8_t*>(full.data()), full.size());
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  for (const std::string& key : (*parsed)->Keys()) {
+    auto type = (*parsed)->TypeOf(key);
+    if (*type == GgufValueType::kString) w.SetString(key, *(*parsed)->GetString(key));
+    else if (*type == GgufValueType::kFloat32) w.SetF32(key, *(*parsed)->GetF32(key));
+    else if (*type == GgufValueType::kBool) w.SetBool(key, *(*parsed)->GetBool(key));
+    else if (*type == GgufValueType::kArray) {
+      if (auto s = (*parsed)->GetStringArray(key); s.ok()) w.SetStringArray(key, *s);
+      else if (auto f = (*parsed)->GetF32Array(key); f.ok()) w.SetF32Array(key, *f);
+      else if (auto i = (*parsed)->GetI32Array(key); i.ok()) w.SetI32Array(key, *i);
+    } else {
+      w.SetU32(key, static_cast<uint32_t>(*(*parsed)->GetI64(key)));
+    }
+  }
+  for (const auto& t : (*parsed)->tensors()) {
+    if (t.name == "blk.1.ffn_up.weight") continue;
+    w.AddTensor(t.name, t.type, t.shape,
+                std::string(reinterpret_cast<const char*>(t.data), t.n_bytes));
+  }
+  const std::string path = testing::TempDir() + "/tiny-missing.gguf";
+  ASSERT_TRUE(w.WriteFile(path).ok());
+  auto m = LlamaModel::Load(path);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("blk.1.ffn_up.weight"));
+}
+
+TEST(LlamaLoadTest, UnsupportedArchitectureIsNamed) {
+  testing::GgufWriter w;
+  w.SetString("general.architecture", "qwen2");
+  const std::string path = testing::TempDir() + "/qwen.gguf";
+  ASSERT_TRUE(w.WriteFile(path).ok());
+  auto m = LlamaModel::Load(path);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("qwen2"));
+}
+
+TEST(LlamaLoadTest, NonexistentFileIsAnError) {
+  auto m = LlamaModel::Load("/nonexistent/model.gguf");
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("/nonexistent/model.gguf"));
+}
+
+}  // namespace
+}  // namespace kvserve

@@ -1,0 +1,102 @@
+// The online-softmax attention loop, written once and instantiated by the
+// portable (attention.cc) and the AVX2 (attention_avx2.cc) translation units
+// with their own vector primitives. Each instantiation uses a policy type from
+// its TU's anonymous namespace, so the two never merge at link time.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/kv_view.h"
+
+namespace kvserve::kernels::internal {
+
+// Running softmax state of `group` query heads that share one KV head:
+// max score m, normalizer l = sum(exp(score - m)), and the unnormalized
+// output acc[head_dim] per head.
+struct AttnState {
+  float* m;    // [group]
+  float* l;    // [group]
+  float* acc;  // [group][head_dim]
+};
+
+// One unit of work: query heads [kv_head * group, (kv_head + 1) * group) of
+// one token attend to positions [pos_begin, pos_end) of sequence seq.
+struct AttnItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t pos_begin;
+  int32_t pos_end;
+  const float* q;  // first query head of the group; heads head_dim apart
+};
+
+// Most positions handled per softmax update: the rescale of acc costs
+// head_dim per head per update, so updating per 64 positions instead of per
+// block makes small blocks cheap. Also sizes the score scratch.
+constexpr int32_t kPosTile = 64;
+
+// Ops provides, for element type Elem (float or uint16_t half):
+//   Scores(q, group, head_dim, k_rows, n, scale, scores, ld): scores[h*ld+j]
+//     = scale * dot(q + h*head_dim, k_rows + j*head_dim) for j < n.
+//   Max(x, n) -> max of x[0..n).
+//   ExpShift(x, n, shift) -> sum: x[j] = exp(x[j] - shift), returns the sum.
+//   Scale(v, c, n): v[i] *= c.
+//   AccumulateV(acc, group, head_dim, p, ld, v_rows, n): acc[h] += sum_j
+//     p[h*ld+j] * v_rows[j].
+// scores: group * kPosTile floats of scratch.
+template <typename Ops, typename Elem>
+void AttendRange(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
+                 float scale, AttnState st, float* scores) {
+  const int32_t hd = kv.head_dim;
+  const int32_t bs = kv.block_size;
+  const int32_t* blocks = kv.block_ids + kv.seq_block_offsets[item.seq];
+  const int64_t v_offset = kv.layer_bytes / 2;
+  int32_t pos = item.pos_begin;
+  while (pos < item.pos_end) {
+    // Gather a tile of up to kPosTile positions (at least one run inside a
+    // block); score it block run by block run.
+    const int32_t tile_end = std::min(item.pos_end, pos + kPosTile);
+    int32_t n = 0;
+    for (int32_t p = pos; p < tile_end;) {
+      const int32_t slot = p % bs;
+      const int32_t run = std::min(tile_end - p, bs - slot);
+      const uint8_t* k_head = kv.BlockHead(layer, blocks[p / bs], item.kv_head);
+      const Elem* k_rows = reinterpret_cast<const Elem*>(k_head) + static_cast<int64_t>(slot) * hd;
+      Ops::Scores(item.q, group, hd, k_rows, run, scale, scores + n, kPosTile);
+      n += run;
+      p += run;
+    }
+    for (int32_t h = 0; h < group; ++h) {
+      float* s = scores + h * kPosTile;
+      const float tile_max = Ops::Max(s, n);
+      const float new_m = std::max(st.m[h], tile_max);
+      const float tile_sum = Ops::ExpShift(s, n, new_m);
+      if (new_m > st.m[h]) {
+        // exp(-inf) = 0 on the first tile: acc and l are zero anyway.
+        const float c = std::exp(st.m[h] - new_m);
+        st.l[h] *= c;
+        Ops::Scale(st.acc + static_cast<int64_t>(h) * hd, c, hd);
+        st.m[h] = new_m;
+      }
+      st.l[h] += tile_sum;
+    }
+    n = 0;
+    for (int32_t p = pos; p < tile_end;) {
+      const int32_t slot = p % bs;
+      const int32_t run = std::min(tile_end - p, bs - slot);
+      const uint8_t* v_head = kv.BlockHead(layer, blocks[p / bs], item.kv_head) + v_offset;
+      const Elem* v_rows = reinterpret_cast<const Elem*>(v_head) + static_cast<int64_t>(slot) * hd;
+      Ops::AccumulateV(st.acc, group, hd, scores + n, kPosTile, v_rows, run);
+      n += run;
+      p += run;
+    }
+    pos = tile_end;
+  }
+}
+
+// Entry points per ISA: run one item from a freshly reset state.
+void AttendAvx2(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
+                float scale, AttnState st, float* scores);
+
+}  // namespace kvserve::kernels::internal

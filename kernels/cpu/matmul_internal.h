@@ -1,0 +1,46 @@
+// Internals shared by the portable and the AVX2 matmul translation units.
+// Not part of the kernels' public contract: only kernels/cpu/*.cc and the
+// kernel tests include this.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cpu/matmul.h"
+
+namespace kvserve::kernels::internal {
+
+// Activations quantized once per MatMul call: 8-bit values per 32-element
+// block with a float scale, plus d * sum(qs) per block so that a weight
+// format with an offset (Q4_1's min, Q4_0's implicit -8) costs one
+// multiply-add per block instead of a second integer dot product -- the role
+// of ggml's Q8_1. Values of one token are contiguous so a wide load can span
+// several blocks; (d, s) pairs are interleaved so one 128-bit load brings
+// both for two blocks, next to the weights' interleaved (d, m).
+struct QuantizedActs {
+  int64_t n_blocks = 0;        // blocks per token
+  const int8_t* qs = nullptr;  // token t: qs + t * n_blocks * kQK
+  const float* ds = nullptr;   // token t: ds + t * 2 * n_blocks; block b: d, s
+};
+
+// Quantizes n floats (n % kQK == 0) of one token: qs[n], ds[2 * n / kQK].
+void QuantizeActsScalar(const float* x, int64_t n, int8_t* qs, float* ds);
+void QuantizeActsAvx2(const float* x, int64_t n, int8_t* qs, float* ds);
+
+// Computes y[t][r] for rows [r0, r1) and all n_tokens tokens. Quantized weight
+// types read `acts`; float weight types read x directly.
+void MatMulRowsScalar(const WeightView& w, const float* x, int64_t x_stride,
+                      const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1, float* y,
+                      int64_t y_stride);
+void MatMulRowsAvx2(const WeightView& w, const float* x, int64_t x_stride,
+                    const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1, float* y,
+                    int64_t y_stride);
+// Quantized types only; float types forward to MatMulRowsAvx2.
+void MatMulRowsAvx512Vnni(const WeightView& w, const float* x, int64_t x_stride,
+                          const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1,
+                          float* y, int64_t y_stride);
+
+constexpr bool IsQuantized(DType t) {
+  return t == DType::kQ8_0 || t == DType::kQ4_0 || t == DType::kQ4_1;
+}
+
+}  // namespace kvserve::kernels::internal

@@ -1,0 +1,94 @@
+// AVX2/FMA element-wise kernels; compiled with -mavx2 -mfma -mf16c and only
+// called after UseAvx2().
+
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "kernels/cpu/ops_internal.h"
+#include "kernels/cpu/simd_avx2.h"
+
+namespace kvserve::kernels::internal {
+
+void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
+                 float* out) {
+  for (int64_t row = 0; row < n_rows; ++row) {
+    const float* xr = x + row * n;
+    float* o = out + row * n;
+    // Two accumulators hide the FMA latency on short rows.
+    __m256 s0 = _mm256_setzero_ps();
+    __m256 s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256 a = _mm256_loadu_ps(xr + i);
+      const __m256 b = _mm256_loadu_ps(xr + i + 8);
+      s0 = _mm256_fmadd_ps(a, a, s0);
+      s1 = _mm256_fmadd_ps(b, b, s1);
+    }
+    float ss = Hsum(_mm256_add_ps(s0, s1));
+    for (; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv);
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
+    }
+    for (; i < n; ++i) o[i] = xr[i] * inv * weight[i];
+  }
+}
+
+void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 neg = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = Exp(_mm256_xor_ps(g, neg));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void AddInPlaceAvx2(float* x, const float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) x[i] += y[i];
+}
+
+float SoftmaxInPlaceAvx2(float* x, int64_t n) {
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+  float mx = Hmax(vmax);
+  for (; i < n; ++i) mx = std::fmax(mx, x[i]);
+  if (std::isinf(mx) && mx < 0) {
+    // All -inf: no value carries mass. Fall back to uniform, a defined result.
+    for (i = 0; i < n; ++i) x[i] = 1.0f / static_cast<float>(n);
+    return mx;
+  }
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmx));
+    _mm256_storeu_ps(x + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = Hsum(vsum);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  const __m256 vinv = _mm256_set1_ps(1.0f / sum);
+  i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
+  const float inv = 1.0f / sum;
+  for (; i < n; ++i) x[i] *= inv;
+  return std::log(sum) + mx;
+}
+
+}  // namespace kvserve::kernels::internal

@@ -1,0 +1,15 @@
+// AVX2 versions of the element-wise kernels (ops_avx2.cc); ops.cc decides
+// at run time whether to call them.
+#pragma once
+
+#include <cstdint>
+
+namespace kvserve::kernels::internal {
+
+void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
+                 float* out);
+void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out);
+void AddInPlaceAvx2(float* x, const float* y, int64_t n);
+float SoftmaxInPlaceAvx2(float* x, int64_t n);
+
+}  // namespace kvserve::kernels::internal

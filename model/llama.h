@@ -1,0 +1,112 @@
+// LlamaModel: a Llama-family decoder loaded from GGUF, with a forward pass
+// over one ragged batch (any mix of prefill chunks and single decode tokens
+// from many sequences) that appends K/V to, and attends through, a paged KV
+// view. The model holds weights (pointers into the mapped file) and scratch
+// buffers; it knows nothing about requests or how the cache is managed.
+//
+// Thread-safety: Forward is not thread-safe (scratch buffers are reused);
+// the engine thread owns the model. It parallelizes internally over the
+// ThreadPool it is given.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/thread_pool.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/kv_view.h"
+#include "model/gguf.h"
+
+namespace kvserve {
+
+struct LlamaConfig {
+  std::string architecture;
+  std::string name;
+  int32_t n_layers = 0;
+  int32_t dim = 0;
+  int32_t n_heads = 0;
+  int32_t n_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t ffn_dim = 0;
+  int32_t vocab_size = 0;
+  int32_t context_length = 0;
+  int32_t rope_dim = 0;
+  float rope_freq_base = 10000.0f;
+  float rms_eps = 1e-5f;
+  kernels::RopeStyle rope_style = kernels::RopeStyle::kNorm;
+  bool tied_output = false;
+
+  int32_t kv_dim() const { return n_kv_heads * head_dim; }
+  // Bytes of K and V of one token across all layers at the given element size.
+  int64_t KvBytesPerToken(int64_t elem_bytes) const {
+    return 2LL * n_layers * n_kv_heads * head_dim * elem_bytes;
+  }
+
+  // Reads and validates hyper-parameters from GGUF metadata without touching
+  // tensor data (the memory planner uses this too).
+  [[nodiscard]] static absl::StatusOr<LlamaConfig> FromGguf(const GgufFile& file);
+};
+
+// One ragged batch. Token i belongs to sequence token_seq[i] (an index into
+// the KV view's block table) at position positions[i]; it attends causally to
+// positions [0, positions[i]] of that sequence, so all earlier positions must
+// already be in the cache or appear earlier in this batch.
+struct ForwardBatch {
+  absl::Span<const int32_t> tokens;
+  absl::Span<const int32_t> token_seq;
+  absl::Span<const int32_t> positions;
+  // Rows of `tokens` whose next-token logits are wanted, in output order.
+  absl::Span<const int32_t> logit_rows;
+};
+
+class LlamaModel {
+ public:
+  // Opens and maps a GGUF file and binds every weight. Errors name the file
+  // and the missing or malformed piece.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::string& path);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<LlamaModel>> FromGguf(
+      std::shared_ptr<const GgufFile> file);
+
+  const LlamaConfig& config() const { return config_; }
+  const GgufFile& file() const { return *file_; }
+  std::shared_ptr<const GgufFile> shared_file() const { return file_; }
+  // Bytes of weights the forward reads per token (for bandwidth figures).
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+  // Runs the batch: appends K/V of every token to `kv` and writes
+  // logit_rows.size() rows of vocab_size logits to `logits`.
+  // REQUIRES: kv's block table covers every position of the batch.
+  [[nodiscard]] absl::Status Forward(const ForwardBatch& batch, const kernels::PagedKvView& kv,
+                                     float* logits, ThreadPool* pool);
+
+ private:
+  struct Layer {
+    const float* attn_norm;
+    kernels::WeightView wq, wk, wv, wo;
+    const float* ffn_norm;
+    kernels::WeightView w_gate, w_up, w_down;
+  };
+
+  LlamaModel() = default;
+  absl::Status Bind();
+  absl::Status CheckBatch(const ForwardBatch& batch, const kernels::PagedKvView& kv) const;
+  void EnsureScratch(int64_t n_tokens, int64_t n_logits);
+
+  std::shared_ptr<const GgufFile> file_;
+  LlamaConfig config_;
+  kernels::WeightView token_embd_{};
+  const float* output_norm_ = nullptr;
+  kernels::WeightView output_{};
+  std::vector<Layer> layers_;
+  int64_t weight_bytes_ = 0;
+
+  // Scratch, sized for the largest batch seen so far.
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, final_;
+};
+
+}  // namespace kvserve

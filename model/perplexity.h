@@ -1,0 +1,40 @@
+// Perplexity of a model over a token stream: the yardstick later issues use
+// to judge KV quantization and eviction.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/thread_pool.h"
+#include "model/llama.h"
+
+namespace kvserve {
+
+struct PerplexityOptions {
+  int32_t context = 512;  // tokens per window
+  // 0: llama.cpp's method -- consecutive non-overlapping windows, the first
+  //    token of each replaced by BOS when bos_id >= 0, and only the second
+  //    half of each window scored (every scored token sees >= context/2 of
+  //    history).
+  // >0: sliding windows starting every `stride` tokens; each window scores the
+  //    tokens no earlier window scored (Hugging Face's method).
+  int32_t stride = 0;
+  int32_t bos_id = -1;
+  int32_t max_windows = 0;  // 0 = all
+  int32_t batch_tokens = 256;  // tokens per forward call inside a window
+};
+
+struct PerplexityResult {
+  double perplexity = 0;
+  double mean_nll = 0;
+  int64_t scored_tokens = 0;
+  int32_t windows = 0;
+  std::vector<double> window_perplexity;  // running perplexity after each window
+};
+
+[[nodiscard]] absl::StatusOr<PerplexityResult> ComputePerplexity(
+    LlamaModel& model, const std::vector<int32_t>& tokens, const PerplexityOptions& options,
+    ThreadPool* pool);
+
+}  // namespace kvserve

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Writes greedy continuations computed by llama.cpp (through the PyPI package
+llama-cpp-python) for prompts that are not in ../shared/golden, so the engine
+is checked against an implementation we did not write.
+
+Run once, by a developer, and commit the output:
+  python3 -m venv /tmp/ref && /tmp/ref/bin/pip install llama-cpp-python==0.3.36
+  /tmp/ref/bin/python tests/data/make_greedy_reference.py \
+      --stories ../shared/models/stories260K.gguf \
+      --smollm2 models/SmolLM2-135M-Instruct.Q4_1.gguf > tests/data/greedy_reference.jsonl
+"""
+import argparse
+import json
+import sys
+
+import llama_cpp
+
+STORIES_PROMPTS = [
+    "Sam",
+    "The sun was hot and",
+    "Once upon a time, in a big forest, there lived",
+    "Mia and her mom baked a cake.",
+    "The boy said, \"Can I play too?\"",
+    "Every night the moon",
+]
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at",
+    "Here is a list of fruits: apples, bananas,",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def greedy(llm, prompt_ids, n):
+    llm.reset()
+    out = []
+    for tok in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                            repeat_penalty=1.0, reset=True):
+        if tok == llm.token_eos() or len(out) >= n:
+            break
+        out.append(tok)
+        if len(out) >= n:
+            break
+    return out
+
+
+def run(path, name, prompts, add_bos, n):
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=2, verbose=False, seed=0)
+    for p in prompts:
+        ids = llm.tokenize(p.encode(), add_bos=add_bos, special=True)
+        out = greedy(llm, ids, n)
+        print(json.dumps({"model": name, "prompt": p, "add_bos": add_bos, "prompt_ids": ids,
+                          "output_ids": out}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stories", required=True)
+    ap.add_argument("--smollm2", required=True)
+    ap.add_argument("-n", type=int, default=32)
+    a = ap.parse_args()
+    run(a.stories, "stories260K", STORIES_PROMPTS, True, a.n)
+    run(a.smollm2, "SmolLM2-135M-Instruct.Q4_1", SMOLLM2_PROMPTS, False, a.n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
