@@ -46,8 +46,7 @@ std::vector<uint8_t> MakeWeights(DType type, int64_t rows, int64_t cols) {
     QuantizeRowReference(type, src.data(), w.data() + r * row_bytes, cols);
   }
   for (int64_t r = tile_rows; r < rows; r += tile_rows) {
-    std::memcpy(w.data() + r * row_bytes, w.data(),
-                std::min(tile_rows, rows - r) * row_bytes);
+    std::memcpy(w.data() + r * row_bytes, w.data(), std::min(tile_rows, rows - r) * row_bytes);
   }
   return w;
 }
@@ -75,8 +74,8 @@ void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, 
     }
     benchmark::ClobberMemory();
   }
-  state.counters["weight_GB/s"] = benchmark::Counter(
-      static_cast<double>(w.size()), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["weight_GB/s"] = benchmark::Counter(static_cast<double>(w.size()),
+                                                     benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GFLOP/s"] = benchmark::Counter(2.0 * rows * cols * n_tokens,
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -90,7 +89,7 @@ void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused) {
   struct Mat {
     int64_t rows, cols;
   };
-  const Mat layer[] = {{576, 576}, {192, 576}, {192, 576}, {576, 576},
+  const Mat layer[] = {{576, 576},  {192, 576},  {192, 576}, {576, 576},
                        {1536, 576}, {1536, 576}, {576, 1536}};
   const int n_tokens = static_cast<int>(state.range(0));
   std::vector<std::vector<uint8_t>> owned;
@@ -131,8 +130,8 @@ void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused) {
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n_tokens);
-  state.counters["weight_GB/s"] = benchmark::Counter(static_cast<double>(bytes),
-                                                     benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["weight_GB/s"] =
+      benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // One layer's attention of a single decode token at context `ctx`, SmolLM2
@@ -178,8 +177,8 @@ void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, 
     }
     benchmark::ClobberMemory();
   }
-  state.counters["kv_GB/s"] = benchmark::Counter(
-      2.0 * ctx * row * KvElemBytes(dtype), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["kv_GB/s"] = benchmark::Counter(2.0 * ctx * row * KvElemBytes(dtype),
+                                                 benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Element-wise ops at SmolLM2 sizes: SiluMul over the FFN width, softmax
@@ -218,10 +217,10 @@ void RegisterAll() {
     int64_t rows, cols;
   };
   std::vector<Shape> shapes;
-  for (DType t : {DType::kQ4_1, DType::kQ4_0, DType::kQ8_0, DType::kF16, DType::kBF16,
-                  DType::kF32}) {
-    for (auto [r, c] : {std::pair<int64_t, int64_t>{576, 576}, {192, 576}, {1536, 576},
-                        {576, 1536}}) {
+  for (DType t :
+       {DType::kQ4_1, DType::kQ4_0, DType::kQ8_0, DType::kF16, DType::kBF16, DType::kF32}) {
+    for (auto [r, c] :
+         {std::pair<int64_t, int64_t>{576, 576}, {192, 576}, {1536, 576}, {576, 1536}}) {
       shapes.push_back({t, r, c});
     }
   }
@@ -244,11 +243,11 @@ void RegisterAll() {
   }
   for (bool fused : {false, true}) {
     for (int threads : {1, 2}) {
-      benchmark::RegisterBenchmark((std::string("SmolLM2DecodeMatMuls/") +
-                                    (fused ? "fused" : "separate") +
-                                    "/threads:" + std::to_string(threads))
-                                       .c_str(),
-                                   BM_SmolLM2DecodeMatMuls, threads, fused)
+      benchmark::RegisterBenchmark(
+          (std::string("SmolLM2DecodeMatMuls/") + (fused ? "fused" : "separate") +
+           "/threads:" + std::to_string(threads))
+              .c_str(),
+          BM_SmolLM2DecodeMatMuls, threads, fused)
           ->Arg(1)
           ->Arg(8)
           ->Unit(benchmark::kMillisecond)

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/ops.h"
 
 namespace kvserve {
 namespace {
@@ -13,33 +14,6 @@ namespace {
 constexpr size_t kMaxStopStrings = 8;
 constexpr size_t kMaxStopStringBytes = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Running log-sum-exp: one pass, and stable because every exp() argument is
-// <= 0. -inf (masked) logits contribute nothing and are skipped explicitly,
-// since (-inf) - (-inf) would be NaN.
-class OnlineLogSumExp {
- public:
-  void Add(float x) {
-    if (!(x > kNegInf)) return;  // -inf or NaN
-    if (x > max_) {
-      sum_ = sum_ * std::exp(static_cast<double>(max_) - x) + 1.0;
-      max_ = x;
-    } else {
-      sum_ += std::exp(static_cast<double>(x) - max_);
-    }
-  }
-  double Value() const { return sum_ == 0.0 ? kNegInf : max_ + std::log(sum_); }
-
- private:
-  float max_ = kNegInf;
-  double sum_ = 0.0;
-};
-
-float RawLogprob(absl::Span<const float> logits, int32_t token) {
-  OnlineLogSumExp lse;
-  for (float x : logits) lse.Add(x);
-  return static_cast<float>(logits[token] - lse.Value());
-}
 
 bool InRange(int32_t token, size_t vocab) {
   return token >= 0 && static_cast<size_t>(token) < vocab;
@@ -144,138 +118,206 @@ void Sampler::ApplyPenalties(absl::Span<const int32_t> prompt,
   }
 }
 
+float Sampler::RawLogprob(absl::Span<const float> logits, int32_t token) {
+  // Shifting by the max here, not only inside the kernel, keeps precision:
+  // the kernel returns max + log(sum) as a float, and for logits near 1000
+  // that float's rounding alone is ~1e-4. With the shift it returns just
+  // log(sum), a small number. The SIMD softmax kernel is several times
+  // faster than scalar exp() over a 49152-entry vocabulary.
+  float max = kNegInf;
+  for (float x : logits) max = std::max(max, x);
+  if (max == kNegInf) return kNegInf;  // every logit masked
+  lse_scratch_.resize(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) lse_scratch_[i] = logits[i] - max;
+  const float log_sum =
+      kernels::SoftmaxInPlace(lse_scratch_.data(), static_cast<int64_t>(lse_scratch_.size()));
+  return (logits[token] - max) - log_sum;
+}
+
 SampleResult Sampler::Sample(absl::Span<const float> logits, absl::Span<const int32_t> prompt,
                              absl::Span<const int32_t> generated) {
   SampleResult result;
   if (logits.empty()) return result;
   const size_t vocab = logits.size();
 
-  // Penalties need a private copy; without them the raw logits are read
-  // directly so greedy decoding stays a single pass over the vocabulary.
+  // Penalties need a private copy; without them greedy reads the raw logits
+  // directly.
   const bool penalized = HasPenalties();
-  absl::Span<const float> work = logits;
   if (penalized) {
     scratch_.assign(logits.begin(), logits.end());
     ApplyPenalties(prompt, generated);
-    work = scratch_;
   }
 
   if (params_.temperature == 0.0f) {
-    // Strict '>' keeps the lowest id among ties. The raw log-sum-exp rides
-    // along in the same pass.
-    OnlineLogSumExp lse;
+    // One pass; strict '>' keeps the lowest id among ties.
+    const float* work = penalized ? scratch_.data() : logits.data();
     int32_t best = 0;
     float best_value = work[0];
-    lse.Add(logits[0]);
     for (size_t i = 1; i < vocab; ++i) {
-      lse.Add(logits[i]);
       if (work[i] > best_value) {
         best_value = work[i];
         best = static_cast<int32_t>(i);
       }
     }
     result.token = best;
-    result.logprob = static_cast<float>(logits[best] - lse.Value());
-    return result;
+  } else {
+    if (!penalized) scratch_.assign(logits.begin(), logits.end());
+    result.token = SampleFromScratch();
   }
-
-  if (!penalized) scratch_.assign(logits.begin(), logits.end());
-  result.token = SampleFromScratch();
   result.logprob = RawLogprob(logits, result.token);
   return result;
 }
 
+namespace {
+
+// Candidate order: higher weight first, ties to the lower id. A strict total
+// order, so every selection below picks the same set whatever the input
+// order or partition internals.
+template <typename C>
+bool Higher(const C& a, const C& b) {
+  return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
+}
+
+// Weighted quickselect: rearranges c so that c[0, m) holds the m highest
+// candidates, for the smallest m whose weights sum to >= target (m >= 1
+// when target > 0). Expected O(n), against O(n log n) for sorting; the
+// nucleus of a flat distribution can be most of the vocabulary. Returns m
+// and sets *mass to the weight of c[0, m).
+template <typename C>
+size_t SelectNucleus(std::vector<C>& c, double target, double* mass) {
+  size_t lo = 0;
+  size_t hi = c.size();
+  double above = 0.0;  // weight of c[0, lo), all of which are in the nucleus
+  // Invariant: c[0, lo) > c[lo, hi) > c[hi, n) under Higher, and
+  // above < target.
+  while (lo < hi) {
+    // Median of three as the pivot, parked at hi - 1.
+    const size_t mid = lo + (hi - lo) / 2;
+    if (Higher(c[mid], c[lo])) std::swap(c[mid], c[lo]);
+    if (Higher(c[hi - 1], c[lo])) std::swap(c[hi - 1], c[lo]);
+    if (Higher(c[mid], c[hi - 1])) std::swap(c[mid], c[hi - 1]);
+    const C pivot = c[hi - 1];
+    const auto split = std::partition(c.begin() + lo, c.begin() + (hi - 1),
+                                      [&](const C& x) { return Higher(x, pivot); });
+    const size_t s = static_cast<size_t>(split - c.begin());
+    double higher_mass = 0.0;
+    for (size_t i = lo; i < s; ++i) higher_mass += c[i].weight;
+    if (above + higher_mass >= target) {
+      hi = s;  // the boundary is among the higher ones; s > lo since above < target
+      continue;
+    }
+    above += higher_mass;
+    std::swap(c[s], c[hi - 1]);
+    above += pivot.weight;
+    if (above >= target) {
+      *mass = above;
+      return s + 1;
+    }
+    lo = s + 1;
+  }
+  // Only reachable when rounding left the total just short of target:
+  // everything is in.
+  *mass = above;
+  return lo;
+}
+
+}  // namespace
+
 int32_t Sampler::SampleFromScratch() {
   const size_t vocab = scratch_.size();
-  // Candidates: every token that is not masked out with -inf.
-  index_scratch_.clear();
-  for (size_t i = 0; i < vocab; ++i) {
-    if (scratch_[i] > kNegInf) index_scratch_.push_back(static_cast<int32_t>(i));
-  }
-  if (index_scratch_.empty()) return 0;  // everything masked: nothing to choose from
-
-  // Descending logit, ties broken by id so results do not depend on the
-  // partition algorithm's internals.
-  const auto higher = [this](int32_t a, int32_t b) {
-    return scratch_[a] > scratch_[b] || (scratch_[a] == scratch_[b] && a < b);
-  };
-  auto begin = index_scratch_.begin();
-  auto end = index_scratch_.end();
-
-  // Top-k: nth_element is O(vocab); only the k survivors are ever sorted.
-  const size_t k = static_cast<size_t>(params_.top_k);
-  bool sorted = false;
-  if (k > 0 && k < index_scratch_.size()) {
-    std::nth_element(begin, begin + k, end, higher);
-    end = begin + k;
-    if (params_.top_p < 1.0f) {
-      std::sort(begin, end, higher);
-      sorted = true;
-    }
-  }
-
-  // Softmax numerators, written over the logits in place (ordering by logit
-  // equals ordering by probability, so `higher` stays valid). Temperature
-  // divides the logit difference, so the max candidate gets weight 1.
-  float max_logit = kNegInf;
-  for (auto it = begin; it != end; ++it) max_logit = std::max(max_logit, scratch_[*it]);
   const float inv_temperature = 1.0f / params_.temperature;
+  candidates_.clear();
   double total = 0.0;
-  for (auto it = begin; it != end; ++it) {
-    float& x = scratch_[*it];
-    x = std::exp((x - max_logit) * inv_temperature);
-    total += x;
+  float max_weight = 0.0f;
+
+  const size_t k = static_cast<size_t>(params_.top_k);
+  if (k > 0 && k < vocab) {
+    // Top-k by logit. For the usual small k a bounded heap is one pass with
+    // a single compare per token (replacements are rare once the heap holds
+    // good tokens); for large k, nth_element over everything.
+    if (k * 8 <= vocab) {
+      for (size_t i = 0; i < vocab; ++i) {
+        const Candidate c{scratch_[i], static_cast<int32_t>(i)};
+        if (!(c.weight > kNegInf)) continue;  // masked
+        if (candidates_.size() < k) {
+          candidates_.push_back(c);
+          std::push_heap(candidates_.begin(), candidates_.end(), Higher<Candidate>);
+        } else if (Higher(c, candidates_.front())) {
+          // The heap's front is its lowest-ranked member.
+          std::pop_heap(candidates_.begin(), candidates_.end(), Higher<Candidate>);
+          candidates_.back() = c;
+          std::push_heap(candidates_.begin(), candidates_.end(), Higher<Candidate>);
+        }
+      }
+    } else {
+      for (size_t i = 0; i < vocab; ++i) {
+        if (scratch_[i] > kNegInf) candidates_.push_back({scratch_[i], static_cast<int32_t>(i)});
+      }
+      if (k < candidates_.size()) {
+        std::nth_element(candidates_.begin(), candidates_.begin() + k, candidates_.end(),
+                         Higher<Candidate>);
+        candidates_.resize(k);
+      }
+    }
+    if (candidates_.empty()) return 0;  // everything masked
+    // Softmax numerators over the survivors only; the max gets weight 1.
+    float max_logit = kNegInf;
+    for (const Candidate& c : candidates_) max_logit = std::max(max_logit, c.weight);
+    for (Candidate& c : candidates_) {
+      c.weight = std::exp((c.weight - max_logit) * inv_temperature);
+      total += c.weight;
+    }
+    max_weight = 1.0f;
+  } else {
+    // Softmax over the whole vocabulary with the SIMD kernel.
+    if (params_.temperature != 1.0f) {
+      for (float& x : scratch_) x *= inv_temperature;
+    }
+    const float lse = kernels::SoftmaxInPlace(scratch_.data(), static_cast<int64_t>(vocab));
+    if (lse == kNegInf) return 0;  // everything masked
+    candidates_.reserve(vocab);
+    for (size_t i = 0; i < vocab; ++i) {
+      const float p = scratch_[i];
+      if (p > 0.0f) {
+        candidates_.push_back({p, static_cast<int32_t>(i)});
+        total += p;
+        max_weight = std::max(max_weight, p);
+      }
+    }
+    if (candidates_.empty()) return 0;
   }
 
+  size_t n = candidates_.size();
   if (params_.top_p < 1.0f) {
-    // Sort only as far as the nucleus reaches: grow a sorted prefix by
-    // doubling, with nth_element picking the next slice. A peaked
-    // distribution touches a few dozen tokens instead of the whole vocab.
-    const double target = static_cast<double>(params_.top_p) * total;
-    double cumulative = 0.0;
-    size_t sorted_to = sorted ? static_cast<size_t>(end - begin) : 0;
-    size_t taken = 0;
-    const size_t n = static_cast<size_t>(end - begin);
-    size_t window = 64;
-    while (taken < n) {
-      if (taken == sorted_to) {
-        const size_t next = std::min(n, sorted_to + window);
-        if (next < n) std::nth_element(begin + sorted_to, begin + next, end, higher);
-        std::sort(begin + sorted_to, begin + next, higher);
-        sorted_to = next;
-        window *= 2;
-      }
-      cumulative += scratch_[begin[taken]];
-      ++taken;
-      if (cumulative >= target) break;
-    }
-    end = begin + taken;
-    total = cumulative;
+    n = SelectNucleus(candidates_, static_cast<double>(params_.top_p) * total, &total);
   }
 
   if (params_.min_p > 0.0f) {
-    // Weights are relative to the max (which is 1), so min_p * p_max is
-    // min_p itself; renormalizing later does not move the threshold. The
-    // max-weight token always survives since min_p <= 1.
-    end = std::remove_if(begin, end, [&](int32_t t) { return scratch_[t] < params_.min_p; });
+    // Relative to the most likely token (always in the nucleus); renormalizing
+    // scales every probability alike, so the threshold does not move. That
+    // token always survives since min_p <= 1.
+    const float threshold = params_.min_p * max_weight;
+    const auto end = std::remove_if(candidates_.begin(), candidates_.begin() + n,
+                                    [&](const Candidate& c) { return c.weight < threshold; });
+    n = static_cast<size_t>(end - candidates_.begin());
     total = 0.0;
-    for (auto it = begin; it != end; ++it) total += scratch_[*it];
+    for (size_t i = 0; i < n; ++i) total += candidates_[i].weight;
   }
 
-  // Inverse-CDF draw over the surviving weights; dividing by `total` is the
-  // renormalization.
+  // Inverse-CDF draw; dividing by `total` is the renormalization.
   std::uniform_real_distribution<double> uniform(0.0, total);
   const double r = uniform(rng_);
   double cumulative = 0.0;
-  int32_t last_positive = *begin;
-  for (auto it = begin; it != end; ++it) {
-    const float w = scratch_[*it];
-    if (w <= 0.0f) continue;
+  int32_t last_positive = candidates_[0].id;
+  for (size_t i = 0; i < n; ++i) {
+    const float w = candidates_[i].weight;
+    if (w <= 0.0f) continue;  // underflowed at a tiny temperature
     cumulative += w;
-    last_positive = *it;
-    if (r < cumulative) return *it;
+    last_positive = candidates_[i].id;
+    if (r < cumulative) return candidates_[i].id;
   }
-  // Rounding can leave r == cumulative at the very end.
+  // Rounding (sums taken in different orders) can leave r just past the
+  // end; the last token that had any weight is the right one then.
   return last_positive;
 }
 

@@ -50,17 +50,28 @@ class Sampler {
                       absl::Span<const int32_t> generated);
 
  private:
+  // A token still in the running, with its (possibly unnormalized)
+  // probability, or its logit before the softmax.
+  struct Candidate {
+    float weight;
+    int32_t id;
+  };
+
   bool HasPenalties() const;
   // Applies repetition, presence and frequency penalties to scratch_.
   void ApplyPenalties(absl::Span<const int32_t> prompt, absl::Span<const int32_t> generated);
   // REQUIRES: temperature > 0; scratch_ holds the (penalized) logits.
   // Overwrites scratch_ and returns the drawn token.
   int32_t SampleFromScratch();
+  // log_softmax(logits)[token], using lse_scratch_.
+  float RawLogprob(absl::Span<const float> logits, int32_t token);
 
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<float> scratch_;
+  std::vector<float> lse_scratch_;
   std::vector<int32_t> index_scratch_;
+  std::vector<Candidate> candidates_;
 };
 
 // Watches streamed text for stop strings. Push returns the text that is safe

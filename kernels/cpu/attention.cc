@@ -81,8 +81,7 @@ void AttendScalar(const PagedKvView& kv, int32_t layer, const AttnItem& item, in
   if (kv.dtype == KvDType::kF32) {
     internal::AttendRange<ScalarOps<float>, float>(kv, layer, item, group, scale, st, scores);
   } else {
-    internal::AttendRange<ScalarOps<uint16_t>, uint16_t>(kv, layer, item, group, scale, st,
-                                                         scores);
+    internal::AttendRange<ScalarOps<uint16_t>, uint16_t>(kv, layer, item, group, scale, st, scores);
   }
 }
 
@@ -152,7 +151,8 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
   int32_t n_split = 1;
   if (n_threads > 1 && n_pairs < 4 * n_threads) {
     int32_t max_len = 0;
-    for (int32_t t = 0; t < batch.n_tokens; ++t) max_len = std::max(max_len, batch.token_pos[t] + 1);
+    for (int32_t t = 0; t < batch.n_tokens; ++t)
+      max_len = std::max(max_len, batch.token_pos[t] + 1);
     const int64_t want = (4 * n_threads + n_pairs - 1) / n_pairs;
     const int64_t can = std::max(1, max_len / kMinSplitPositions);
     n_split = static_cast<int32_t>(std::min(want, can));

@@ -60,7 +60,8 @@ struct Avx2Ops {
       }
       for (int j = 0; j < J; ++j) {
         float s = sums[j];
-        for (int32_t t = i; t < hd; ++t) s += q[h * hd + t] * Load1(k + static_cast<int64_t>(j) * hd + t);
+        for (int32_t t = i; t < hd; ++t)
+          s += q[h * hd + t] * Load1(k + static_cast<int64_t>(j) * hd + t);
         scores[h * ld + j] = s * scale;
       }
     }
@@ -83,7 +84,8 @@ struct Avx2Ops {
   static void Scores(const float* q, int32_t group, int32_t hd, const Elem* k_rows, int32_t n,
                      float scale, float* scores, int32_t ld) {
     int32_t h = 0;
-    for (; h + 4 <= group; h += 4) ScoresH<4>(q + h * hd, hd, k_rows, n, scale, scores + h * ld, ld);
+    for (; h + 4 <= group; h += 4)
+      ScoresH<4>(q + h * hd, hd, k_rows, n, scale, scores + h * ld, ld);
     switch (group - h) {
       case 3:
         ScoresH<3>(q + h * hd, hd, k_rows, n, scale, scores + h * ld, ld);

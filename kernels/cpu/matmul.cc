@@ -272,7 +272,8 @@ void QuantizeRowReference(DType type, const float* src, void* dst, int64_t n) {
         blocks[b].d = Fp32ToFp16(d);
         blocks[b].m = Fp32ToFp16(lo);
         for (int j = 0; j < kQK / 2; ++j) {
-          const int q0 = std::min(15, static_cast<int>(static_cast<int8_t>((x[j] - lo) * id + 0.5f)));
+          const int q0 =
+              std::min(15, static_cast<int>(static_cast<int8_t>((x[j] - lo) * id + 0.5f)));
           const int q1 = std::min(
               15, static_cast<int>(static_cast<int8_t>((x[j + kQK / 2] - lo) * id + 0.5f)));
           blocks[b].qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
@@ -351,8 +352,7 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
       } else if (simd) {
         internal::MatMulRowsAvx2(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
       } else {
-        internal::MatMulRowsScalar(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i],
-                                   y_strides[i]);
+        internal::MatMulRowsScalar(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
       }
     }
   };

@@ -284,8 +284,15 @@ void RunRows(TileArgs a, int64_t r0, int64_t r1) {
 template <DType kType>
 void RowsForType(const WeightView& w, const float* x, int64_t x_stride, const QuantizedActs& acts,
                  int64_t n_tokens, int64_t r0, int64_t r1, float* y, int64_t y_stride) {
-  TileArgs a{static_cast<const uint8_t*>(w.data), RowBytesOf<kType>(w.cols), w.cols, x, x_stride,
-             &acts, 0, y, y_stride};
+  TileArgs a{static_cast<const uint8_t*>(w.data),
+             RowBytesOf<kType>(w.cols),
+             w.cols,
+             x,
+             x_stride,
+             &acts,
+             0,
+             y,
+             y_stride};
   // The tiles prefetch ahead of themselves; start the stream for the first
   // kPrefetchAhead bytes of this thread's rows here.
   const uint8_t* start = a.w + r0 * a.row_bytes;
@@ -342,10 +349,9 @@ void QuantizeActsAvx2(const float* x, int64_t n, int8_t* qs, float* ds) {
     __m256 v1 = _mm256_loadu_ps(xb + 8);
     __m256 v2 = _mm256_loadu_ps(xb + 16);
     __m256 v3 = _mm256_loadu_ps(xb + 24);
-    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_mask, v0),
-                                              _mm256_andnot_ps(sign_mask, v1)),
-                                _mm256_max_ps(_mm256_andnot_ps(sign_mask, v2),
-                                              _mm256_andnot_ps(sign_mask, v3)));
+    __m256 amax = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign_mask, v0), _mm256_andnot_ps(sign_mask, v1)),
+        _mm256_max_ps(_mm256_andnot_ps(sign_mask, v2), _mm256_andnot_ps(sign_mask, v3)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));

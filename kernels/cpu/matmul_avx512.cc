@@ -103,8 +103,8 @@ struct Format<DType::kQ4_1> {
   }
   static __m512i Nibbles1(const uint8_t* q0) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0));
-    const __m256i both = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v),
-                                          _mm256_set1_epi8(0x0F));
+    const __m256i both =
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
     return _mm512_zextsi256_si512(both);
   }
 };
@@ -139,7 +139,8 @@ struct Format<DType::kQ8_0> {
   }
   // s8 -> u8 by flipping the sign bit, i.e. w + 128.
   static __m512i Weights2(const uint8_t* b0) {
-    __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2)));
+    __m512i v =
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2)));
     v = _mm512_inserti64x4(
         v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + kBlockBytes + 2)), 1);
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
@@ -229,7 +230,8 @@ template <DType kType, int R, int T>
 void RunRows(const uint8_t* w, int64_t row_bytes, const QuantizedActs& a, int64_t t0, int64_t r0,
              int64_t r1, float* y, int64_t y_stride) {
   int64_t r = r0;
-  for (; r + R <= r1; r += R) Tile<kType, R, T>(w + r * row_bytes, row_bytes, a, t0, y + r, y_stride);
+  for (; r + R <= r1; r += R)
+    Tile<kType, R, T>(w + r * row_bytes, row_bytes, a, t0, y + r, y_stride);
   for (; r < r1; ++r) Tile<kType, 1, T>(w + r * row_bytes, row_bytes, a, t0, y + r, y_stride);
 }
 

@@ -18,7 +18,7 @@ inline float Hsum(__m256 v) {
 
 // The four horizontal sums of a, b, c, d.
 inline __m128 Hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 ab = _mm256_hadd_ps(a, b);    // a01 a23 b01 b23 | a45 a67 b45 b67
+  const __m256 ab = _mm256_hadd_ps(a, b);  // a01 a23 b01 b23 | a45 a67 b45 b67
   const __m256 cd = _mm256_hadd_ps(c, d);
   const __m256 abcd = _mm256_hadd_ps(ab, cd);  // a0-3 b0-3 c0-3 d0-3 | a4-7 ...
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
@@ -37,9 +37,8 @@ inline float Hmax(__m256 v) {
 inline __m256 Exp(__m256 x) {
   x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // Two-part ln2 keeps r accurate for large |n|.
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
@@ -52,8 +51,8 @@ inline __m256 Exp(__m256 x) {
   const __m256 r2 = _mm256_mul_ps(r, r);
   p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   // n lies in [-126, 127] after the clamp, so 2^n is a normal float.
-  const __m256i pow2 = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i pow2 =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
 }
 

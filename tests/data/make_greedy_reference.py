@@ -35,25 +35,34 @@ SMOLLM2_PROMPTS = [
 
 
 def greedy(llm, prompt_ids, n):
+    """Incremental greedy decode (prefill, then one token per eval, as a
+    server does). Returns the ids and, per step, the gap between the best and
+    second-best logit: where it is tiny, two correct implementations may pick
+    differently (llama.cpp itself does between batched and incremental eval)."""
+    import numpy as np
     llm.reset()
-    out = []
-    for tok in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                            repeat_penalty=1.0, reset=True):
-        if tok == llm.token_eos() or len(out) >= n:
+    llm.eval(prompt_ids)
+    out, margins = [], []
+    while len(out) < n:
+        logits = np.array(llm.scores[llm.n_tokens - 1])
+        top2 = np.argsort(-logits)[:2]
+        tok = int(top2[0])
+        if tok == llm.token_eos():
             break
         out.append(tok)
-        if len(out) >= n:
-            break
-    return out
+        margins.append(round(float(logits[top2[0]] - logits[top2[1]]), 5))
+        llm.eval([tok])
+    return out, margins
 
 
 def run(path, name, prompts, add_bos, n):
-    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=2, verbose=False, seed=0)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=2, verbose=False, seed=0,
+                          logits_all=True)
     for p in prompts:
         ids = llm.tokenize(p.encode(), add_bos=add_bos, special=True)
-        out = greedy(llm, ids, n)
+        out, margins = greedy(llm, ids, n)
         print(json.dumps({"model": name, "prompt": p, "add_bos": add_bos, "prompt_ids": ids,
-                          "output_ids": out}))
+                          "output_ids": out, "top2_margins": margins}))
 
 
 def main():

@@ -44,8 +44,7 @@ class KvFixture {
     view_.n_kv_heads = n_kv_heads;
     view_.head_dim = head_dim;
     view_.dtype = dtype;
-    view_.layer_bytes =
-        2 * PagedKvView::HalfLayerBytes(block_size, n_kv_heads, head_dim, dtype);
+    view_.layer_bytes = 2 * PagedKvView::HalfLayerBytes(block_size, n_kv_heads, head_dim, dtype);
     view_.block_bytes = kLayers * view_.layer_bytes;
     int32_t total_blocks = 0;
     for (int32_t len : seq_lens) total_blocks += (len + block_size - 1) / block_size;
@@ -187,8 +186,8 @@ TEST(AppendKvTest, WritesDocumentedSlot) {
   AppendKv(v, 0, 1, &seq, &pos, k.data(), heads * hd, val.data(), heads * hd);
   const int32_t block = v.block_ids[v.seq_block_offsets[0] + pos / bs];
   for (int h = 0; h < heads; ++h) {
-    const uint8_t* kbase = v.pool + block * v.block_bytes + 0 * v.layer_bytes +
-                           (h * bs + pos % bs) * hd * 2;
+    const uint8_t* kbase =
+        v.pool + block * v.block_bytes + 0 * v.layer_bytes + (h * bs + pos % bs) * hd * 2;
     const uint8_t* vbase = kbase + v.layer_bytes / 2;
     for (int i = 0; i < hd; ++i) {
       uint16_t kh, vh;

@@ -96,15 +96,13 @@ TEST_P(MatMulTest, MatchesReference) {
   std::vector<float> want(n_tokens * y_stride, 0.0f);
   std::vector<float> got(n_tokens * y_stride, 0.0f);
   MatMulReference(view, x.data(), n_tokens, x_stride, want.data(), y_stride);
-  MatMul(view, x.data(), n_tokens, x_stride, got.data(), y_stride,
-         use_pool ? TestPool() : nullptr);
+  MatMul(view, x.data(), n_tokens, x_stride, got.data(), y_stride, use_pool ? TestPool() : nullptr);
 
   // 8-bit activations bound the error of the quantized types (ggml's
   // test-backend-ops allows 5e-4 for them); float types differ from the
   // reference only in summation order.
-  const double limit = (type == DType::kQ8_0 || type == DType::kQ4_0 || type == DType::kQ4_1)
-                           ? 2e-4
-                           : 1e-10;
+  const double limit =
+      (type == DType::kQ8_0 || type == DType::kQ4_0 || type == DType::kQ4_1) ? 2e-4 : 1e-10;
   EXPECT_LT(Nmse(got, want), limit);
   // Padding between rows must be left alone.
   for (int t = 0; t < n_tokens; ++t) {
@@ -122,8 +120,8 @@ std::string MatMulName(const ::testing::TestParamInfo<MatMulParam>& info) {
 // The full grid minus shapes a block format cannot hold (cols % 32 != 0).
 std::vector<MatMulParam> MatMulParams() {
   std::vector<MatMulParam> params;
-  for (DType type : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0,
-                     DType::kQ4_1}) {
+  for (DType type :
+       {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1}) {
     for (int n_tokens : {1, 3, 8, 33}) {
       for (Shape shape : {Shape{1, 32}, Shape{7, 64}, Shape{37, 160}, Shape{5, 96}, Shape{130, 576},
                           Shape{65, 1536}, Shape{9, 13}}) {

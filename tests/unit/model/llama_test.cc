@@ -13,6 +13,7 @@
 #include "cache/kv_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/chat_template.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "scheduler/batch_generator.h"
@@ -95,6 +96,7 @@ TEST(LlamaGoldenTest, Stories260KReproducesLlamaCppGreedyOutputs) {
 // llama.cpp (tests/data/make_greedy_reference.py): tokenization and every
 // generated id must agree, including stopping at end-of-generation.
 TEST(LlamaGoldenTest, GreedyMatchesLlamaCppReferenceOnOtherPrompts) {
+  constexpr float kNearTie = 0.05f;
   std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/greedy_reference.jsonl");
   ASSERT_TRUE(in.good());
   std::map<std::string, Engine> engines;
@@ -118,7 +120,21 @@ TEST(LlamaGoldenTest, GreedyMatchesLlamaCppReferenceOnOtherPrompts) {
     BatchGenerator gen(e.model.get(), e.tokenizer.get(), &pool, {});
     auto out = gen.Generate({GenerationRequest{want_prompt, Greedy(32)}});
     ASSERT_TRUE(out.ok()) << out.status();
-    EXPECT_EQ((*out)[0].tokens, want_out) << model << ": " << prompt;
+    // Compare up to the first near-tie in llama.cpp's own logits: there two
+    // correct implementations may legitimately pick differently (llama.cpp
+    // itself does between batched and one-token evaluation).
+    const auto margins = j["top2_margins"].get<std::vector<float>>();
+    size_t sure = 0;
+    while (sure < margins.size() && margins[sure] >= kNearTie) ++sure;
+    const std::vector<int32_t>& got = (*out)[0].tokens;
+    if (sure == want_out.size()) {
+      EXPECT_EQ(got, want_out) << model << ": " << prompt;
+    } else {
+      ASSERT_GE(got.size(), sure) << model << ": " << prompt;
+      EXPECT_EQ(std::vector<int32_t>(got.begin(), got.begin() + sure),
+                std::vector<int32_t>(want_out.begin(), want_out.begin() + sure))
+          << model << ": " << prompt << " (compared " << sure << " tokens before a near-tie)";
+    }
     ++checked;
   }
   if (checked == 0) GTEST_SKIP() << "no reference model present";
@@ -188,13 +204,14 @@ TEST(LlamaChatTest, SmolLM2AnswersInEnglish) {
   KVSERVE_SKIP_IF_MISSING(model_path, "SmolLM2 (run deploy/setup.sh)");
   Engine e = LoadEngine(model_path);
   ASSERT_TRUE(e.model);
-  const std::string prompt =
-      "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-      "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-      "<|im_start|>assistant\n";
+  auto tmpl = ChatTemplate::FromGguf(e.model->file());
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+  auto prompt = tmpl->Render({{"user", "What is the capital of France? Answer in one sentence."}},
+                             /*add_generation_prompt=*/true);
+  ASSERT_TRUE(prompt.ok()) << prompt.status();
   ThreadPool pool(2);
   BatchGenerator gen(e.model.get(), e.tokenizer.get(), &pool, {});
-  auto out = gen.Generate({GenerationRequest{e.tokenizer->Encode(prompt, false, true), Greedy(40)}});
+  auto out = gen.Generate({GenerationRequest{e.tokenizer->Encode(*prompt, false, true), Greedy(40)}});
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_THAT((*out)[0].text, HasSubstr("Paris"));
   EXPECT_EQ((*out)[0].finish_reason, "stop");  // ends its turn with <|im_end|>
