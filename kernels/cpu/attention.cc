@@ -155,7 +155,11 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
       max_len = std::max(max_len, batch.token_pos[t] + 1);
     const int64_t want = (4 * n_threads + n_pairs - 1) / n_pairs;
     const int64_t can = std::max(1, max_len / kMinSplitPositions);
-    n_split = static_cast<int32_t>(std::min(want, can));
+    int64_t split = std::min(want, can);
+    // Equal-sized items: a count divisible by the threads leaves none idle
+    // at the end (9 items on 2 threads would run 5 + 4).
+    while (split < can && (n_pairs * split) % n_threads != 0) ++split;
+    n_split = static_cast<int32_t>(split);
   }
   const int64_t n_items = n_pairs * n_split;
   const int64_t state_floats = static_cast<int64_t>(group) * (hd + 2);

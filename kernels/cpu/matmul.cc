@@ -95,7 +95,7 @@ void FloatRowsScalar(const WeightView& w, const float* x, int64_t x_stride, int6
 
 namespace internal {
 
-void QuantizeActsScalar(const float* x, int64_t n, int8_t* qs, float* ds) {
+void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     const float* xb = x + b * kQK;
     float amax = 0.0f;
@@ -108,8 +108,11 @@ void QuantizeActsScalar(const float* x, int64_t n, int8_t* qs, float* ds) {
       qs[b * kQK + j] = static_cast<int8_t>(q);
       sum += q;
     }
-    ds[2 * b] = scale;
-    ds[2 * b + 1] = scale * static_cast<float>(sum);
+    const float d16 = Fp16ToFp32(Fp32ToFp16(scale));
+    ds[2 * b] = d16;
+    ds[2 * b + 1] = sum_mode == ActSum::kQ8_1
+                        ? Fp16ToFp32(Fp32ToFp16(scale * static_cast<float>(sum)))
+                        : d16 * static_cast<float>(sum);
   }
 }
 
@@ -315,6 +318,15 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
   }
   if (total_rows <= 0) return;
 
+  // Q4_1 alone wants ggml's Q8_1 sum; with other formats present the exact
+  // sum keeps their offset terms exact (Q4_1 then differs from ggml only in
+  // the last bits of its min term).
+  bool all_q4_1 = true;
+  for (int i = 0; i < n_weights; ++i) {
+    if (internal::IsQuantized(ws[i].type) && ws[i].type != DType::kQ4_1) all_q4_1 = false;
+  }
+  const internal::ActSum sum_mode = all_q4_1 ? internal::ActSum::kQ8_1 : internal::ActSum::kExact;
+
   QuantizedActs acts;
   if (any_quantized) {
     // Quantize every token once here rather than once per output row.
@@ -328,9 +340,9 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
       int8_t* qs = scratch.qs.data() + t * nb * kQK;
       float* ds = scratch.ds.data() + t * 2 * nb;
       if (simd) {
-        internal::QuantizeActsAvx2(x + t * x_stride, cols, qs, ds);
+        internal::QuantizeActsAvx2(x + t * x_stride, cols, sum_mode, qs, ds);
       } else {
-        internal::QuantizeActsScalar(x + t * x_stride, cols, qs, ds);
+        internal::QuantizeActsScalar(x + t * x_stride, cols, sum_mode, qs, ds);
       }
     }
     acts.n_blocks = nb;

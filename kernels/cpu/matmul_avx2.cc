@@ -48,6 +48,11 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Through fp16 and back, round-to-nearest-even as ggml's F16C conversion.
+inline float RoundToHalf(float v) {
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(v), _MM_FROUND_TO_NEAREST_INT)));
+}
+
 inline float LoadHalf(const void* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
@@ -340,7 +345,7 @@ void RowsForType(const WeightView& w, const float* x, int64_t x_stride, const Qu
 
 }  // namespace
 
-void QuantizeActsAvx2(const float* x, int64_t n, int8_t* qs, float* ds) {
+void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < n / kQK; ++b) {
@@ -373,8 +378,10 @@ void QuantizeActsAvx2(const float* x, int64_t n, int8_t* qs, float* ds) {
     const __m256i p16b = _mm256_packs_epi32(i2, i3);
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * kQK), p8);
-    ds[2 * b] = scale;
-    ds[2 * b + 1] = scale * static_cast<float>(_mm_cvtsi128_si32(s4));
+    const float sum = static_cast<float>(_mm_cvtsi128_si32(s4));
+    const float d16 = RoundToHalf(scale);
+    ds[2 * b] = d16;
+    ds[2 * b + 1] = sum_mode == ActSum::kQ8_1 ? RoundToHalf(scale * sum) : d16 * sum;
   }
 }
 

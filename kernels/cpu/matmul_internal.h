@@ -23,8 +23,18 @@ struct QuantizedActs {
 };
 
 // Quantizes n floats (n % kQK == 0) of one token: qs[n], ds[2 * n / kQK].
-void QuantizeActsScalar(const float* x, int64_t n, int8_t* qs, float* ds);
-void QuantizeActsAvx2(const float* x, int64_t n, int8_t* qs, float* ds);
+//
+// Rounded like ggml's AVX2 quantize_row_q8_0/q8_1 so the engine's logits
+// track llama.cpp's (the greedy tests compare token by token): q =
+// round-half-even(x * 127 / amax), d stored through fp16. The sum term
+// depends on the weight format:
+//   kExact: s = d * sum(q) with the fp16-rounded d, what the offset tricks
+//     for Q4_0 and Q8_0 need to cancel exactly (ggml uses no sum there).
+//   kQ8_1: s = fp16(d * sum(q)) with the unrounded d, ggml's Q8_1 value,
+//     whose `m * s` is Q4_1's min term.
+enum class ActSum : uint8_t { kExact, kQ8_1 };
+void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds);
+void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds);
 
 // Computes y[t][r] for rows [r0, r1) and all n_tokens tokens. Quantized weight
 // types read `acts`; float weight types read x directly.

@@ -37,7 +37,8 @@ TEST_F(CudaKernelsTest, RmsNormMatchesCpuReference) {
                               static_cast<float*>(*dout))
                     .ok());
     ASSERT_TRUE(cuda::CopyToHost(got.data(), *dout, got.size() * 4).ok());
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-4f * (1 + std::fabs(want[i])));
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 1e-4f * (1 + std::fabs(want[i])));
     EXPECT_TRUE(cuda::DeviceFree(*dx).ok());
     EXPECT_TRUE(cuda::DeviceFree(*dw).ok());
     EXPECT_TRUE(cuda::DeviceFree(*dout).ok());

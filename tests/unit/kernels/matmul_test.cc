@@ -14,6 +14,7 @@
 #include "common/half.h"
 #include "common/thread_pool.h"
 #include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/matmul_internal.h"
 #include "kernels/dtype.h"
 
 namespace kvserve::kernels {
@@ -184,6 +185,42 @@ INSTANTIATE_TEST_SUITE_P(Batches, MatMulManyTest,
                                   (std::get<1>(info.param) ? "_pool_" : "_nopool_") +
                                   PathName(std::get<2>(info.param));
                          });
+
+// The activation quantizers round like ggml's quantize_row_q8_0/q8_1 (the
+// engine's greedy output is compared with llama.cpp's), and the AVX2 and
+// portable versions agree bit for bit.
+TEST(QuantizeActsTest, MatchesGgmlRoundingOnBothPaths) {
+  const int64_t n = 256;
+  auto x = RandomFloats(n, 21, 3.0f);
+  std::fill(x.begin() + 64, x.begin() + 96, 0.0f);  // an all-zero block
+  for (auto mode : {internal::ActSum::kExact, internal::ActSum::kQ8_1}) {
+    std::vector<int8_t> qs_a(n), qs_b(n);
+    std::vector<float> ds_a(2 * n / kQK), ds_b(2 * n / kQK);
+    internal::QuantizeActsScalar(x.data(), n, mode, qs_a.data(), ds_a.data());
+    if (UseAvx2()) {
+      internal::QuantizeActsAvx2(x.data(), n, mode, qs_b.data(), ds_b.data());
+      EXPECT_EQ(qs_a, qs_b);
+      EXPECT_EQ(ds_a, ds_b);
+    }
+    for (int64_t b = 0; b < n / kQK; ++b) {
+      float amax = 0.0f;
+      int sum = 0;
+      for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(x[b * kQK + j]));
+      const float d = amax / 127.0f;
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int j = 0; j < kQK; ++j) {
+        const int q = static_cast<int>(std::nearbyint(x[b * kQK + j] * id));
+        EXPECT_EQ(qs_a[b * kQK + j], q);
+        sum += q;
+      }
+      const float d16 = Fp16ToFp32(Fp32ToFp16(d));
+      EXPECT_EQ(ds_a[2 * b], d16);
+      const float want_s = mode == internal::ActSum::kQ8_1 ? Fp16ToFp32(Fp32ToFp16(d * sum))
+                                                           : d16 * static_cast<float>(sum);
+      EXPECT_EQ(ds_a[2 * b + 1], want_s);
+    }
+  }
+}
 
 class QuantizeTest : public ::testing::TestWithParam<DType> {};
 
