@@ -266,9 +266,13 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
     const Layer& L = layers_[l];
     // Attention block.
     kernels::RmsNorm(x, L.attn_norm, n, c.dim, c.rms_eps, xn);
-    kernels::MatMul(L.wq, xn, n, c.dim, q_.data(), q_dim, pool);
-    kernels::MatMul(L.wk, xn, n, c.dim, k_.data(), kv_dim, pool);
-    kernels::MatMul(L.wv, xn, n, c.dim, v_.data(), kv_dim, pool);
+    {
+      // One activation quantization and one thread dispatch for Q, K and V.
+      const kernels::WeightView ws[3] = {L.wq, L.wk, L.wv};
+      float* const ys[3] = {q_.data(), k_.data(), v_.data()};
+      const int64_t strides[3] = {q_dim, kv_dim, kv_dim};
+      kernels::MatMulMany(ws, 3, xn, n, c.dim, ys, strides, pool);
+    }
     for (int64_t i = 0; i < n; ++i) {
       kernels::Rope(q_.data() + i * q_dim, c.n_heads, b.positions[i], rope);
       kernels::Rope(k_.data() + i * kv_dim, c.n_kv_heads, b.positions[i], rope);
@@ -280,8 +284,12 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
     kernels::AddInPlace(x, xn, n * c.dim);
     // Feed-forward block (SwiGLU).
     kernels::RmsNorm(x, L.ffn_norm, n, c.dim, c.rms_eps, xn);
-    kernels::MatMul(L.w_gate, xn, n, c.dim, gate_.data(), c.ffn_dim, pool);
-    kernels::MatMul(L.w_up, xn, n, c.dim, up_.data(), c.ffn_dim, pool);
+    {
+      const kernels::WeightView ws[2] = {L.w_gate, L.w_up};
+      float* const ys[2] = {gate_.data(), up_.data()};
+      const int64_t strides[2] = {c.ffn_dim, c.ffn_dim};
+      kernels::MatMulMany(ws, 2, xn, n, c.dim, ys, strides, pool);
+    }
     kernels::SiluMul(gate_.data(), up_.data(), n * c.ffn_dim, gate_.data());
     kernels::MatMul(L.w_down, gate_.data(), n, c.ffn_dim, xn, c.dim, pool);
     kernels::AddInPlace(x, xn, n * c.dim);

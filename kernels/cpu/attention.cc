@@ -145,6 +145,41 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
   const int n_threads = pool != nullptr ? pool->num_threads() : 1;
   const bool simd = UseAvx2();
 
+  if (kv.dtype == KvDType::kF16) {
+    // f16 cache: two passes per (token, KV head) with llama.cpp's rounding
+    // points (see AttendTwoPassF16); each item covers its whole context.
+    auto run_pair = [&](int64_t pair) {
+      const int32_t t = static_cast<int32_t>(pair / kv.n_kv_heads);
+      const int32_t kvh = static_cast<int32_t>(pair % kv.n_kv_heads);
+      const int32_t len = batch.token_pos[t] + 1;
+      const int32_t ld = (len + 15) & ~15;
+      AttnItem item{batch.token_seq[t], kvh, 0, len,
+                    q + t * q_stride + static_cast<int64_t>(kvh) * group * hd};
+      float* buf = ThreadScratch().Reserve(static_cast<size_t>(group) * (ld + hd));
+      float* o = out + t * out_stride + static_cast<int64_t>(kvh) * group * hd;
+      if (simd) {
+        internal::AttendTwoPassF16Avx2(kv, layer, item, group, batch.scale, buf,
+                                       ld, buf + static_cast<int64_t>(group) * ld, o);
+      } else {
+        internal::AttendTwoPassF16<ScalarOps<uint16_t>>(kv, layer, item, group, batch.scale, buf,
+                                                        ld, buf + static_cast<int64_t>(group) * ld,
+                                                        o);
+      }
+    };
+    if (pool != nullptr && n_pairs > 1) {
+      std::atomic<int64_t> next{0};
+      pool->Run([&](int, int) {
+        for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_pairs;
+             i = next.fetch_add(1, std::memory_order_relaxed)) {
+          run_pair(i);
+        }
+      });
+    } else {
+      for (int64_t i = 0; i < n_pairs; ++i) run_pair(i);
+    }
+    return;
+  }
+
   // Few (token, KV head) pairs -- single-stream decode has n_kv_heads of
   // them -- would leave threads idle: split each context into chunks and
   // merge their softmax states afterwards (flash-decoding).
@@ -245,6 +280,11 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
   }
 }
 
+// With an f16 cache the query meets the keys as f16 (see AttendTwoPassF16).
+static float QueryElem(float q, KvDType dtype) {
+  return dtype == KvDType::kF16 ? Fp16ToFp32(Fp32ToFp16(q)) : q;
+}
+
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride) {
   const int32_t group = batch.n_heads / kv.n_kv_heads;
@@ -262,7 +302,7 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
       for (int32_t p = 0; p < len; ++p) {
         const uint8_t* k = kv.KeyAt(layer, seq, p, kvh);
         double s = 0.0;
-        for (int32_t i = 0; i < hd; ++i) s += static_cast<double>(qh[i]) * LoadElem(k, i, kv.dtype);
+        for (int32_t i = 0; i < hd; ++i) s += static_cast<double>(QueryElem(qh[i], kv.dtype)) * LoadElem(k, i, kv.dtype);
         scores[p] = s * batch.scale;
         mx = std::max(mx, scores[p]);
       }
@@ -274,10 +314,13 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int32_t p = 0; p < len; ++p) {
         const uint8_t* v = kv.ValueAt(layer, seq, p, kvh);
-        for (int32_t i = 0; i < hd; ++i) acc[i] += scores[p] * LoadElem(v, i, kv.dtype);
+        const double w = kv.dtype == KvDType::kF16
+                             ? Fp16ToFp32(Fp32ToFp16(static_cast<float>(scores[p] / sum)))
+                             : scores[p] / sum;
+        for (int32_t i = 0; i < hd; ++i) acc[i] += w * LoadElem(v, i, kv.dtype);
       }
       float* o = out + t * out_stride + static_cast<int64_t>(h) * hd;
-      for (int32_t i = 0; i < hd; ++i) o[i] = static_cast<float>(acc[i] / sum);
+      for (int32_t i = 0; i < hd; ++i) o[i] = static_cast<float>(acc[i]);
     }
   }
 }

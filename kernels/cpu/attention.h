@@ -32,7 +32,9 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
                     const float* q, int64_t q_stride, float* out, int64_t out_stride,
                     ThreadPool* pool);
 
-// Plain loops, single-threaded, two-pass softmax: the reference.
+// Plain loops, single-threaded, two-pass softmax: the reference. With an f16
+// cache the query and the normalized probabilities are rounded to f16, as the
+// fast path does (f16 operands, wider accumulation).
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride);
 

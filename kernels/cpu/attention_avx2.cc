@@ -217,4 +217,10 @@ void AttendAvx2(const PagedKvView& kv, int32_t layer, const AttnItem& item, int3
   }
 }
 
+void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& item,
+                          int32_t group, float scale, float* scores, int32_t ld, float* q16,
+                          float* out) {
+  AttendTwoPassF16<Avx2Ops<uint16_t>>(kv, layer, item, group, scale, scores, ld, q16, out);
+}
+
 }  // namespace kvserve::kernels::internal

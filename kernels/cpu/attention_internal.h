@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/half.h"
 #include "kernels/kv_view.h"
 
 namespace kvserve::kernels::internal {
@@ -94,6 +95,53 @@ void AttendRange(const PagedKvView& kv, int32_t layer, const AttnItem& item, int
     pos = tile_end;
   }
 }
+
+// Two-pass attention for an f16 cache: the query is rounded to f16 and the
+// normalized probabilities are rounded to f16 before they weight V, with f32
+// accumulation -- f16 operands as tensor-core kernels use them, and the exact
+// rounding points of llama.cpp's CPU attention, so both engines break greedy
+// near-ties the same way. Needs the whole context of the item
+// (pos_begin == 0): probabilities are normalized before V is read.
+// scores: group * ld floats, ld >= pos_end; q16: group * head_dim floats.
+// Writes the normalized output of each head to out + h * head_dim.
+template <typename Ops>
+void AttendTwoPassF16(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
+                      float scale, float* scores, int32_t ld, float* q16, float* out) {
+  const int32_t hd = kv.head_dim;
+  const int32_t bs = kv.block_size;
+  const int32_t len = item.pos_end;
+  const int32_t* blocks = kv.block_ids + kv.seq_block_offsets[item.seq];
+  const int64_t v_offset = kv.layer_bytes / 2;
+  for (int32_t i = 0; i < group * hd; ++i) q16[i] = Fp16ToFp32(Fp32ToFp16(item.q[i]));
+  for (int32_t p = 0; p < len;) {
+    const int32_t slot = p % bs;
+    const int32_t run = std::min(len - p, bs - slot);
+    const uint8_t* k_head = kv.BlockHead(layer, blocks[p / bs], item.kv_head);
+    Ops::Scores(q16, group, hd, reinterpret_cast<const uint16_t*>(k_head) + int64_t{slot} * hd, run,
+                scale, scores + p, ld);
+    p += run;
+  }
+  for (int32_t h = 0; h < group; ++h) {
+    float* s = scores + static_cast<int64_t>(h) * ld;
+    const float mx = Ops::Max(s, len);
+    const float sum = Ops::ExpShift(s, len, mx);
+    const float inv = static_cast<float>(1.0 / static_cast<double>(sum));
+    for (int32_t j = 0; j < len; ++j) s[j] = Fp16ToFp32(Fp32ToFp16(s[j] * inv));
+  }
+  std::fill(out, out + static_cast<int64_t>(group) * hd, 0.0f);
+  for (int32_t p = 0; p < len;) {
+    const int32_t slot = p % bs;
+    const int32_t run = std::min(len - p, bs - slot);
+    const uint8_t* v_head = kv.BlockHead(layer, blocks[p / bs], item.kv_head) + v_offset;
+    Ops::AccumulateV(out, group, hd, scores + p, ld,
+                     reinterpret_cast<const uint16_t*>(v_head) + int64_t{slot} * hd, run);
+    p += run;
+  }
+}
+
+void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& item,
+                          int32_t group, float scale, float* scores, int32_t ld, float* q16,
+                          float* out);
 
 // Entry points per ISA: run one item from a freshly reset state.
 void AttendAvx2(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,

@@ -14,6 +14,8 @@
 
 #include <immintrin.h>
 
+#include <cmath>
+
 #include <algorithm>
 #include <cstring>
 
@@ -277,6 +279,84 @@ void RowsForType(const WeightView& w, const QuantizedActs& acts, int64_t n_token
 
 }  // namespace
 
+namespace {
+
+// F32 weights in the accumulation order of ggml's AVX-512 CPU kernels, so
+// logits agree with llama.cpp on the same machine to the last bit and greedy
+// near-ties (stories260K has one at 5e-4) break the same way:
+// - cols % 16 == 0 (llamafile's tinyBLAS): one 16-lane FMA accumulator per
+//   (row, token), reduced with _mm512_reduce_add_ps;
+// - otherwise (ggml_vec_dot_f32): four accumulators over 64-element steps,
+//   summed pairwise, reduced, then a fused multiply-add tail.
+template <int R, int T>
+void F32Tile16(const float* w, int64_t cols, const float* x, int64_t x_stride, int64_t t0,
+               float* y, int64_t y_stride) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < cols; i += 16) {
+    __m512 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_ps(x + (t0 + t) * x_stride + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_loadu_ps(w + r * cols + i);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+  }
+}
+
+float F32DotSteps64(const float* w, const float* x, int64_t cols) {
+  const int64_t np = cols & ~int64_t{63};
+  __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+  for (int64_t i = 0; i < np; i += 64) {
+    for (int j = 0; j < 4; ++j) {
+      sum[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16 * j), _mm512_loadu_ps(w + i + 16 * j),
+                               sum[j]);
+    }
+  }
+  sum[0] = _mm512_add_ps(sum[0], sum[2]);
+  sum[1] = _mm512_add_ps(sum[1], sum[3]);
+  sum[0] = _mm512_add_ps(sum[0], sum[1]);
+  float s = _mm512_reduce_add_ps(sum[0]);
+  for (int64_t i = np; i < cols; ++i) s = std::fma(x[i], w[i], s);
+  return s;
+}
+
+void F32Rows(const WeightView& w, const float* x, int64_t x_stride, int64_t n_tokens, int64_t r0,
+             int64_t r1, float* y, int64_t y_stride) {
+  const float* base = static_cast<const float*>(w.data);
+  const int64_t cols = w.cols;
+  if (cols % 16 != 0) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t t = 0; t < n_tokens; ++t) {
+        y[t * y_stride + r] = F32DotSteps64(base + r * cols, x + t * x_stride, cols);
+      }
+    }
+    return;
+  }
+  constexpr int kR = 4;
+  constexpr int kT = 4;
+  int64_t r = r0;
+  for (; r + kR <= r1; r += kR) {
+    int64_t t = 0;
+    for (; t + kT <= n_tokens; t += kT) {
+      F32Tile16<kR, kT>(base + r * cols, cols, x, x_stride, t, y + r, y_stride);
+    }
+    for (; t < n_tokens; ++t) F32Tile16<kR, 1>(base + r * cols, cols, x, x_stride, t, y + r, y_stride);
+  }
+  for (; r < r1; ++r) {
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      F32Tile16<1, 1>(base + r * cols, cols, x, x_stride, t, y + r, y_stride);
+    }
+  }
+}
+
+}  // namespace
+
 void MatMulRowsAvx512Vnni(const WeightView& w, const float* x, int64_t x_stride,
                           const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1,
                           float* y, int64_t y_stride) {
@@ -287,6 +367,8 @@ void MatMulRowsAvx512Vnni(const WeightView& w, const float* x, int64_t x_stride,
       return RowsForType<DType::kQ4_0>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_1:
       return RowsForType<DType::kQ4_1>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kF32:
+      return F32Rows(w, x, x_stride, n_tokens, r0, r1, y, y_stride);
     default:
       return MatMulRowsAvx2(w, x, x_stride, acts, n_tokens, r0, r1, y, y_stride);
   }

@@ -25,8 +25,9 @@ void RotateHead(float* h, const float* cs, const float* sn, int32_t half, RopeSt
     for (int32_t i = 0; i < half; ++i) {
       const float a = h[2 * i];
       const float b = h[2 * i + 1];
-      h[2 * i] = a * cs[i] - b * sn[i];
-      h[2 * i + 1] = a * sn[i] + b * cs[i];
+      // The fused forms ggml's compiled rotation uses: bit-equal to llama.cpp.
+      h[2 * i] = std::fma(a, cs[i], -(b * sn[i]));
+      h[2 * i + 1] = std::fma(a, sn[i], b * cs[i]);
     }
   } else {
     float* lo = h;
@@ -34,8 +35,8 @@ void RotateHead(float* h, const float* cs, const float* sn, int32_t half, RopeSt
     for (int32_t i = 0; i < half; ++i) {
       const float a = lo[i];
       const float b = hi[i];
-      lo[i] = a * cs[i] - b * sn[i];
-      hi[i] = a * sn[i] + b * cs[i];
+      lo[i] = std::fma(a, cs[i], -(b * sn[i]));
+      hi[i] = std::fma(a, sn[i], b * cs[i]);
     }
   }
 }
@@ -58,10 +59,10 @@ void RmsNorm(const float* x, const float* weight, int64_t n_rows, int64_t n, flo
   if (UseAvx2()) return internal::RmsNormAvx2(x, weight, n_rows, n, eps, out);
   for (int64_t r = 0; r < n_rows; ++r) {
     const float* xr = x + r * n;
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) out[r * n + i] = xr[i] * inv * weight[i];
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i] * xr[i]);
+    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(n)) + eps);
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = (xr[i] * inv) * weight[i];
   }
 }
 
@@ -102,10 +103,15 @@ class RopeTableCache {
     const int slot = static_cast<int>(static_cast<uint32_t>(pos) % kSlots);
     float* t = tables_.data() + static_cast<size_t>(slot) * 2 * half;
     if (pos_[slot] != pos) {
+      // ggml's float recurrence (theta *= base^(-2/rot_dim), cosf/sinf) rather
+      // than the exact angle of RopeReference: it is what GGUF models are run
+      // with everywhere, and it keeps our logits bit-equal to llama.cpp's.
+      const float theta_scale = std::pow(p.freq_base, -2.0f / static_cast<float>(p.rot_dim));
+      float theta = static_cast<float>(pos);
       for (int32_t i = 0; i < half; ++i) {
-        const double theta = RopeAngle(pos, i, p);
-        t[i] = static_cast<float>(std::cos(theta));
-        t[half + i] = static_cast<float>(std::sin(theta));
+        t[i] = std::cos(theta);
+        t[half + i] = std::sin(theta);
+        theta *= theta_scale;
       }
       pos_[slot] = pos;
     }

@@ -15,19 +15,14 @@ void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n,
   for (int64_t row = 0; row < n_rows; ++row) {
     const float* xr = x + row * n;
     float* o = out + row * n;
-    // Two accumulators hide the FMA latency on short rows.
-    __m256 s0 = _mm256_setzero_ps();
-    __m256 s1 = _mm256_setzero_ps();
+    // Squares in float, summed in double in order, then 1/sqrtf of the float
+    // mean: ggml's arithmetic, so a model's logits match llama.cpp's (the sum
+    // is 2 flops per element; the row is read again below anyway).
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i] * xr[i]);
+    const float mean = static_cast<float>(ss / static_cast<double>(n));
+    const float inv = 1.0f / std::sqrt(mean + eps);
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m256 a = _mm256_loadu_ps(xr + i);
-      const __m256 b = _mm256_loadu_ps(xr + i + 8);
-      s0 = _mm256_fmadd_ps(a, a, s0);
-      s1 = _mm256_fmadd_ps(b, b, s1);
-    }
-    float ss = Hsum(_mm256_add_ps(s0, s1));
-    for (; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
     const __m256 vinv = _mm256_set1_ps(inv);
     i = 0;
     for (; i + 8 <= n; i += 8) {

@@ -119,7 +119,11 @@ class PagedAttentionTest : public ::testing::TestWithParam<AttnParam> {
                    use_pool ? TestPool() : nullptr);
     for (int32_t t = 0; t < batch.n_tokens; ++t) {
       for (int64_t i = 0; i < q_stride; ++i) {
-        ASSERT_NEAR(got[t * q_stride + i], want[t * q_stride + i], 2e-5f)
+        // f16: probabilities are rounded to f16 after normalization, and a
+        // float vs double score can land on either side of a rounding step
+        // (one f16 ulp of a probability is 2^-11 of it).
+        ASSERT_NEAR(got[t * q_stride + i], want[t * q_stride + i],
+                    dtype == KvDType::kF16 ? 1e-3f : 2e-5f)
             << "token " << t << " element " << i;
       }
     }
