@@ -7,10 +7,20 @@
 #include "absl/strings/str_cat.h"
 
 namespace kvserve {
+namespace {
+
+// A stale or foreign handle means some table kept a block after releasing
+// it; continuing would let two sequences read and write the same K/V, so we
+// stop loudly instead (death tests match this text).
+[[noreturn]] void DieOnBadHandle(const char* op, BlockHandle h, const char* why) {
+  std::fprintf(stderr, "KvPool::%s: block %d (generation %u) %s\n", op, h.id, h.generation, why);
+  std::abort();
+}
+
+}  // namespace
 
 int64_t KvPool::BlockBytes(const KvPoolOptions& o) {
-  return 2 * kernels::PagedKvView::HalfLayerBytes(o.block_size, o.n_kv_heads, o.head_dim,
-                                                   o.dtype) *
+  return 2 * kernels::PagedKvView::HalfLayerBytes(o.block_size, o.n_kv_heads, o.head_dim, o.dtype) *
          o.n_layers;
 }
 
@@ -33,39 +43,70 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvPoolOptions& o) {
   const int64_t rounded = (total + 63) / 64 * 64;
   pool->storage_ = static_cast<uint8_t*>(std::aligned_alloc(64, rounded));
   if (pool->storage_ == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", total, " bytes of KV cache"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", total, " bytes of KV cache"));
   }
   pool->free_.reserve(o.n_blocks);
   // Hand out low ids first: pop_back from a descending list.
   for (int32_t i = o.n_blocks - 1; i >= 0; --i) pool->free_.push_back(i);
-  pool->allocated_.assign(o.n_blocks, 0);
+  pool->refs_.assign(o.n_blocks, 0);
+  pool->generation_.assign(o.n_blocks, 0);
   return pool;
 }
 
-absl::Status KvPool::Allocate(int32_t n, std::vector<int32_t>* out) {
-  if (n < 0) return absl::InvalidArgumentError("negative block count");
+absl::Status KvPool::Allocate(int32_t n, std::vector<BlockHandle>* out) {
+  if (n < 0) return absl::InvalidArgumentError(absl::StrCat("negative block count ", n));
+  // Checked before taking anything so a failed request leaves the pool as it was.
   if (n > num_free_blocks()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("KV cache has ", num_free_blocks(), " free blocks, ", n, " needed"));
   }
+  out->reserve(out->size() + n);
   for (int32_t i = 0; i < n; ++i) {
     const int32_t id = free_.back();
     free_.pop_back();
-    allocated_[id] = 1;
-    out->push_back(id);
+    refs_[id] = 1;
+    out->push_back(BlockHandle{id, generation_[id]});
   }
   return absl::OkStatus();
 }
 
-void KvPool::Free(absl::Span<const int32_t> ids) {
-  for (int32_t id : ids) {
-    if (id < 0 || id >= options_.n_blocks || !allocated_[id]) {
-      std::fprintf(stderr, "KvPool::Free: block %d is not allocated\n", id);
-      std::abort();  // programmer error: double free or foreign id
-    }
-    allocated_[id] = 0;
-    free_.push_back(id);
+bool KvPool::IsLive(BlockHandle h) const {
+  return h.id >= 0 && h.id < options_.n_blocks && refs_[h.id] > 0 &&
+         generation_[h.id] == h.generation;
+}
+
+int32_t KvPool::ref_count(BlockHandle h) const { return IsLive(h) ? refs_[h.id] : 0; }
+
+void KvPool::AddRef(BlockHandle h) {
+  if (!IsLive(h)) DieOnBadHandle("AddRef", h, "is not live (stale or foreign handle)");
+  ++refs_[h.id];
+}
+
+void KvPool::Release(BlockHandle h) {
+  if (!IsLive(h)) {
+    DieOnBadHandle("Release", h, "is not live (double release, stale or foreign handle)");
   }
+  if (--refs_[h.id] == 0) {
+    // The new generation invalidates every handle still naming this block.
+    ++generation_[h.id];
+    free_.push_back(h.id);
+  }
+}
+
+void KvPool::Release(absl::Span<const BlockHandle> hs) {
+  for (const BlockHandle& h : hs) Release(h);
+}
+
+void KvPool::CopyBlock(BlockHandle src, BlockHandle dst) {
+  if (!IsLive(src)) DieOnBadHandle("CopyBlock", src, "(source) is not live");
+  if (!IsLive(dst)) DieOnBadHandle("CopyBlock", dst, "(destination) is not live");
+  if (src.id == dst.id) DieOnBadHandle("CopyBlock", src, "is both source and destination");
+  // Every layer of a block is contiguous (DESIGN.md), so one memcpy moves all
+  // layers' K and V with their scales.
+  std::memcpy(storage_ + static_cast<int64_t>(dst.id) * block_bytes_,
+              storage_ + static_cast<int64_t>(src.id) * block_bytes_,
+              static_cast<size_t>(block_bytes_));
 }
 
 kernels::PagedKvView KvPool::View(const int32_t* block_ids, const int32_t* seq_block_offsets,

@@ -1,7 +1,9 @@
 // KvPool owns preallocated KV memory as fixed-size blocks in the layout of
 // DESIGN.md (every layer of a block contiguous, so one block is one region to
-// copy or transfer) and hands block ids out from a free list. Running out is
-// ResourceExhausted, never a crash.
+// copy or transfer) and hands blocks out from a free list with reference
+// counts. Handles carry a generation that advances each time a block returns
+// to the free list, so a stale handle is detected, not silently read.
+// Running out is ResourceExhausted, never a crash.
 //
 // Not thread-safe: owned by the engine thread.
 #pragma once
@@ -25,6 +27,15 @@ struct KvPoolOptions {
   kernels::KvDType dtype = kernels::KvDType::kF32;
 };
 
+// A reference to one block. Plain data; the pool checks the generation.
+struct BlockHandle {
+  int32_t id = -1;
+  uint32_t generation = 0;
+  friend bool operator==(const BlockHandle& a, const BlockHandle& b) {
+    return a.id == b.id && a.generation == b.generation;
+  }
+};
+
 class KvPool {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvPool>> Create(const KvPoolOptions& options);
@@ -35,11 +46,21 @@ class KvPool {
   // Bytes of one block (K and V, every layer) for the given shape.
   static int64_t BlockBytes(const KvPoolOptions& o);
 
-  // Appends n block ids to *out, or returns ResourceExhausted and allocates
-  // nothing.
-  [[nodiscard]] absl::Status Allocate(int32_t n, std::vector<int32_t>* out);
-  // REQUIRES: every id was allocated and not yet freed.
-  void Free(absl::Span<const int32_t> ids);
+  // Appends n fresh blocks (reference count 1 each) to *out, or returns
+  // ResourceExhausted and allocates nothing.
+  [[nodiscard]] absl::Status Allocate(int32_t n, std::vector<BlockHandle>* out);
+  // REQUIRES: h is live (IsLive). Stale or foreign handles abort: they are
+  // programmer errors that would otherwise read another sequence's K/V.
+  void AddRef(BlockHandle h);
+  // Drops one reference; at zero the block returns to the free list and its
+  // generation advances. REQUIRES: h is live.
+  void Release(BlockHandle h);
+  void Release(absl::Span<const BlockHandle> hs);
+  bool IsLive(BlockHandle h) const;
+  int32_t ref_count(BlockHandle h) const;  // 0 for a stale handle
+  // Copies every layer's K and V of src into dst (copy-on-write).
+  // REQUIRES: both live, src != dst.
+  void CopyBlock(BlockHandle src, BlockHandle dst);
 
   int32_t num_blocks() const { return options_.n_blocks; }
   int32_t num_free_blocks() const { return static_cast<int32_t>(free_.size()); }
@@ -59,7 +80,8 @@ class KvPool {
   int64_t layer_bytes_ = 0;
   uint8_t* storage_ = nullptr;
   std::vector<int32_t> free_;
-  std::vector<uint8_t> allocated_;  // 1 while a block is handed out (catches double free)
+  std::vector<int32_t> refs_;         // per block; 0 when free
+  std::vector<uint32_t> generation_;  // per block; advances on each return to the free list
 };
 
 }  // namespace kvserve

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "cache/block_table.h"
 #include "common/status.h"
 
 namespace kvserve {
@@ -12,7 +14,7 @@ namespace {
 
 struct Sequence {
   const GenerationRequest* request = nullptr;
-  std::vector<int32_t> blocks;
+  std::optional<BlockTable> blocks;  // set once the pool exists
   int32_t n_cached = 0;          // tokens whose K/V are in the cache
   std::vector<int32_t> pending;  // tokens to feed: the prompt, then each sampled token
   std::unique_ptr<Sampler> sampler;
@@ -71,6 +73,7 @@ absl::StatusOr<std::vector<GenerationOutput>> BatchGenerator::Generate(
   po.dtype = options_.kv_dtype;
   ASSIGN_OR_RETURN(std::unique_ptr<KvPool> kv_pool, KvPool::Create(po));
 
+  // Declared after kv_pool so the tables release their blocks before the pool goes.
   std::vector<Sequence> seqs(requests.size());
   std::vector<int32_t> block_ids;
   std::vector<int32_t> block_offsets = {0};
@@ -78,8 +81,9 @@ absl::StatusOr<std::vector<GenerationOutput>> BatchGenerator::Generate(
     Sequence& s = seqs[i];
     s.request = &requests[i];
     const int64_t need = static_cast<int64_t>(s.request->prompt.size()) + s.request->params.max_tokens;
-    RETURN_IF_ERROR(kv_pool->Allocate(static_cast<int32_t>((need + bs - 1) / bs), &s.blocks));
-    block_ids.insert(block_ids.end(), s.blocks.begin(), s.blocks.end());
+    s.blocks.emplace(kv_pool.get());
+    RETURN_IF_ERROR(s.blocks->Reserve(static_cast<int32_t>(need)));
+    s.blocks->AppendIds(&block_ids);
     block_offsets.push_back(static_cast<int32_t>(block_ids.size()));
     s.pending = s.request->prompt;
     s.sampler = std::make_unique<Sampler>(s.request->params);

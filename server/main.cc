@@ -2,9 +2,17 @@
 //   generate    complete a prompt (or a chat turn) and stream the text
 //   perplexity  perplexity of the model on a text file
 //   bench       prefill and decode throughput at several batch sizes
+//   loadtest    a request workload through the continuous-batching scheduler
+//   plan        KV memory plan for a model and settings (reads metadata only)
 //   info        model hyper-parameters and KV bytes per token
 // Issue 4 adds `serve`, the gRPC/HTTP daemon, beside these.
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -25,7 +33,8 @@
 #include "model/perplexity.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
-#include "scheduler/batch_generator.h"
+#include "cache/memory_planner.h"
+#include "scheduler/engine.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -144,6 +153,86 @@ std::string JsonEscape(const std::string& s) {
   return out;
 }
 
+// KV cache and scheduler settings shared by the subcommands that run the
+// engine.
+struct EngineFlags {
+  int32_t block_size = 16;
+  std::string kv_cache_memory = "1GiB";
+  std::string kv_cache_dtype = "f16";
+  int32_t max_batched_tokens = 512;
+  int32_t max_seqs = 64;
+  bool static_batching = false;
+
+  void Add(CLI::App* app) {
+    app->add_option("--block-size", block_size, "Tokens per KV block")->capture_default_str();
+    app->add_option("--kv-cache-memory", kv_cache_memory,
+                    "KV cache budget: bytes (512MiB, 2GiB) or a fraction of available memory (0.5)")
+        ->capture_default_str();
+    app->add_option("--kv-cache-dtype", kv_cache_dtype, "f16 or f32")->capture_default_str();
+    app->add_option("--max-batched-tokens", max_batched_tokens, "Token budget of one engine step")
+        ->capture_default_str();
+    app->add_option("--max-seqs", max_seqs, "Running sequences at most")->capture_default_str();
+    app->add_flag("--static-batching", static_batching,
+                  "Admit whole batches; no one joins until all finish (for comparison)");
+  }
+
+  kernels::KvDType DType() const {
+    if (kv_cache_dtype == "f16") return kernels::KvDType::kF16;
+    if (kv_cache_dtype == "f32") return kernels::KvDType::kF32;
+    Die(absl::InvalidArgumentError(absl::StrCat("--kv-cache-dtype must be f16 or f32, not '",
+                                                kv_cache_dtype, "'")));
+  }
+
+  MemoryPlan Plan(const LlamaConfig& c) const {
+    auto budget = ParseMemoryBudget(kv_cache_memory);
+    if (!budget.ok()) Die(budget.status());
+    auto plan = PlanKvMemory({c.n_layers, c.n_kv_heads, c.head_dim, c.context_length}, block_size,
+                             DType(), *budget);
+    if (!plan.ok()) Die(plan.status());
+    return *plan;
+  }
+
+  // Plans the KV memory, logs the plan, and creates the engine.
+  std::unique_ptr<Engine> MakeEngine(const Loaded& l, ThreadPool* pool) const {
+    const MemoryPlan plan = Plan(l.model->config());
+    spdlog::info("KV cache ({}): {} bytes/token, {} bytes/block of {} tokens, {} blocks, "
+                 "{} tokens, {} sequences of the full context",
+                 kv_cache_dtype, plan.kv_bytes_per_token, plan.block_bytes, plan.block_size,
+                 plan.num_blocks, plan.token_capacity, plan.full_context_sequences);
+    EngineOptions o;
+    o.block_size = block_size;
+    o.num_blocks = static_cast<int32_t>(std::min<int64_t>(plan.num_blocks, 1 << 30));
+    o.kv_dtype = DType();
+    o.max_batched_tokens = max_batched_tokens;
+    o.max_seqs = max_seqs;
+    o.static_batching = static_batching;
+    auto e = Engine::Create(l.model.get(), l.tokenizer.get(), pool, o);
+    if (!e.ok()) Die(e.status());
+    return std::move(e).value();
+  }
+};
+
+// Runs one request to completion on the caller's thread, streaming text.
+struct GenerateResult {
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason finish = FinishReason::kNone;
+};
+GenerateResult RunOne(Engine& engine, EngineRequest req,
+                      const std::function<void(const std::string&)>& on_text) {
+  GenerateResult r;
+  auto id = engine.Submit(std::move(req), [&](const SeqEvent& ev) {
+    r.tokens.insert(r.tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
+    r.text += ev.text;
+    if (on_text && !ev.text.empty()) on_text(ev.text);
+    if (ev.finish != FinishReason::kNone) r.finish = ev.finish;
+  });
+  if (!id.ok()) Die(id.status());
+  while (engine.Step()) {
+  }
+  return r;
+}
+
 }  // namespace
 }  // namespace kvserve
 
@@ -196,7 +285,32 @@ int main(int argc, char** argv) {
   bench->add_option("--gen-tokens", bench_gen, "Generated tokens per sequence")->capture_default_str();
   bench->add_option("--repeat", bench_reps, "Runs per batch size (best is reported)")->capture_default_str();
 
-  // info
+  // loadtest
+  auto* load = app.add_subcommand(
+      "loadtest", "A mixed-length request workload through the continuous-batching scheduler");
+  std::vector<int> load_conc = {1, 4, 16, 32, 64};
+  int load_requests = 0, load_pmin = 16, load_pmax = 256, load_gmin = 16, load_gmax = 128;
+  int64_t load_seed = 1;
+  bool load_compare_static = false;
+  load->add_option("-c,--concurrency", load_conc, "Requests in flight (closed loop); a sweep")
+      ->delimiter(',')->capture_default_str();
+  load->add_option("--requests", load_requests, "Requests per run (0 = 2 x concurrency, >= 16)")
+      ->capture_default_str();
+  load->add_option("--prompt-min", load_pmin)->capture_default_str();
+  load->add_option("--prompt-max", load_pmax)->capture_default_str();
+  load->add_option("--gen-min", load_gmin)->capture_default_str();
+  load->add_option("--gen-max", load_gmax)->capture_default_str();
+  load->add_option("--seed", load_seed, "Workload seed")->capture_default_str();
+  load->add_flag("--compare-static", load_compare_static,
+                 "Run every point with continuous and with static batching");
+
+  // plan
+  auto* plan_cmd = app.add_subcommand(
+      "plan", "KV memory plan for a model and settings (reads metadata, not weights)");
+
+  EngineFlags engine_flags;
+  for (CLI::App* sub : {gen, bench, load, plan_cmd}) engine_flags.Add(sub);
+
   auto* info = app.add_subcommand("info", "Model hyper-parameters and KV bytes per token");
 
   CLI11_PARSE(app, argc, argv);
@@ -234,37 +348,29 @@ int main(int argc, char** argv) {
       text = *rendered;
       parse_special = true;
     }
-    GenerationRequest req;
+    EngineRequest req;
     req.prompt = l.tokenizer->Encode(text, l.tokenizer->add_bos_default() && !no_bos, parse_special);
     req.params = gen_flags.ToParams();
-    BatchGenerator generator(l.model.get(), l.tokenizer.get(), pool, BatchGenerator::Options{});
-    GenerationStats stats;
-    auto out = generator.Generate(
-        {req},
-        [&](size_t, std::string_view delta) {
-          if (json) return;
-          std::fwrite(delta.data(), 1, delta.size(), stdout);
-          std::fflush(stdout);
-        },
-        &stats);
-    if (!out.ok()) Die(out.status());
-    const GenerationOutput& o = (*out)[0];
+    const int64_t prompt_tokens = static_cast<int64_t>(req.prompt.size());
+    std::unique_ptr<Engine> engine = engine_flags.MakeEngine(l, pool);
+    const auto t0 = std::chrono::steady_clock::now();
+    GenerateResult o = RunOne(*engine, std::move(req), [&](const std::string& delta) {
+      if (json) return;
+      std::fwrite(delta.data(), 1, delta.size(), stdout);
+      std::fflush(stdout);
+    });
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (json) {
       std::printf("{\"text\":\"%s\",\"finish_reason\":\"%s\",\"prompt_tokens\":%lld,"
                   "\"completion_tokens\":%zu,\"token_ids\":[%s]}\n",
-                  JsonEscape(o.text).c_str(), o.finish_reason.c_str(),
-                  static_cast<long long>(stats.prompt_tokens), o.tokens.size(),
+                  JsonEscape(o.text).c_str(), FinishReasonName(o.finish),
+                  static_cast<long long>(prompt_tokens), o.tokens.size(),
                   absl::StrJoin(o.tokens, ",").c_str());
     } else {
       std::printf("\n");
     }
-    spdlog::info("prompt {} tokens in {:.3f} s ({:.1f} tok/s); generated {} tokens in {:.3f} s "
-                 "({:.1f} tok/s); finish: {}",
-                 stats.prompt_tokens, stats.prefill_seconds,
-                 stats.prompt_tokens / std::max(1e-9, stats.prefill_seconds), o.tokens.size(),
-                 stats.decode_seconds,
-                 std::max<int64_t>(0, stats.generated_tokens - 1) / std::max(1e-9, stats.decode_seconds),
-                 o.finish_reason);
+    spdlog::info("prompt {} tokens, generated {} tokens in {:.3f} s; finish: {}", prompt_tokens,
+                 o.tokens.size(), secs, FinishReasonName(o.finish));
     return 0;
   }
 
@@ -297,32 +403,44 @@ int main(int argc, char** argv) {
     std::printf("|------:|-----------:|--------:|--------------:|-------------:|---------------:|\n");
     for (int batch : bench_batches) {
       if (batch < 1) continue;
-      std::vector<GenerationRequest> reqs(batch);
-      for (int i = 0; i < batch; ++i) {
-        // Distinct deterministic prompts so no two sequences are identical.
-        reqs[i].prompt.resize(bench_prompt);
-        for (int j = 0; j < bench_prompt; ++j) {
-          reqs[i].prompt[j] = 3 + static_cast<int32_t>((1000003LL * (i + 1) + 7919LL * j) %
-                                                       (c.vocab_size - 3));
-        }
-        reqs[i].params.temperature = 0;
-        reqs[i].params.max_tokens = bench_gen;
-        reqs[i].params.ignore_eos = true;
-      }
-      BatchGenerator::Options gopts;
-      gopts.max_batched_tokens = std::max(512, bench_prompt);
-      BatchGenerator generator(l.model.get(), l.tokenizer.get(), pool, gopts);
+      EngineFlags flags = engine_flags;
+      flags.max_seqs = std::max(flags.max_seqs, batch);
+      flags.max_batched_tokens = std::max(flags.max_batched_tokens, bench_prompt);
       double best_prefill = 0, best_decode = 0, best_step = 1e30;
       for (int rep = 0; rep < std::max(1, bench_reps); ++rep) {
-        GenerationStats st;
-        auto out = generator.Generate(reqs, nullptr, &st);
-        if (!out.ok()) Die(out.status());
-        // The first token of each sequence is sampled from the prefill step.
-        const int64_t decode_tokens = st.generated_tokens - batch;
-        const int64_t decode_steps = bench_gen - 1;
-        best_prefill = std::max(best_prefill, st.prompt_tokens / std::max(1e-9, st.prefill_seconds));
-        best_decode = std::max(best_decode, decode_tokens / std::max(1e-9, st.decode_seconds));
-        best_step = std::min(best_step, 1000.0 * st.decode_seconds / decode_steps);
+        std::unique_ptr<Engine> engine = flags.MakeEngine(l, pool);
+        for (int i = 0; i < batch; ++i) {
+          // Distinct deterministic prompts so no two sequences are identical.
+          EngineRequest r;
+          r.prompt.resize(bench_prompt);
+          for (int j = 0; j < bench_prompt; ++j) {
+            r.prompt[j] = 3 + static_cast<int32_t>((1000003LL * (i + 1) + 7919LL * j) %
+                                                   (c.vocab_size - 3));
+          }
+          r.params.temperature = 0;
+          r.params.max_tokens = bench_gen;
+          r.params.ignore_eos = true;
+          if (!engine->Submit(std::move(r), [](const SeqEvent&) {}).ok()) Die(absl::InternalError("submit"));
+        }
+        // Steps that carry prompt tokens are prefill; the rest decode.
+        double prefill_s = 0, decode_s = 0;
+        int64_t decode_steps = 0, decode_tokens = 0;
+        for (;;) {
+          const auto t0 = std::chrono::steady_clock::now();
+          if (!engine->Step()) break;
+          const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          const EngineStats st = engine->Stats();
+          if (st.last_batch_tokens > st.last_batch_seqs) {
+            prefill_s += dt;
+          } else if (st.last_batch_tokens > 0) {
+            decode_s += dt;
+            ++decode_steps;
+            decode_tokens += st.last_batch_tokens;
+          }
+        }
+        best_prefill = std::max(best_prefill, batch * bench_prompt / std::max(1e-9, prefill_s));
+        best_decode = std::max(best_decode, decode_tokens / std::max(1e-9, decode_s));
+        best_step = std::min(best_step, 1000.0 * decode_s / std::max<int64_t>(1, decode_steps));
       }
       std::printf("| %5d | %10d | %7d | %13.1f | %12.1f | %14.2f |\n", batch, bench_prompt,
                   bench_gen, best_prefill, best_decode, best_step);
@@ -330,5 +448,99 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+
+  if (*plan_cmd) {
+    auto file = GgufFile::Open(model_path);
+    if (!file.ok()) Die(file.status());
+    auto cfg = LlamaConfig::FromGguf(**file);
+    if (!cfg.ok()) Die(cfg.status());
+    std::printf("model           %s (%s)\n", model_path.c_str(), cfg->name.c_str());
+    std::printf("%s", engine_flags.Plan(*cfg).ToString().c_str());
+    return 0;
+  }
+
+  if (*load) {
+    Loaded l = LoadModel(model_path);
+    const LlamaConfig& c = l.model->config();
+    if (load_pmin < 1 || load_pmax < load_pmin || load_gmin < 1 || load_gmax < load_gmin ||
+        load_pmax + load_gmax > c.context_length) {
+      Die(absl::InvalidArgumentError("need 1 <= prompt-min <= prompt-max, 1 <= gen-min <= "
+                                     "gen-max, prompt-max + gen-max within the context"));
+    }
+    std::printf("| mode | conc | requests | out tok/s | mean latency s | mean TTFT s | slot eff | "
+                "contig (req max) | contig (ctx) | preempt |\n");
+    std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int conc : load_conc) {
+      if (conc < 1) continue;
+      const int n_req = load_requests > 0 ? load_requests : std::max(16, 2 * conc);
+      // The same workload for every mode: lengths drawn from the seed.
+      std::mt19937_64 rng(static_cast<uint64_t>(load_seed));
+      std::vector<EngineRequest> work(n_req);
+      for (auto& r : work) {
+        const int plen = load_pmin + static_cast<int>(rng() % (load_pmax - load_pmin + 1));
+        r.prompt.resize(plen);
+        for (auto& t : r.prompt) t = 3 + static_cast<int32_t>(rng() % (c.vocab_size - 3));
+        r.params.temperature = 0;
+        r.params.ignore_eos = true;
+        r.params.max_tokens = load_gmin + static_cast<int>(rng() % (load_gmax - load_gmin + 1));
+      }
+      for (bool is_static : {false, true}) {
+        if (is_static && !load_compare_static) continue;
+        EngineFlags flags = engine_flags;
+        flags.static_batching = is_static;
+        flags.max_seqs = conc;
+        std::unique_ptr<Engine> engine = flags.MakeEngine(l, pool);
+        std::mutex mu;
+        std::condition_variable cv;
+        int next = 0, done = 0;
+        int64_t out_tokens = 0;
+        double sum_latency = 0, sum_ttft = 0;
+        std::vector<std::chrono::steady_clock::time_point> start(n_req);
+        std::vector<bool> got_first(n_req, false);
+        auto on_event = [&](int i, const SeqEvent& ev) {
+          std::lock_guard<std::mutex> lock(mu);
+          const auto now = std::chrono::steady_clock::now();
+          if (!ev.token_ids.empty() && !got_first[i]) {
+            got_first[i] = true;
+            sum_ttft += std::chrono::duration<double>(now - start[i]).count();
+          }
+          out_tokens += static_cast<int64_t>(ev.token_ids.size());
+          if (ev.finish != FinishReason::kNone) {
+            sum_latency += std::chrono::duration<double>(now - start[i]).count();
+            ++done;
+            cv.notify_all();
+          }
+        };
+        const auto t0 = std::chrono::steady_clock::now();
+        engine->Start();
+        std::unique_lock<std::mutex> lock(mu);
+        while (done < n_req) {
+          // Closed loop: keep `conc` requests in flight.
+          while (next < n_req && next - done < conc) {
+            const int i = next++;
+            start[i] = std::chrono::steady_clock::now();
+            lock.unlock();
+            auto id = engine->Submit(work[i], [&, i](const SeqEvent& ev) { on_event(i, ev); });
+            if (!id.ok()) Die(id.status());
+            lock.lock();
+          }
+          cv.wait(lock, [&] { return done == n_req || (next < n_req && next - done < conc); });
+        }
+        lock.unlock();
+        const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        engine->Stop();
+        const EngineStats st = engine->Stats();
+        std::printf("| %s | %d | %d | %.1f | %.2f | %.3f | %.1f%% | %.1f%% | %.1f%% | %lld |\n",
+                    is_static ? "static" : "continuous", conc, n_req, out_tokens / wall,
+                    sum_latency / n_req, sum_ttft / n_req, 100 * st.mean_slot_efficiency,
+                    100 * st.mean_contiguous_request_efficiency,
+                    100 * st.mean_contiguous_context_efficiency,
+                    static_cast<long long>(st.preemptions));
+        std::fflush(stdout);
+      }
+    }
+    return 0;
+  }
+
   return 0;
 }

@@ -1,0 +1,58 @@
+// BlockTable: the ordered blocks holding one sequence's K/V, with
+// copy-on-write sharing. Forking shares every block (n > 1 samples of one
+// prompt); a table never writes into a block another table also references:
+// before the first write into a shared, partially filled last block it takes
+// a private copy.
+//
+// Not thread-safe: owned by the engine thread, like the pool it draws from.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "cache/kv_pool.h"
+
+namespace kvserve {
+
+class BlockTable {
+ public:
+  // REQUIRES: pool outlives the table.
+  explicit BlockTable(KvPool* pool);
+  ~BlockTable();  // releases every reference
+  BlockTable(BlockTable&& other) noexcept;
+  BlockTable& operator=(BlockTable&& other) noexcept;
+  BlockTable(const BlockTable&) = delete;
+  BlockTable& operator=(const BlockTable&) = delete;
+
+  // Tokens whose K/V slots this table holds (written or about to be).
+  int32_t num_tokens() const { return num_tokens_; }
+  int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
+  const std::vector<BlockHandle>& blocks() const { return blocks_; }
+
+  // Blocks Reserve(n) would take from the pool: new blocks for the tokens
+  // past the last block's capacity, plus one copy when the last block is
+  // shared and partially filled. Used by admission to dry-run a batch.
+  int32_t BlocksNeeded(int32_t n) const;
+
+  // Makes slots for n more tokens (num_tokens grows by n), copying a shared
+  // partial last block first. ResourceExhausted when the pool lacks blocks;
+  // then nothing changes.
+  [[nodiscard]] absl::Status Reserve(int32_t n);
+
+  // A new table sharing every block of this one (reference counts +1).
+  BlockTable Fork() const;
+
+  // Drops every reference; num_tokens becomes 0.
+  void Release();
+
+  // Appends the raw block ids (for the kernels' CSR view).
+  void AppendIds(std::vector<int32_t>* out) const;
+
+ private:
+  KvPool* pool_;
+  std::vector<BlockHandle> blocks_;
+  int32_t num_tokens_ = 0;
+};
+
+}  // namespace kvserve

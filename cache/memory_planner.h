@@ -1,0 +1,44 @@
+// Memory planner: turns a KV memory budget into a number of blocks and the
+// capacity figures operators plan deployments with. Works from the model's
+// hyper-parameters only (no weights), so `kvserve plan` can answer for any
+// GGUF file before it is deployed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/kv_view.h"
+
+namespace kvserve {
+
+struct KvShape {
+  int32_t n_layers = 0;
+  int32_t n_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t context_length = 0;
+};
+
+struct MemoryPlan {
+  int64_t budget_bytes = 0;         // what the budget resolved to
+  int64_t kv_bytes_per_token = 0;   // K and V, all layers
+  int64_t block_bytes = 0;
+  int32_t block_size = 0;
+  int64_t num_blocks = 0;
+  int64_t token_capacity = 0;       // num_blocks * block_size
+  int64_t full_context_sequences = 0;  // sequences of context_length that fit
+  std::string ToString() const;     // one human-readable line per figure
+};
+
+// Parses a budget: bytes with an optional unit ("512MiB", "2GiB", "1.5GB",
+// "1000000") or a fraction of currently available memory in (0, 1] ("0.5").
+// InvalidArgument naming the text on anything else.
+[[nodiscard]] absl::StatusOr<int64_t> ParseMemoryBudget(const std::string& text);
+
+// Bytes of memory the system reports available (MemAvailable), 0 if unknown.
+int64_t AvailableMemoryBytes();
+
+[[nodiscard]] absl::StatusOr<MemoryPlan> PlanKvMemory(const KvShape& shape, int32_t block_size,
+                                                      kernels::KvDType dtype, int64_t budget_bytes);
+
+}  // namespace kvserve

@@ -1,0 +1,564 @@
+#include "scheduler/engine.h"
+
+#include <algorithm>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace kvserve {
+
+const char* FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kDeadline: return "deadline";
+  }
+  return "";
+}
+
+struct Engine::Group {
+  uint64_t id = 0;
+  int64_t arrival = 0;
+  EngineRequest request;
+  EventCallback callback;
+  std::vector<std::unique_ptr<Sequence>> seqs;  // [0] is the parent until the fork
+  bool forked = false;
+  bool done = false;  // FinishGroup ran
+  int32_t n_finished = 0;
+};
+
+struct Engine::Sequence {
+  Group* group = nullptr;
+  int32_t index = 0;
+  BlockTable table;
+  std::vector<int32_t> tokens;  // prompt, then every sampled token
+  int32_t n_prompt = 0;
+  int32_t n_computed = 0;       // tokens whose K/V are in the cache
+  int64_t admit_order = 0;
+  bool running = false;
+  bool finished = false;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<StreamingDetokenizer> detok;
+  std::unique_ptr<StopStringMatcher> stops;
+
+  explicit Sequence(KvPool* pool) : table(pool) {}
+  int32_t n_generated() const { return static_cast<int32_t>(tokens.size()) - n_prompt; }
+  int32_t remaining_input() const { return static_cast<int32_t>(tokens.size()) - n_computed; }
+  absl::Span<const int32_t> generated() const {
+    return absl::MakeConstSpan(tokens).subspan(n_prompt);
+  }
+};
+
+namespace {
+
+// Per-sample seeds: sample i of a seeded request draws from seed + i, so
+// every sample is reproducible on its own.
+SamplingParams ForSample(const SamplingParams& p, int32_t index) {
+  SamplingParams q = p;
+  if (q.has_seed) q.seed += static_cast<uint64_t>(index);
+  return q;
+}
+
+}  // namespace
+
+Engine::Engine(LlamaModel* model, const Tokenizer* tokenizer, ThreadPool* pool,
+               const EngineOptions& options)
+    : model_(model), tokenizer_(tokenizer), pool_(pool), options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
+                                                       const Tokenizer* tokenizer,
+                                                       ThreadPool* pool,
+                                                       const EngineOptions& o) {
+  if (o.max_batched_tokens < 1) return absl::InvalidArgumentError("max_batched_tokens must be >= 1");
+  if (o.max_seqs < 1) return absl::InvalidArgumentError("max_seqs must be >= 1");
+  if (o.max_n < 1) return absl::InvalidArgumentError("max_n must be >= 1");
+  const LlamaConfig& c = model->config();
+  KvPoolOptions po;
+  po.n_layers = c.n_layers;
+  po.n_kv_heads = c.n_kv_heads;
+  po.head_dim = c.head_dim;
+  po.block_size = o.block_size;
+  po.n_blocks = o.num_blocks;
+  po.dtype = o.kv_dtype;
+  std::unique_ptr<Engine> e(new Engine(model, tokenizer, pool, o));
+  ASSIGN_OR_RETURN(e->kv_pool_, KvPool::Create(po));
+  e->PublishStats(0, 0);
+  return e;
+}
+
+Engine::~Engine() {
+  Stop();
+  // Cancel whatever is left so callers waiting on events are released.
+  TakeInbox();
+  std::vector<Group*> left;
+  for (auto& [id, g] : groups_) left.push_back(g.get());
+  for (Group* g : left) FinishGroup(g, FinishReason::kCancelled);
+  RemoveFinished();
+}
+
+absl::StatusOr<uint64_t> Engine::Submit(EngineRequest request, EventCallback callback) {
+  const LlamaConfig& c = model_->config();
+  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (int32_t t : request.prompt) {
+    if (t < 0 || t >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt token ", t, " is out of range [0, ",
+                                                     c.vocab_size, ")"));
+    }
+  }
+  RETURN_IF_ERROR(ValidateSamplingParams(request.params));
+  if (request.n < 1 || request.n > options_.max_n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n = ", request.n, " is outside [1, ", options_.max_n, "]"));
+  }
+  const int64_t need = static_cast<int64_t>(request.prompt.size()) + request.params.max_tokens;
+  if (need > c.context_length) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", request.prompt.size(), " tokens) + max_tokens (",
+                     request.params.max_tokens, ") exceeds the context length ", c.context_length));
+  }
+  // A sequence that could never fit would wait forever.
+  const int64_t blocks = (need + options_.block_size - 1) / options_.block_size;
+  if (blocks > kv_pool_->num_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request needs ", blocks, " KV blocks; the cache has ", kv_pool_->num_blocks()));
+  }
+  auto g = std::make_unique<Group>();
+  g->request = std::move(request);
+  g->callback = std::move(callback);
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    id = next_id_++;
+    g->id = id;
+    g->arrival = static_cast<int64_t>(id);
+    inbox_.push_back(std::move(g));
+  }
+  cv_.notify_one();
+  return id;
+}
+
+void Engine::Cancel(uint64_t request_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancels_.push_back(request_id);
+  }
+  cv_.notify_one();
+}
+
+void Engine::TakeInbox() {
+  std::vector<std::unique_ptr<Group>> inbox;
+  std::vector<uint64_t> cancels;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    inbox.swap(inbox_);
+    cancels.swap(cancels_);
+  }
+  for (auto& g : inbox) {
+    auto s = std::make_unique<Sequence>(kv_pool_.get());
+    s->group = g.get();
+    s->tokens = g->request.prompt;
+    s->n_prompt = static_cast<int32_t>(s->tokens.size());
+    s->sampler = std::make_unique<Sampler>(ForSample(g->request.params, 0));
+    s->detok = std::make_unique<StreamingDetokenizer>(tokenizer_);
+    s->stops = std::make_unique<StopStringMatcher>(g->request.params.stop);
+    waiting_.push_back(s.get());
+    g->seqs.push_back(std::move(s));
+    const uint64_t id = g->id;
+    groups_[id] = std::move(g);
+  }
+  for (uint64_t id : cancels) {
+    auto it = groups_.find(id);
+    if (it != groups_.end()) FinishGroup(it->second.get(), FinishReason::kCancelled);
+  }
+}
+
+void Engine::FinishSequence(Sequence* s, FinishReason reason) {
+  if (s->finished) return;
+  if (reason == FinishReason::kStop || reason == FinishReason::kLength) {
+    // Release what the detokenizer and the stop matcher held back.
+    if (!s->stops->stopped()) {
+      std::string tail = s->stops->Push(s->detok->Flush());
+      tail += s->stops->Flush();
+      if (!tail.empty()) {
+        SeqEvent ev;
+        ev.request_id = s->group->id;
+        ev.index = s->index;
+        ev.text = std::move(tail);
+        ev.prompt_tokens = s->n_prompt;
+        ev.completion_tokens = s->n_generated();
+        s->group->callback(ev);
+      }
+    }
+  }
+  s->finished = true;
+  s->running = false;
+  s->table.Release();
+  ++s->group->n_finished;
+  SeqEvent ev;
+  ev.request_id = s->group->id;
+  ev.index = s->index;
+  ev.finish = reason;
+  ev.prompt_tokens = s->n_prompt;
+  ev.completion_tokens = s->n_generated();
+  s->group->callback(ev);
+}
+
+void Engine::FinishGroup(Group* g, FinishReason reason) {
+  if (g->done) return;
+  g->done = true;
+  if (reason == FinishReason::kCancelled || reason == FinishReason::kDeadline) ++cancelled_;
+  // Samples not yet forked finish too: a request reports n results.
+  if (!g->forked && g->request.n > 1 && !g->seqs.empty()) {
+    Sequence* parent = g->seqs[0].get();
+    for (int32_t i = 1; i < g->request.n; ++i) {
+      auto child = std::make_unique<Sequence>(kv_pool_.get());
+      child->group = g;
+      child->index = i;
+      child->n_prompt = parent->n_prompt;
+      child->tokens = parent->tokens;
+      child->sampler = std::make_unique<Sampler>(ForSample(g->request.params, i));
+      child->detok = std::make_unique<StreamingDetokenizer>(tokenizer_);
+      child->stops = std::make_unique<StopStringMatcher>(g->request.params.stop);
+      g->seqs.push_back(std::move(child));
+    }
+    g->forked = true;
+  }
+  for (auto& s : g->seqs) FinishSequence(s.get(), reason);
+}
+
+void Engine::Preempt(Sequence* s) {
+  // Recompute: drop every block; the prompt and the tokens generated so far
+  // are prefilled again when the sequence is readmitted.
+  s->table.Release();
+  s->n_computed = 0;
+  s->running = false;
+  running_.erase(std::find(running_.begin(), running_.end(), s));
+  waiting_.push_back(s);
+  ++preemptions_;
+}
+
+void Engine::EmitToken(Sequence* s, int32_t token, float logprob) {
+  const SamplingParams& p = s->group->request.params;
+  const bool is_stop_id =
+      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
+  if ((!p.ignore_eos && tokenizer_->IsEndOfGeneration(token)) || is_stop_id) {
+    FinishSequence(s, FinishReason::kStop);
+    return;
+  }
+  s->tokens.push_back(token);
+  ++generation_tokens_total_;
+  SeqEvent ev;
+  ev.request_id = s->group->id;
+  ev.index = s->index;
+  ev.token_ids.push_back(token);
+  if (p.logprobs) ev.logprobs.push_back(logprob);
+  ev.text = s->stops->Push(s->detok->Push(token));
+  ev.prompt_tokens = s->n_prompt;
+  ev.completion_tokens = s->n_generated();
+  s->group->callback(ev);
+  if (s->stops->stopped()) {
+    FinishSequence(s, FinishReason::kStop);
+  } else if (s->n_generated() >= p.max_tokens) {
+    FinishSequence(s, FinishReason::kLength);
+  }
+}
+
+void Engine::RemoveFinished() {
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [](Sequence* s) { return s->finished; }),
+                 running_.end());
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
+                                [](Sequence* s) { return s->finished; }),
+                 waiting_.end());
+  for (auto it = groups_.begin(); it != groups_.end();) {
+    Group* g = it->second.get();
+    // Done when every sample has finished (an unforked n > 1 request has
+    // samples still to come).
+    if (g->n_finished >= static_cast<int32_t>(g->seqs.size()) &&
+        (g->forked || g->request.n == 1)) {
+      ++finished_;
+      it = groups_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool Engine::Step() {
+  TakeInbox();
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [id, g] : groups_) {
+    if (now > g->request.deadline) FinishGroup(g.get(), FinishReason::kDeadline);
+  }
+  RemoveFinished();
+  if (running_.empty() && waiting_.empty()) {
+    PublishStats(0, 0);
+    return false;
+  }
+
+  // Scheduling order: priority first, then the oldest admission. Victims for
+  // preemption come from the back (lowest priority, most recently admitted).
+  auto by_priority_then_age = [](const Sequence* a, const Sequence* b) {
+    if (a->group->request.priority != b->group->request.priority) {
+      return a->group->request.priority > b->group->request.priority;
+    }
+    return a->admit_order < b->admit_order;
+  };
+  std::stable_sort(running_.begin(), running_.end(), by_priority_then_age);
+
+  std::vector<int32_t> tokens, token_seq, positions, logit_rows;
+  std::vector<Sequence*> batch_seqs;  // index = sequence slot in the KV view
+  std::vector<int32_t> batch_take;
+  int32_t budget = options_.max_batched_tokens;
+
+  auto schedule = [&](Sequence* s, int32_t take) {
+    batch_seqs.push_back(s);
+    batch_take.push_back(take);
+    budget -= take;
+  };
+  // Makes room for `take` more tokens of s, preempting later sequences (or
+  // s itself) while blocks are short. Returns false if s was preempted.
+  auto reserve = [&](Sequence* s, int32_t take) {
+    const int32_t extra = s->n_computed + take - s->table.num_tokens();
+    while (!s->table.Reserve(std::max(0, extra)).ok()) {
+      Sequence* victim = nullptr;
+      for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+        if (std::find(batch_seqs.begin(), batch_seqs.end(), *it) == batch_seqs.end()) {
+          victim = *it;
+          break;
+        }
+      }
+      if (victim == nullptr) return false;
+      Preempt(victim);
+      if (victim == s) return false;
+    }
+    return true;
+  };
+
+  // 1. Running sequences: decode tokens first, then prefill chunks.
+  for (int pass = 0; pass < 2 && budget > 0; ++pass) {
+    std::vector<Sequence*> order = running_;
+    for (Sequence* s : order) {
+      if (budget <= 0) break;
+      if (!s->running) continue;  // preempted by an earlier reservation
+      const bool decoding = s->remaining_input() == 1;
+      if (decoding != (pass == 0)) continue;
+      const int32_t take = std::min(budget, s->remaining_input());
+      if (reserve(s, take)) schedule(s, take);
+    }
+  }
+
+  // 2. Admission, in priority then arrival order. Static batching admits only
+  // into an empty engine.
+  std::stable_sort(waiting_.begin(), waiting_.end(), [](const Sequence* a, const Sequence* b) {
+    if (a->group->request.priority != b->group->request.priority) {
+      return a->group->request.priority > b->group->request.priority;
+    }
+    return a->group->arrival < b->group->arrival;
+  });
+  const bool may_admit = !options_.static_batching || running_.empty();
+  // Blocks that admitted sequences will still claim for input they have not
+  // reserved yet (their remaining prompt chunks).
+  int32_t pending_blocks = 0;
+  for (Sequence* r : running_) {
+    const int32_t unreserved = static_cast<int32_t>(r->tokens.size()) - r->table.num_tokens();
+    if (unreserved > 1) pending_blocks += r->table.BlocksNeeded(unreserved);
+  }
+  size_t admitted = 0;
+  while (may_admit && budget > 0 && admitted < waiting_.size() &&
+         static_cast<int32_t>(running_.size()) < options_.max_seqs) {
+    Sequence* s = waiting_[admitted];
+    // Admit only what the pool can hold in full: the prompt plus what the
+    // sequence generated before a preemption. FCFS: no overtaking.
+    const int32_t need = s->table.BlocksNeeded(static_cast<int32_t>(s->tokens.size()));
+    if (need + pending_blocks > kv_pool_->num_free_blocks()) break;
+    const int32_t take = std::min(budget, s->remaining_input());
+    if (!s->table.Reserve(take).ok()) break;
+    pending_blocks += need - s->table.num_blocks();
+    s->running = true;
+    s->admit_order = admit_counter_++;
+    running_.push_back(s);
+    ++admitted;
+    schedule(s, take);
+  }
+  waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<int64_t>(admitted));
+  if (batch_seqs.empty()) {
+    PublishStats(0, 0);
+    return !running_.empty() || !waiting_.empty();
+  }
+
+  // 3. Build the ragged batch and the CSR block table of its sequences.
+  std::vector<int32_t> block_ids, block_offsets = {0};
+  std::vector<Sequence*> sampled;
+  for (size_t i = 0; i < batch_seqs.size(); ++i) {
+    Sequence* s = batch_seqs[i];
+    const int32_t take = batch_take[i];
+    for (int32_t j = 0; j < take; ++j) {
+      tokens.push_back(s->tokens[s->n_computed + j]);
+      token_seq.push_back(static_cast<int32_t>(i));
+      positions.push_back(s->n_computed + j);
+    }
+    if (s->n_computed < s->n_prompt) {
+      prompt_tokens_total_ += std::min(take, s->n_prompt - s->n_computed);
+    }
+    s->n_computed += take;
+    if (s->remaining_input() == 0) {
+      logit_rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
+      sampled.push_back(s);
+    }
+    s->table.AppendIds(&block_ids);
+    block_offsets.push_back(static_cast<int32_t>(block_ids.size()));
+  }
+  const LlamaConfig& c = model_->config();
+  logits_.resize(logit_rows.size() * static_cast<size_t>(c.vocab_size));
+  const kernels::PagedKvView view = kv_pool_->View(block_ids.data(), block_offsets.data(),
+                                                   static_cast<int32_t>(batch_seqs.size()));
+  absl::Status st = model_->Forward({tokens, token_seq, positions, logit_rows}, view,
+                                    logits_.data(), pool_);
+  if (!st.ok()) {
+    // Inputs were validated at Submit, so this is an engine bug; fail the
+    // affected requests rather than the process.
+    for (Sequence* s : batch_seqs) FinishGroup(s->group, FinishReason::kCancelled);
+    RemoveFinished();
+    PublishStats(0, 0);
+    return true;
+  }
+
+  // 4. Sample. A request with n > 1 forks when its prompt is in: the
+  // samples share every prompt block and copy only the partial last one.
+  for (size_t r = 0; r < sampled.size(); ++r) {
+    Sequence* s = sampled[r];
+    const absl::Span<const float> row(logits_.data() + r * c.vocab_size, c.vocab_size);
+    Group* g = s->group;
+    std::vector<Sequence*> targets = {s};
+    if (!g->forked && g->request.n > 1) {
+      for (int32_t i = 1; i < g->request.n; ++i) {
+        auto child = std::make_unique<Sequence>(kv_pool_.get());
+        child->group = g;
+        child->index = i;
+        child->table = s->table.Fork();
+        child->tokens = s->tokens;
+        child->n_prompt = s->n_prompt;
+        child->n_computed = s->n_computed;
+        child->admit_order = s->admit_order;
+        child->running = true;
+        child->sampler = std::make_unique<Sampler>(ForSample(g->request.params, i));
+        child->detok = std::make_unique<StreamingDetokenizer>(tokenizer_);
+        child->stops = std::make_unique<StopStringMatcher>(g->request.params.stop);
+        running_.push_back(child.get());
+        targets.push_back(child.get());
+        g->seqs.push_back(std::move(child));
+      }
+      g->forked = true;
+    }
+    for (Sequence* t : targets) {
+      const SampleResult res = t->sampler->Sample(row, absl::MakeConstSpan(t->tokens).first(t->n_prompt),
+                                                  t->generated());
+      EmitToken(t, res.token, res.logprob);
+    }
+  }
+  const int64_t n_batch_seqs = static_cast<int64_t>(batch_seqs.size());
+  const int64_t n_batch_tokens = static_cast<int64_t>(tokens.size());
+  RemoveFinished();
+  ++steps_;
+  PublishStats(n_batch_seqs, n_batch_tokens);
+  return true;
+}
+
+void Engine::PublishStats(int64_t batch_seqs, int64_t batch_tokens) {
+  // Live slots: for each block in use, the highest fill any table gives it
+  // (forked samples share blocks; count each once).
+  std::unordered_map<int32_t, int32_t> fill;
+  const int32_t bs = options_.block_size;
+  for (const Sequence* s : running_) {
+    const auto& blocks = s->table.blocks();
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      const int32_t f = std::min<int32_t>(bs, s->n_computed - static_cast<int32_t>(j) * bs);
+      int32_t& slot = fill[blocks[j].id];
+      slot = std::max(slot, std::max(0, f));
+    }
+  }
+  int64_t live = 0;
+  for (const auto& [id, f] : fill) live += f;
+  int64_t live_per_seq = 0, reserved_request = 0;
+  for (const Sequence* s : running_) {
+    live_per_seq += s->n_computed;
+    reserved_request += s->n_prompt + s->group->request.params.max_tokens;
+  }
+  const int64_t reserved_context =
+      static_cast<int64_t>(running_.size()) * model_->config().context_length;
+  const int64_t used = kv_pool_->num_blocks() - kv_pool_->num_free_blocks();
+  const double slot_eff = used > 0 ? static_cast<double>(live) / (used * bs) : 1.0;
+  if (batch_seqs > 0) {
+    sum_batch_seqs_ += static_cast<double>(batch_seqs);
+    sum_batch_tokens_ += static_cast<double>(batch_tokens);
+    sum_slot_eff_ += slot_eff;
+    if (reserved_request > 0) {
+      sum_contig_request_eff_ += static_cast<double>(live_per_seq) / reserved_request;
+      sum_contig_context_eff_ += static_cast<double>(live_per_seq) / reserved_context;
+    }
+  }
+  EngineStats st;
+  st.blocks_total = kv_pool_->num_blocks();
+  st.blocks_free = kv_pool_->num_free_blocks();
+  st.blocks_used = used;
+  st.kv_utilization = st.blocks_total > 0 ? static_cast<double>(used) / st.blocks_total : 0;
+  st.slot_efficiency = slot_eff;
+  st.mean_slot_efficiency = steps_ > 0 ? sum_slot_eff_ / steps_ : 1.0;
+  st.mean_contiguous_request_efficiency = steps_ > 0 ? sum_contig_request_eff_ / steps_ : 1.0;
+  st.mean_contiguous_context_efficiency = steps_ > 0 ? sum_contig_context_eff_ / steps_ : 1.0;
+  st.preemptions = preemptions_;
+  st.running = static_cast<int32_t>(running_.size());
+  st.waiting = static_cast<int32_t>(waiting_.size());
+  st.steps = steps_;
+  st.last_batch_seqs = batch_seqs;
+  st.last_batch_tokens = batch_tokens;
+  st.mean_batch_seqs = steps_ > 0 ? sum_batch_seqs_ / steps_ : 0;
+  st.mean_batch_tokens = steps_ > 0 ? sum_batch_tokens_ / steps_ : 0;
+  st.prompt_tokens_total = prompt_tokens_total_;
+  st.generation_tokens_total = generation_tokens_total_;
+  st.requests_finished = finished_;
+  st.requests_cancelled = cancelled_;
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_ = st;
+}
+
+EngineStats Engine::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Engine::Start() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (thread_.joinable()) return;
+    stop_ = false;
+  }
+  thread_ = std::thread([this] {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (stop_) return;
+      }
+      if (!Step()) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !inbox_.empty() || !cancels_.empty(); });
+      }
+    }
+  });
+}
+
+void Engine::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace kvserve

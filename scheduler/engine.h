@@ -1,0 +1,173 @@
+// Engine: the continuous-batching scheduler. Requests enter through a
+// thread-safe Submit; one engine thread owns every sequence, the KV block
+// pool and the model, and each Step builds one ragged batch under a token
+// budget and a sequence cap: decode tokens of running sequences first, then
+// prefill chunks, so a long prompt never stalls decoding. A sequence is
+// admitted only when the pool can hold its prompt; when blocks run out mid-
+// decode the lowest-priority, most recently admitted sequence is preempted by
+// recompute: its blocks are freed and it later re-prefills its prompt and
+// generated tokens, continuing with the same sampler, so its output is
+// exactly what it would have been.
+//
+// Thread-safety: Submit, Cancel, Stats, Start, Stop may be called from any
+// thread. Step runs on the engine thread (Start's thread, or the caller's when
+// the engine is driven by hand in tests). Event callbacks run on the engine
+// thread and must not block.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cache/block_table.h"
+#include "cache/kv_pool.h"
+#include "common/thread_pool.h"
+#include "model/llama.h"
+#include "model/sampler.h"
+#include "model/tokenizer.h"
+
+namespace kvserve {
+
+struct EngineOptions {
+  int32_t max_batched_tokens = 512;  // token budget of one step
+  int32_t max_seqs = 64;             // running sequences at most
+  int32_t block_size = 16;
+  int32_t num_blocks = 0;            // KV pool size, from the memory planner
+  kernels::KvDType kv_dtype = kernels::KvDType::kF16;
+  int32_t max_n = 16;                // samples per request at most
+  // Static batching: a batch is admitted together and no one joins until
+  // every member has finished (for measuring what continuous batching buys).
+  bool static_batching = false;
+};
+
+struct EngineRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+  int32_t n = 1;         // parallel samples sharing the prompt's KV blocks
+  int32_t priority = 0;  // higher runs first; FCFS within a priority
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+};
+
+enum class FinishReason { kNone, kStop, kLength, kCancelled, kDeadline };
+const char* FinishReasonName(FinishReason r);
+
+// One update for one sample of a request.
+struct SeqEvent {
+  uint64_t request_id = 0;
+  int32_t index = 0;               // sample index in [0, n)
+  std::vector<int32_t> token_ids;  // tokens produced by this step
+  std::vector<float> logprobs;
+  std::string text;                // text that became final (whole UTF-8 characters)
+  FinishReason finish = FinishReason::kNone;
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;   // so far
+};
+using EventCallback = std::function<void(const SeqEvent&)>;
+
+struct EngineStats {
+  int64_t blocks_total = 0;
+  int64_t blocks_used = 0;
+  int64_t blocks_free = 0;
+  double kv_utilization = 0;        // used / total
+  double slot_efficiency = 1;       // live token slots / allocated slots, now
+  double mean_slot_efficiency = 1;  // the same, averaged over steps with work
+  // What contiguous reservations would have achieved on the same steps: live
+  // tokens / slots reserved per running sequence for prompt + max_tokens,
+  // and for the model's whole context (the classic static allocation).
+  double mean_contiguous_request_efficiency = 1;
+  double mean_contiguous_context_efficiency = 1;
+  int64_t preemptions = 0;
+  int32_t running = 0;
+  int32_t waiting = 0;
+  int64_t steps = 0;
+  int64_t last_batch_seqs = 0;
+  int64_t last_batch_tokens = 0;
+  double mean_batch_seqs = 0;
+  double mean_batch_tokens = 0;
+  int64_t prompt_tokens_total = 0;      // computed prompt tokens (recompute included)
+  int64_t generation_tokens_total = 0;
+  int64_t requests_finished = 0;
+  int64_t requests_cancelled = 0;
+};
+
+class Engine {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Engine>> Create(LlamaModel* model,
+                                                                      const Tokenizer* tokenizer,
+                                                                      ThreadPool* pool,
+                                                                      const EngineOptions& options);
+  ~Engine();  // stops the engine thread; unfinished requests are cancelled
+
+  // Validates (InvalidArgument naming the field) and queues the request.
+  // Events for it arrive on `callback`; the last one per sample carries a
+  // finish reason.
+  [[nodiscard]] absl::StatusOr<uint64_t> Submit(EngineRequest request, EventCallback callback);
+  // Finishes the request with kCancelled and frees its blocks at the next
+  // step. Unknown or finished ids are ignored.
+  void Cancel(uint64_t request_id);
+
+  // One scheduling iteration. Returns false when there was nothing to do.
+  bool Step();
+  // Runs Step on a dedicated thread until Stop.
+  void Start();
+  void Stop();
+
+  EngineStats Stats() const;
+  const EngineOptions& options() const { return options_; }
+  // REQUIRES: called from the engine thread or while it is stopped.
+  const KvPool& kv_pool() const { return *kv_pool_; }
+
+ private:
+  struct Group;
+  struct Sequence;
+
+  Engine(LlamaModel* model, const Tokenizer* tokenizer, ThreadPool* pool,
+         const EngineOptions& options);
+  void TakeInbox();
+  void FinishSequence(Sequence* s, FinishReason reason);
+  void FinishGroup(Group* g, FinishReason reason);
+  void Preempt(Sequence* s);
+  void EmitToken(Sequence* s, int32_t token, float logprob);
+  void PublishStats(int64_t batch_seqs, int64_t batch_tokens);
+  void RemoveFinished();
+
+  LlamaModel* model_;
+  const Tokenizer* tokenizer_;
+  ThreadPool* pool_;
+  EngineOptions options_;
+  std::unique_ptr<KvPool> kv_pool_;
+
+  // Engine-thread state.
+  std::map<uint64_t, std::unique_ptr<Group>> groups_;
+  std::vector<Sequence*> running_;
+  std::vector<Sequence*> waiting_;  // sorted: priority desc, arrival asc
+  int64_t admit_counter_ = 0;
+  int64_t preemptions_ = 0;
+  int64_t steps_ = 0;
+  double sum_batch_seqs_ = 0, sum_batch_tokens_ = 0, sum_slot_eff_ = 0;
+  double sum_contig_request_eff_ = 0, sum_contig_context_eff_ = 0;
+  int64_t prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
+  int64_t finished_ = 0, cancelled_ = 0;
+  std::vector<float> logits_;
+
+  // Shared with other threads.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t next_id_ = 1;                     // guarded by mu_
+  std::vector<std::unique_ptr<Group>> inbox_;  // guarded by mu_
+  std::vector<uint64_t> cancels_;            // guarded by mu_
+  EngineStats stats_;                        // guarded by mu_
+  bool stop_ = false;                        // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,316 @@
+// The continuous-batching engine: concurrent requests produce exactly what
+// they produce alone (also through preemption by recompute), n > 1 samples
+// share the prompt's blocks, and cancellation/deadlines free every block.
+#include "scheduler/engine.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/gguf_writer.h"
+#include "tests/testing/test_models.h"
+
+namespace kvserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Model {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+
+Model Load(const std::string& path) {
+  Model m;
+  m.model = LlamaModel::Load(path).value();
+  m.tokenizer = Tokenizer::FromGguf(m.model->file()).value();
+  return m;
+}
+
+const Model& Tiny() {
+  static const Model* m = [] {
+    testing::TinyLlamaOptions o;
+    o.context_length = 512;
+    const std::string path = testing::TempDir() + "/engine-tiny.gguf";
+    std::ofstream(path, std::ios::binary) << testing::MakeTinyLlamaGguf(o);
+    return new Model(Load(path));
+  }();
+  return *m;
+}
+
+ThreadPool* Pool() {
+  static ThreadPool pool(2);
+  return &pool;
+}
+
+std::pair<uint64_t, int> Key(uint64_t id, int index) { return {id, index}; }
+
+// Collects events per (request, sample).
+struct Collector {
+  std::mutex mu;
+  std::map<std::pair<uint64_t, int>, std::vector<int32_t>> tokens;
+  std::map<std::pair<uint64_t, int>, std::string> text;
+  std::map<std::pair<uint64_t, int>, FinishReason> finish;
+  EventCallback Callback() {
+    return [this](const SeqEvent& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      auto key = std::make_pair(e.request_id, e.index);
+      auto& t = tokens[key];
+      t.insert(t.end(), e.token_ids.begin(), e.token_ids.end());
+      text[key] += e.text;
+      if (e.finish != FinishReason::kNone) finish[key] = e.finish;
+    };
+  }
+};
+
+EngineOptions Opts(int32_t num_blocks, int32_t budget = 512, int32_t max_seqs = 64) {
+  EngineOptions o;
+  o.num_blocks = num_blocks;
+  o.max_batched_tokens = budget;
+  o.max_seqs = max_seqs;
+  return o;
+}
+
+SamplingParams Greedy(int max_tokens) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+void RunToCompletion(Engine& e) {
+  while (e.Step()) {
+  }
+}
+
+std::vector<std::vector<int32_t>> Prompts(const Tokenizer& tok, int count, uint32_t seed) {
+  const std::string text =
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+      "park with her friends. One day, she saw a big red ball under a tree and ran to get it. "
+      "Her mom said that they had to go home soon, so Lily played as fast as she could.";
+  std::vector<int32_t> all = tok.Encode(text, tok.add_bos_default(), false);
+  std::vector<std::vector<int32_t>> out;
+  std::mt19937 rng(seed);
+  for (int i = 0; i < count; ++i) {
+    const size_t len = 1 + rng() % (all.size() - 1);
+    const size_t start = tok.add_bos_default() ? 0 : rng() % (all.size() - len + 1);
+    out.emplace_back(all.begin() + start, all.begin() + start + len);
+  }
+  return out;
+}
+
+// Every request alone, then all at once (optionally under memory pressure),
+// expecting identical tokens.
+void ExpectConcurrentEqualsAlone(const Model& m, int count, int max_tokens, int32_t pressure_blocks,
+                                 bool expect_preemption) {
+  const auto prompts = Prompts(*m.tokenizer, count, 7);
+  std::vector<std::vector<int32_t>> alone;
+  for (const auto& p : prompts) {
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(256)).value();
+    Collector c;
+    auto id = e->Submit({p, Greedy(max_tokens)}, c.Callback());
+    ASSERT_TRUE(id.ok()) << id.status();
+    RunToCompletion(*e);
+    alone.push_back(c.tokens[Key(*id, 0)]);
+  }
+  for (int32_t blocks : {1024, pressure_blocks}) {
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(blocks, 48)).value();
+    Collector c;
+    std::vector<uint64_t> ids;
+    for (const auto& p : prompts) ids.push_back(e->Submit({p, Greedy(max_tokens)}, c.Callback()).value());
+    RunToCompletion(*e);
+    for (int i = 0; i < count; ++i) {
+      EXPECT_EQ(c.tokens[Key(ids[i], 0)], alone[i]) << "request " << i << " with " << blocks << " blocks";
+      EXPECT_TRUE(c.finish.count(Key(ids[i], 0)));
+    }
+    const EngineStats st = e->Stats();
+    if (blocks == pressure_blocks && expect_preemption) {
+      EXPECT_GT(st.preemptions, 0);
+    }
+    EXPECT_EQ(e->kv_pool().num_free_blocks(), blocks) << "blocks leaked";
+    EXPECT_EQ(st.requests_finished, count);
+  }
+}
+
+TEST(EngineTest, TinyModelConcurrentEqualsAloneAlsoUnderPreemption) {
+  ExpectConcurrentEqualsAlone(Tiny(), 32, 20, /*pressure_blocks=*/24, /*expect_preemption=*/true);
+}
+
+TEST(EngineTest, Stories260KConcurrentEqualsAloneAlsoUnderPreemption) {
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  static const Model m = Load(path);
+  ExpectConcurrentEqualsAlone(m, 32, 24, /*pressure_blocks=*/20, /*expect_preemption=*/true);
+}
+
+TEST(EngineTest, SmolLM2ConcurrentEqualsAloneAlsoUnderPreemption) {
+  const std::string path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(path, "SmolLM2 (run deploy/setup.sh)");
+  static const Model m = Load(path);
+  ExpectConcurrentEqualsAlone(m, 32, 8, /*pressure_blocks=*/10, /*expect_preemption=*/true);
+}
+
+TEST(EngineTest, ParallelSamplesShareThePromptBlocksAndAreReproducible) {
+  const Model& m = Tiny();
+  std::vector<int32_t> prompt = m.tokenizer->Encode("the quick brown fox jumps over the lazy dog again",
+                                                    true, false);
+  prompt.resize(21);  // 21 tokens: 5 full blocks of 4 and one partial
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.seed = 42;
+  p.has_seed = true;
+  p.max_tokens = 6;
+  p.ignore_eos = true;
+  EngineOptions o = Opts(64);
+  o.block_size = 4;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  Collector c;
+  const uint64_t id = e->Submit({prompt, p, /*n=*/4}, c.Callback()).value();
+  ASSERT_TRUE(e->Step());  // prefill + fork + first token of each sample
+  EXPECT_EQ(e->kv_pool().num_blocks() - e->kv_pool().num_free_blocks(), 6)
+      << "the four samples share the prompt's 6 blocks";
+  ASSERT_TRUE(e->Step());  // first decode: the shared partial block is copied, 3 times
+  EXPECT_EQ(e->kv_pool().num_blocks() - e->kv_pool().num_free_blocks(), 5 + 4);
+  RunToCompletion(*e);
+  EXPECT_EQ(e->kv_pool().num_free_blocks(), 64);
+  // Each sample equals a single-sample request seeded with seed + index.
+  for (int i = 0; i < 4; ++i) {
+    auto single = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+    Collector cs;
+    SamplingParams ps = p;
+    ps.seed = 42 + i;
+    const uint64_t sid = single->Submit({prompt, ps}, cs.Callback()).value();
+    RunToCompletion(*single);
+    EXPECT_EQ(c.tokens[Key(id, i)], cs.tokens[Key(sid, 0)]) << "sample " << i;
+    EXPECT_EQ(c.tokens[Key(id, i)].size(), 6u);
+  }
+  EXPECT_NE(c.tokens[Key(id, 0)], c.tokens[Key(id, 1)]);
+}
+
+TEST(EngineTest, CancelFreesEveryBlockAtOnce) {
+  const Model& m = Tiny();
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(64)).value();
+  Collector c;
+  SamplingParams p = Greedy(200);
+  p.ignore_eos = true;
+  const uint64_t a = e->Submit({Prompts(*m.tokenizer, 1, 3)[0], p}, c.Callback()).value();
+  const uint64_t b = e->Submit({Prompts(*m.tokenizer, 1, 4)[0], p}, c.Callback()).value();
+  for (int i = 0; i < 5; ++i) e->Step();
+  EXPECT_LT(e->kv_pool().num_free_blocks(), 64);
+  e->Cancel(a);
+  e->Step();
+  EXPECT_EQ(c.finish[Key(a, 0)], FinishReason::kCancelled);
+  EXPECT_FALSE(c.finish.count(Key(b, 0))) << "the other request is undisturbed";
+  e->Cancel(b);
+  e->Step();
+  EXPECT_EQ(e->kv_pool().num_free_blocks(), 64);
+  EXPECT_EQ(e->Stats().requests_cancelled, 2);
+}
+
+TEST(EngineTest, ExpiredDeadlineFinishesTheRequest) {
+  const Model& m = Tiny();
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(64)).value();
+  Collector c;
+  EngineRequest r{Prompts(*m.tokenizer, 1, 5)[0], Greedy(100)};
+  r.params.ignore_eos = true;
+  r.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
+  const uint64_t id = e->Submit(r, c.Callback()).value();
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  RunToCompletion(*e);
+  EXPECT_EQ(c.finish[Key(id, 0)], FinishReason::kDeadline);
+  EXPECT_EQ(e->kv_pool().num_free_blocks(), 64);
+}
+
+TEST(EngineTest, HigherPriorityIsAdmittedFirst) {
+  const Model& m = Tiny();
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(64, 512, 1)).value();
+  std::vector<uint64_t> order;
+  std::mutex mu;
+  auto cb = [&](const SeqEvent& ev) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (ev.finish != FinishReason::kNone) order.push_back(ev.request_id);
+  };
+  EngineRequest low{Prompts(*m.tokenizer, 1, 1)[0], Greedy(3)};
+  EngineRequest high = low;
+  high.priority = 5;
+  const uint64_t l = e->Submit(low, cb).value();
+  const uint64_t h = e->Submit(high, cb).value();
+  RunToCompletion(*e);
+  ASSERT_EQ(order.size(), 2u);
+  EXPECT_EQ(order[0], h);
+  EXPECT_EQ(order[1], l);
+}
+
+TEST(EngineTest, StaticBatchingAdmitsNoOneUntilTheBatchFinishes) {
+  const Model& m = Tiny();
+  EngineOptions o = Opts(256, 512, 4);
+  o.static_batching = true;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  Collector c;
+  SamplingParams p = Greedy(4);
+  p.ignore_eos = true;
+  SamplingParams longer = Greedy(12);
+  longer.ignore_eos = true;
+  const auto prompts = Prompts(*m.tokenizer, 6, 9);
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e->Submit({prompts[i], i == 0 ? longer : p}, c.Callback()).ok());
+  bool saw_partial_batch = false;
+  while (e->Step()) {
+    const EngineStats st = e->Stats();
+    // While the long first request runs, the waiting two must not join.
+    if (st.running > 0 && st.running < 4) {
+      saw_partial_batch = true;
+      EXPECT_EQ(st.waiting, st.requests_finished < 4 ? 2 : st.waiting);
+    }
+  }
+  EXPECT_TRUE(saw_partial_batch);
+  EXPECT_EQ(e->Stats().requests_finished, 6);
+}
+
+TEST(EngineTest, InvalidRequestsAreRejectedWithTheField) {
+  const Model& m = Tiny();
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(64)).value();
+  auto cb = [](const SeqEvent&) {};
+  EXPECT_THAT(std::string(e->Submit({{}, Greedy(4)}, cb).status().message()), HasSubstr("prompt is empty"));
+  EXPECT_THAT(std::string(e->Submit({{1, 99999}, Greedy(4)}, cb).status().message()), HasSubstr("out of range"));
+  EXPECT_THAT(std::string(e->Submit({{1, 5}, Greedy(4), 99}, cb).status().message()), HasSubstr("n = 99"));
+  EXPECT_THAT(std::string(e->Submit({{1, 5}, Greedy(100000)}, cb).status().message()), HasSubstr("context length"));
+  SamplingParams bad = Greedy(4);
+  bad.top_p = 0;
+  EXPECT_THAT(std::string(e->Submit({{1, 5}, bad}, cb).status().message()), HasSubstr("top_p"));
+  EXPECT_FALSE(e->Step()) << "nothing was queued";
+}
+
+TEST(EngineTest, EngineThreadServesManySubmittingThreads) {
+  const Model& m = Tiny();
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(128, 64, 16)).value();
+  e->Start();
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  auto cb = [&](const SeqEvent& ev) {
+    if (ev.finish == FinishReason::kNone) return;
+    std::lock_guard<std::mutex> lock(mu);
+    ++done;
+    cv.notify_all();
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (const auto& p : Prompts(*m.tokenizer, 10, 100 + t)) ASSERT_TRUE(e->Submit({p, Greedy(6)}, cb).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return done == 40; }));
+  lock.unlock();
+  e->Stop();
+  EXPECT_EQ(e->kv_pool().num_free_blocks(), 128);
+}
+
+}  // namespace
+}  // namespace kvserve
