@@ -164,7 +164,9 @@ SampleResult Sampler::Sample(absl::Span<const float> logits, absl::Span<const in
     if (!penalized) scratch_.assign(logits.begin(), logits.end());
     result.token = SampleFromScratch();
   }
-  result.logprob = RawLogprob(logits, result.token);
+  // A full-vocabulary log-softmax costs as much as the draw itself; only
+  // requests that asked for log-probabilities pay for it.
+  if (params_.logprobs) result.logprob = RawLogprob(logits, result.token);
   return result;
 }
 

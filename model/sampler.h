@@ -37,6 +37,7 @@ struct SamplingParams {
 struct SampleResult {
   int32_t token = -1;
   float logprob = 0.0f;  // log-probability of `token` under the model's raw distribution
+                         // (computed only when SamplingParams::logprobs is set)
 };
 
 class Sampler {

@@ -149,13 +149,24 @@ void Engine::Cancel(uint64_t request_id) {
   cv_.notify_one();
 }
 
+void Engine::CancelAll() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancel_all_ = true;
+  }
+  cv_.notify_one();
+}
+
 void Engine::TakeInbox() {
   std::vector<std::unique_ptr<Group>> inbox;
   std::vector<uint64_t> cancels;
+  bool cancel_all;
   {
     std::lock_guard<std::mutex> lock(mu_);
     inbox.swap(inbox_);
     cancels.swap(cancels_);
+    cancel_all = cancel_all_;
+    cancel_all_ = false;
   }
   for (auto& g : inbox) {
     auto s = std::make_unique<Sequence>(kv_pool_.get());
@@ -169,6 +180,9 @@ void Engine::TakeInbox() {
     g->seqs.push_back(std::move(s));
     const uint64_t id = g->id;
     groups_[id] = std::move(g);
+  }
+  if (cancel_all) {
+    for (auto& [id, g] : groups_) cancels.push_back(id);
   }
   for (uint64_t id : cancels) {
     auto it = groups_.find(id);
@@ -546,7 +560,8 @@ void Engine::Start() {
       }
       if (!Step()) {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !inbox_.empty() || !cancels_.empty(); });
+        cv_.wait(lock,
+                 [&] { return stop_ || !inbox_.empty() || !cancels_.empty() || cancel_all_; });
       }
     }
   });

@@ -114,6 +114,8 @@ class Engine {
   // Finishes the request with kCancelled and frees its blocks at the next
   // step. Unknown or finished ids are ignored.
   void Cancel(uint64_t request_id);
+  // Cancels every request submitted so far (end of a drain).
+  void CancelAll();
 
   // One scheduling iteration. Returns false when there was nothing to do.
   bool Step();
@@ -165,6 +167,7 @@ class Engine {
   uint64_t next_id_ = 1;                     // guarded by mu_
   std::vector<std::unique_ptr<Group>> inbox_;  // guarded by mu_
   std::vector<uint64_t> cancels_;            // guarded by mu_
+  bool cancel_all_ = false;                  // guarded by mu_
   EngineStats stats_;                        // guarded by mu_
   bool stop_ = false;                        // guarded by mu_
   std::thread thread_;

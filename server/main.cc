@@ -6,7 +6,13 @@
 //   plan        KV memory plan for a model and settings (reads metadata only)
 //   info        model hyper-parameters and KV bytes per token
 // Issue 4 adds `serve`, the gRPC/HTTP daemon, beside these.
+#include <pthread.h>
+#include <signal.h>
+
 #include <algorithm>
+#include <cctype>
+#include <optional>
+#include <thread>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -35,6 +41,10 @@
 #include "model/tokenizer.h"
 #include "cache/memory_planner.h"
 #include "scheduler/engine.h"
+#include "server/grpc_server.h"
+#include "server/http_server.h"
+#include "server/metrics.h"
+#include "server/model_service.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -120,7 +130,7 @@ struct SamplingFlags {
     p.max_tokens = max_tokens;
     p.stop = stop;
     p.ignore_eos = ignore_eos;
-    p.logprobs = true;
+    p.logprobs = false;  // the CLI prints no log-probabilities
     return p;
   }
 };
@@ -233,6 +243,165 @@ GenerateResult RunOne(Engine& engine, EngineRequest req,
   return r;
 }
 
+// Daemon settings.
+struct ServeFlags {
+  std::string grpc_address = "127.0.0.1:50051";
+  std::string http_host = "127.0.0.1";
+  int http_port = 8000;
+  std::string port_file;
+  std::string api_key;
+  std::string api_key_file;
+  std::string tls_cert;
+  std::string tls_key;
+  int32_t max_queued = 1024;
+  int64_t max_request_bytes = 1 << 20;
+  double drain_timeout = 30;
+  std::string served_model_name;
+  int32_t max_n = 8;
+  int32_t default_max_tokens = 256;
+
+  void Add(CLI::App* app) {
+    app->add_option("--grpc-address", grpc_address, "gRPC listen address (port 0: any free port)")
+        ->capture_default_str();
+    app->add_option("--http-host", http_host, "HTTP listen host")->capture_default_str();
+    app->add_option("--http-port", http_port, "HTTP listen port (0: any free port)")
+        ->capture_default_str();
+    app->add_option("--port-file", port_file,
+                    "Write {\"grpc\": N, \"http\": M} here once listening");
+    app->add_option("--api-key", api_key, "Require this key (HTTP Bearer, gRPC metadata)");
+    app->add_option("--api-key-file", api_key_file, "Read the API key from a file");
+    app->add_option("--tls-cert", tls_cert, "PEM certificate: serve TLS (with --tls-key)");
+    app->add_option("--tls-key", tls_key, "PEM private key");
+    app->add_option("--max-queued", max_queued, "Waiting requests before RESOURCE_EXHAUSTED / 429")
+        ->capture_default_str();
+    app->add_option("--max-request-bytes", max_request_bytes, "Largest HTTP body (413 above)")
+        ->capture_default_str();
+    app->add_option("--drain-timeout", drain_timeout,
+                    "Seconds in-flight requests get to finish on SIGTERM/SIGINT")
+        ->capture_default_str();
+    app->add_option("--served-model-name", served_model_name,
+                    "Model id clients use (default: the file name without .gguf)");
+    app->add_option("--max-n", max_n, "Samples per request at most")->capture_default_str();
+    app->add_option("--default-max-tokens", default_max_tokens,
+                    "max_tokens when a request gives none")->capture_default_str();
+  }
+};
+
+// Every long option can also come from KVSERVE_<NAME> (--kv-cache-memory:
+// KVSERVE_KV_CACHE_MEMORY); command-line flags win over the environment.
+void SetEnvNames(CLI::App* app) {
+  for (CLI::Option* opt : app->get_options()) {
+    if (opt->get_lnames().empty() || opt->get_lnames()[0] == "help" ||
+        opt->get_lnames()[0] == "config" || !opt->get_envname().empty()) {
+      continue;
+    }
+    std::string env = "KVSERVE_" + opt->get_lnames()[0];
+    for (char& ch : env) ch = ch == '-' ? '_' : static_cast<char>(std::toupper(ch));
+    opt->envname(env);
+  }
+  for (CLI::App* sub : app->get_subcommands({})) SetEnvNames(sub);
+}
+
+std::string MaskSecrets(std::string config) {
+  std::stringstream in(config), out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find("api-key") != std::string::npos && line.find('=') != std::string::npos &&
+        line.find("api-key-file") == std::string::npos) {
+      line = line.substr(0, line.find('=') + 1) + " \"***\"";
+    }
+    out << line << "\n";
+  }
+  return out.str();
+}
+
+int RunServer(const Loaded& l, const std::string& model_path, const ServeFlags& f,
+              const EngineFlags& engine_flags, ThreadPool* pool) {
+  std::string api_key = f.api_key;
+  if (!f.api_key_file.empty()) {
+    api_key = ReadFileOrDie(f.api_key_file);
+    while (!api_key.empty() && std::isspace(static_cast<unsigned char>(api_key.back()))) api_key.pop_back();
+    if (api_key.empty()) Die(absl::InvalidArgumentError("--api-key-file is empty"));
+  }
+  if (f.tls_cert.empty() != f.tls_key.empty()) {
+    Die(absl::InvalidArgumentError("--tls-cert and --tls-key go together"));
+  }
+  std::string name = f.served_model_name;
+  if (name.empty()) {
+    name = model_path.substr(model_path.find_last_of('/') + 1);
+    if (name.size() > 5 && name.substr(name.size() - 5) == ".gguf") name.resize(name.size() - 5);
+  }
+  std::optional<ChatTemplate> chat;
+  if (auto t = ChatTemplate::FromGguf(l.model->file()); t.ok()) {
+    chat = *t;
+  } else {
+    spdlog::warn("chat disabled: {}", t.status().ToString());
+  }
+  std::unique_ptr<Engine> engine = engine_flags.MakeEngine(l, pool);
+  Metrics metrics(name);
+  ServiceLimits limits;
+  limits.max_queued = f.max_queued;
+  limits.max_n = f.max_n;
+  limits.default_max_tokens = f.default_max_tokens;
+  ModelService service(name, l.model.get(), l.tokenizer.get(), chat, engine.get(), limits, &metrics);
+  engine->Start();
+
+  GrpcServerOptions go;
+  go.address = f.grpc_address;
+  go.api_key = api_key;
+  go.tls_cert = f.tls_cert;
+  go.tls_key = f.tls_key;
+  auto grpc = GrpcServer::Start(&service, go);
+  if (!grpc.ok()) Die(grpc.status());
+  HttpServerOptions ho;
+  ho.host = f.http_host;
+  ho.port = f.http_port;
+  ho.api_key = api_key;
+  ho.tls_cert = f.tls_cert;
+  ho.tls_key = f.tls_key;
+  ho.max_request_bytes = f.max_request_bytes;
+  auto http = HttpServer::Start(&service, ho);
+  if (!http.ok()) Die(http.status());
+  spdlog::info("serving '{}': gRPC on {} (port {}), HTTP on {}:{}{}", name, f.grpc_address,
+               (*grpc)->port(), f.http_host, (*http)->port(),
+               api_key.empty() ? "" : ", API key required");
+  if (!f.port_file.empty()) {
+    const std::string tmp = f.port_file + ".tmp";
+    std::ofstream(tmp) << "{\"grpc\": " << (*grpc)->port() << ", \"http\": " << (*http)->port()
+                       << "}\n";
+    std::rename(tmp.c_str(), f.port_file.c_str());
+  }
+
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("{}: draining ({} in flight, {:.0f} s to finish)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+               service.in_flight(), f.drain_timeout);
+  // New requests are refused from here on; in-flight ones may finish.
+  service.BeginDrain();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(f.drain_timeout * 1000));
+  while (service.in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (service.in_flight() > 0) {
+    spdlog::warn("drain timeout: cancelling {} requests", service.in_flight());
+    service.CancelAll();
+    const auto grace = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (service.in_flight() > 0 && std::chrono::steady_clock::now() < grace) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  (*grpc)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  (*http)->Stop();
+  engine->Stop();
+  spdlog::info("stopped");
+  return 0;
+}
+
 }  // namespace
 }  // namespace kvserve
 
@@ -313,9 +482,39 @@ int main(int argc, char** argv) {
 
   auto* info = app.add_subcommand("info", "Model hyper-parameters and KV bytes per token");
 
+  // serve
+  auto* serve = app.add_subcommand("serve", "Run the daemon: gRPC and OpenAI-compatible HTTP");
+  ServeFlags serve_flags;
+  serve_flags.Add(serve);
+  engine_flags.Add(serve);
+  std::string log_format = "text";
+  app.add_option("--log-format", log_format, "text or json")->capture_default_str();
+  app.set_config("--config", "", "Read options from a TOML/INI file (flags override it)");
+  SetEnvNames(&app);
+
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));
+  if (log_format == "json") {
+    spdlog::set_pattern(R"({"time":"%Y-%m-%dT%H:%M:%S.%e","level":"%l","msg":"%v"})");
+  } else if (log_format != "text") {
+    Die(absl::InvalidArgumentError("--log-format must be text or json"));
+  }
+  if (*serve) {
+    // SIGTERM/SIGINT are taken by sigwait in the main thread: block them
+    // before any thread exists so every thread inherits the mask.
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGTERM);
+    sigaddset(&signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    spdlog::info("configuration:\n{}", MaskSecrets(app.config_to_str(true, false)));
+  }
   SetThreads(threads);
+
+  if (*serve) {
+    Loaded l = LoadModel(model_path);
+    return RunServer(l, model_path, serve_flags, engine_flags, &ThreadPool::Global());
+  }
   ThreadPool* pool = &ThreadPool::Global();
 
   if (*info) {

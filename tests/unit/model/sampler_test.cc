@@ -163,6 +163,7 @@ TEST(SamplerTest, GreedyTieGoesToLowestId) {
 
 TEST(SamplerTest, GreedyLogprobIsRawLogSoftmax) {
   SamplingParams p;
+  p.logprobs = true;
   p.temperature = 0.0f;
   Sampler sampler(p);
   const std::vector<float> logits = {0.5f, -1.0f, 2.0f, 1.0f};
@@ -176,6 +177,7 @@ TEST(SamplerTest, GreedyLogprobIsRawLogSoftmax) {
 
 TEST(SamplerTest, LogprobIsRawLogSoftmaxDespiteTemperatureAndPenalties) {
   SamplingParams p = Seeded(7);
+  p.logprobs = true;
   p.temperature = 0.7f;
   p.top_k = 3;
   p.repetition_penalty = 1.3f;
@@ -195,6 +197,7 @@ TEST(SamplerTest, LogprobIsRawLogSoftmaxDespiteTemperatureAndPenalties) {
 
 TEST(SamplerTest, LogprobIsStableForHugeLogits) {
   SamplingParams p;
+  p.logprobs = true;
   p.temperature = 0.0f;
   Sampler sampler(p);
   // Naive exp() would overflow; log-softmax is still {-log(1+e), -log(1+1/e)}.
@@ -642,6 +645,22 @@ TEST(StopStringMatcherTest, ChunkingDoesNotChangeOutput) {
     ASSERT_EQ(m.stopped(), best_end != std::string::npos) << "text " << text;
     for (const std::string& s : stops) ASSERT_EQ(out.find(s), std::string::npos);
   }
+}
+
+}  // namespace
+}  // namespace kvserve
+
+namespace kvserve {
+namespace {
+
+TEST(SamplerLogprobTest, LogprobIsOnlyComputedWhenRequested) {
+  SamplingParams p;
+  p.temperature = 0;
+  Sampler sampler(p);
+  const std::vector<float> logits = {0.0f, 2.0f, 1.0f};
+  const SampleResult r = sampler.Sample(logits, {}, {});
+  EXPECT_EQ(r.token, 1);
+  EXPECT_EQ(r.logprob, 0.0f);
 }
 
 }  // namespace

@@ -1,0 +1,462 @@
+// kvserve-cli: a command-line client of the kvserve gRPC API.
+//
+//   kvserve-cli generate -p "Once upon a time" --max-tokens 48 --temperature 0
+//   kvserve-cli chat --system "You are terse."       (interactive)
+//   kvserve-cli chat -p "Hello"                      (one turn)
+//   kvserve-cli tokenize "some text"
+//   kvserve-cli stats | info | health
+//
+// Text streams to stdout as it arrives; --json prints one JSON object per
+// line instead, for scripts. Exit status: 0 on success, 1 on any error (the
+// gRPC status is printed to stderr).
+//
+// Depends on the public API (proto/) and gRPC only, like any outside client.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "proto/kvserve.grpc.pb.h"
+
+namespace {
+
+namespace pb = ::kvserve::v1;
+
+struct GlobalOptions {
+  std::string address = "127.0.0.1:50051";
+  std::string api_key;
+  std::string tls_ca;
+  std::string tls_server_name;
+  double timeout_s = 0;  // 0: no deadline
+  bool json = false;
+  std::string model;
+};
+
+// Sampling flags shared by generate and chat. Only flags the user gave are
+// sent, so the daemon's defaults apply to the rest.
+struct SamplingFlags {
+  int32_t max_tokens = 0;
+  float temperature = 1;
+  float top_p = 1;
+  int32_t top_k = 0;
+  float min_p = 0;
+  float repetition_penalty = 1;
+  float presence_penalty = 0;
+  float frequency_penalty = 0;
+  int64_t seed = 0;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  int32_t n = 1;
+  bool logprobs = false;
+  bool ignore_eos = false;
+  int32_t priority = 0;
+  std::map<std::string, CLI::Option*> given;
+
+  void Add(CLI::App* app) {
+    given["max_tokens"] = app->add_option("--max-tokens,-n", max_tokens, "Most tokens to generate");
+    given["temperature"] = app->add_option("--temperature,-t", temperature, "0 = greedy (default 1)");
+    given["top_p"] = app->add_option("--top-p", top_p, "Nucleus mass in (0, 1]");
+    given["top_k"] = app->add_option("--top-k", top_k, "Keep the k most likely tokens (0 = off)");
+    given["min_p"] = app->add_option("--min-p", min_p, "Relative probability floor (0 = off)");
+    given["repetition_penalty"] =
+        app->add_option("--repetition-penalty", repetition_penalty, "1 = off");
+    given["presence_penalty"] = app->add_option("--presence-penalty", presence_penalty, "0 = off");
+    given["frequency_penalty"] =
+        app->add_option("--frequency-penalty", frequency_penalty, "0 = off");
+    given["seed"] = app->add_option("--seed", seed, "Sampler seed, for reproducible output");
+    app->add_option("--stop", stop, "Stop string (repeatable)");
+    app->add_option("--stop-token-id", stop_token_ids, "Stop token id (repeatable)");
+    given["n"] = app->add_option("--samples", n, "Samples from the one prompt");
+    app->add_flag("--logprobs", logprobs, "Return token log-probabilities");
+    app->add_flag("--ignore-eos", ignore_eos, "Keep generating past end-of-sequence");
+    app->add_option("--priority", priority, "Higher runs first");
+  }
+
+  bool Given(const std::string& name) const { return given.at(name)->count() > 0; }
+
+  void Fill(pb::SamplingParams* s) const {
+    if (Given("max_tokens")) s->set_max_tokens(max_tokens);
+    if (Given("temperature")) s->set_temperature(temperature);
+    if (Given("top_p")) s->set_top_p(top_p);
+    s->set_top_k(top_k);
+    s->set_min_p(min_p);
+    if (Given("repetition_penalty")) s->set_repetition_penalty(repetition_penalty);
+    s->set_presence_penalty(presence_penalty);
+    s->set_frequency_penalty(frequency_penalty);
+    if (Given("seed")) s->set_seed(seed);
+    for (const std::string& x : stop) s->add_stop(x);
+    for (int32_t id : stop_token_ids) s->add_stop_token_ids(id);
+    if (Given("n")) s->set_n(n);
+    s->set_logprobs(logprobs);
+    s->set_ignore_eos(ignore_eos);
+    s->set_priority(priority);
+  }
+};
+
+const char* CodeName(grpc::StatusCode code) {
+  static const char* const kNames[] = {
+      "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "UNKNOWN";
+}
+
+int Fail(const grpc::Status& s) {
+  std::fprintf(stderr, "kvserve-cli: error: %s: %s\n", CodeName(s.error_code()),
+               s.error_message().c_str());
+  return 1;
+}
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "kvserve-cli: error: %s\n", message.c_str());
+  return 1;
+}
+
+std::string ToJson(const google::protobuf::Message& m, bool pretty = false) {
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;  // the names of the .proto, as documented
+  o.always_print_primitive_fields = true;
+  o.add_whitespace = pretty;
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  if (!out.empty() && out.back() == '\n') out.pop_back();
+  return out;
+}
+
+class Client {
+ public:
+  explicit Client(const GlobalOptions& o) : options_(o) {}
+
+  bool Connect(std::string* error) {
+    std::shared_ptr<grpc::ChannelCredentials> creds;
+    grpc::ChannelArguments args;
+    if (!options_.tls_ca.empty()) {
+      std::ifstream in(options_.tls_ca, std::ios::binary);
+      if (!in) {
+        *error = "--tls-ca: cannot read " + options_.tls_ca;
+        return false;
+      }
+      std::ostringstream ss;
+      ss << in.rdbuf();
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = ss.str();
+      creds = grpc::SslCredentials(ssl);
+      if (!options_.tls_server_name.empty()) {
+        args.SetSslTargetNameOverride(options_.tls_server_name);
+      }
+    } else {
+      creds = grpc::InsecureChannelCredentials();
+    }
+    channel_ = grpc::CreateCustomChannel(options_.address, creds, args);
+    stub_ = pb::Kvserve::NewStub(channel_);
+    return true;
+  }
+
+  // A fresh context per call, carrying the key and the deadline.
+  std::unique_ptr<grpc::ClientContext> Context(double default_timeout_s = 0) const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    if (!options_.api_key.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.api_key);
+    const double t = options_.timeout_s > 0 ? options_.timeout_s : default_timeout_s;
+    if (t > 0) {
+      ctx->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(t * 1000)));
+    }
+    return ctx;
+  }
+
+  pb::Kvserve::Stub* stub() { return stub_.get(); }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  const GlobalOptions& options() const { return options_; }
+
+ private:
+  GlobalOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<pb::Kvserve::Stub> stub_;
+};
+
+// Reads a stream to its end, printing as it goes. Returns the text of each
+// sample (for chat history) through `texts`.
+template <typename Reader>
+grpc::Status PrintStream(Reader* reader, bool json, int32_t samples,
+                         std::map<int32_t, std::string>* texts) {
+  pb::GenerateResponse chunk;
+  while (reader->Read(&chunk)) {
+    (*texts)[chunk.index()] += chunk.text();
+    if (json) {
+      std::printf("%s\n", ToJson(chunk).c_str());
+      std::fflush(stdout);
+    } else if (samples <= 1) {
+      std::fwrite(chunk.text().data(), 1, chunk.text().size(), stdout);
+      std::fflush(stdout);
+    }
+  }
+  grpc::Status status = reader->Finish();
+  if (!json) {
+    if (samples > 1) {
+      for (const auto& [index, text] : *texts) std::printf("[%d] %s\n", index, text.c_str());
+    } else {
+      std::printf("\n");
+    }
+    std::fflush(stdout);
+  }
+  return status;
+}
+
+int RunGenerate(Client* client, const std::string& prompt, const SamplingFlags& flags) {
+  pb::GenerateRequest request;
+  request.set_model(client->options().model);
+  request.set_prompt(prompt);
+  flags.Fill(request.mutable_sampling());
+  auto ctx = client->Context();
+  auto reader = client->stub()->Generate(ctx.get(), request);
+  std::map<int32_t, std::string> texts;
+  grpc::Status s = PrintStream(reader.get(), client->options().json,
+                               flags.Given("n") ? flags.n : 1, &texts);
+  return s.ok() ? 0 : Fail(s);
+}
+
+// One chat turn: sends the history, streams the reply, appends it.
+grpc::Status ChatTurn(Client* client, const SamplingFlags& flags, pb::ChatRequest* request) {
+  auto ctx = client->Context();
+  auto reader = client->stub()->Chat(ctx.get(), *request);
+  std::map<int32_t, std::string> texts;
+  grpc::Status s = PrintStream(reader.get(), client->options().json, 1, &texts);
+  if (s.ok()) {
+    pb::ChatMessage* reply = request->add_messages();
+    reply->set_role("assistant");
+    reply->set_content(texts[0]);
+  }
+  return s;
+}
+
+int RunChat(Client* client, const std::string& system, const std::string& prompt,
+            const SamplingFlags& flags) {
+  pb::ChatRequest request;
+  request.set_model(client->options().model);
+  flags.Fill(request.mutable_sampling());
+  if (flags.Given("n") && flags.n != 1) return Fail("--samples: chat keeps one conversation");
+  if (!system.empty()) {
+    pb::ChatMessage* m = request.add_messages();
+    m->set_role("system");
+    m->set_content(system);
+  }
+  auto add_user = [&request](const std::string& text) {
+    pb::ChatMessage* m = request.add_messages();
+    m->set_role("user");
+    m->set_content(text);
+  };
+  if (!prompt.empty()) {
+    add_user(prompt);
+    grpc::Status s = ChatTurn(client, flags, &request);
+    return s.ok() ? 0 : Fail(s);
+  }
+  const bool tty = isatty(STDIN_FILENO);
+  if (tty) std::fprintf(stderr, "kvserve chat: /reset clears the conversation, /exit or Ctrl-D quits\n");
+  const int history_base = request.messages_size();  // the system message stays
+  std::string line;
+  while (true) {
+    if (tty) std::fprintf(stderr, "> ");
+    if (!std::getline(std::cin, line)) break;
+    if (line.empty()) continue;
+    if (line == "/exit" || line == "/quit") break;
+    if (line == "/reset") {
+      request.mutable_messages()->DeleteSubrange(history_base,
+                                                 request.messages_size() - history_base);
+      continue;
+    }
+    add_user(line);
+    grpc::Status s = ChatTurn(client, flags, &request);
+    if (!s.ok()) {
+      // Keep the session: drop the unanswered turn and let the user retry.
+      request.mutable_messages()->RemoveLast();
+      Fail(s);
+      if (!tty) return 1;
+    }
+  }
+  return 0;
+}
+
+int RunTokenize(Client* client, const std::string& text, bool no_special, bool parse_special) {
+  pb::TokenizeRequest request;
+  request.set_model(client->options().model);
+  request.set_text(text);
+  request.set_add_special_tokens(!no_special);
+  request.set_parse_special(parse_special);
+  pb::TokenizeResponse response;
+  auto ctx = client->Context(30);
+  grpc::Status s = client->stub()->Tokenize(ctx.get(), request, &response);
+  if (!s.ok()) return Fail(s);
+  if (client->options().json) {
+    std::printf("%s\n", ToJson(response).c_str());
+  } else {
+    for (int i = 0; i < response.token_ids_size(); ++i) {
+      std::printf(i == 0 ? "%d" : " %d", response.token_ids(i));
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+
+int RunDetokenize(Client* client, const std::vector<int32_t>& ids) {
+  pb::DetokenizeRequest request;
+  request.set_model(client->options().model);
+  for (int32_t id : ids) request.add_token_ids(id);
+  pb::DetokenizeResponse response;
+  auto ctx = client->Context(30);
+  grpc::Status s = client->stub()->Detokenize(ctx.get(), request, &response);
+  if (!s.ok()) return Fail(s);
+  if (client->options().json) {
+    std::printf("%s\n", ToJson(response).c_str());
+  } else {
+    std::printf("%s\n", response.text().c_str());
+  }
+  return 0;
+}
+
+int RunStats(Client* client) {
+  pb::Stats response;
+  auto ctx = client->Context(30);
+  grpc::Status s = client->stub()->GetStats(ctx.get(), pb::GetStatsRequest(), &response);
+  if (!s.ok()) return Fail(s);
+  std::printf("%s\n", ToJson(response, !client->options().json).c_str());
+  return 0;
+}
+
+int RunInfo(Client* client) {
+  pb::ModelInfo response;
+  auto ctx = client->Context(30);
+  grpc::Status s = client->stub()->GetModelInfo(ctx.get(), pb::GetModelInfoRequest(), &response);
+  if (!s.ok()) return Fail(s);
+  std::printf("%s\n", ToJson(response, !client->options().json).c_str());
+  return 0;
+}
+
+// grpc.health.v1.Health/Check through the generic stub: the two messages
+// have one field each, so they are encoded by hand rather than pulling the
+// health proto's generated code into the client.
+int RunHealth(Client* client, const std::string& service) {
+  std::string request_bytes;
+  if (!service.empty()) {
+    request_bytes.push_back(0x0a);  // field 1 (service), length-delimited
+    size_t len = service.size();
+    do {
+      unsigned char b = len & 0x7f;
+      len >>= 7;
+      request_bytes.push_back(static_cast<char>(len ? (b | 0x80) : b));
+    } while (len);
+    request_bytes += service;
+  }
+  grpc::Slice slice(request_bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::GenericStub stub(client->channel());
+  grpc::CompletionQueue cq;
+  auto ctx = client->Context(10);
+  auto call = stub.PrepareUnaryCall(ctx.get(), "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  cq.Next(&tag, &ok);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  if (!status.ok()) return Fail(status);
+
+  std::vector<grpc::Slice> slices;
+  (void)response.Dump(&slices);
+  std::string bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // HealthCheckResponse: field 1 (status) varint; absent means UNKNOWN (0).
+  int serving_status = 0;
+  if (bytes.size() >= 2 && bytes[0] == 0x08) serving_status = static_cast<unsigned char>(bytes[1]);
+  static const char* const kStatus[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  const char* name = serving_status >= 0 && serving_status < 4 ? kStatus[serving_status] : "UNKNOWN";
+  if (client->options().json) {
+    std::printf("{\"status\":\"%s\"}\n", name);
+  } else {
+    std::printf("%s\n", name);
+  }
+  return serving_status == 1 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvserve-cli: talk to a kvserve daemon over gRPC"};
+  app.require_subcommand(1);
+  GlobalOptions g;
+  app.add_option("--address,-a", g.address, "Daemon address host:port")
+      ->envname("KVSERVE_ADDRESS")
+      ->capture_default_str();
+  app.add_option("--api-key", g.api_key, "Sent as 'authorization: Bearer <key>'")
+      ->envname("KVSERVE_API_KEY");
+  app.add_option("--tls-ca", g.tls_ca, "PEM root certificate(s): connect with TLS")
+      ->envname("KVSERVE_TLS_CA");
+  app.add_option("--tls-server-name", g.tls_server_name,
+                 "Name to verify in the server certificate (default: the host of --address)");
+  app.add_option("--timeout", g.timeout_s, "Deadline per call in seconds (0: none)");
+  app.add_option("--model", g.model, "Model name (default: the one the daemon serves)");
+  app.add_flag("--json", g.json, "Print JSON (one object per line) for scripts");
+
+  CLI::App* generate = app.add_subcommand("generate", "Complete a prompt, streaming the text");
+  std::string prompt;
+  generate->add_option("-p,--prompt", prompt, "Prompt text")->required();
+  SamplingFlags generate_flags;
+  generate_flags.Add(generate);
+
+  CLI::App* chat = app.add_subcommand("chat", "Chat interactively (or one turn with -p)");
+  std::string chat_prompt, system;
+  chat->add_option("-p,--prompt", chat_prompt, "One user message; print the reply and exit");
+  chat->add_option("--system", system, "System message opening the conversation");
+  SamplingFlags chat_flags;
+  chat_flags.Add(chat);
+
+  CLI::App* tokenize = app.add_subcommand("tokenize", "Print the token ids of TEXT");
+  std::string text;
+  bool no_special = false, parse_special = false;
+  tokenize->add_option("text", text, "Text to tokenize")->required();
+  tokenize->add_flag("--no-special", no_special, "Do not add BOS");
+  tokenize->add_flag("--parse-special", parse_special, "Recognize special-token text");
+
+  CLI::App* detokenize = app.add_subcommand("detokenize", "Print the text of token ids");
+  std::vector<int32_t> ids;
+  detokenize->add_option("ids", ids, "Token ids")->required();
+
+  CLI::App* stats = app.add_subcommand("stats", "Print the engine's statistics");
+  CLI::App* info = app.add_subcommand("info", "Print the served model and KV cache shape");
+  CLI::App* health = app.add_subcommand("health", "Standard gRPC health check (exit 0 if SERVING)");
+  std::string health_service;
+  health->add_option("--service", health_service, "Service to check (default: the server)");
+
+  CLI11_PARSE(app, argc, argv);
+
+  Client client(g);
+  std::string error;
+  if (!client.Connect(&error)) return Fail(error);
+  if (*generate) return RunGenerate(&client, prompt, generate_flags);
+  if (*chat) return RunChat(&client, system, chat_prompt, chat_flags);
+  if (*tokenize) return RunTokenize(&client, text, no_special, parse_special);
+  if (*detokenize) return RunDetokenize(&client, ids);
+  if (*stats) return RunStats(&client);
+  if (*info) return RunInfo(&client);
+  if (*health) return RunHealth(&client, health_service);
+  return 1;
+}

@@ -1,0 +1,490 @@
+#include "server/grpc_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <algorithm>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "proto/kvserve.grpc.pb.h"
+#include "spdlog/spdlog.h"
+
+namespace kvserve {
+namespace {
+
+namespace pb = ::kvserve::v1;
+
+constexpr char kServiceName[] = "kvserve.v1.Kvserve";
+
+// absl and gRPC both use the canonical status codes 0..16, so the mapping is
+// one-to-one; anything outside that range would be a bug, reported as such.
+grpc::Status ToGrpc(const absl::Status& s) {
+  const int code = static_cast<int>(s.code());
+  if (code < 0 || code > static_cast<int>(grpc::StatusCode::UNAUTHENTICATED)) {
+    return grpc::Status(grpc::StatusCode::UNKNOWN, std::string(s.message()));
+  }
+  return grpc::Status(static_cast<grpc::StatusCode>(code), std::string(s.message()));
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(std::string(what) + ": cannot read " + path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Compares in time independent of where the strings differ, so the key
+// cannot be guessed byte by byte from response times.
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+void ApplySampling(const pb::SamplingParams& s, CompletionParams* p) {
+  if (s.has_max_tokens()) p->max_tokens = s.max_tokens();
+  if (s.has_temperature()) p->temperature = s.temperature();
+  if (s.has_top_p()) p->top_p = s.top_p();
+  p->top_k = s.top_k();
+  p->min_p = s.min_p();
+  if (s.has_repetition_penalty()) p->repetition_penalty = s.repetition_penalty();
+  p->presence_penalty = s.presence_penalty();
+  p->frequency_penalty = s.frequency_penalty();
+  if (s.has_seed()) p->seed = s.seed();
+  p->stop.assign(s.stop().begin(), s.stop().end());
+  p->stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  if (s.has_n()) p->n = s.n();
+  p->logprobs = s.logprobs();
+  p->ignore_eos = s.ignore_eos();
+  p->priority = s.priority();
+}
+
+absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
+  CompletionParams p;
+  p.model = r.model();
+  if (!r.prompt().empty() && r.prompt_ids_size() > 0) {
+    return absl::InvalidArgumentError("prompt, prompt_ids: set only one of them");
+  }
+  if (r.prompt_ids_size() > 0) {
+    p.prompt_ids.emplace(r.prompt_ids().begin(), r.prompt_ids().end());
+  } else {
+    p.prompt_text = r.prompt();  // empty is rejected by Prepare, naming the field
+  }
+  if (r.has_add_special_tokens()) p.add_special_tokens = r.add_special_tokens();
+  ApplySampling(r.sampling(), &p);
+  return p;
+}
+
+absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
+  CompletionParams p;
+  p.model = r.model();
+  std::vector<ChatMessage> messages;
+  messages.reserve(r.messages_size());
+  for (const pb::ChatMessage& m : r.messages()) messages.push_back({m.role(), m.content()});
+  p.messages = std::move(messages);
+  ApplySampling(r.sampling(), &p);
+  return p;
+}
+
+// The engine enforces deadlines itself too, so a request whose client has
+// gone quiet stops computing even before gRPC notices the expiry.
+std::chrono::steady_clock::time_point SteadyDeadline(std::chrono::system_clock::time_point d) {
+  const auto now = std::chrono::system_clock::now();
+  if (d >= now + std::chrono::hours(24 * 365)) return std::chrono::steady_clock::time_point::max();
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(d - now);
+}
+
+// One Generate or Chat stream. The engine thread produces chunks through the
+// sink; gRPC threads drive writes and cancellation. At most one write is in
+// flight (gRPC allows no more); chunks produced meanwhile wait in `pending`.
+//
+// Lifetime: gRPC deletes the reactor in OnDone, which follows Finish. The
+// sink may outlive it (the engine can deliver events after a cancel), so it
+// holds only `shared_` and never touches the reactor once finishing began.
+// Reactor methods (StartWrite, Finish) are called outside the mutex because
+// gRPC may run reactions such as OnWriteDone inline on the calling thread.
+class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+ public:
+  CompletionStream(ModelService* service, grpc::CallbackServerContext* ctx,
+                   absl::StatusOr<CompletionParams> params)
+      : service_(service), shared_(std::make_shared<Shared>()) {
+    shared_->stream = this;
+    absl::StatusOr<PreparedRequest> prepared =
+        params.ok() ? service->Prepare(*params) : absl::StatusOr<PreparedRequest>(params.status());
+    if (!prepared.ok()) {
+      FinishNow(ToGrpc(prepared.status()));
+      return;
+    }
+    prepared->engine.deadline = std::min(prepared->engine.deadline, SteadyDeadline(ctx->deadline()));
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->samples = std::max(1, prepared->engine.n);
+      shared_->prompt_tokens = prepared->prompt_tokens;
+    }
+    std::shared_ptr<Shared> shared = shared_;
+    absl::StatusOr<uint64_t> id =
+        service->Start(std::move(prepared).value(),
+                       [shared](const SeqEvent& ev) { Shared::OnEvent(shared, ev); });
+    if (!id.ok()) {
+      FinishNow(ToGrpc(id.status()));
+      return;
+    }
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared_->request_id = *id;
+    shared_->started = true;
+  }
+
+  void OnWriteDone(bool ok) override {
+    const pb::GenerateResponse* next = nullptr;
+    bool finish = false;
+    bool cancel_engine = false;
+    grpc::Status status;
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->writing = false;
+      if (!ok || shared_->client_cancelled) {
+        // The stream is broken or the client left: nothing more can reach it.
+        cancel_engine = shared_->started && !shared_->engine_done;
+        finish = true;
+        status = grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
+      } else if ((next = shared_->NextWriteLocked()) == nullptr && shared_->engine_done) {
+        finish = true;
+        status = shared_->FinalStatusLocked();
+      }
+      if (finish) shared_->finishing = true;
+    }
+    if (cancel_engine) service_->Cancel(RequestId());
+    if (next != nullptr) StartWrite(next);
+    if (finish) Finish(status);
+  }
+
+  // Client cancel, deadline, or server shutdown past its deadline.
+  void OnCancel() override {
+    bool cancel_engine = false;
+    bool finish = false;
+    uint64_t id = 0;
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->client_cancelled = true;
+      cancel_engine = shared_->started && !shared_->engine_done;
+      id = shared_->request_id;
+      // With a write in flight, its OnWriteDone finishes the stream.
+      if (!shared_->writing && !shared_->finishing) finish = shared_->finishing = true;
+    }
+    if (cancel_engine) service_->Cancel(id);
+    if (finish) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Shared {
+    std::mutex mu;
+    CompletionStream* stream = nullptr;  // valid until `finishing` is set
+    uint64_t request_id = 0;
+    bool started = false;         // the engine has the request
+    bool engine_done = false;     // every sample has its finish event
+    bool writing = false;         // a StartWrite awaits OnWriteDone
+    bool finishing = false;       // Finish called (or about to be)
+    bool client_cancelled = false;
+    int32_t samples = 1;
+    int32_t samples_done = 0;
+    int32_t prompt_tokens = 0;
+    int32_t completion_tokens = 0;
+    FinishReason worst = FinishReason::kNone;  // cancelled/deadline outrank stop/length
+    std::deque<pb::GenerateResponse> pending;
+    // gRPC keeps a pointer to the message until OnWriteDone.
+    pb::GenerateResponse in_flight;
+
+    // REQUIRES: mu held. Moves the next chunk in flight, or returns null.
+    const pb::GenerateResponse* NextWriteLocked() {
+      if (writing || finishing || pending.empty()) return nullptr;
+      in_flight = std::move(pending.front());
+      pending.pop_front();
+      writing = true;
+      return &in_flight;
+    }
+
+    grpc::Status FinalStatusLocked() const {
+      if (worst == FinishReason::kCancelled) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled by the server");
+      }
+      if (worst == FinishReason::kDeadline) {
+        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "request deadline exceeded");
+      }
+      return grpc::Status::OK;
+    }
+
+    // Runs on the engine thread: must not block beyond the short lock.
+    static void OnEvent(const std::shared_ptr<Shared>& self, const SeqEvent& ev) {
+      pb::GenerateResponse chunk;
+      chunk.set_index(ev.index);
+      chunk.mutable_token_ids()->Add(ev.token_ids.begin(), ev.token_ids.end());
+      chunk.mutable_logprobs()->Add(ev.logprobs.begin(), ev.logprobs.end());
+      chunk.set_text(ev.text);
+      if (ev.finish != FinishReason::kNone) chunk.set_finish_reason(FinishReasonName(ev.finish));
+      CompletionStream* stream = nullptr;
+      const pb::GenerateResponse* next = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(self->mu);
+        if (self->finishing) return;  // cancelled: late events go nowhere
+        if (ev.finish != FinishReason::kNone) {
+          ++self->samples_done;
+          self->completion_tokens += ev.completion_tokens;
+          if (ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kDeadline) {
+            self->worst = ev.finish;
+          }
+          if (self->samples_done >= self->samples) {
+            self->engine_done = true;
+            pb::Usage* usage = chunk.mutable_usage();
+            usage->set_prompt_tokens(ev.prompt_tokens > 0 ? ev.prompt_tokens : self->prompt_tokens);
+            usage->set_cached_prompt_tokens(0);  // no prefix cache yet (issue 5)
+            usage->set_completion_tokens(self->completion_tokens);
+          }
+        }
+        self->pending.push_back(std::move(chunk));
+        next = self->NextWriteLocked();
+        stream = self->stream;
+      }
+      if (next != nullptr) stream->StartWrite(next);
+    }
+  };
+
+  uint64_t RequestId() {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    return shared_->request_id;
+  }
+
+  void FinishNow(const grpc::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->finishing = true;
+    }
+    Finish(status);
+  }
+
+  ModelService* service_;
+  std::shared_ptr<Shared> shared_;
+};
+
+// A stream answered at once (authentication failure).
+class RejectedStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+ public:
+  explicit RejectedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+class KvserveService final : public pb::Kvserve::CallbackService {
+ public:
+  KvserveService(ModelService* service, std::string api_key)
+      : service_(service), api_key_(std::move(api_key)) {}
+
+  grpc::ServerWriteReactor<pb::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* ctx, const pb::GenerateRequest* request) override {
+    if (grpc::Status auth = Authorize(ctx); !auth.ok()) return new RejectedStream(auth);
+    return new CompletionStream(service_, ctx, ToParams(*request));
+  }
+
+  grpc::ServerWriteReactor<pb::GenerateResponse>* Chat(grpc::CallbackServerContext* ctx,
+                                                       const pb::ChatRequest* request) override {
+    if (grpc::Status auth = Authorize(ctx); !auth.ok()) return new RejectedStream(auth);
+    return new CompletionStream(service_, ctx, ToParams(*request));
+  }
+
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* ctx,
+                                     const pb::TokenizeRequest* request,
+                                     pb::TokenizeResponse* response) override {
+    return Unary(ctx, [&]() -> grpc::Status {
+      if (grpc::Status s = CheckModel(request->model()); !s.ok()) return s;
+      absl::StatusOr<std::vector<int32_t>> ids = service_->Tokenize(
+          request->text(),
+          request->has_add_special_tokens() ? request->add_special_tokens() : true,
+          request->parse_special());
+      if (!ids.ok()) return ToGrpc(ids.status());
+      response->mutable_token_ids()->Add(ids->begin(), ids->end());
+      return grpc::Status::OK;
+    });
+  }
+
+  grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* ctx,
+                                       const pb::DetokenizeRequest* request,
+                                       pb::DetokenizeResponse* response) override {
+    return Unary(ctx, [&]() -> grpc::Status {
+      if (grpc::Status s = CheckModel(request->model()); !s.ok()) return s;
+      absl::StatusOr<std::string> text = service_->Detokenize(
+          std::vector<int32_t>(request->token_ids().begin(), request->token_ids().end()));
+      if (!text.ok()) return ToGrpc(text.status());
+      response->set_text(*std::move(text));
+      return grpc::Status::OK;
+    });
+  }
+
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx,
+                                         const pb::GetModelInfoRequest* /*request*/,
+                                         pb::ModelInfo* response) override {
+    return Unary(ctx, [&]() -> grpc::Status {
+      const ModelInfo info = service_->Info();
+      const LlamaConfig& c = info.config;
+      response->set_name(info.name);
+      response->set_architecture(c.architecture);
+      response->set_n_layers(c.n_layers);
+      response->set_dim(c.dim);
+      response->set_n_heads(c.n_heads);
+      response->set_n_kv_heads(c.n_kv_heads);
+      response->set_head_dim(c.head_dim);
+      response->set_vocab_size(c.vocab_size);
+      response->set_context_length(c.context_length);
+      response->set_block_size(info.block_size);
+      response->set_kv_blocks(info.kv_blocks);
+      response->set_kv_dtype(info.kv_dtype);
+      return grpc::Status::OK;
+    });
+  }
+
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
+                                     const pb::GetStatsRequest* /*request*/,
+                                     pb::Stats* response) override {
+    return Unary(ctx, [&]() -> grpc::Status {
+      const EngineStats s = service_->Stats();
+      response->set_blocks_total(s.blocks_total);
+      response->set_blocks_used(s.blocks_used);
+      response->set_blocks_free(s.blocks_free);
+      response->set_kv_utilization(s.kv_utilization);
+      response->set_slot_efficiency(s.slot_efficiency);
+      response->set_mean_slot_efficiency(s.mean_slot_efficiency);
+      response->set_mean_contiguous_request_efficiency(s.mean_contiguous_request_efficiency);
+      response->set_mean_contiguous_context_efficiency(s.mean_contiguous_context_efficiency);
+      response->set_preemptions(s.preemptions);
+      response->set_running(s.running);
+      response->set_waiting(s.waiting);
+      response->set_steps(s.steps);
+      response->set_last_batch_seqs(s.last_batch_seqs);
+      response->set_last_batch_tokens(s.last_batch_tokens);
+      response->set_mean_batch_seqs(s.mean_batch_seqs);
+      response->set_mean_batch_tokens(s.mean_batch_tokens);
+      response->set_prompt_tokens_total(s.prompt_tokens_total);
+      response->set_generation_tokens_total(s.generation_tokens_total);
+      response->set_requests_finished(s.requests_finished);
+      response->set_requests_cancelled(s.requests_cancelled);
+      return grpc::Status::OK;
+    });
+  }
+
+ private:
+  // Unary calls are quick (no model forward), so they run on the gRPC
+  // thread that received them and finish before returning.
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Fn&& handle) {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    grpc::Status status = Authorize(ctx);
+    if (status.ok()) status = handle();
+    reactor->Finish(status);
+    return reactor;
+  }
+
+  grpc::Status Authorize(const grpc::CallbackServerContext* ctx) const {
+    if (api_key_.empty()) return grpc::Status::OK;
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    if (it == md.end()) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          "missing metadata 'authorization: Bearer <api key>'");
+    }
+    const std::string_view value(it->second.data(), it->second.size());
+    constexpr std::string_view kBearer = "Bearer ";
+    if (value.substr(0, kBearer.size()) != kBearer ||
+        !ConstantTimeEquals(value.substr(kBearer.size()), api_key_)) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid API key");
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CheckModel(const std::string& model) const {
+    if (model.empty() || model == service_->model_name()) return grpc::Status::OK;
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "model: unknown model '" + model +
+                                                         "' (serving '" +
+                                                         service_->model_name() + "')");
+  }
+
+  ModelService* service_;
+  std::string api_key_;
+};
+
+}  // namespace
+
+struct GrpcServer::Impl {
+  std::unique_ptr<KvserveService> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::once_flag shutdown_once;
+};
+
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(ModelService* service,
+                                                              const GrpcServerOptions& options) {
+  std::shared_ptr<grpc::ServerCredentials> creds;
+  if (!options.tls_cert.empty() || !options.tls_key.empty()) {
+    if (options.tls_cert.empty() || options.tls_key.empty()) {
+      return absl::InvalidArgumentError("tls_cert, tls_key: TLS needs both files");
+    }
+    absl::StatusOr<std::string> cert = ReadFile(options.tls_cert, "tls_cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadFile(options.tls_key, "tls_key");
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    creds = grpc::SslServerCredentials(ssl);
+  } else {
+    creds = grpc::InsecureServerCredentials();
+  }
+
+  // Both are process-wide switches read when a server is built.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  auto impl = std::make_unique<Impl>();
+  impl->service = std::make_unique<KvserveService>(service, options.api_key);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, creds, &impl->port);
+  builder.RegisterService(impl->service.get());
+  impl->server = builder.BuildAndStart();
+  if (impl->server == nullptr || impl->port == 0) {
+    return absl::UnavailableError("grpc: cannot listen on " + options.address);
+  }
+  if (grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService()) {
+    health->SetServingStatus(kServiceName, true);
+  }
+  spdlog::info("gRPC listening on {} (port {}, {}{})", options.address, impl->port,
+               options.tls_cert.empty() ? "plaintext" : "TLS",
+               options.api_key.empty() ? "" : ", API key required");
+  return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(impl)));
+}
+
+GrpcServer::GrpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+GrpcServer::~GrpcServer() { Shutdown(std::chrono::system_clock::now()); }
+
+int GrpcServer::port() const { return impl_->port; }
+
+void GrpcServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  std::call_once(impl_->shutdown_once, [&] {
+    // Tell health checkers first, so balancers stop routing here.
+    if (grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService()) {
+      health->SetServingStatus(false);
+    }
+    // Waits for in-flight RPCs until `deadline`, then cancels them; each
+    // stream's OnCancel cancels its engine request.
+    impl_->server->Shutdown(deadline);
+    impl_->server->Wait();
+  });
+}
+
+}  // namespace kvserve

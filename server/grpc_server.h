@@ -1,0 +1,39 @@
+// GrpcServer: the kvserve.v1 gRPC API over the callback (reactor) API, so
+// thousands of concurrent streams need no thread each. A client cancel or
+// deadline cancels the request in the engine at once. Health checking and
+// server reflection are on, so grpcurl works without the proto file.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/model_service.h"
+
+namespace kvserve {
+
+struct GrpcServerOptions {
+  std::string address = "127.0.0.1:50051";  // port 0 picks a free port
+  std::string api_key;   // when set, required as metadata "authorization: Bearer <key>"
+  std::string tls_cert;  // PEM files; both set enables TLS
+  std::string tls_key;
+};
+
+class GrpcServer {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(
+      ModelService* service, const GrpcServerOptions& options);
+  ~GrpcServer();
+  int port() const;
+  // Stops accepting RPCs; in-flight ones run until `deadline`, then are
+  // cancelled. Returns when the server is down.
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+
+ private:
+  struct Impl;
+  explicit GrpcServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvserve

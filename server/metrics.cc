@@ -1,0 +1,223 @@
+#include "server/metrics.h"
+
+#include <cassert>
+#include <charconv>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvserve {
+namespace {
+
+// The outcomes ModelService reports; rendered at zero from the start.
+constexpr const char* kKnownOutcomes[] = {"stop",     "length",   "cancelled",
+                                          "deadline", "rejected", "error"};
+
+void AppendHeader(const std::string& name, const std::string& help, const char* type,
+                  std::string* out) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+void AppendSample(const std::string& name, const std::string& labels, double value,
+                  std::string* out) {
+  absl::StrAppend(out, name, "{", labels, "} ", FormatMetricValue(value), "\n");
+}
+
+void AppendGauge(const std::string& name, const std::string& help, const std::string& labels,
+                 double value, std::string* out) {
+  AppendHeader(name, help, "gauge", out);
+  AppendSample(name, labels, value, out);
+}
+
+void AppendCounter(const std::string& name, const std::string& help, const std::string& labels,
+                   double value, std::string* out) {
+  AppendHeader(name, help, "counter", out);
+  AppendSample(name, labels, value, out);
+}
+
+}  // namespace
+
+std::string EscapeLabelValue(const std::string& v) {
+  std::string out;
+  out.reserve(v.size());
+  for (char c : v) {
+    switch (c) {
+      case '\\': out += "\\\\"; break;
+      case '"': out += "\\\""; break;
+      case '\n': out += "\\n"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+std::string FormatMetricValue(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  // Shortest round-trip form: 0.1 stays "0.1", counts stay integers.
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  if (ec != std::errc()) return absl::StrCat(v);  // cannot happen for 64 bytes
+  return std::string(buf, end);
+}
+
+Histogram::Histogram(std::vector<double> bounds)
+    : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {
+  for (size_t i = 1; i < bounds_.size(); ++i) assert(bounds_[i - 1] < bounds_[i]);
+}
+
+void Histogram::Observe(double v) {
+  // Prometheus buckets are "less than or equal": v lands in the first bucket
+  // whose bound is >= v.
+  size_t i = 0;
+  while (i < bounds_.size() && v > bounds_[i]) ++i;
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counts_[i];
+  sum_ += v;
+  ++count_;
+}
+
+uint64_t Histogram::count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return count_;
+}
+
+double Histogram::sum() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sum_;
+}
+
+void Histogram::Render(const std::string& name, const std::string& help,
+                       const std::string& labels, std::string* out) const {
+  std::vector<uint64_t> counts;
+  double sum;
+  uint64_t count;
+  {
+    // Copy under the lock so the cumulative counts, _sum and _count of one
+    // scrape agree with each other.
+    std::lock_guard<std::mutex> lock(mu_);
+    counts = counts_;
+    sum = sum_;
+    count = count_;
+  }
+  AppendHeader(name, help, "histogram", out);
+  const std::string sep = labels.empty() ? "" : ",";
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    cumulative += counts[i];
+    const std::string le = i < bounds_.size() ? FormatMetricValue(bounds_[i]) : "+Inf";
+    absl::StrAppend(out, name, "_bucket{", labels, sep, "le=\"", le, "\"} ", cumulative, "\n");
+  }
+  absl::StrAppend(out, name, "_sum{", labels, "} ", FormatMetricValue(sum), "\n");
+  absl::StrAppend(out, name, "_count{", labels, "} ", count, "\n");
+}
+
+std::vector<double> Metrics::TimeToFirstTokenBuckets() {
+  return {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,   0.75,
+          1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+}
+
+std::vector<double> Metrics::InterTokenLatencyBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,  0.15, 0.2, 0.3,
+          0.4,   0.5,    0.75,  1.0,  2.5,   5.0,  7.5,   10.0, 20.0, 40.0, 80.0};
+}
+
+std::vector<double> Metrics::EndToEndLatencyBuckets() {
+  return {0.3,  0.5,  0.8,  1.0,  1.5,  2.0,   2.5,   5.0,   10.0,   15.0,  20.0,
+          30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+}
+
+Metrics::Metrics(std::string model_name)
+    : model_name_(std::move(model_name)),
+      labels_(absl::StrCat("model_name=\"", EscapeLabelValue(model_name_), "\"")),
+      ttft_(TimeToFirstTokenBuckets()),
+      itl_(InterTokenLatencyBuckets()),
+      e2e_(EndToEndLatencyBuckets()) {
+  for (const char* o : kKnownOutcomes) outcomes_.emplace_back(o, 0);
+}
+
+void Metrics::RequestFinished(const std::string& outcome) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [name, count] : outcomes_) {
+    if (name == outcome) {
+      ++count;
+      return;
+    }
+  }
+  outcomes_.emplace_back(outcome, 1);
+}
+
+void Metrics::ObserveTimeToFirstToken(double seconds) { ttft_.Observe(seconds); }
+void Metrics::ObserveInterTokenLatency(double seconds) { itl_.Observe(seconds); }
+void Metrics::ObserveEndToEndLatency(double seconds) { e2e_.Observe(seconds); }
+
+void Metrics::AddPromptTokens(int64_t n) {
+  if (n <= 0) return;  // counters never go down
+  std::lock_guard<std::mutex> lock(mu_);
+  prompt_tokens_ += static_cast<uint64_t>(n);
+}
+
+void Metrics::AddGenerationTokens(int64_t n) {
+  if (n <= 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  generation_tokens_ += static_cast<uint64_t>(n);
+}
+
+std::string Metrics::Render(const EngineStats& stats) const {
+  std::vector<std::pair<std::string, uint64_t>> outcomes;
+  uint64_t prompt_tokens, generation_tokens;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outcomes = outcomes_;
+    prompt_tokens = prompt_tokens_;
+    generation_tokens = generation_tokens_;
+  }
+  const std::string& l = labels_;
+  std::string out;
+  out.reserve(8192);
+
+  // vLLM's names.
+  AppendGauge("kvserve:num_requests_running", "Number of requests in model execution batches.",
+              l, stats.running, &out);
+  AppendGauge("kvserve:num_requests_waiting", "Number of requests waiting to be processed.", l,
+              stats.waiting, &out);
+  AppendGauge("kvserve:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", l,
+              stats.kv_utilization, &out);
+  AppendCounter("kvserve:num_preemptions_total",
+                "Cumulative number of preemptions (by recompute) from the engine.", l,
+                static_cast<double>(stats.preemptions), &out);
+  AppendCounter("kvserve:prompt_tokens_total", "Number of prefill tokens processed.", l,
+                static_cast<double>(prompt_tokens), &out);
+  AppendCounter("kvserve:generation_tokens_total", "Number of generation tokens processed.", l,
+                static_cast<double>(generation_tokens), &out);
+  AppendHeader("kvserve:request_success_total",
+               "Count of finished requests by outcome (finished_reason).", "counter", &out);
+  for (const auto& [outcome, count] : outcomes) {
+    absl::StrAppend(&out, "kvserve:request_success_total{", l, ",finished_reason=\"",
+                    EscapeLabelValue(outcome), "\"} ", count, "\n");
+  }
+  ttft_.Render("kvserve:time_to_first_token_seconds",
+               "Histogram of time to first token in seconds.", l, &out);
+  itl_.Render("kvserve:inter_token_latency_seconds",
+              "Histogram of inter-token latency in seconds.", l, &out);
+  e2e_.Render("kvserve:e2e_request_latency_seconds",
+              "Histogram of end to end request latency in seconds.", l, &out);
+
+  // Ours: the paged KV cache and the batches.
+  AppendGauge("kvserve:kv_blocks_used", "KV-cache blocks in use.", l,
+              static_cast<double>(stats.blocks_used), &out);
+  AppendGauge("kvserve:kv_blocks_free", "KV-cache blocks free.", l,
+              static_cast<double>(stats.blocks_free), &out);
+  AppendGauge("kvserve:kv_blocks_total", "KV-cache blocks in the pool.", l,
+              static_cast<double>(stats.blocks_total), &out);
+  AppendGauge("kvserve:kv_slot_efficiency",
+              "Live token slots over allocated token slots in the KV cache, now.", l,
+              stats.slot_efficiency, &out);
+  AppendGauge("kvserve:batch_tokens", "Tokens in the last engine step's batch.", l,
+              static_cast<double>(stats.last_batch_tokens), &out);
+  AppendGauge("kvserve:batch_seqs", "Sequences in the last engine step's batch.", l,
+              static_cast<double>(stats.last_batch_seqs), &out);
+  return out;
+}
+
+}  // namespace kvserve

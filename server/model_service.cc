@@ -1,0 +1,214 @@
+#include "server/model_service.h"
+
+#include <chrono>
+#include <cmath>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace kvserve {
+
+ModelService::ModelService(std::string model_name, LlamaModel* model, const Tokenizer* tokenizer,
+                           std::optional<ChatTemplate> chat_template, Engine* engine,
+                           ServiceLimits limits, Metrics* metrics)
+    : model_name_(std::move(model_name)),
+      model_(model),
+      tokenizer_(tokenizer),
+      chat_template_(std::move(chat_template)),
+      engine_(engine),
+      limits_(limits),
+      metrics_(metrics) {}
+
+absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p) const {
+  if (!p.model.empty() && p.model != model_name_) {
+    return absl::NotFoundError(
+        absl::StrCat("model '", p.model, "' does not exist; this server serves '", model_name_, "'"));
+  }
+  const int inputs = p.prompt_text.has_value() + p.prompt_ids.has_value() + p.messages.has_value();
+  if (inputs != 1) {
+    return absl::InvalidArgumentError("exactly one of prompt or messages must be given");
+  }
+  if (p.n < 1 || p.n > limits_.max_n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n must be between 1 and ", limits_.max_n, " (got ", p.n, ")"));
+  }
+  if (static_cast<int32_t>(p.stop.size()) > limits_.max_stop_strings) {
+    return absl::InvalidArgumentError(absl::StrCat("stop: at most ", limits_.max_stop_strings,
+                                                   " stop strings (got ", p.stop.size(), ")"));
+  }
+  for (const std::string& s : p.stop) {
+    if (s.empty()) return absl::InvalidArgumentError("stop: stop strings must not be empty");
+    if (static_cast<int32_t>(s.size()) > limits_.max_stop_string_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("stop: a stop string is longer than ",
+                                                     limits_.max_stop_string_bytes, " bytes"));
+    }
+  }
+  const LlamaConfig& c = model_->config();
+  PreparedRequest out;
+  EngineRequest& r = out.engine;
+  if (p.prompt_text) {
+    if (p.prompt_text->empty()) return absl::InvalidArgumentError("prompt is empty");
+    r.prompt = tokenizer_->Encode(*p.prompt_text, p.add_special_tokens && tokenizer_->add_bos_default(),
+                                  /*parse_special=*/false);
+  } else if (p.prompt_ids) {
+    if (p.prompt_ids->empty()) return absl::InvalidArgumentError("prompt is empty");
+    for (int32_t t : *p.prompt_ids) {
+      if (t < 0 || t >= c.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("prompt: token id ", t, " is outside the vocabulary [0, ", c.vocab_size, ")"));
+      }
+    }
+    r.prompt = *p.prompt_ids;
+  } else {
+    if (p.messages->empty()) return absl::InvalidArgumentError("messages is empty");
+    if (!chat_template_) {
+      return absl::InvalidArgumentError("messages: this model has no usable chat template");
+    }
+    for (const ChatMessage& m : *p.messages) {
+      if (m.role != "system" && m.role != "user" && m.role != "assistant") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("messages: role must be system, user or assistant (got '", m.role, "')"));
+      }
+    }
+    ASSIGN_OR_RETURN(std::string text, chat_template_->Render(*p.messages, true));
+    r.prompt = tokenizer_->Encode(text, /*add_bos=*/false, /*parse_special=*/true);
+  }
+  if (r.prompt.empty()) return absl::InvalidArgumentError("prompt is empty after tokenization");
+
+  SamplingParams& s = r.params;
+  s.temperature = p.temperature;
+  s.top_p = p.top_p;
+  s.top_k = p.top_k;
+  s.min_p = p.min_p;
+  s.repetition_penalty = p.repetition_penalty;
+  s.presence_penalty = p.presence_penalty;
+  s.frequency_penalty = p.frequency_penalty;
+  if (p.seed) {
+    s.has_seed = true;
+    s.seed = static_cast<uint64_t>(*p.seed);
+  }
+  s.stop = p.stop;
+  s.stop_token_ids = p.stop_token_ids;
+  s.ignore_eos = p.ignore_eos;
+  s.logprobs = p.logprobs;
+  const int64_t room = static_cast<int64_t>(c.context_length) - static_cast<int64_t>(r.prompt.size());
+  if (p.max_tokens) {
+    if (*p.max_tokens < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_tokens must be at least 1 (got ", *p.max_tokens, ")"));
+    }
+    if (*p.max_tokens > room) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "max_tokens: prompt (", r.prompt.size(), " tokens) + max_tokens (", *p.max_tokens,
+          ") exceeds the context length ", c.context_length));
+    }
+    s.max_tokens = *p.max_tokens;
+  } else {
+    if (room < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt: ", r.prompt.size(),
+                                                     " tokens leave no room in the context length ",
+                                                     c.context_length));
+    }
+    s.max_tokens = static_cast<int32_t>(std::min<int64_t>(limits_.default_max_tokens, room));
+  }
+  RETURN_IF_ERROR(ValidateSamplingParams(s));
+  r.n = p.n;
+  r.priority = p.priority;
+  out.prompt_tokens = static_cast<int32_t>(r.prompt.size());
+  return out;
+}
+
+namespace {
+
+// Per-request timing for the latency histograms; shared by the sink copies.
+struct StreamTiming {
+  std::mutex mu;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last;
+  bool first = true;
+  int32_t open_samples = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink sink) {
+  if (draining()) {
+    metrics_->RequestFinished("rejected");
+    return absl::UnavailableError("the server is shutting down");
+  }
+  if (engine_->Stats().waiting >= limits_.max_queued) {
+    metrics_->RequestFinished("rejected");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "too many queued requests (", limits_.max_queued, "); retry later"));
+  }
+  auto timing = std::make_shared<StreamTiming>();
+  timing->open_samples = request.engine.n;
+  const int32_t prompt_tokens = request.prompt_tokens;
+  in_flight_.fetch_add(1);
+  auto wrapped = [this, timing, prompt_tokens, sink = std::move(sink)](const SeqEvent& ev) {
+    const auto now = std::chrono::steady_clock::now();
+    bool request_done = false;
+    {
+      std::lock_guard<std::mutex> lock(timing->mu);
+      if (!ev.token_ids.empty()) {
+        if (timing->first) {
+          metrics_->ObserveTimeToFirstToken(std::chrono::duration<double>(now - timing->start).count());
+          metrics_->AddPromptTokens(prompt_tokens);
+          timing->first = false;
+        } else {
+          metrics_->ObserveInterTokenLatency(std::chrono::duration<double>(now - timing->last).count());
+        }
+        timing->last = now;
+        metrics_->AddGenerationTokens(static_cast<int64_t>(ev.token_ids.size()));
+      }
+      if (ev.finish != FinishReason::kNone) {
+        metrics_->RequestFinished(FinishReasonName(ev.finish));
+        request_done = --timing->open_samples == 0;
+        if (request_done) {
+          metrics_->ObserveEndToEndLatency(std::chrono::duration<double>(now - timing->start).count());
+        }
+      }
+    }
+    sink(ev);
+    if (request_done) in_flight_.fetch_sub(1);
+  };
+  auto id = engine_->Submit(std::move(request.engine), std::move(wrapped));
+  if (!id.ok()) {
+    in_flight_.fetch_sub(1);
+    metrics_->RequestFinished("rejected");
+    return id.status();
+  }
+  return *id;
+}
+
+void ModelService::Cancel(uint64_t request_id) { engine_->Cancel(request_id); }
+
+void ModelService::CancelAll() { engine_->CancelAll(); }
+
+absl::StatusOr<std::vector<int32_t>> ModelService::Tokenize(const std::string& text,
+                                                            bool add_special,
+                                                            bool parse_special) const {
+  return tokenizer_->Encode(text, add_special && tokenizer_->add_bos_default(), parse_special);
+}
+
+absl::StatusOr<std::string> ModelService::Detokenize(const std::vector<int32_t>& ids) const {
+  for (int32_t t : ids) {
+    if (t < 0 || t >= tokenizer_->vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", t, " is outside the vocabulary"));
+    }
+  }
+  return tokenizer_->Decode(ids);
+}
+
+ModelInfo ModelService::Info() const {
+  ModelInfo info;
+  info.name = model_name_;
+  info.config = model_->config();
+  info.block_size = engine_->options().block_size;
+  info.kv_blocks = engine_->options().num_blocks;
+  info.kv_dtype = engine_->options().kv_dtype == kernels::KvDType::kF16 ? "f16" : "f32";
+  return info;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,122 @@
+// ModelService: what the gRPC and the HTTP front ends share. It validates a
+// request (the same rules and messages for both protocols), turns text or
+// chat messages into tokens, submits to the engine with back-pressure, times
+// each stream for the metrics, and answers tokenize/model-info/stats calls.
+// Only server/ knows it; it speaks absl::Status, and each front end maps
+// codes to its protocol (gRPC status / HTTP code).
+//
+// Thread-safety: every method may be called from any thread. Event sinks run
+// on the engine thread and must not block.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/chat_template.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
+#include "scheduler/engine.h"
+#include "server/metrics.h"
+
+namespace kvserve {
+
+struct ServiceLimits {
+  int32_t max_n = 8;                 // samples per request
+  int32_t max_stop_strings = 8;
+  int32_t max_stop_string_bytes = 256;
+  int32_t max_queued = 1024;         // waiting requests before RESOURCE_EXHAUSTED
+  int32_t default_max_tokens = 256;  // when a request names none
+};
+
+// A request as both protocols express it. Exactly one of prompt_text,
+// prompt_ids, messages is used.
+struct CompletionParams {
+  std::string model;  // empty: the served model
+  std::optional<std::string> prompt_text;
+  std::optional<std::vector<int32_t>> prompt_ids;
+  std::optional<std::vector<ChatMessage>> messages;
+  std::optional<int32_t> max_tokens;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  std::optional<int64_t> seed;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  int32_t n = 1;
+  bool logprobs = false;
+  bool ignore_eos = false;
+  int32_t priority = 0;
+  bool add_special_tokens = true;  // BOS for text prompts, as the model asks
+};
+
+struct PreparedRequest {
+  EngineRequest engine;
+  int32_t prompt_tokens = 0;
+};
+
+// One stream event as the front ends see it (an engine event plus timing).
+using StreamSink = std::function<void(const SeqEvent&)>;
+
+struct ModelInfo {
+  std::string name;  // the id clients use
+  LlamaConfig config;
+  int32_t block_size = 0;
+  int64_t kv_blocks = 0;
+  std::string kv_dtype;
+};
+
+class ModelService {
+ public:
+  ModelService(std::string model_name, LlamaModel* model, const Tokenizer* tokenizer,
+               std::optional<ChatTemplate> chat_template, Engine* engine, ServiceLimits limits,
+               Metrics* metrics);
+
+  // InvalidArgument naming the field (NotFound for an unknown model).
+  [[nodiscard]] absl::StatusOr<PreparedRequest> Prepare(const CompletionParams& params) const;
+
+  // Submits; events arrive on `sink` (the last per sample has a finish
+  // reason). ResourceExhausted past max_queued waiting requests; Unavailable
+  // while draining.
+  [[nodiscard]] absl::StatusOr<uint64_t> Start(PreparedRequest request, StreamSink sink);
+  void Cancel(uint64_t request_id);
+
+  [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text,
+                                                              bool add_special,
+                                                              bool parse_special) const;
+  [[nodiscard]] absl::StatusOr<std::string> Detokenize(const std::vector<int32_t>& ids) const;
+  ModelInfo Info() const;
+  EngineStats Stats() const { return engine_->Stats(); }
+  const std::string& model_name() const { return model_name_; }
+
+  // Draining: new requests get Unavailable; in-flight ones continue.
+  void BeginDrain() { draining_.store(true); }
+  // Cancels every request still in flight (end of a drain).
+  void CancelAll();
+  bool draining() const { return draining_.load(); }
+  int64_t in_flight() const { return in_flight_.load(); }
+
+  Metrics* metrics() { return metrics_; }
+
+ private:
+  std::string model_name_;
+  LlamaModel* model_;
+  const Tokenizer* tokenizer_;
+  std::optional<ChatTemplate> chat_template_;
+  Engine* engine_;
+  ServiceLimits limits_;
+  Metrics* metrics_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> in_flight_{0};
+};
+
+}  // namespace kvserve

@@ -1,0 +1,45 @@
+// Wire formats exchanged out of band: the packed region descriptor and the
+// packed peer address. Both are versioned, length-checked and checksummed so a
+// truncated or corrupted blob is rejected with a message instead of being
+// turned into a wild remote address.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "transport/transport.h"
+
+namespace kvserve::transport {
+
+struct RegionDescriptor {
+  std::string backend;         // "ucx" / "loopback": must match the importer
+  uint64_t agent_id = 0;       // random id of the owning Transport instance
+  RegionId region = 0;         // the owner's handle
+  MemoryKind kind = MemoryKind::kHost;
+  // The owner exposes a host staging buffer for a GPU region: writes land
+  // there and are copied to the device before the notification is delivered.
+  bool staged = false;
+  uint64_t remote_address = 0; // address the peer targets (staging if staged)
+  uint64_t length = 0;
+  std::string rkey;            // backend-specific remote key, may be empty
+};
+
+std::string PackRegionDescriptor(const RegionDescriptor& descriptor);
+absl::StatusOr<RegionDescriptor> UnpackRegionDescriptor(absl::string_view blob);
+
+struct PeerAddress {
+  std::string backend;
+  uint64_t agent_id = 0;
+  std::string name;     // agent name, for logs and notifications
+  std::string address;  // backend-specific (UCX worker address)
+};
+
+std::string PackPeerAddress(const PeerAddress& address);
+absl::StatusOr<PeerAddress> UnpackPeerAddress(absl::string_view blob);
+
+// 64-bit FNV-1a; also used by tests and the benchmark to checksum bytes.
+uint64_t Fnv1a64(const void* data, size_t length, uint64_t seed = 0);
+
+}  // namespace kvserve::transport
