@@ -11,9 +11,9 @@
 // gRPC status is printed to stderr).
 //
 // Depends on the public API (proto/) and gRPC only, like any outside client.
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <google/protobuf/util/json_util.h>
 
 #include <unistd.h>
 
@@ -67,7 +67,8 @@ struct SamplingFlags {
 
   void Add(CLI::App* app) {
     given["max_tokens"] = app->add_option("--max-tokens,-n", max_tokens, "Most tokens to generate");
-    given["temperature"] = app->add_option("--temperature,-t", temperature, "0 = greedy (default 1)");
+    given["temperature"] =
+        app->add_option("--temperature,-t", temperature, "0 = greedy (default 1)");
     given["top_p"] = app->add_option("--top-p", top_p, "Nucleus mass in (0, 1]");
     given["top_k"] = app->add_option("--top-k", top_k, "Keep the k most likely tokens (0 = off)");
     given["min_p"] = app->add_option("--min-p", min_p, "Relative probability floor (0 = off)");
@@ -107,12 +108,23 @@ struct SamplingFlags {
 };
 
 const char* CodeName(grpc::StatusCode code) {
-  static const char* const kNames[] = {
-      "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static const char* const kNames[] = {"OK",
+                                       "CANCELLED",
+                                       "UNKNOWN",
+                                       "INVALID_ARGUMENT",
+                                       "DEADLINE_EXCEEDED",
+                                       "NOT_FOUND",
+                                       "ALREADY_EXISTS",
+                                       "PERMISSION_DENIED",
+                                       "RESOURCE_EXHAUSTED",
+                                       "FAILED_PRECONDITION",
+                                       "ABORTED",
+                                       "OUT_OF_RANGE",
+                                       "UNIMPLEMENTED",
+                                       "INTERNAL",
+                                       "UNAVAILABLE",
+                                       "DATA_LOSS",
+                                       "UNAUTHENTICATED"};
   const int i = static_cast<int>(code);
   return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "UNKNOWN";
 }
@@ -226,13 +238,13 @@ int RunGenerate(Client* client, const std::string& prompt, const SamplingFlags& 
   auto ctx = client->Context();
   auto reader = client->stub()->Generate(ctx.get(), request);
   std::map<int32_t, std::string> texts;
-  grpc::Status s = PrintStream(reader.get(), client->options().json,
-                               flags.Given("n") ? flags.n : 1, &texts);
+  grpc::Status s =
+      PrintStream(reader.get(), client->options().json, flags.Given("n") ? flags.n : 1, &texts);
   return s.ok() ? 0 : Fail(s);
 }
 
 // One chat turn: sends the history, streams the reply, appends it.
-grpc::Status ChatTurn(Client* client, const SamplingFlags& flags, pb::ChatRequest* request) {
+grpc::Status ChatTurn(Client* client, pb::ChatRequest* request) {
   auto ctx = client->Context();
   auto reader = client->stub()->Chat(ctx.get(), *request);
   std::map<int32_t, std::string> texts;
@@ -263,11 +275,12 @@ int RunChat(Client* client, const std::string& system, const std::string& prompt
   };
   if (!prompt.empty()) {
     add_user(prompt);
-    grpc::Status s = ChatTurn(client, flags, &request);
+    grpc::Status s = ChatTurn(client, &request);
     return s.ok() ? 0 : Fail(s);
   }
   const bool tty = isatty(STDIN_FILENO);
-  if (tty) std::fprintf(stderr, "kvserve chat: /reset clears the conversation, /exit or Ctrl-D quits\n");
+  if (tty)
+    std::fprintf(stderr, "kvserve chat: /reset clears the conversation, /exit or Ctrl-D quits\n");
   const int history_base = request.messages_size();  // the system message stays
   std::string line;
   while (true) {
@@ -281,7 +294,7 @@ int RunChat(Client* client, const std::string& system, const std::string& prompt
       continue;
     }
     add_user(line);
-    grpc::Status s = ChatTurn(client, flags, &request);
+    grpc::Status s = ChatTurn(client, &request);
     if (!s.ok()) {
       // Keep the session: drop the unanswered turn and let the user retry.
       request.mutable_messages()->RemoveLast();
@@ -383,12 +396,14 @@ int RunHealth(Client* client, const std::string& service) {
   std::vector<grpc::Slice> slices;
   (void)response.Dump(&slices);
   std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   // HealthCheckResponse: field 1 (status) varint; absent means UNKNOWN (0).
   int serving_status = 0;
   if (bytes.size() >= 2 && bytes[0] == 0x08) serving_status = static_cast<unsigned char>(bytes[1]);
   static const char* const kStatus[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
-  const char* name = serving_status >= 0 && serving_status < 4 ? kStatus[serving_status] : "UNKNOWN";
+  const char* name =
+      serving_status >= 0 && serving_status < 4 ? kStatus[serving_status] : "UNKNOWN";
   if (client->options().json) {
     std::printf("{\"status\":\"%s\"}\n", name);
   } else {

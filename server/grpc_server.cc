@@ -124,16 +124,16 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
       FinishNow(ToGrpc(prepared.status()));
       return;
     }
-    prepared->engine.deadline = std::min(prepared->engine.deadline, SteadyDeadline(ctx->deadline()));
+    prepared->engine.deadline =
+        std::min(prepared->engine.deadline, SteadyDeadline(ctx->deadline()));
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
       shared_->samples = std::max(1, prepared->engine.n);
       shared_->prompt_tokens = prepared->prompt_tokens;
     }
     std::shared_ptr<Shared> shared = shared_;
-    absl::StatusOr<uint64_t> id =
-        service->Start(std::move(prepared).value(),
-                       [shared](const SeqEvent& ev) { Shared::OnEvent(shared, ev); });
+    absl::StatusOr<uint64_t> id = service->Start(
+        std::move(prepared).value(), [shared](const SeqEvent& ev) { Shared::OnEvent(shared, ev); });
     if (!id.ok()) {
       FinishNow(ToGrpc(id.status()));
       return;
@@ -191,10 +191,10 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     std::mutex mu;
     CompletionStream* stream = nullptr;  // valid until `finishing` is set
     uint64_t request_id = 0;
-    bool started = false;         // the engine has the request
-    bool engine_done = false;     // every sample has its finish event
-    bool writing = false;         // a StartWrite awaits OnWriteDone
-    bool finishing = false;       // Finish called (or about to be)
+    bool started = false;      // the engine has the request
+    bool engine_done = false;  // every sample has its finish event
+    bool writing = false;      // a StartWrite awaits OnWriteDone
+    bool finishing = false;    // Finish called (or about to be)
     bool client_cancelled = false;
     int32_t samples = 1;
     int32_t samples_done = 0;
@@ -306,8 +306,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
     return Unary(ctx, [&]() -> grpc::Status {
       if (grpc::Status s = CheckModel(request->model()); !s.ok()) return s;
       absl::StatusOr<std::vector<int32_t>> ids = service_->Tokenize(
-          request->text(),
-          request->has_add_special_tokens() ? request->add_special_tokens() : true,
+          request->text(), request->has_add_special_tokens() ? request->add_special_tokens() : true,
           request->parse_special());
       if (!ids.ok()) return ToGrpc(ids.status());
       response->mutable_token_ids()->Add(ids->begin(), ids->end());
@@ -410,9 +409,9 @@ class KvserveService final : public pb::Kvserve::CallbackService {
 
   grpc::Status CheckModel(const std::string& model) const {
     if (model.empty() || model == service_->model_name()) return grpc::Status::OK;
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, "model: unknown model '" + model +
-                                                         "' (serving '" +
-                                                         service_->model_name() + "')");
+    return grpc::Status(
+        grpc::StatusCode::NOT_FOUND,
+        "model: unknown model '" + model + "' (serving '" + service_->model_name() + "')");
   }
 
   ModelService* service_;

@@ -1,6 +1,12 @@
 #include "transport/descriptor.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -101,6 +107,33 @@ const char* MemoryKindName(MemoryKind kind) {
   return "unknown";
 }
 
+std::string LocalHostId() {
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  struct stat ns = {};
+  if (!(boot >> boot_id) || stat("/proc/self/ns/pid", &ns) != 0) return "";
+  return absl::StrCat(boot_id, "/", ns.st_ino);
+}
+
+uint64_t ProcessStartTime(uint64_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(in, line)) return 0;
+  // The command name may hold spaces; fields resume after the last ')'.
+  size_t close = line.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(line.substr(close + 2));
+  std::string state;
+  fields >> state;
+  if (state == "Z" || state == "X") return 0;  // dead, maybe not yet reaped
+  std::string field;
+  // Field 22 (starttime) is the 20th after the state (field 3).
+  for (int i = 4; i <= 22 && fields >> field; ++i) {
+    if (i == 22) return std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return 0;
+}
+
 uint64_t Fnv1a64(const void* data, size_t length, uint64_t seed) {
   uint64_t h = 1469598103934665603ull ^ seed;
   const auto* p = static_cast<const unsigned char*>(data);
@@ -167,6 +200,9 @@ std::string PackPeerAddress(const PeerAddress& a) {
   w.Put<uint64_t>(a.agent_id);
   w.PutString(a.name);
   w.PutString(a.address);
+  w.PutString(a.host_id);
+  w.Put<uint64_t>(a.pid);
+  w.Put<uint64_t>(a.start_time);
   return w.Finish();
 }
 
@@ -175,7 +211,8 @@ absl::StatusOr<PeerAddress> UnpackPeerAddress(absl::string_view blob) {
   if (auto s = r.CheckFraming(kAddressMagic); !s.ok()) return s;
   PeerAddress a;
   if (!r.GetString(&a.backend) || !r.Get(&a.agent_id) || !r.GetString(&a.name) ||
-      !r.GetString(&a.address)) {
+      !r.GetString(&a.address) || !r.GetString(&a.host_id) || !r.Get(&a.pid) ||
+      !r.Get(&a.start_time)) {
     return r.Truncated();
   }
   if (!r.AtEnd()) return absl::InvalidArgumentError("peer address: trailing bytes");

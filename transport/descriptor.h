@@ -34,10 +34,19 @@ struct PeerAddress {
   uint64_t agent_id = 0;
   std::string name;     // agent name, for logs and notifications
   std::string address;  // backend-specific (UCX worker address)
+  // Identifies the process so a peer on the same host (same boot and PID
+  // namespace) can check it is alive where the transport cannot tell.
+  std::string host_id;          // boot id + PID namespace; empty: unknown
+  uint64_t pid = 0;
+  uint64_t start_time = 0;      // /proc/<pid>/stat start time, beats PID reuse
 };
 
 std::string PackPeerAddress(const PeerAddress& address);
 absl::StatusOr<PeerAddress> UnpackPeerAddress(absl::string_view blob);
+
+// This process's host_id / start time as used in PeerAddress.
+std::string LocalHostId();
+uint64_t ProcessStartTime(uint64_t pid);  // 0: no such (live) process
 
 // 64-bit FNV-1a; also used by tests and the benchmark to checksum bytes.
 uint64_t Fnv1a64(const void* data, size_t length, uint64_t seed = 0);

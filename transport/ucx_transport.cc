@@ -2,6 +2,8 @@
 
 #include <ucp/api/ucp.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -126,6 +128,12 @@ class UcxTransport final : public Transport {
     absl::Status failure;  // non-OK once the peer is dead
     int pending = 0;
     absl::flat_hash_set<RemoteRegionId> remote_regions;
+    // Set when this peer runs on our host and PID namespace: liveness is
+    // checked through /proc, for transports (posix, sysv) without UCX peer
+    // failure support.
+    uint64_t pid = 0;
+    uint64_t start_time = 0;
+    uint64_t agent_id = 0;  // descriptors must come from this agent
     // Argument of the endpoint error handler; heap-held so its address stays
     // put while peers_ rehashes.
     std::unique_ptr<std::pair<UcxTransport*, PeerId>> error_arg;
@@ -196,6 +204,13 @@ class UcxTransport final : public Transport {
   ucs_status_t WaitRequest(ucs_status_ptr_t request);
   void CloseEndpoint(Peer& peer, bool force);
 
+  bool MayUseSharedMemory() const {
+    const std::string& tls = capabilities_.transports;
+    for (const char* shm : {"all", "posix", "sysv", "shm", "sm", "mm"}) {
+      if (tls.find(shm) != std::string::npos) return true;
+    }
+    return false;
+  }
   void Advance(Transfer* t);
   void Finish(Transfer* t);
   void FailPeer(PeerId peer_id, absl::Status why);
@@ -215,6 +230,7 @@ class UcxTransport final : public Transport {
   Capabilities capabilities_;
   bool cuda_direct_ = false;
   std::string packed_address_;
+  std::string local_host_id_;
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -233,6 +249,7 @@ class UcxTransport final : public Transport {
   absl::flat_hash_map<TransferId, Transfer*> active_;  // not yet finished
   std::vector<std::pair<PeerId, absl::Status>> deferred_failures_;
   absl::Time next_deadline_check_ = absl::InfinitePast();
+  absl::Time next_liveness_check_ = absl::InfinitePast();
 
   // Shared with API threads.
   absl::Mutex mu_;
@@ -309,6 +326,10 @@ absl::Status UcxTransport::Init() {
   peer_address.name = options_.name;
   peer_address.address.assign(reinterpret_cast<const char*>(address),
                               address_length);
+  peer_address.host_id = LocalHostId();
+  peer_address.pid = static_cast<uint64_t>(getpid());
+  peer_address.start_time = ProcessStartTime(peer_address.pid);
+  local_host_id_ = peer_address.host_id;
   ucp_worker_release_address(worker_, address);
   packed_address_ = PackPeerAddress(peer_address);
 
@@ -532,19 +553,43 @@ absl::StatusOr<PeerId> UcxTransport::DoConnect(absl::string_view blob) {
     return absl::InvalidArgumentError("peer address: empty worker address");
   }
   PeerId id = next_id_++;
+  Peer peer;
+  peer.name = address.name;
+  peer.error_arg = std::make_unique<std::pair<UcxTransport*, PeerId>>(this, id);
+  if (!address.host_id.empty() && address.host_id == local_host_id_) {
+    peer.pid = address.pid;
+    peer.start_time = address.start_time;
+  }
+  peer.agent_id = address.agent_id;
   ucp_ep_params_t params = {};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  params.address = reinterpret_cast<const ucp_address_t*>(address.address.data());
-  // Peer mode makes UCX detect and report a dead peer instead of hanging.
-  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.address =
+      reinterpret_cast<const ucp_address_t*>(address.address.data());
   params.err_handler.cb = &UcxTransport::OnEndpointError;
-  Peer peer;
-  peer.name = address.name;
-  peer.error_arg = std::make_unique<std::pair<UcxTransport*, PeerId>>(this, id);
   params.err_handler.arg = peer.error_arg.get();
+  // Peer mode makes UCX report a dead peer instead of hanging, but UCX
+  // 1.13's shared memory transports (posix, sysv) lack peer-failure support
+  // and peer mode would exclude them. On one host we keep shared memory and
+  // detect death through /proc instead; elsewhere we ask UCX.
+  const bool same_host = peer.pid != 0;
+  const bool prefer_shm = same_host && MayUseSharedMemory();
+  params.err_mode =
+      prefer_shm ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
   ucs_status_t st = ucp_ep_create(worker_, &params, &peer.ep);
+  if (st == UCS_ERR_UNREACHABLE &&
+      params.err_mode == UCP_ERR_HANDLING_MODE_PEER && same_host) {
+    params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    st = ucp_ep_create(worker_, &params, &peer.ep);
+  }
+  if (st == UCS_OK) {
+    spdlog::info("transport[{}]: connected to '{}'; failure detection: {}",
+                 options_.name, peer.name,
+                 params.err_mode == UCP_ERR_HANDLING_MODE_PEER
+                     ? "UCX peer error handling + transfer deadline"
+                     : "process liveness + transfer deadline");
+  }
   if (st != UCS_OK) return UcsError(st, "ucp_ep_create");
   peers_.emplace(id, std::move(peer));
   return id;
@@ -604,6 +649,13 @@ absl::StatusOr<RemoteRegionId> UcxTransport::DoImport(
   if (d.backend != kBackend) {
     return absl::InvalidArgumentError(absl::StrCat(
         "region descriptor is for backend '", d.backend, "', not ucx"));
+  }
+  // UCX trusts remote keys blindly (a forged one can crash rkey unpack), so
+  // only keys minted by the agent behind this endpoint are accepted.
+  if (d.agent_id != peer.agent_id) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region descriptor belongs to another agent, not peer '", peer.name,
+        "'"));
   }
   if (d.rkey.empty()) {
     return absl::InvalidArgumentError("region descriptor: empty remote key");
@@ -899,6 +951,20 @@ void UcxTransport::ProcessDeferredFailures() {
 
 void UcxTransport::CheckDeadlines() {
   absl::Time now = absl::Now();
+  if (now >= next_liveness_check_) {
+    next_liveness_check_ = now + options_.keepalive_interval;
+    std::vector<PeerId> dead;
+    for (auto& [id, peer] : peers_) {
+      if (peer.pid != 0 && peer.failure.ok() &&
+          ProcessStartTime(peer.pid) != peer.start_time) {
+        dead.push_back(id);
+      }
+    }
+    for (PeerId id : dead) {
+      FailPeer(id, absl::UnavailableError(absl::StrCat(
+                       "process ", peers_[id].pid, " exited")));
+    }
+  }
   std::vector<PeerId> late;
   for (auto& [id, t] : active_) {
     if (now > t->deadline) late.push_back(t->peer);

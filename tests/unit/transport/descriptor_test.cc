@@ -60,7 +60,7 @@ TEST(DescriptorTest, ErrorsSayWhatIsWrong) {
   EXPECT_NE(UnpackRegionDescriptor(blob).status().message().find("checksum"),
             std::string::npos);
   // A peer address is not a region descriptor even with a valid checksum.
-  PeerAddress a{"ucx", 1, "n", "addr"};
+  PeerAddress a{"ucx", 1, "n", "addr", "", 0, 0};
   EXPECT_NE(UnpackRegionDescriptor(PackPeerAddress(a)).status().message().find(
                 "magic"),
             std::string::npos);
@@ -76,7 +76,7 @@ TEST(DescriptorTest, RejectsZeroLengthAndWrappingRegions) {
 }
 
 TEST(DescriptorTest, PeerAddressRoundTrips) {
-  PeerAddress a{"ucx", 9, "prefill-0", std::string("\0\1\2", 3)};
+  PeerAddress a{"ucx", 9, "prefill-0", std::string("\0\1\2", 3), "host", 5, 6};
   auto b = UnpackPeerAddress(PackPeerAddress(a));
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->name, "prefill-0");

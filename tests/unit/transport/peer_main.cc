@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "tests/unit/transport/transfer_harness.h"
 #include "transport/descriptor.h"
 #include "transport/ucx_transport.h"

@@ -1,0 +1,123 @@
+// The daemon as an operator runs it: graceful drain on SIGTERM, settings
+// from the environment and from a config file, readable --help.
+#include <signal.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/daemon.h"
+#include "tests/testing/test_models.h"
+
+namespace kvserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<testing::Daemon> StartStories(const std::vector<std::string>& serve_args) {
+  auto d = testing::Daemon::Start(KVSERVE_BINARY,
+                                  {"--log-level", "info", "-t", "2", "-m", testing::Stories260KPath()},
+                                  serve_args);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? std::move(d).value() : nullptr;
+}
+
+TEST(DaemonTest, SigtermDrainsInFlightRequestsAndExitsZero) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  // One sequence at a time and a short drain: some requests finish, the
+  // rest must end with a clean cancellation, none may hang or break.
+  auto d = StartStories({"--max-seqs", "1", "--drain-timeout", "0.3"});
+  ASSERT_TRUE(d);
+  constexpr int kRequests = 24;
+  std::atomic<int> completed{0}, cancelled{0}, refused{0}, broken{0};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kRequests; ++i) {
+    clients.emplace_back([&, i] {
+      httplib::Client cli("127.0.0.1", d->http_port());
+      cli.set_read_timeout(60);
+      nlohmann::json body = {{"prompt", "Once upon a time"}, {"max_tokens", 100},
+                             {"temperature", 0},          {"ignore_eos", true},
+                             {"seed", i}};
+      auto res = cli.Post("/v1/completions", body.dump(), "application/json");
+      if (!res) {
+        ++refused;  // connection closed before the request was accepted
+        return;
+      }
+      if (res->status == 503) {
+        ++refused;
+        return;
+      }
+      auto j = nlohmann::json::parse(res->body, nullptr, false);
+      if (res->status != 200 || j.is_discarded()) {
+        ++broken;
+        return;
+      }
+      const std::string reason = j["choices"][0]["finish_reason"];
+      if (reason == "length") {
+        ++completed;
+      } else if (reason == "cancelled") {
+        ++cancelled;
+      } else {
+        ++broken;
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const int exit_code = d->StopWith(SIGTERM, 30);
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(exit_code, 0) << d->Log();
+  EXPECT_EQ(broken.load(), 0);
+  EXPECT_EQ(completed + cancelled + refused, kRequests);
+  EXPECT_GT(completed.load(), 0);
+  EXPECT_GT(cancelled.load() + refused.load(), 0) << "the drain timeout should have cut some short";
+  EXPECT_THAT(d->Log(), HasSubstr("draining"));
+}
+
+TEST(DaemonTest, SettingsComeFromEnvironmentAndConfigFile) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  auto model_id = [](const testing::Daemon& d) {
+    httplib::Client cli("127.0.0.1", d.http_port());
+    auto res = cli.Get("/v1/models");
+    if (!res) return std::string("no response");
+    return nlohmann::json::parse(res->body)["data"][0]["id"].get<std::string>();
+  };
+  setenv("KVSERVE_SERVED_MODEL_NAME", "from-env", 1);
+  {
+    auto d = StartStories({});
+    ASSERT_TRUE(d);
+    EXPECT_EQ(model_id(*d), "from-env");
+    EXPECT_THAT(d->Log(), HasSubstr("served-model-name"));  // effective configuration logged
+  }
+  unsetenv("KVSERVE_SERVED_MODEL_NAME");
+  const std::string cfg = testing::TempDir() + "/kvserve.toml";
+  std::ofstream(cfg) << "[serve]\nserved-model-name = \"from-file\"\n";
+  auto d = testing::Daemon::Start(
+      KVSERVE_BINARY, {"--config", cfg, "--log-level", "warn", "-m", testing::Stories260KPath()}, {});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(model_id(**d), "from-file");
+}
+
+TEST(DaemonTest, HelpListsTheSubcommandsAndBadFlagsFailClearly) {
+  const std::string help_cmd = std::string(KVSERVE_BINARY) + " --help 2>&1";
+  FILE* p = popen(help_cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  EXPECT_EQ(pclose(p), 0);
+  for (const char* sub : {"serve", "generate", "perplexity", "bench", "loadtest", "plan", "info"}) {
+    EXPECT_THAT(out, HasSubstr(sub));
+  }
+  auto d = testing::Daemon::Start(KVSERVE_BINARY, {"-m", "/nonexistent.gguf"}, {});
+  ASSERT_FALSE(d.ok());
+  EXPECT_THAT(std::string(d.status().message()), HasSubstr("/nonexistent.gguf"));
+}
+
+}  // namespace
+}  // namespace kvserve

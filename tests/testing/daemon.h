@@ -1,0 +1,42 @@
+// Daemon: a real `kvserve serve` child process on free loopback ports, for
+// end-to-end tests. The destructor stops it (SIGTERM, then SIGKILL) so no
+// test leaves a process behind.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvserve::testing {
+
+class Daemon {
+ public:
+  // Starts `binary [global_args] serve --grpc-address 127.0.0.1:0
+  // --http-port 0 --port-file F [serve_args]` and waits until it listens.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const std::string& binary,
+                                                       const std::vector<std::string>& global_args,
+                                                       const std::vector<std::string>& serve_args);
+  ~Daemon();
+
+  int grpc_port() const { return grpc_port_; }
+  int http_port() const { return http_port_; }
+  pid_t pid() const { return pid_; }
+  // Sends `sig` and waits up to timeout_s for the exit; returns the exit
+  // status (-1 if killed by a signal or still running, then SIGKILLed).
+  int StopWith(int sig, double timeout_s);
+  // Everything the daemon wrote to stdout/stderr so far.
+  std::string Log() const;
+
+ private:
+  Daemon() = default;
+  pid_t pid_ = -1;
+  int grpc_port_ = 0;
+  int http_port_ = 0;
+  std::string dir_;
+};
+
+}  // namespace kvserve::testing
