@@ -23,4 +23,4 @@ done
 GRPC_PORT="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc"])' "$RUN/ports.json")"
 HTTP_PORT="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$RUN/ports.json")"
 echo "kvserve is listening: gRPC 127.0.0.1:$GRPC_PORT, HTTP 127.0.0.1:$HTTP_PORT"
-"$ROOT/build/client/kvserve-cli" --address "127.0.0.1:$GRPC_PORT" chat -p "$QUESTION" --max-tokens 96
+"$ROOT/build/client/kvserve-cli" --address "127.0.0.1:$GRPC_PORT" chat -p "$QUESTION" --max-tokens 96 --temperature 0

@@ -119,5 +119,40 @@ TEST(DaemonTest, HelpListsTheSubcommandsAndBadFlagsFailClearly) {
   EXPECT_THAT(std::string(d.status().message()), HasSubstr("/nonexistent.gguf"));
 }
 
+// The chat path end to end on the default model: HTTP chat completions and
+// kvserve-cli's gRPC Chat both apply SmolLM2's ChatML template.
+TEST(DaemonTest, SmolLM2AnswersAChatQuestionOverHttpAndGrpc) {
+  const std::string model = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(model, "SmolLM2 (run deploy/setup.sh)");
+  auto d = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "warn", "-t", "2", "-m", model},
+                                  {"--served-model-name", "smol"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string question = "What is the capital of France? Answer in one sentence.";
+  httplib::Client cli("127.0.0.1", (*d)->http_port());
+  cli.set_read_timeout(60);
+  nlohmann::json body = {{"model", "smol"},
+                         {"messages", {{{"role", "user"}, {"content", question}}}},
+                         {"temperature", 0},
+                         {"max_tokens", 40}};
+  auto res = cli.Post("/v1/chat/completions", body.dump(), "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  auto j = nlohmann::json::parse(res->body);
+  EXPECT_THAT(j["choices"][0]["message"]["content"].get<std::string>(), HasSubstr("Paris"));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+
+  const std::string cmd = std::string(KVSERVE_CLI_BINARY) + " --address 127.0.0.1:" +
+                          std::to_string((*d)->grpc_port()) + " chat --temperature 0 -p '" +
+                          question + "' 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  EXPECT_EQ(pclose(p), 0) << out;
+  EXPECT_THAT(out, HasSubstr("Paris"));
+}
+
 }  // namespace
 }  // namespace kvserve
