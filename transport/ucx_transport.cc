@@ -143,7 +143,8 @@ class UcxTransport final : public Transport {
     RegionDescriptor descriptor;
     ucp_rkey_h rkey = nullptr;
   };
-  enum class Phase { kOps, kFlush, kNotify, kDone };
+  // kDone: every step issued and completed; kFinished: Finish() ran.
+  enum class Phase { kOps, kFlush, kNotify, kDone, kFinished };
   struct Transfer {
     TransferId id;
     PeerId peer;
@@ -253,9 +254,11 @@ class UcxTransport final : public Transport {
 
   // Shared with API threads.
   absl::Mutex mu_;
-  absl::flat_hash_map<TransferId, std::unique_ptr<Transfer>> transfers_
+  absl::flat_hash_map<TransferId, std::shared_ptr<Transfer>> transfers_
       ABSL_GUARDED_BY(mu_);
   std::deque<Notification> notifications_ ABSL_GUARDED_BY(mu_);
+  // Finished transfers whose UCX requests never completed (dead peer).
+  std::vector<std::shared_ptr<Transfer>> abandoned_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status UcxTransport::Init() {
@@ -400,19 +403,18 @@ void UcxTransport::Shutdown() {
   }
   if (progress_thread_.joinable()) {
     absl::Status ignored = RunOnWorker([&]() -> absl::Status {
-      // Force-close so pending requests complete (with errors) now rather
-      // than waiting on a peer that may be gone.
-      for (auto& [id, peer] : peers_) {
+      // Failing every peer force-closes its endpoint and finishes (or
+      // abandons) its transfers, in bounded time even if peers are dead.
+      std::vector<PeerId> ids;
+      for (auto& [id, peer] : peers_) ids.push_back(id);
+      for (PeerId id : ids) {
+        FailPeer(id, absl::CancelledError("transport shutting down"));
+        Peer& peer = peers_[id];
         for (RemoteRegionId r : peer.remote_regions) {
           ucp_rkey_destroy(remote_regions_[r].rkey);
           remote_regions_.erase(r);
         }
         peer.remote_regions.clear();
-        CloseEndpoint(peer, /*force=*/true);
-      }
-      while (!active_.empty()) {
-        if (ucp_worker_progress(worker_) == 0) std::this_thread::yield();
-        ProcessDeferredFailures();
       }
       for (auto& [id, region] : regions_) UnmapRegion(region);
       regions_.clear();
@@ -584,6 +586,16 @@ absl::StatusOr<PeerId> UcxTransport::DoConnect(absl::string_view blob) {
     st = ucp_ep_create(worker_, &params, &peer.ep);
   }
   if (st == UCS_OK) {
+    // Flush once so wireup finishes inside Connect: an unreachable peer fails
+    // here, and a half-wired endpoint cannot stall later behind the failure
+    // of another peer (seen with shared memory and no UCX error handling).
+    ucp_request_param_t flush = {};
+    ucs_status_t flushed = WaitRequest(ucp_ep_flush_nbx(peer.ep, &flush));
+    if (flushed != UCS_OK) {
+      CloseEndpoint(peer, /*force=*/true);
+      return absl::UnavailableError(absl::StrCat(
+          "connecting to '", peer.name, "': ", ucs_status_string(flushed)));
+    }
     spdlog::info("transport[{}]: connected to '{}'; failure detection: {}",
                  options_.name, peer.name,
                  params.err_mode == UCP_ERR_HANDLING_MODE_PEER
@@ -612,8 +624,12 @@ void UcxTransport::CloseEndpoint(Peer& peer, bool force) {
 ucs_status_t UcxTransport::WaitRequest(ucs_status_ptr_t request) {
   if (request == nullptr) return UCS_OK;
   if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
+  // Bounded: closing an endpoint to a dead shared-memory peer may never
+  // finish; the request is then left to the worker's destruction.
+  absl::Time give_up = absl::Now() + absl::Seconds(1);
   ucs_status_t st;
   while ((st = ucp_request_check_status(request)) == UCS_INPROGRESS) {
+    if (absl::Now() > give_up) return UCS_ERR_TIMED_OUT;
     ucp_worker_progress(worker_);
   }
   ucp_request_free(request);
@@ -749,7 +765,7 @@ absl::StatusOr<TransferId> UcxTransport::DoPost(
     }
   }
 
-  auto owned = std::make_unique<Transfer>();
+  auto owned = std::make_shared<Transfer>();
   Transfer* t = owned.get();
   t->owner = this;
   t->id = next_id_++;
@@ -843,6 +859,7 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status,
 }
 
 void UcxTransport::Advance(Transfer* t) {
+  if (t->phase == Phase::kFinished) return;  // abandoned requests draining
   while (t->outstanding.empty()) {
     if (!t->error.ok() || t->cancelled || t->phase == Phase::kDone) {
       Finish(t);
@@ -908,7 +925,7 @@ void UcxTransport::Finish(Transfer* t) {
   if (peer != peers_.end()) --peer->second.pending;
   active_.erase(t->id);
   absl::MutexLock lock(&mu_);
-  t->phase = Phase::kDone;
+  t->phase = Phase::kFinished;
   t->final_status = std::move(status);
   t->done = true;
 }
@@ -927,7 +944,9 @@ void UcxTransport::FailPeer(PeerId id, absl::Status why) {
   Peer& peer = it->second;
   peer.failure = absl::Status(
       why.code(), absl::StrCat("peer '", peer.name, "': ", why.message()));
-  spdlog::warn("transport[{}]: {}", options_.name, peer.failure.ToString());
+  if (!absl::IsCancelled(why)) {
+    spdlog::warn("transport[{}]: {}", options_.name, peer.failure.ToString());
+  }
   // Force-close completes every outstanding request on the endpoint with an
   // error, which finishes the transfers through OnRequestDone.
   CloseEndpoint(peer, /*force=*/true);
@@ -938,6 +957,29 @@ void UcxTransport::FailPeer(PeerId id, absl::Status why) {
   for (Transfer* t : stuck) {
     if (t->error.ok()) t->error = peer.failure;
     Advance(t);
+  }
+  // Without UCX peer error handling (shared memory), a force close does not
+  // complete requests that wait on the dead peer. Give them a moment, then
+  // finish their transfers anyway; the Transfer objects stay alive in
+  // abandoned_ in case UCX calls back later. The peer is gone, so nothing
+  // will land in their buffers.
+  absl::Time give_up = absl::Now() + absl::Milliseconds(50);
+  auto any_stuck = [&] {
+    for (Transfer* t : stuck) {
+      if (t->phase != Phase::kFinished) return true;
+    }
+    return false;
+  };
+  while (any_stuck() && absl::Now() < give_up) ucp_worker_progress(worker_);
+  for (Transfer* t : stuck) {
+    if (t->phase == Phase::kFinished) continue;
+    {
+      absl::MutexLock lock(&mu_);
+      abandoned_.push_back(transfers_[t->id]);
+    }
+    spdlog::warn("transport[{}]: abandoning {} requests of transfer {} to '{}'",
+                 options_.name, t->outstanding.size(), t->id, peer.name);
+    Finish(t);
   }
 }
 

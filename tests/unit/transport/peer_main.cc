@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
       for (uint64_t i = 0; ok && i < n; ++i) {
         uint64_t off, len, hash;
         ok = get(&off) && get(&len) && get(&hash) && off + len <= bytes &&
-             kt::Fnv1a64(data + off, len) == hash;
+             kt::testing::Checksum(data + off, len) == hash;
       }
       if (!channel.Send(absl::StrCat("ack ", batch, ok ? " ok" : " bad")).ok()) {
         return;
@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
     auto command = channel.Receive(absl::Hours(1));
     if (!command.ok()) break;  // EOF: the test is done with us
     if (*command == "hash") {
-      if (!channel.Send(absl::StrCat("hash ", kt::Fnv1a64(data, bytes))).ok()) break;
+      if (!channel.Send(absl::StrCat("hash ", kt::testing::Checksum(data, bytes))).ok()) break;
     }
   }
   stop = true;

@@ -13,7 +13,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
-#include "transport/descriptor.h"
 
 namespace kvserve::transport::testing {
 namespace {
@@ -119,7 +118,8 @@ absl::Status RunRandomBatches(Transport& transport, const LocalRegion& local,
     std::shuffle(slots.begin(), slots.end(), rng);
     std::vector<TransferOp> ops;
     for (int p = 0; p < pieces && p < static_cast<int>(dst_slots); ++p) {
-      uint64_t length = rng() % 3 == 0 ? kSlot : 1 + rng() % kSlot;
+      // A quarter are whole KV blocks; the rest small and odd-sized.
+      uint64_t length = rng() % 4 == 0 ? kSlot : 1 + rng() % (kSlot / 4);
       uint64_t dst = slots[p] * kSlot + rng() % (kSlot - length + 1);
       uint64_t src_limit = (write ? local.length : session.shadow.size()) - length;
       uint64_t src = rng() % (src_limit + 1);
@@ -135,8 +135,10 @@ absl::Status RunRandomBatches(Transport& transport, const LocalRegion& local,
     if (write) {
       // Fresh random source bytes for every write batch.
       for (const TransferOp& op : ops) {
-        for (uint64_t i = 0; i < op.length; ++i) {
-          local_bytes[op.local_offset + i] = static_cast<uint8_t>(rng());
+        for (uint64_t i = 0; i < op.length; i += 8) {
+          uint64_t word = rng();
+          std::memcpy(local_bytes + op.local_offset + i, &word,
+                      std::min<uint64_t>(8, op.length - i));
         }
       }
       Put64(note, static_cast<uint64_t>(b));
@@ -144,7 +146,7 @@ absl::Status RunRandomBatches(Transport& transport, const LocalRegion& local,
       for (const TransferOp& op : ops) {
         Put64(note, op.remote_offset);
         Put64(note, op.length);
-        Put64(note, Fnv1a64(local_bytes + op.local_offset, op.length));
+        Put64(note, Checksum(local_bytes + op.local_offset, op.length));
       }
     }
     ASSIGN_OR_RETURN(TransferId id,
@@ -163,7 +165,7 @@ absl::Status RunRandomBatches(Transport& transport, const LocalRegion& local,
       uint8_t* theirs = session.shadow.data() + op.remote_offset;
       if (write) {
         std::memcpy(theirs, mine, op.length);
-      } else if (Fnv1a64(mine, op.length) != Fnv1a64(theirs, op.length)) {
+      } else if (Checksum(mine, op.length) != Checksum(theirs, op.length)) {
         return absl::DataLossError(absl::StrCat(
             "batch ", b, ": read of ", op.length, " bytes at remote offset ",
             op.remote_offset, " returned wrong bytes"));
@@ -191,7 +193,7 @@ absl::Status VerifyWholeRegion(PeerSession& session, PeerProcess& process) {
   RETURN_IF_ERROR(process.channel().Send("hash"));
   ASSIGN_OR_RETURN(std::string reply, process.channel().Receive(kStepTimeout));
   std::string expected = absl::StrCat(
-      "hash ", Fnv1a64(session.shadow.data(), session.shadow.size()));
+      "hash ", Checksum(session.shadow.data(), session.shadow.size()));
   if (reply != expected) {
     return absl::DataLossError(
         absl::StrCat("whole-region checksum: peer '", reply, "', expected '",
