@@ -10,6 +10,7 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -54,21 +55,28 @@ constexpr auto kStreamHeartbeat = std::chrono::seconds(2);
 // Worker pool
 
 // A TaskQueue that starts a worker whenever every existing one is busy (up to
-// a cap) and keeps it for reuse; httplib's fixed pool would queue the ninth
-// concurrent stream behind the first eight.
+// a cap) and retires workers that idled for a while; httplib's fixed pool
+// would queue the ninth concurrent stream behind the first eight.
 class ElasticTaskQueue : public httplib::TaskQueue {
  public:
   explicit ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
   ~ElasticTaskQueue() override { shutdown(); }
 
   void enqueue(std::function<void()> fn) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(std::move(fn));
-    if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
-      threads_.emplace_back([this] { Work(); });
-    } else {
-      cv_.notify_one();
+    std::vector<std::thread> retired;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      retired.swap(retired_);
+      jobs_.push_back(std::move(fn));
+      if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
+        std::thread t([this] { Work(); });
+        const std::thread::id id = t.get_id();
+        threads_.emplace(id, std::move(t));
+      } else {
+        cv_.notify_one();
+      }
     }
+    for (std::thread& t : retired) t.join();  // they have left Work already
   }
 
   // Runs the queued jobs to completion, then joins every worker.
@@ -77,19 +85,37 @@ class ElasticTaskQueue : public httplib::TaskQueue {
     {
       std::lock_guard<std::mutex> lock(mu_);
       shutdown_ = true;
-      threads.swap(threads_);
+      for (auto& [id, t] : threads_) threads.push_back(std::move(t));
+      threads_.clear();
+      for (std::thread& t : retired_) threads.push_back(std::move(t));
+      retired_.clear();
     }
     cv_.notify_all();
     for (std::thread& t : threads) t.join();
   }
 
  private:
+  // Workers kept however long they idle; the rest leave after kIdleExit.
+  static constexpr size_t kMinThreads = 8;
+  static constexpr auto kIdleExit = std::chrono::seconds(30);
+
   void Work() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       ++idle_;
-      cv_.wait(lock, [this] { return shutdown_ || !jobs_.empty(); });
+      const bool woken =
+          cv_.wait_for(lock, kIdleExit, [this] { return shutdown_ || !jobs_.empty(); });
       --idle_;
+      if (!woken) {
+        if (threads_.size() <= kMinThreads) continue;
+        // Hand our own handle to the next enqueue (or shutdown) to join.
+        auto self = threads_.find(std::this_thread::get_id());
+        if (self != threads_.end()) {
+          retired_.push_back(std::move(self->second));
+          threads_.erase(self);
+        }
+        return;
+      }
       if (jobs_.empty()) return;  // shutting down with nothing left
       std::function<void()> job = std::move(jobs_.front());
       jobs_.pop_front();
@@ -102,10 +128,11 @@ class ElasticTaskQueue : public httplib::TaskQueue {
   const size_t max_threads_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;  // guarded by mu_
-  std::vector<std::thread> threads_;        // guarded by mu_
-  size_t idle_ = 0;                         // guarded by mu_
-  bool shutdown_ = false;                   // guarded by mu_
+  std::deque<std::function<void()>> jobs_;              // guarded by mu_
+  std::map<std::thread::id, std::thread> threads_;      // guarded by mu_
+  std::vector<std::thread> retired_;                    // guarded by mu_; exited workers
+  size_t idle_ = 0;                                     // guarded by mu_
+  bool shutdown_ = false;                               // guarded by mu_
 };
 
 // ---------------------------------------------------------------------------
@@ -496,11 +523,13 @@ struct Choice {
   bool started = false;  // a stream has emitted its first chunk for it
 };
 
-const char* FinishName(FinishReason r) {
+// OpenAI's finish_reason; null while a choice is still open. A cancelled or
+// timed-out choice is "abort", as vLLM reports it.
+json FinishName(FinishReason r) {
   switch (r) {
     case FinishReason::kStop: return "stop";
     case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "abort";
+    case FinishReason::kCancelled:
     case FinishReason::kDeadline: return "abort";
     case FinishReason::kNone: break;
   }
@@ -546,6 +575,7 @@ struct HttpServer::Impl {
   std::unique_ptr<httplib::Server> server;
   std::thread listener;
   int port = 0;
+  int listen_fd = -1;  // the listening socket, seen through the socket-options hook
   int64_t created = UnixSeconds();
 
   // Requests in flight, so that Stop can wake and cancel them.
@@ -556,7 +586,6 @@ struct HttpServer::Impl {
   void Routes();
   bool Authorized(const httplib::Request& req) const;
   void HandleCompletion(const httplib::Request& req, httplib::Response& res, bool chat);
-  void Track(uint64_t id, std::shared_ptr<RequestState> state);
   void Untrack(uint64_t id);
 
   // Builds the JSON objects of a response.
@@ -564,11 +593,6 @@ struct HttpServer::Impl {
   json LogprobsJson(const HttpRequestOptions& o, const std::vector<int32_t>& tokens,
                     const std::vector<float>& logprobs, size_t text_offset) const;
 };
-
-void HttpServer::Impl::Track(uint64_t id, std::shared_ptr<RequestState> state) {
-  std::lock_guard<std::mutex> lock(mu);
-  active.emplace(id, std::move(state));
-}
 
 void HttpServer::Impl::Untrack(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu);
@@ -670,13 +694,12 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   if (!started.ok()) return SendError(res, FromStatus(started.status()));
   const uint64_t request_id = *started;
   {
+    // Registering and checking under one lock: either Stop sees this request
+    // or we see Stop.
     std::lock_guard<std::mutex> lock(mu);
-    if (stopping) {
-      // Stop ran between Start and here; it cannot have seen this request.
-      service->Cancel(request_id);
-    }
+    active.emplace(request_id, state);
+    if (stopping) service->Cancel(request_id);
   }
-  Track(request_id, state);
 
   const std::string id = RandomId(chat ? "chatcmpl-" : "cmpl-");
   const int64_t created_at = UnixSeconds();
@@ -882,6 +905,15 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
 void HttpServer::Impl::Routes() {
   httplib::Server& s = *server;
   s.new_task_queue = [] { return new ElasticTaskQueue(kMaxHttpThreads); };
+  // httplib's default adds SO_REUSEPORT, which would let a second daemon
+  // bind the same port and silently take half the traffic; SO_REUSEADDR
+  // alone still allows a quick restart. The hook is also our only way to
+  // learn the listening socket (see Start: the backlog).
+  s.set_socket_options([this](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    listen_fd = sock;
+  });
   s.set_payload_max_length(static_cast<size_t>(std::max<int64_t>(options.max_request_bytes, 0)));
 
   s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
@@ -992,6 +1024,17 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(ModelService* serv
   if (impl->port <= 0) {
     return absl::UnavailableError(
         absl::StrCat("http: cannot listen on ", options.host, ":", options.port));
+  }
+  // httplib listens with a backlog of 5: a burst of clients (a load test,
+  // hundreds of streams opened at once) overflows it and connections stall
+  // for SYN retransmits. listen() again on a listening socket only resizes
+  // its queue.
+  int accepting = 0;
+  socklen_t len = sizeof(accepting);
+  if (impl->listen_fd >= 0 &&
+      getsockopt(impl->listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) == 0 &&
+      accepting != 0 && ::listen(impl->listen_fd, SOMAXCONN) != 0) {
+    spdlog::warn("http: cannot raise the listen backlog");
   }
   httplib::Server* server = impl->server.get();
   impl->listener = std::thread([server] { server->listen_after_bind(); });
