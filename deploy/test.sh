@@ -16,6 +16,13 @@ JOBS="$(nproc)"
 
 bash "$ROOT/deploy/setup.sh"
 bash "$ROOT/deploy/build.sh"
+# The official openai Python client, for the HTTP compatibility test
+# (PyPI, in a venv of the project's own).
+if [ ! -x "$ROOT/.venv/bin/python" ] || ! "$ROOT/.venv/bin/python" -c "import openai" 2>/dev/null; then
+  python3 -m venv "$ROOT/.venv"
+  "$ROOT/.venv/bin/pip" install --quiet "openai==3.57.0"
+fi
+export KVSERVE_PYTHON="$ROOT/.venv/bin/python"
 ctest --test-dir "$ROOT/build" --output-on-failure -j "$JOBS" --timeout 600
 
 if [ "$ASAN" = 1 ]; then

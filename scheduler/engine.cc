@@ -383,7 +383,10 @@ bool Engine::Step() {
     if (unreserved > 1) pending_blocks += r->table.BlocksNeeded(unreserved);
   }
   size_t admitted = 0;
-  while (may_admit && budget > 0 && admitted < waiting_.size() &&
+  // Continuous batching admits while this step has token budget left; a
+  // static batch is admitted whole (up to max_seqs) and prefills over the
+  // next steps.
+  while (may_admit && (budget > 0 || options_.static_batching) && admitted < waiting_.size() &&
          static_cast<int32_t>(running_.size()) < options_.max_seqs) {
     Sequence* s = waiting_[admitted];
     // Admit only what the pool can hold in full: the prompt plus what the
@@ -397,7 +400,7 @@ bool Engine::Step() {
     s->admit_order = admit_counter_++;
     running_.push_back(s);
     ++admitted;
-    schedule(s, take);
+    if (take > 0) schedule(s, take);
   }
   waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<int64_t>(admitted));
   if (batch_seqs.empty()) {

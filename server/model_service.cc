@@ -137,7 +137,11 @@ absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink
     metrics_->RequestFinished("rejected");
     return absl::UnavailableError("the server is shutting down");
   }
-  if (engine_->Stats().waiting >= limits_.max_queued) {
+  // Requests accepted but not yet running, counted from our own in-flight
+  // number (exact under a burst) minus the engine's last published running
+  // count (which lags by at most one step).
+  const int64_t queued = in_flight_.load() - engine_->Stats().running;
+  if (queued >= limits_.max_queued) {
     metrics_->RequestFinished("rejected");
     return absl::ResourceExhaustedError(absl::StrCat(
         "too many queued requests (", limits_.max_queued, "); retry later"));

@@ -29,9 +29,9 @@ std::unique_ptr<testing::Daemon> StartStories(const std::vector<std::string>& se
 
 TEST(DaemonTest, SigtermDrainsInFlightRequestsAndExitsZero) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
-  // One sequence at a time and a short drain: some requests finish, the
-  // rest must end with a clean cancellation, none may hang or break.
-  auto d = StartStories({"--max-seqs", "1", "--drain-timeout", "0.3"});
+  // One sequence at a time and a short drain: accepted requests finish or
+  // end with a clean cancellation; none may hang or break.
+  auto d = StartStories({"--max-seqs", "1", "--drain-timeout", "0.05"});
   ASSERT_TRUE(d);
   constexpr int kRequests = 24;
   std::atomic<int> completed{0}, cancelled{0}, refused{0}, broken{0};
@@ -67,14 +67,28 @@ TEST(DaemonTest, SigtermDrainsInFlightRequestsAndExitsZero) {
       }
     });
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Signal once requests are queued behind the running one, so the drain
+  // deadline really cuts some short (no reliance on timing).
+  httplib::Client metrics("127.0.0.1", d->http_port());
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    auto res = metrics.Get("/metrics");
+    ASSERT_TRUE(res);
+    const size_t at = res->body.find("\nkvserve:num_requests_waiting{");
+    ASSERT_NE(at, std::string::npos);
+    const size_t value = res->body.find("} ", at) + 2;
+    if (std::stod(res->body.substr(value)) >= 5) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "requests never queued";
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   const int exit_code = d->StopWith(SIGTERM, 30);
   for (auto& t : clients) t.join();
   EXPECT_EQ(exit_code, 0) << d->Log();
   EXPECT_EQ(broken.load(), 0);
   EXPECT_EQ(completed + cancelled + refused, kRequests);
-  EXPECT_GT(completed.load(), 0);
-  EXPECT_GT(cancelled.load() + refused.load(), 0) << "the drain timeout should have cut some short";
+  EXPECT_GT(cancelled.load() + refused.load(), 0)
+      << "the drain timeout should have cut queued requests short; completed " << completed
+      << ", cancelled " << cancelled << ", refused " << refused;
   EXPECT_THAT(d->Log(), HasSubstr("draining"));
 }
 
@@ -117,6 +131,62 @@ TEST(DaemonTest, HelpListsTheSubcommandsAndBadFlagsFailClearly) {
   auto d = testing::Daemon::Start(KVSERVE_BINARY, {"-m", "/nonexistent.gguf"}, {});
   ASSERT_FALSE(d.ok());
   EXPECT_THAT(std::string(d.status().message()), HasSubstr("/nonexistent.gguf"));
+}
+
+// Past --max-queued waiting requests, new ones are refused at once (429 over
+// HTTP) and the ones already accepted still complete.
+TEST(DaemonTest, BackPressureRefusesPastMaxQueuedAndKeepsServing) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  auto d = StartStories({"--max-seqs", "1", "--max-queued", "1"});
+  ASSERT_TRUE(d);
+  std::atomic<int> ok{0}, too_many{0}, other{0};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 16; ++i) {
+    clients.emplace_back([&] {
+      httplib::Client cli("127.0.0.1", d->http_port());
+      cli.set_read_timeout(60);
+      nlohmann::json body = {{"prompt", "Once upon a time"}, {"max_tokens", 100},
+                             {"temperature", 0}, {"ignore_eos", true}};
+      auto res = cli.Post("/v1/completions", body.dump(), "application/json");
+      if (res && res->status == 200) {
+        ++ok;
+      } else if (res && res->status == 429) {
+        ++too_many;
+        EXPECT_THAT(res->body, HasSubstr("queued"));
+      } else {
+        ++other;
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_GT(too_many.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  httplib::Client cli("127.0.0.1", d->http_port());
+  auto res = cli.Post("/v1/completions", R"({"prompt": "Tom", "max_tokens": 4})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << "still serving after the burst";
+}
+
+TEST(DaemonTest, ApiKeyFromAFileIsRequired) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  const std::string key_file = testing::TempDir() + "/api.key";
+  std::ofstream(key_file) << "s3cret\n";
+  auto d = StartStories({"--api-key-file", key_file});
+  ASSERT_TRUE(d);
+  httplib::Client cli("127.0.0.1", d->http_port());
+  const std::string body = R"({"prompt": "Tom", "max_tokens": 4})";
+  auto res = cli.Post("/v1/completions", body, "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 401);
+  res = cli.Post("/v1/completions", httplib::Headers{{"Authorization", "Bearer s3cret"}}, body,
+                 "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  res = cli.Get("/health");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_THAT(d->Log(), ::testing::Not(HasSubstr("s3cret")));
 }
 
 // The chat path end to end on the default model: HTTP chat completions and
