@@ -149,6 +149,19 @@ void Engine::Cancel(uint64_t request_id) {
   cv_.notify_one();
 }
 
+std::unique_ptr<Engine::Sequence> Engine::NewSample(Group* g, int32_t index,
+                                                    const std::vector<int32_t>& tokens) {
+  auto s = std::make_unique<Sequence>(kv_pool_.get());
+  s->group = g;
+  s->index = index;
+  s->tokens = tokens;
+  s->n_prompt = static_cast<int32_t>(g->request.prompt.size());
+  s->sampler = std::make_unique<Sampler>(ForSample(g->request.params, index));
+  s->detok = std::make_unique<StreamingDetokenizer>(tokenizer_);
+  s->stops = std::make_unique<StopStringMatcher>(g->request.params.stop);
+  return s;
+}
+
 void Engine::CancelAll() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -169,13 +182,7 @@ void Engine::TakeInbox() {
     cancel_all_ = false;
   }
   for (auto& g : inbox) {
-    auto s = std::make_unique<Sequence>(kv_pool_.get());
-    s->group = g.get();
-    s->tokens = g->request.prompt;
-    s->n_prompt = static_cast<int32_t>(s->tokens.size());
-    s->sampler = std::make_unique<Sampler>(ForSample(g->request.params, 0));
-    s->detok = std::make_unique<StreamingDetokenizer>(tokenizer_);
-    s->stops = std::make_unique<StopStringMatcher>(g->request.params.stop);
+    std::unique_ptr<Sequence> s = NewSample(g.get(), 0, g->request.prompt);
     waiting_.push_back(s.get());
     g->seqs.push_back(std::move(s));
     const uint64_t id = g->id;
@@ -229,15 +236,7 @@ void Engine::FinishGroup(Group* g, FinishReason reason) {
   if (!g->forked && g->request.n > 1 && !g->seqs.empty()) {
     Sequence* parent = g->seqs[0].get();
     for (int32_t i = 1; i < g->request.n; ++i) {
-      auto child = std::make_unique<Sequence>(kv_pool_.get());
-      child->group = g;
-      child->index = i;
-      child->n_prompt = parent->n_prompt;
-      child->tokens = parent->tokens;
-      child->sampler = std::make_unique<Sampler>(ForSample(g->request.params, i));
-      child->detok = std::make_unique<StreamingDetokenizer>(tokenizer_);
-      child->stops = std::make_unique<StopStringMatcher>(g->request.params.stop);
-      g->seqs.push_back(std::move(child));
+      g->seqs.push_back(NewSample(g, i, parent->tokens));
     }
     g->forked = true;
   }
@@ -454,18 +453,11 @@ bool Engine::Step() {
     std::vector<Sequence*> targets = {s};
     if (!g->forked && g->request.n > 1) {
       for (int32_t i = 1; i < g->request.n; ++i) {
-        auto child = std::make_unique<Sequence>(kv_pool_.get());
-        child->group = g;
-        child->index = i;
+        std::unique_ptr<Sequence> child = NewSample(g, i, s->tokens);
         child->table = s->table.Fork();
-        child->tokens = s->tokens;
-        child->n_prompt = s->n_prompt;
         child->n_computed = s->n_computed;
         child->admit_order = s->admit_order;
         child->running = true;
-        child->sampler = std::make_unique<Sampler>(ForSample(g->request.params, i));
-        child->detok = std::make_unique<StreamingDetokenizer>(tokenizer_);
-        child->stops = std::make_unique<StopStringMatcher>(g->request.params.stop);
         running_.push_back(child.get());
         targets.push_back(child.get());
         g->seqs.push_back(std::move(child));

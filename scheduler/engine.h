@@ -134,6 +134,9 @@ class Engine {
 
   Engine(LlamaModel* model, const Tokenizer* tokenizer, ThreadPool* pool,
          const EngineOptions& options);
+  // Sample `index` of a request, with its own sampler, detokenizer and stop
+  // matcher, holding `tokens` (the prompt, or a parent's tokens at a fork).
+  std::unique_ptr<Sequence> NewSample(Group* g, int32_t index, const std::vector<int32_t>& tokens);
   void TakeInbox();
   void FinishSequence(Sequence* s, FinishReason reason);
   void FinishGroup(Group* g, FinishReason reason);
