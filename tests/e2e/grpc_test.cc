@@ -458,7 +458,15 @@ TEST_P(GrpcTest, ClientCancelMidStreamFreesBlocks) {
     saw_finish |= !chunk.finish_reason().empty();
   }
   ASSERT_EQ(read, 3);
-  EXPECT_GT(Stats().blocks_used(), before.blocks_used());  // it holds blocks now
+  // It holds blocks now. Stats are published at the end of an engine step,
+  // and the first chunks can arrive before that step has ended: poll.
+  int64_t used = 0;
+  for (auto until = std::chrono::steady_clock::now() + 1s; std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(2ms)) {
+    used = Stats().blocks_used();
+    if (used > before.blocks_used()) break;
+  }
+  EXPECT_GT(used, before.blocks_used());
   ctx->TryCancel();
   while (reader->Read(&chunk)) saw_finish |= !chunk.finish_reason().empty();
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
