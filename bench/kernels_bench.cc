@@ -177,7 +177,8 @@ void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, 
     }
     benchmark::ClobberMemory();
   }
-  state.counters["kv_GB/s"] = benchmark::Counter(2.0 * ctx * row * KvElemBytes(dtype),
+  // Stored bytes read per token, scales included.
+  state.counters["kv_GB/s"] = benchmark::Counter(static_cast<double>(ctx) * kv.layer_bytes / kBlock,
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -263,9 +264,9 @@ void RegisterAll() {
                                    BM_Ops, which, true);
     }
   }
-  for (KvDType dt : {KvDType::kF32, KvDType::kF16}) {
-    const std::string base =
-        std::string("AttentionDecode/") + (dt == KvDType::kF32 ? "f32" : "f16");
+  for (KvDType dt : {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kFp8E4M3,
+                     KvDType::kFp8E5M2, KvDType::kInt8, KvDType::kInt4}) {
+    const std::string base = std::string("AttentionDecode/") + std::string(KvDTypeName(dt));
     for (int threads : {1, 2}) {
       benchmark::RegisterBenchmark((base + "/threads:" + std::to_string(threads)).c_str(),
                                    BM_AttentionDecode, dt, false, threads)

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/cpu/kv_codec.h"
 
 namespace kvserve {
 namespace {
@@ -78,7 +80,7 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
   constexpr int32_t kBlock = 16;
   const int32_t n_blocks = (o.context + kBlock - 1) / kBlock;
   const int64_t half = kernels::PagedKvView::HalfLayerBytes(kBlock, cfg.n_kv_heads, cfg.head_dim,
-                                                            kernels::KvDType::kF32);
+                                                            o.kv_dtype);
   const int64_t block_bytes = 2 * half * cfg.n_layers;
   std::unique_ptr<uint8_t, FreeDeleter> storage(
       static_cast<uint8_t*>(std::aligned_alloc(64, block_bytes * n_blocks)));
@@ -93,7 +95,7 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
   view.block_size = kBlock;
   view.n_kv_heads = cfg.n_kv_heads;
   view.head_dim = cfg.head_dim;
-  view.dtype = kernels::KvDType::kF32;
+  view.dtype = o.kv_dtype;
   view.block_ids = block_ids.data();
   view.seq_block_offsets = offsets;
   view.n_seqs = 1;
@@ -130,6 +132,164 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
   result.mean_nll = nll / result.scored_tokens;
   result.perplexity = std::exp(result.mean_nll);
   return result;
+}
+
+namespace {
+
+// Accumulates error statistics of reconstructed rows against the originals.
+struct ErrorStats {
+  double sq_err = 0, max_abs = 0, cos_sum = 0;
+  int64_t n = 0, rows = 0;
+  void AddRow(const float* x, const float* y, int32_t len) {
+    double dot = 0, nx = 0, ny = 0;
+    for (int32_t i = 0; i < len; ++i) {
+      const double d = static_cast<double>(y[i]) - x[i];
+      sq_err += d * d;
+      max_abs = std::max(max_abs, std::abs(d));
+      dot += static_cast<double>(x[i]) * y[i];
+      nx += static_cast<double>(x[i]) * x[i];
+      ny += static_cast<double>(y[i]) * y[i];
+    }
+    n += len;
+    ++rows;
+    cos_sum += (nx > 0 && ny > 0) ? dot / std::sqrt(nx * ny) : (nx == ny ? 1.0 : 0.0);
+  }
+};
+
+// Symmetric int8 / asymmetric int4 of x[i * stride] for i < n with one range
+// for all n values: per-tensor and per-channel granularities, which the
+// cache cannot store (it appends token by token) but the report compares.
+void FakeQuantize(const float* x, int64_t n, int64_t stride, int bits, float* y) {
+  float lo = x[0], hi = x[0], amax = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+    amax = std::max(amax, std::abs(x[i * stride]));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i * stride];
+    if (bits == 8) {
+      const float s = amax / 127.0f;
+      y[i * stride] = s > 0 ? std::clamp(std::nearbyint(v / s), -127.0f, 127.0f) * s : 0.0f;
+    } else {
+      const float s = (hi - lo) / 15.0f;
+      y[i * stride] = s > 0 ? std::clamp(std::nearbyint((v - lo) / s), 0.0f, 15.0f) * s + lo : lo;
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<KvErrorRow>> ComputeKvError(LlamaModel& model,
+                                                       const std::vector<int32_t>& tokens,
+                                                       int32_t context, ThreadPool* pool) {
+  const LlamaConfig& cfg = model.config();
+  if (context < 1 || context > cfg.context_length) {
+    return absl::InvalidArgumentError("context must be in [1, model context length]");
+  }
+  if (static_cast<int64_t>(tokens.size()) < context) {
+    return absl::InvalidArgumentError(absl::StrCat("text has ", tokens.size(),
+                                                   " tokens, fewer than ", context));
+  }
+  // K/V captured in f32: a contiguous one-sequence cache, as in perplexity.
+  constexpr int32_t kBlock = 16;
+  const int32_t n_blocks = (context + kBlock - 1) / kBlock;
+  const int64_t half = kernels::PagedKvView::HalfLayerBytes(kBlock, cfg.n_kv_heads, cfg.head_dim,
+                                                            kernels::KvDType::kF32);
+  std::vector<uint8_t> storage(2 * half * cfg.n_layers * n_blocks);
+  std::vector<int32_t> block_ids(n_blocks);
+  for (int32_t i = 0; i < n_blocks; ++i) block_ids[i] = i;
+  const int32_t offsets[2] = {0, n_blocks};
+  kernels::PagedKvView view;
+  view.pool = storage.data();
+  view.block_bytes = 2 * half * cfg.n_layers;
+  view.layer_bytes = 2 * half;
+  view.block_size = kBlock;
+  view.n_kv_heads = cfg.n_kv_heads;
+  view.head_dim = cfg.head_dim;
+  view.block_ids = block_ids.data();
+  view.seq_block_offsets = offsets;
+  view.n_seqs = 1;
+  constexpr int32_t kBatch = 256;
+  std::vector<int32_t> seq, pos;
+  for (int32_t start = 0; start < context; start += kBatch) {
+    const int32_t n = std::min(kBatch, context - start);
+    seq.assign(n, 0);
+    pos.resize(n);
+    for (int32_t j = 0; j < n; ++j) pos[j] = start + j;
+    RETURN_IF_ERROR(model.Forward(
+        ForwardBatch{absl::MakeConstSpan(tokens.data() + start, n), seq, pos, {}}, view, nullptr,
+        pool));
+  }
+
+  // Gather K and V as [layer][kv_head][pos][head_dim] tensors.
+  const int32_t hd = cfg.head_dim;
+  const int64_t per_head = static_cast<int64_t>(context) * hd;
+  const int64_t per_layer = per_head * cfg.n_kv_heads;
+  std::vector<float> k(per_layer * cfg.n_layers), v(per_layer * cfg.n_layers);
+  for (int32_t l = 0; l < cfg.n_layers; ++l) {
+    for (int32_t h = 0; h < cfg.n_kv_heads; ++h) {
+      for (int32_t p = 0; p < context; ++p) {
+        const int64_t off = l * per_layer + h * per_head + static_cast<int64_t>(p) * hd;
+        std::memcpy(&k[off], view.KeyAt(l, 0, p, h), hd * sizeof(float));
+        std::memcpy(&v[off], view.ValueAt(l, 0, p, h), hd * sizeof(float));
+      }
+    }
+  }
+
+  std::vector<KvErrorRow> out;
+  std::vector<float> yk(k.size()), yv(v.size());
+  auto report = [&](std::string codec, std::string granularity) {
+    ErrorStats ks, vs;
+    for (int64_t r = 0; r < static_cast<int64_t>(k.size()) / hd; ++r) {
+      ks.AddRow(&k[r * hd], &yk[r * hd], hd);
+      vs.AddRow(&v[r * hd], &yv[r * hd], hd);
+    }
+    out.push_back({std::move(codec), std::move(granularity), ks.sq_err / ks.n, ks.max_abs,
+                   ks.cos_sum / ks.rows, vs.sq_err / vs.n, vs.max_abs, vs.cos_sum / vs.rows});
+  };
+  // The cache's own codecs: per (token, KV head) row, or int4 per 32 channels.
+  std::vector<uint8_t> data(kernels::KvRowBytes(kernels::KvDType::kF32, hd)), meta(64 + 4 * hd);
+  for (kernels::KvDType t : {kernels::KvDType::kF16, kernels::KvDType::kBF16,
+                             kernels::KvDType::kFp8E4M3, kernels::KvDType::kFp8E5M2,
+                             kernels::KvDType::kInt8, kernels::KvDType::kInt4}) {
+    for (int64_t r = 0; r < static_cast<int64_t>(k.size()) / hd; ++r) {
+      kernels::QuantizeRow(t, &k[r * hd], hd, data.data(), meta.data());
+      kernels::DequantizeRow(t, data.data(), meta.data(), hd, &yk[r * hd]);
+      kernels::QuantizeRow(t, &v[r * hd], hd, data.data(), meta.data());
+      kernels::DequantizeRow(t, data.data(), meta.data(), hd, &yv[r * hd]);
+    }
+    report(std::string(kernels::KvDTypeName(t)),
+           t == kernels::KvDType::kInt4 ? "per token, 32-channel groups"
+           : kernels::KvIsQuantized(t) && t != kernels::KvDType::kBF16 ? "per token-head"
+                                                                        : "-");
+  }
+  // Granularities the paged cache does not store, for comparison.
+  for (int bits : {8, 4}) {
+    const std::string codec = bits == 8 ? "int8" : "int4";
+    for (int32_t l = 0; l < cfg.n_layers; ++l) {
+      FakeQuantize(&k[l * per_layer], per_layer, 1, bits, &yk[l * per_layer]);
+      FakeQuantize(&v[l * per_layer], per_layer, 1, bits, &yv[l * per_layer]);
+    }
+    report(codec, "per tensor (layer)");
+    // KIVI: keys per channel over groups of 32 tokens, values per token.
+    constexpr int32_t kTokGroup = 32;
+    for (int64_t hh = 0; hh < int64_t{cfg.n_layers} * cfg.n_kv_heads; ++hh) {
+      for (int32_t p0 = 0; p0 < context; p0 += kTokGroup) {
+        const int32_t n = std::min(kTokGroup, context - p0);
+        for (int32_t c = 0; c < hd; ++c) {
+          const int64_t off = hh * per_head + static_cast<int64_t>(p0) * hd + c;
+          FakeQuantize(&k[off], n, hd, bits, &yk[off]);
+        }
+      }
+      for (int32_t p = 0; p < context; ++p) {
+        const int64_t off = hh * per_head + static_cast<int64_t>(p) * hd;
+        FakeQuantize(&v[off], hd, 1, bits, &yv[off]);
+      }
+    }
+    report(codec, "keys per channel (32 tokens), values per token");
+  }
+  return out;
 }
 
 }  // namespace kvserve

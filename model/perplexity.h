@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/thread_pool.h"
+#include "kernels/kv_view.h"
 #include "model/llama.h"
 
 namespace kvserve {
@@ -23,6 +25,9 @@ struct PerplexityOptions {
   int32_t bos_id = -1;
   int32_t max_windows = 0;  // 0 = all
   int32_t batch_tokens = 256;  // tokens per forward call inside a window
+  // Storage of the window's KV: quantized codecs measure what KV compression
+  // costs in perplexity.
+  kernels::KvDType kv_dtype = kernels::KvDType::kF32;
 };
 
 struct PerplexityResult {
@@ -36,5 +41,18 @@ struct PerplexityResult {
 [[nodiscard]] absl::StatusOr<PerplexityResult> ComputePerplexity(
     LlamaModel& model, const std::vector<int32_t>& tokens, const PerplexityOptions& options,
     ThreadPool* pool);
+
+// Error of KV codecs on real K/V: one forward pass over tokens[0, context)
+// with an f32 cache, then every captured K and V row of every layer and KV
+// head is encoded and decoded by each codec and granularity.
+struct KvErrorRow {
+  std::string codec;        // e.g. "int8"
+  std::string granularity;  // "per-token-head", "per-tensor", "per-channel keys (32 tokens)", ...
+  double k_mse = 0, k_max_abs = 0, k_cosine = 0;  // cosine: mean over rows
+  double v_mse = 0, v_max_abs = 0, v_cosine = 0;
+};
+
+[[nodiscard]] absl::StatusOr<std::vector<KvErrorRow>> ComputeKvError(
+    LlamaModel& model, const std::vector<int32_t>& tokens, int32_t context, ThreadPool* pool);
 
 }  // namespace kvserve

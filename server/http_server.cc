@@ -1013,6 +1013,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(ModelService* serv
   } else {
     impl->server = std::make_unique<httplib::Server>();
   }
+  // Streamed tokens are small writes; with Nagle's algorithm on, a reused
+  // keep-alive connection holds each for the peer's delayed ACK (~40 ms).
+  impl->server->set_tcp_nodelay(true);
   impl->Routes();
   if (options.port == 0) {
     impl->port = impl->server->bind_to_any_port(options.host);

@@ -1,6 +1,7 @@
 // kvserve: the engine's command-line entry. Subcommands:
 //   generate    complete a prompt (or a chat turn) and stream the text
-//   perplexity  perplexity of the model on a text file
+//   perplexity  perplexity of the model on a text file (any KV dtype)
+//   kv-error    error of every KV codec on K/V captured from a real forward
 //   bench       prefill and decode throughput at several batch sizes
 //   loadtest    a request workload through the continuous-batching scheduler
 //   plan        KV memory plan for a model and settings (reads metadata only)
@@ -178,7 +179,8 @@ struct EngineFlags {
     app->add_option("--kv-cache-memory", kv_cache_memory,
                     "KV cache budget: bytes (512MiB, 2GiB) or a fraction of available memory (0.5)")
         ->capture_default_str();
-    app->add_option("--kv-cache-dtype", kv_cache_dtype, "f16 or f32")->capture_default_str();
+    app->add_option("--kv-cache-dtype", kv_cache_dtype,
+                    "KV storage: f32, f16, bf16, fp8-e4m3, fp8-e5m2, int8, int4")->capture_default_str();
     app->add_option("--max-batched-tokens", max_batched_tokens, "Token budget of one engine step")
         ->capture_default_str();
     app->add_option("--max-seqs", max_seqs, "Running sequences at most")->capture_default_str();
@@ -187,10 +189,12 @@ struct EngineFlags {
   }
 
   kernels::KvDType DType() const {
-    if (kv_cache_dtype == "f16") return kernels::KvDType::kF16;
-    if (kv_cache_dtype == "f32") return kernels::KvDType::kF32;
-    Die(absl::InvalidArgumentError(absl::StrCat("--kv-cache-dtype must be f16 or f32, not '",
-                                                kv_cache_dtype, "'")));
+    kernels::KvDType t;
+    if (kernels::ParseKvDType(kv_cache_dtype, &t)) return t;
+    Die(absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype must be one of f32, f16, bf16, fp8-e4m3, fp8-e5m2, int8, "
+                     "int4; not '",
+                     kv_cache_dtype, "'")));
   }
 
   MemoryPlan Plan(const LlamaConfig& c) const {
@@ -444,6 +448,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   ppl->add_option("--max-windows", ppl_opts.max_windows, "0 = all")->capture_default_str();
   ppl->add_option("--batch", ppl_opts.batch_tokens, "Tokens per forward call")->capture_default_str();
+  std::string ppl_kv_dtype = "f32";
+  ppl->add_option("--kv-cache-dtype", ppl_kv_dtype,
+                  "KV storage while scoring: f32, f16, bf16, fp8-e4m3, fp8-e5m2, int8, int4")
+      ->capture_default_str();
+
+  // kv-error
+  auto* kverr = app.add_subcommand(
+      "kv-error", "Error of every KV codec and granularity on K/V captured from a real forward");
+  std::string kverr_file;
+  int32_t kverr_context = 512;
+  kverr->add_option("-f,--file", kverr_file, "Plain text file")->required();
+  kverr->add_option("-c,--context", kverr_context, "Tokens to run")->capture_default_str();
 
   // bench
   auto* bench = app.add_subcommand("bench", "Prefill and decode throughput at several batch sizes");
@@ -529,6 +545,18 @@ int main(int argc, char** argv) {
                 c.tied_output ? "yes" : "no", l.model->weight_bytes() / 1048576.0,
                 static_cast<long long>(c.KvBytesPerToken(4)),
                 static_cast<long long>(c.KvBytesPerToken(2)));
+    // Per codec, scales included (the pool's own formula, per token).
+    std::printf("KV bytes/token by --kv-cache-dtype:");
+    for (kernels::KvDType t :
+         {kernels::KvDType::kF32, kernels::KvDType::kF16, kernels::KvDType::kBF16,
+          kernels::KvDType::kFp8E4M3, kernels::KvDType::kFp8E5M2, kernels::KvDType::kInt8,
+          kernels::KvDType::kInt4}) {
+      const int64_t bytes =
+          2 * c.n_layers * kernels::PagedKvView::HalfLayerBytes(1, c.n_kv_heads, c.head_dim, t);
+      std::printf(" %s %lld", std::string(kernels::KvDTypeName(t)).c_str(),
+                  static_cast<long long>(bytes));
+    }
+    std::printf("\n");
     return 0;
   }
 
@@ -573,11 +601,31 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  if (*kverr) {
+    Loaded l = LoadModel(model_path);
+    const std::string text = ReadFileOrDie(kverr_file);
+    std::vector<int32_t> tokens = l.tokenizer->Encode(text, l.tokenizer->add_bos_default(), false);
+    auto rows = ComputeKvError(*l.model, tokens, kverr_context, pool);
+    if (!rows.ok()) Die(rows.status());
+    std::printf("| codec | granularity | K MSE | K max abs | K cosine | V MSE | V max abs | V cosine |\n"
+                "|---|---|---:|---:|---:|---:|---:|---:|\n");
+    for (const KvErrorRow& r : *rows) {
+      std::printf("| %s | %s | %.3g | %.3g | %.6f | %.3g | %.3g | %.6f |\n", r.codec.c_str(),
+                  r.granularity.c_str(), r.k_mse, r.k_max_abs, r.k_cosine, r.v_mse, r.v_max_abs,
+                  r.v_cosine);
+    }
+    return 0;
+  }
+
   if (*ppl) {
     Loaded l = LoadModel(model_path);
     const std::string text = ReadFileOrDie(ppl_file);
     std::vector<int32_t> tokens = l.tokenizer->Encode(text, l.tokenizer->add_bos_default(), false);
     ppl_opts.bos_id = l.tokenizer->add_bos_default() ? l.tokenizer->bos_id() : -1;
+    if (!kernels::ParseKvDType(ppl_kv_dtype, &ppl_opts.kv_dtype)) {
+      Die(absl::InvalidArgumentError(
+          absl::StrCat("--kv-cache-dtype: unknown KV dtype '", ppl_kv_dtype, "'")));
+    }
     spdlog::info("{}: {} tokens", ppl_file, tokens.size());
     auto r = ComputePerplexity(*l.model, tokens, ppl_opts, pool);
     if (!r.ok()) Die(r.status());
@@ -585,9 +633,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "[%zu]%.4f ", i + 1, r->window_perplexity[i]);
     }
     std::fprintf(stderr, "\n");
-    std::printf("perplexity %.4f over %lld scored tokens in %d windows (context %d, stride %d)\n",
-                r->perplexity, static_cast<long long>(r->scored_tokens), r->windows,
-                ppl_opts.context, ppl_opts.stride);
+    std::printf(
+        "perplexity %.4f over %lld scored tokens in %d windows (context %d, stride %d, kv %s)\n",
+        r->perplexity, static_cast<long long>(r->scored_tokens), r->windows, ppl_opts.context,
+        ppl_opts.stride, ppl_kv_dtype.c_str());
     return 0;
   }
 
@@ -654,7 +703,9 @@ int main(int argc, char** argv) {
     auto cfg = LlamaConfig::FromGguf(**file);
     if (!cfg.ok()) Die(cfg.status());
     std::printf("model           %s (%s)\n", model_path.c_str(), cfg->name.c_str());
-    std::printf("%s", engine_flags.Plan(*cfg).ToString().c_str());
+    const MemoryPlan plan = engine_flags.Plan(*cfg);  // dies on a bad dtype or budget
+    std::printf("kv dtype        %s\n", engine_flags.kv_cache_dtype.c_str());
+    std::printf("%s", plan.ToString().c_str());
     return 0;
   }
 

@@ -211,7 +211,7 @@ ModelInfo ModelService::Info() const {
   info.config = model_->config();
   info.block_size = engine_->options().block_size;
   info.kv_blocks = engine_->options().num_blocks;
-  info.kv_dtype = engine_->options().kv_dtype == kernels::KvDType::kF16 ? "f16" : "f32";
+  info.kv_dtype = std::string(kernels::KvDTypeName(engine_->options().kv_dtype));
   return info;
 }
 

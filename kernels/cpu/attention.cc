@@ -14,6 +14,7 @@
 #include "common/half.h"
 #include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/kv_codec.h"
 
 namespace kvserve::kernels {
 namespace {
@@ -77,32 +78,15 @@ struct ScalarOps {
 };
 
 void AttendScalar(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
-                  float scale, AttnState st, float* scores) {
-  if (kv.dtype == KvDType::kF32) {
+                  float scale, AttnState st, float* scores, float* rows) {
+  if (KvIsQuantized(kv.dtype)) {
+    internal::AttendRangeQuant<ScalarOps<float>, internal::PlainRowDecoder>(kv, layer, item, group,
+                                                                           scale, st, scores, rows);
+  } else if (kv.dtype == KvDType::kF32) {
     internal::AttendRange<ScalarOps<float>, float>(kv, layer, item, group, scale, st, scores);
   } else {
     internal::AttendRange<ScalarOps<uint16_t>, uint16_t>(kv, layer, item, group, scale, st, scores);
   }
-}
-
-void StoreRow(const float* src, int32_t n, KvDType dtype, uint8_t* dst) {
-  if (dtype == KvDType::kF32) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    auto* h = reinterpret_cast<uint16_t*>(dst);
-    for (int32_t i = 0; i < n; ++i) h[i] = Fp32ToFp16(src[i]);
-  }
-}
-
-float LoadElem(const uint8_t* base, int32_t i, KvDType dtype) {
-  if (dtype == KvDType::kF32) {
-    float v;
-    std::memcpy(&v, base + 4 * static_cast<int64_t>(i), sizeof(v));
-    return v;
-  }
-  uint16_t h;
-  std::memcpy(&h, base + 2 * static_cast<int64_t>(i), sizeof(h));
-  return Fp16ToFp32(h);
 }
 
 // Per-thread scratch: one state (m, l, acc) and the score tile.
@@ -126,11 +110,14 @@ void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int3
               int64_t v_stride) {
   for (int32_t t = 0; t < n_tokens; ++t) {
     for (int32_t h = 0; h < kv.n_kv_heads; ++h) {
+      // Quantized codecs compute their scales here, per (token, KV head) row.
       const int64_t off = static_cast<int64_t>(h) * kv.head_dim;
-      StoreRow(k + t * k_stride + off, kv.head_dim, kv.dtype,
-               kv.KeyAt(layer, token_seq[t], token_pos[t], h));
-      StoreRow(v + t * v_stride + off, kv.head_dim, kv.dtype,
-               kv.ValueAt(layer, token_seq[t], token_pos[t], h));
+      QuantizeRow(kv.dtype, k + t * k_stride + off, kv.head_dim,
+                  kv.KeyAt(layer, token_seq[t], token_pos[t], h),
+                  kv.KeyMetaAt(layer, token_seq[t], token_pos[t], h));
+      QuantizeRow(kv.dtype, v + t * v_stride + off, kv.head_dim,
+                  kv.ValueAt(layer, token_seq[t], token_pos[t], h),
+                  kv.ValueMetaAt(layer, token_seq[t], token_pos[t], h));
     }
   }
 }
@@ -144,6 +131,7 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
   const int64_t n_pairs = static_cast<int64_t>(batch.n_tokens) * kv.n_kv_heads;
   const int n_threads = pool != nullptr ? pool->num_threads() : 1;
   const bool simd = UseAvx2();
+  const bool quantized = KvIsQuantized(kv.dtype);
 
   if (kv.dtype == KvDType::kF16) {
     // f16 cache: two passes per (token, KV head) with llama.cpp's rounding
@@ -216,18 +204,21 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
                   q + t * q_stride + static_cast<int64_t>(kvh) * group * hd};
 
     AttnScratch& scratch = ThreadScratch();
-    float* buf = scratch.Reserve(state_floats + static_cast<size_t>(group) * kPosTile);
+    const size_t rows_floats = quantized ? static_cast<size_t>(kPosTile) * hd : 0;
+    float* buf =
+        scratch.Reserve(state_floats + static_cast<size_t>(group) * kPosTile + rows_floats);
     float* state = n_split > 1 ? partials.data() + idx * state_floats : buf;
     float* scores = buf + state_floats;
+    float* rows = scores + static_cast<int64_t>(group) * kPosTile;
     AttnState st{state, state + group, state + 2 * group};
     std::fill(st.m, st.m + group, -std::numeric_limits<float>::infinity());
     std::fill(st.l, st.l + group, 0.0f);
     std::fill(st.acc, st.acc + static_cast<int64_t>(group) * hd, 0.0f);
     if (item.pos_begin < item.pos_end) {
       if (simd) {
-        internal::AttendAvx2(kv, layer, item, group, batch.scale, st, scores);
+        internal::AttendAvx2(kv, layer, item, group, batch.scale, st, scores, rows);
       } else {
-        AttendScalar(kv, layer, item, group, batch.scale, st, scores);
+        AttendScalar(kv, layer, item, group, batch.scale, st, scores, rows);
       }
     }
     if (n_split == 1) {
@@ -291,6 +282,9 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
   const int32_t hd = kv.head_dim;
   std::vector<double> scores;
   std::vector<double> acc(hd);
+  // Every codec is read through the plain-loop DequantizeRow, so the fast
+  // path is checked against an independent walk of the layout.
+  std::vector<float> row(hd);
   for (int32_t t = 0; t < batch.n_tokens; ++t) {
     const int32_t seq = batch.token_seq[t];
     const int32_t len = batch.token_pos[t] + 1;
@@ -300,9 +294,12 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
       const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
       double mx = -std::numeric_limits<double>::infinity();
       for (int32_t p = 0; p < len; ++p) {
-        const uint8_t* k = kv.KeyAt(layer, seq, p, kvh);
+        DequantizeRow(kv.dtype, kv.KeyAt(layer, seq, p, kvh), kv.KeyMetaAt(layer, seq, p, kvh), hd,
+                      row.data());
         double s = 0.0;
-        for (int32_t i = 0; i < hd; ++i) s += static_cast<double>(QueryElem(qh[i], kv.dtype)) * LoadElem(k, i, kv.dtype);
+        for (int32_t i = 0; i < hd; ++i) {
+          s += static_cast<double>(QueryElem(qh[i], kv.dtype)) * row[i];
+        }
         scores[p] = s * batch.scale;
         mx = std::max(mx, scores[p]);
       }
@@ -313,11 +310,12 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
       }
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int32_t p = 0; p < len; ++p) {
-        const uint8_t* v = kv.ValueAt(layer, seq, p, kvh);
+        DequantizeRow(kv.dtype, kv.ValueAt(layer, seq, p, kvh), kv.ValueMetaAt(layer, seq, p, kvh),
+                      hd, row.data());
         const double w = kv.dtype == KvDType::kF16
                              ? Fp16ToFp32(Fp32ToFp16(static_cast<float>(scores[p] / sum)))
                              : scores[p] / sum;
-        for (int32_t i = 0; i < hd; ++i) acc[i] += w * LoadElem(v, i, kv.dtype);
+        for (int32_t i = 0; i < hd; ++i) acc[i] += w * row[i];
       }
       float* o = out + t * out_stride + static_cast<int64_t>(h) * hd;
       for (int32_t i = 0; i < hd; ++i) o[i] = static_cast<float>(acc[i]);

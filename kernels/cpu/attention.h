@@ -19,7 +19,8 @@ struct AttentionBatch {
   float scale = 1.0f;                  // usually 1/sqrt(head_dim)
 };
 
-// Writes K and V of n_tokens new tokens (token t of sequence token_seq[t] at
+// Encodes (for int8/fp8/int4 caches: quantizes, scales included) and writes
+// K and V of n_tokens new tokens (token t of sequence token_seq[t] at
 // position token_pos[t]) into their slots. k/v rows hold n_kv_heads*head_dim
 // floats, k_stride/v_stride floats apart.
 void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int32_t* token_seq,
@@ -34,7 +35,8 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
 
 // Plain loops, single-threaded, two-pass softmax: the reference. With an f16
 // cache the query and the normalized probabilities are rounded to f16, as the
-// fast path does (f16 operands, wider accumulation).
+// fast path does (f16 operands, wider accumulation). Quantized caches are
+// read through the plain-loop DequantizeRow (kernels/cpu/kv_codec.h).
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride);
 

@@ -4,7 +4,9 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 
+#include "common/half.h"
 #include "kernels/cpu/attention_internal.h"
 #include "kernels/cpu/simd_avx2.h"
 
@@ -206,11 +208,97 @@ struct Avx2Ops {
   }
 };
 
+// int4: whole groups of 32 with SIMD (16 bytes -> 32 codes, interleaving low
+// and high nibbles back into channel order), a short last group with the
+// plain loop.
+void DequantizeInt4Avx2(const uint8_t* data, const uint8_t* meta, int32_t n, float* dst) {
+  const __m128i low_mask = _mm_set1_epi8(0x0f);
+  int32_t g0 = 0;
+  for (; g0 + kInt4Group <= n; g0 += kInt4Group) {
+    const uint8_t* group_meta = meta + 4 * (g0 / kInt4Group);  // f16 scale, f16 min
+    uint16_t s16, m16;
+    std::memcpy(&s16, group_meta, sizeof(s16));
+    std::memcpy(&m16, group_meta + 2, sizeof(m16));
+    const __m256 scale = _mm256_set1_ps(Fp16ToFp32(s16));
+    const __m256 mn = _mm256_set1_ps(Fp16ToFp32(m16));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + g0 / 2));
+    const __m128i lo = _mm_and_si128(bytes, low_mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+    const __m128i c0 = _mm_unpacklo_epi8(lo, hi);  // channels 0..15
+    const __m128i c1 = _mm_unpackhi_epi8(lo, hi);  // channels 16..31
+    const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+    for (int q = 0; q < 4; ++q) {
+      const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
+      _mm256_storeu_ps(dst + g0 + 8 * q, _mm256_add_ps(_mm256_mul_ps(codes, scale), mn));
+    }
+  }
+  if (g0 < n) {
+    DequantizeRow(KvDType::kInt4, data + g0 / 2, meta + 4 * (g0 / kInt4Group), n - g0, dst + g0);
+  }
+}
+
+struct Avx2RowDecoder {
+  static void Row(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n, float* dst) {
+    DequantizeRowAvx2(t, data, meta, n, dst);
+  }
+};
+
 }  // namespace
 
+void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
+                       float* dst) {
+  if (t == KvDType::kInt4) {
+    DequantizeInt4Avx2(data, meta, n, dst);
+    return;
+  }
+  const bool int8 = t == KvDType::kInt8;
+  if (!int8 && t != KvDType::kFp8E4M3 && t != KvDType::kFp8E5M2) {
+    DequantizeRow(t, data, meta, n, dst);
+    return;
+  }
+  float scale;
+  std::memcpy(&scale, meta, sizeof(scale));
+  const bool e4m3 = t == KvDType::kFp8E4M3;
+  // fp8 widens to f16 bits and converts with F16C, exactly (f16 subnormals
+  // become normal f32, no denormal stalls): e5m2 is the top byte of an f16;
+  // e4m3 placed in f16's fields reads as 2^-8 of its value, so its scale
+  // carries the 2^8 (a power of two: the product rounds once, as the plain
+  // loop's table[c] * scale does). Only the NaN code 0x7f differs, which the
+  // encoder never writes for finite input.
+  const __m256 vs = _mm256_set1_ps(e4m3 ? scale * 256.0f : scale);
+  const float* table = int8 ? nullptr : Fp8DecodeTable(t);
+  int32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    int64_t raw;
+    std::memcpy(&raw, data + i, sizeof(raw));
+    const __m128i bytes = _mm_cvtsi64_si128(raw);
+    __m256 x;
+    if (int8) {
+      x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    } else {
+      const __m128i w = _mm_cvtepu8_epi16(bytes);
+      __m128i h;
+      if (e4m3) {
+        h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                         _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+      } else {
+        h = _mm_slli_epi16(w, 8);
+      }
+      x = _mm256_cvtph_ps(h);
+    }
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, vs));
+  }
+  for (; i < n; ++i) {
+    dst[i] = (int8 ? static_cast<float>(static_cast<int8_t>(data[i])) : table[data[i]]) * scale;
+  }
+}
+
 void AttendAvx2(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
-                float scale, AttnState st, float* scores) {
-  if (kv.dtype == KvDType::kF32) {
+                float scale, AttnState st, float* scores, float* rows) {
+  if (KvIsQuantized(kv.dtype)) {
+    AttendRangeQuant<Avx2Ops<float>, Avx2RowDecoder>(kv, layer, item, group, scale, st, scores,
+                                                     rows);
+  } else if (kv.dtype == KvDType::kF32) {
     AttendRange<Avx2Ops<float>, float>(kv, layer, item, group, scale, st, scores);
   } else {
     AttendRange<Avx2Ops<uint16_t>, uint16_t>(kv, layer, item, group, scale, st, scores);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/half.h"
+#include "kernels/cpu/kv_codec.h"
 #include "kernels/kv_view.h"
 
 namespace kvserve::kernels::internal {
@@ -96,6 +97,65 @@ void AttendRange(const PagedKvView& kv, int32_t layer, const AttnItem& item, int
   }
 }
 
+// The plain-loop row decoder; each ISA's TU may pass a faster one.
+struct PlainRowDecoder {
+  static void Row(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n, float* dst) {
+    DequantizeRow(t, data, meta, n, dst);
+  }
+};
+
+// Dequantizes the rows of positions [p0, p1) of one KV head (keys, or
+// values when v_half) into rows[(p - p0) * head_dim].
+template <typename Decoder>
+void DequantizeRows(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
+                           int32_t kv_head, bool v_half, int32_t p0, int32_t p1, float* rows) {
+  const int32_t hd = kv.head_dim;
+  const int64_t row_bytes = kv.RowBytes();
+  const int64_t meta_bytes = kv.RowMetaBytes();
+  const int64_t half = v_half ? kv.layer_bytes / 2 : 0;
+  for (int32_t p = p0; p < p1; ++p) {
+    const int32_t block = blocks[p / kv.block_size];
+    const int32_t slot = p % kv.block_size;
+    const uint8_t* data = kv.BlockHead(layer, block, kv_head) + half + slot * row_bytes;
+    const uint8_t* meta = kv.BlockHeadMeta(layer, block, kv_head) + half + slot * meta_bytes;
+    Decoder::Row(kv.dtype, data, meta, hd, rows + static_cast<int64_t>(p - p0) * hd);
+  }
+}
+
+// AttendRange for a quantized cache (bf16, fp8, int8, int4): each tile of at
+// most kPosTile positions is dequantized into `rows` (kPosTile * head_dim
+// floats of per-thread scratch) right before the float Ops score it or
+// weight it, so the kernel reads the compressed cache once and never holds
+// more than one tile in full precision. Ops is the float instantiation;
+// Decoder provides Row(dtype, data, meta, n, dst) as DequantizeRow does.
+template <typename Ops, typename Decoder>
+void AttendRangeQuant(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
+                      float scale, AttnState st, float* scores, float* rows) {
+  const int32_t hd = kv.head_dim;
+  const int32_t* blocks = kv.block_ids + kv.seq_block_offsets[item.seq];
+  for (int32_t pos = item.pos_begin; pos < item.pos_end;) {
+    const int32_t tile_end = std::min(item.pos_end, pos + kPosTile);
+    const int32_t n = tile_end - pos;
+    DequantizeRows<Decoder>(kv, layer, blocks, item.kv_head, false, pos, tile_end, rows);
+    Ops::Scores(item.q, group, hd, rows, n, scale, scores, kPosTile);
+    for (int32_t h = 0; h < group; ++h) {
+      float* s = scores + h * kPosTile;
+      const float new_m = std::max(st.m[h], Ops::Max(s, n));
+      const float tile_sum = Ops::ExpShift(s, n, new_m);
+      if (new_m > st.m[h]) {
+        const float c = std::exp(st.m[h] - new_m);
+        st.l[h] *= c;
+        Ops::Scale(st.acc + static_cast<int64_t>(h) * hd, c, hd);
+        st.m[h] = new_m;
+      }
+      st.l[h] += tile_sum;
+    }
+    DequantizeRows<Decoder>(kv, layer, blocks, item.kv_head, true, pos, tile_end, rows);
+    Ops::AccumulateV(st.acc, group, hd, scores, kPosTile, rows, n);
+    pos = tile_end;
+  }
+}
+
 // Two-pass attention for an f16 cache: the query is rounded to f16 and the
 // normalized probabilities are rounded to f16 before they weight V, with f32
 // accumulation -- f16 operands as tensor-core kernels use them, and the exact
@@ -143,8 +203,14 @@ void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& 
                           int32_t group, float scale, float* scores, int32_t ld, float* q16,
                           float* out);
 
+// DequantizeRow with AVX2 for int8 and fp8 (other codecs: the plain loop).
+// Exactly equal to DequantizeRow. REQUIRES: the CPU has AVX2.
+void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
+                       float* dst);
+
 // Entry points per ISA: run one item from a freshly reset state.
+// rows: kPosTile * head_dim floats of scratch, used only by quantized caches.
 void AttendAvx2(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
-                float scale, AttnState st, float* scores);
+                float scale, AttnState st, float* scores, float* rows);
 
 }  // namespace kvserve::kernels::internal

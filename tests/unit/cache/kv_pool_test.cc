@@ -157,6 +157,41 @@ INSTANTIATE_TEST_SUITE_P(DTypes, KvPoolCopyTest,
                            return info.param == kernels::KvDType::kF32 ? "F32" : "F16";
                          });
 
+// Quantized pools keep their scales inside the block, so CopyBlock (used by
+// copy-on-write) carries data and scales together: every byte of the block.
+class KvPoolQuantizedCopyTest : public ::testing::TestWithParam<kernels::KvDType> {};
+
+TEST_P(KvPoolQuantizedCopyTest, CopyBlockCopiesDataAndScales) {
+  KvPoolOptions o = SmallPool(3);
+  o.dtype = GetParam();
+  auto pool = KvPool::Create(o).value();
+  std::vector<BlockHandle> hs;
+  ASSERT_TRUE(pool->Allocate(3, &hs).ok());
+  const int32_t ids[3] = {hs[0].id, hs[1].id, hs[2].id};
+  const int32_t offsets[4] = {0, 1, 2, 3};
+  const kernels::PagedKvView v = pool->View(ids, offsets, 3);
+  ASSERT_EQ(v.block_bytes, KvPool::BlockBytes(o));
+  auto block = [&](int32_t i) { return v.pool + int64_t{ids[i]} * v.block_bytes; };
+  for (int32_t i = 0; i < 3; ++i) {
+    for (int64_t b = 0; b < v.block_bytes; ++b) block(i)[b] = static_cast<uint8_t>(i * 89 + b * 7);
+  }
+  // The last scale row of V of the last layer ends exactly at the block end.
+  const int32_t last = o.block_size - 1;
+  EXPECT_EQ(v.ValueMetaAt(o.n_layers - 1, 0, last, o.n_kv_heads - 1) + v.RowMetaBytes(),
+            block(0) + v.block_bytes);
+  pool->CopyBlock(hs[0], hs[1]);
+  EXPECT_EQ(std::memcmp(block(0), block(1), v.block_bytes), 0);
+  EXPECT_NE(std::memcmp(block(2), block(1), v.block_bytes), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, KvPoolQuantizedCopyTest,
+                         ::testing::Values(kernels::KvDType::kInt8, kernels::KvDType::kInt4,
+                                           kernels::KvDType::kFp8E4M3),
+                         [](const auto& info) {
+                           std::string name(kernels::KvDTypeName(info.param));
+                           return name.substr(0, name.find('-'));
+                         });
+
 TEST(KvPoolTest, ViewAddressesBlocksAndLayersWithoutOverlap) {
   auto pool = KvPool::Create(SmallPool(4)).value();
   std::vector<BlockHandle> hs;

@@ -87,6 +87,25 @@ TEST(PlanKvMemoryTest, SmolLm2InF16WithBlocksOf16) {
   EXPECT_THAT(text, HasSubstr("2.00 GiB"));
 }
 
+// Scales are part of the block, so the planner counts them: per token,
+// K and V x 30 layers x 3 KV heads x (data + scale bytes).
+TEST(PlanKvMemoryTest, QuantizedCodecsCountTheirScales) {
+  const int64_t budget = int64_t{2} << 30;
+  const auto bytes = [&](kernels::KvDType t) {
+    return PlanKvMemory(SmolLm2(), 16, t, budget)->kv_bytes_per_token;
+  };
+  EXPECT_EQ(bytes(kernels::KvDType::kBF16), 23040);
+  EXPECT_EQ(bytes(kernels::KvDType::kInt8), 180 * (64 + 4));
+  EXPECT_EQ(bytes(kernels::KvDType::kFp8E4M3), 180 * (64 + 4));
+  EXPECT_EQ(bytes(kernels::KvDType::kFp8E5M2), 180 * (64 + 4));
+  EXPECT_EQ(bytes(kernels::KvDType::kInt4), 180 * (32 + 2 * 4));
+  const int64_t f16_seqs =
+      PlanKvMemory(SmolLm2(), 16, kernels::KvDType::kF16, budget)->full_context_sequences;
+  const int64_t int4_seqs =
+      PlanKvMemory(SmolLm2(), 16, kernels::KvDType::kInt4, budget)->full_context_sequences;
+  EXPECT_GE(int4_seqs, 3 * f16_seqs);
+}
+
 TEST(PlanKvMemoryTest, FullContextSequencesRoundDown) {
   const int64_t one_context = int64_t{512} * 368640;
   EXPECT_EQ(

@@ -68,8 +68,10 @@ struct Collector {
   }
 };
 
-EngineOptions Opts(int32_t num_blocks, int32_t budget = 512, int32_t max_seqs = 64) {
+EngineOptions Opts(int32_t num_blocks, int32_t budget = 512, int32_t max_seqs = 64,
+                   kernels::KvDType kv_dtype = kernels::KvDType::kF16) {
   EngineOptions o;
+  o.kv_dtype = kv_dtype;
   o.num_blocks = num_blocks;
   o.max_batched_tokens = budget;
   o.max_seqs = max_seqs;
@@ -107,11 +109,14 @@ std::vector<std::vector<int32_t>> Prompts(const Tokenizer& tok, int count, uint3
 // Every request alone, then all at once (optionally under memory pressure),
 // expecting identical tokens.
 void ExpectConcurrentEqualsAlone(const Model& m, int count, int max_tokens, int32_t pressure_blocks,
-                                 bool expect_preemption) {
+                                 bool expect_preemption,
+                                 kernels::KvDType kv_dtype = kernels::KvDType::kF16) {
   const auto prompts = Prompts(*m.tokenizer, count, 7);
   std::vector<std::vector<int32_t>> alone;
   for (const auto& p : prompts) {
-    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(256)).value();
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(),
+                            Opts(256, 512, 64, kv_dtype))
+                 .value();
     Collector c;
     auto id = e->Submit({p, Greedy(max_tokens)}, c.Callback());
     ASSERT_TRUE(id.ok()) << id.status();
@@ -119,7 +124,9 @@ void ExpectConcurrentEqualsAlone(const Model& m, int count, int max_tokens, int3
     alone.push_back(c.tokens[Key(*id, 0)]);
   }
   for (int32_t blocks : {1024, pressure_blocks}) {
-    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(blocks, 48)).value();
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(),
+                            Opts(blocks, 48, 64, kv_dtype))
+                 .value();
     Collector c;
     std::vector<uint64_t> ids;
     for (const auto& p : prompts) ids.push_back(e->Submit({p, Greedy(max_tokens)}, c.Callback()).value());
@@ -139,6 +146,13 @@ void ExpectConcurrentEqualsAlone(const Model& m, int count, int max_tokens, int3
 
 TEST(EngineTest, TinyModelConcurrentEqualsAloneAlsoUnderPreemption) {
   ExpectConcurrentEqualsAlone(Tiny(), 32, 20, /*pressure_blocks=*/24, /*expect_preemption=*/true);
+}
+
+// Quantized blocks are copied, shared and recomputed as bytes: preemption and
+// prefix sharing must not change an int8 run's tokens either.
+TEST(EngineTest, TinyModelInt8KvConcurrentEqualsAloneAlsoUnderPreemption) {
+  ExpectConcurrentEqualsAlone(Tiny(), 32, 20, /*pressure_blocks=*/24, /*expect_preemption=*/true,
+                              kernels::KvDType::kInt8);
 }
 
 TEST(EngineTest, Stories260KConcurrentEqualsAloneAlsoUnderPreemption) {

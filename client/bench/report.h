@@ -1,0 +1,60 @@
+// Summaries and reports of kvserve-bench runs: the table on stdout, the
+// JSON result file and the self-contained HTML report. Pure functions of
+// the records; nothing here talks to a server.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "client/bench/backend.h"
+#include "nlohmann/json.hpp"
+
+namespace kvserve::bench {
+
+struct Distribution {
+  int count = 0;
+  double mean = 0, p50 = 0, p90 = 0, p95 = 0, p99 = 0, max = 0;
+  static Distribution Of(std::vector<double> values);
+  nlohmann::json ToJson(double scale) const;
+};
+
+struct Slo {
+  double ttft_ms = 0;  // 0: no bound
+  double tpot_ms = 0;
+};
+
+// Summary of the measured (non-warm-up) records of one run.
+struct Summary {
+  int completed = 0;
+  int failed = 0;
+  std::map<std::string, int> errors;
+  double duration_s = 0;  // first start to last end
+  double request_throughput = 0, output_throughput = 0, total_throughput = 0;
+  double goodput = 0;  // req/s meeting both SLOs
+  int good_requests = 0;
+  long prompt_tokens = 0, output_tokens = 0, cached_tokens = 0;
+  Distribution ttft, tpot, itl, e2e;  // seconds
+  static Summary Of(const std::vector<RequestRecord>& records, const Slo& slo);
+  nlohmann::json ToJson() const;
+};
+
+// One run: a target at one load point.
+struct Run {
+  std::string target;
+  std::string load_label;              // "concurrency=4", "rate=2/s (poisson)"
+  std::string load_mode;               // closed | open
+  double load_value = 0;               // concurrency or rate
+  std::vector<RequestRecord> records;  // warm-up included, flagged
+  Summary summary;
+};
+
+nlohmann::json RecordToJson(const RequestRecord& r);
+// The whole result file; see README "kvserve-bench" for the schema.
+nlohmann::json ResultsToJson(const nlohmann::json& config, const std::vector<Run>& runs);
+std::string FormatTable(const std::vector<Run>& runs);
+// Ratios B/A for each load point when runs alternate between two targets.
+std::string FormatComparison(const std::vector<Run>& runs);
+std::string RenderHtml(const nlohmann::json& config, const std::vector<Run>& runs);
+
+}  // namespace kvserve::bench

@@ -1,0 +1,36 @@
+// Row codecs of the KV cache: one (token, KV head) row of head_dim floats to
+// and from its stored form (data bytes + scale-area bytes, see kv_view.h).
+// Plain loops: the write path runs once per appended token, and the read
+// path calls DequantizeRow on one row at a time into a small tile, so the
+// cache is never expanded to full precision. Thread-safe (pure functions).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kv_view.h"
+
+namespace kvserve::kernels {
+
+// data: KvRowBytes(t, n) bytes; meta: KvRowMetaBytes(t, n) bytes (may be null
+// when that is 0).
+void QuantizeRow(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta);
+void DequantizeRow(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n, float* dst);
+
+// OCP fp8 conversions, round to nearest even, saturating to the largest
+// finite value (e4m3: 448, e5m2: 57344); NaN maps to NaN.
+uint8_t Fp32ToE4M3(float f);
+float E4M3ToFp32(uint8_t b);
+uint8_t Fp32ToE5M2(float f);
+float E5M2ToFp32(uint8_t b);
+// The 256 decoded values of an fp8 codec (kFp8E4M3 or kFp8E5M2), built once:
+// SIMD decoders gather from it and so match the plain loop bit for bit.
+const float* Fp8DecodeTable(KvDType t);
+inline constexpr float kE4M3Max = 448.0f;
+inline constexpr float kE5M2Max = 57344.0f;
+
+// Two 4-bit codes per byte, the even index in the low nibble; an odd n leaves
+// the high nibble of the last byte zero.
+void PackInt4(const uint8_t* codes, int32_t n, uint8_t* packed);
+void UnpackInt4(const uint8_t* packed, int32_t n, uint8_t* codes);
+
+}  // namespace kvserve::kernels

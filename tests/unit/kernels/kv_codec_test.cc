@@ -1,0 +1,248 @@
+// KV row codecs: round-trip error within each codec's stated bound, exact
+// int4 packing, fp8 against known encodings, and attention over quantized KV
+// within stated bounds of attention over f32 KV.
+#include "kernels/cpu/kv_codec.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/dispatch.h"
+
+namespace kvserve::kernels {
+namespace {
+
+const KvDType kAllCodecs[] = {KvDType::kF32,     KvDType::kF16,  KvDType::kBF16,
+                              KvDType::kFp8E4M3, KvDType::kFp8E5M2, KvDType::kInt8,
+                              KvDType::kInt4};
+
+std::vector<float> RoundTrip(KvDType t, const std::vector<float>& x) {
+  const int32_t n = static_cast<int32_t>(x.size());
+  std::vector<uint8_t> data(KvRowBytes(t, n)), meta(KvRowMetaBytes(t, n) + 1);
+  QuantizeRow(t, x.data(), n, data.data(), meta.data());
+  std::vector<float> y(n);
+  DequantizeRow(t, data.data(), meta.data(), n, y.data());
+  return y;
+}
+
+// Largest error each codec may make on element i of row x.
+float Bound(KvDType t, const std::vector<float>& x, int32_t i) {
+  const float amax = std::abs(*std::max_element(
+      x.begin(), x.end(), [](float a, float b) { return std::abs(a) < std::abs(b); }));
+  const float a = std::abs(x[i]);
+  switch (t) {
+    case KvDType::kF32:
+      return 0.0f;
+    case KvDType::kF16:
+      return std::max(a * 0x1p-11f, 0x1p-25f);  // f16 subnormals: absolute steps
+    case KvDType::kBF16:
+      return a * 0x1p-8f;
+    case KvDType::kFp8E4M3:  // half an ulp of 3 mantissa bits; subnormal step 2^-9
+      return 1.0001f * std::max(a * 0x1p-4f, amax / kE4M3Max * 0x1p-10f);
+    case KvDType::kFp8E5M2:  // 2 mantissa bits; subnormal step 2^-16
+      return 1.0001f * std::max(a * 0x1p-3f, amax / kE5M2Max * 0x1p-17f);
+    case KvDType::kInt8:  // half a step of amax / 127
+      return 1.0001f * amax / 254.0f;
+    case KvDType::kInt4: {  // half a step of the group's range / 15, plus f16 scale/min rounding
+      const int32_t g0 = i / kInt4Group * kInt4Group;
+      const int32_t g1 = std::min<int32_t>(g0 + kInt4Group, static_cast<int32_t>(x.size()));
+      const auto [lo, hi] = std::minmax_element(x.begin() + g0, x.begin() + g1);
+      return (*hi - *lo) / 30.0f + (std::abs(*lo) + std::abs(*hi)) * 0x1p-9f;
+    }
+  }
+  return 0.0f;
+}
+
+class KvCodecTest : public ::testing::TestWithParam<KvDType> {};
+
+TEST_P(KvCodecTest, RoundTripWithinBound) {
+  const KvDType t = GetParam();
+  std::mt19937 rng(5);
+  for (int32_t n : {1, 7, 8, 33, 64, 128}) {
+    for (float sigma : {1e-3f, 1.0f, 30.0f}) {
+      std::normal_distribution<float> dist(0.0f, sigma);
+      std::vector<float> x(n);
+      for (auto& v : x) v = dist(rng);
+      if (n > 4) x[3] = 8.0f * sigma;  // an outlier channel, as real keys have
+      const std::vector<float> y = RoundTrip(t, x);
+      for (int32_t i = 0; i < n; ++i) {
+        ASSERT_LE(std::abs(y[i] - x[i]), Bound(t, x, i))
+            << KvDTypeName(t) << " n=" << n << " sigma=" << sigma << " i=" << i << " x=" << x[i];
+      }
+    }
+  }
+}
+
+TEST_P(KvCodecTest, ZeroRowStaysZero) {
+  const std::vector<float> y = RoundTrip(GetParam(), std::vector<float>(64, 0.0f));
+  for (float v : y) EXPECT_EQ(v, 0.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCodecs, KvCodecTest, ::testing::ValuesIn(kAllCodecs),
+                         [](const ::testing::TestParamInfo<KvDType>& info) {
+                           std::string name(KvDTypeName(info.param));
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+TEST_P(KvCodecTest, Avx2DecoderEqualsPlainLoop) {
+  if (!UseAvx2()) GTEST_SKIP() << "no AVX2";
+  const KvDType t = GetParam();
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  for (int32_t n : {5, 32, 64, 77}) {
+    std::vector<float> x(n), want(n), got(n);
+    for (auto& v : x) v = dist(rng);
+    std::vector<uint8_t> data(KvRowBytes(t, n)), meta(KvRowMetaBytes(t, n) + 1);
+    QuantizeRow(t, x.data(), n, data.data(), meta.data());
+    DequantizeRow(t, data.data(), meta.data(), n, want.data());
+    internal::DequantizeRowAvx2(t, data.data(), meta.data(), n, got.data());
+    // int4 decodes as code * scale + min, which the compiler may fuse into
+    // one FMA in the AVX2 unit: allow an ulp there, demand equality elsewhere.
+    for (int32_t i = 0; i < n; ++i) {
+      if (t == KvDType::kInt4) {
+        ASSERT_NEAR(got[i], want[i], 1e-6f * (1.0f + std::abs(want[i])))
+            << "n=" << n << " i=" << i;
+      } else {
+        ASSERT_EQ(got[i], want[i]) << KvDTypeName(t) << " n=" << n << " i=" << i;
+      }
+    }
+  }
+}
+
+TEST(KvCodecTest, Int4PackUnpackIsExact) {
+  for (int32_t n : {1, 2, 31, 32, 64}) {
+    std::vector<uint8_t> codes(n), back(n), packed((n + 1) / 2);
+    for (int32_t i = 0; i < n; ++i) codes[i] = static_cast<uint8_t>((i * 7 + 3) % 16);
+    PackInt4(codes.data(), n, packed.data());
+    UnpackInt4(packed.data(), n, back.data());
+    EXPECT_EQ(back, codes) << "n=" << n;
+  }
+  const uint8_t two[2] = {0x3, 0xa};
+  uint8_t byte = 0;
+  PackInt4(two, 2, &byte);
+  EXPECT_EQ(byte, 0xa3);  // even index in the low nibble
+}
+
+TEST(KvCodecTest, Int4ValuesOnTheGridRoundTripExactly) {
+  // 0..15 has min 0 and scale 1, both exact in f16: every code is hit exactly.
+  std::vector<float> x(32);
+  for (int32_t i = 0; i < 32; ++i) x[i] = static_cast<float>(i % 16);
+  EXPECT_EQ(RoundTrip(KvDType::kInt4, x), x);
+}
+
+TEST(KvCodecTest, Fp8KnownEncodings) {
+  EXPECT_EQ(Fp32ToE4M3(1.0f), 0x38);
+  EXPECT_EQ(Fp32ToE4M3(-2.0f), 0xc0);
+  EXPECT_EQ(Fp32ToE4M3(448.0f), 0x7e);
+  EXPECT_EQ(Fp32ToE4M3(1e6f), 0x7e);  // saturates, never NaN
+  EXPECT_EQ(E4M3ToFp32(0x01), 0x1p-9f);  // smallest subnormal
+  EXPECT_TRUE(std::isnan(E4M3ToFp32(0x7f)));
+  EXPECT_EQ(Fp32ToE5M2(1.0f), 0x3c);
+  EXPECT_EQ(Fp32ToE5M2(57344.0f), 0x7b);
+  EXPECT_EQ(Fp32ToE5M2(1e9f), 0x7b);
+  EXPECT_EQ(E5M2ToFp32(0x01), 0x1p-16f);
+  // 1.0625 lies halfway between 1.0 (0x38) and 1.125 (0x39): ties to even.
+  EXPECT_EQ(Fp32ToE4M3(1.0625f), 0x38);
+  EXPECT_EQ(Fp32ToE4M3(1.1875f), 0x3a);
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;
+    EXPECT_EQ(Fp32ToE4M3(E4M3ToFp32(static_cast<uint8_t>(c))), c == 0x80 ? 0x80 : c) << c;
+  }
+}
+
+TEST(KvCodecTest, ParseAcceptsEveryName) {
+  for (KvDType t : kAllCodecs) {
+    KvDType got;
+    ASSERT_TRUE(ParseKvDType(KvDTypeName(t), &got));
+    EXPECT_EQ(got, t);
+  }
+  KvDType got;
+  EXPECT_FALSE(ParseKvDType("q4_0", &got));
+}
+
+TEST(KvCodecTest, ScalesLiveInTheBlock) {
+  // SmolLM2's shape: 3 KV heads x 64 dims per token per layer per K or V.
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kF16), 16 * 3 * 128);
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kInt8), 16 * 3 * (64 + 4));
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kInt4), 16 * 3 * (32 + 8));
+}
+
+// Attention over a quantized cache against attention over the same K/V in
+// f32: relative RMS error of the outputs within each codec's stated bound
+// (random N(0,1) K/V and queries, 300 positions, GQA 3).
+struct AttnCase {
+  KvDType dtype;
+  double max_rel_rms;
+};
+
+class QuantizedAttentionTest : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(QuantizedAttentionTest, CloseToF32Attention) {
+  const AttnCase c = GetParam();
+  constexpr int32_t kBs = 16, kKvHeads = 2, kHd = 64, kGqa = 3, kLen = 300, kLayers = 1;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  const int64_t row = int64_t{kKvHeads} * kHd;
+  std::vector<float> k(kLen * row), v(kLen * row), q(int64_t{kKvHeads} * kGqa * kHd);
+  for (auto* vec : {&k, &v, &q}) {
+    for (auto& x : *vec) x = dist(rng);
+  }
+  const int32_t n_blocks = (kLen + kBs - 1) / kBs;
+  std::vector<int32_t> ids(n_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  const int32_t offsets[2] = {0, n_blocks};
+  std::vector<int32_t> seq(kLen, 0), pos(kLen);
+  std::iota(pos.begin(), pos.end(), 0);
+  auto attend = [&](KvDType t) {
+    PagedKvView view;
+    view.block_size = kBs;
+    view.n_kv_heads = kKvHeads;
+    view.head_dim = kHd;
+    view.dtype = t;
+    view.layer_bytes = 2 * PagedKvView::HalfLayerBytes(kBs, kKvHeads, kHd, t);
+    view.block_bytes = kLayers * view.layer_bytes;
+    std::vector<uint8_t> storage(view.block_bytes * n_blocks);
+    view.pool = storage.data();
+    view.block_ids = ids.data();
+    view.seq_block_offsets = offsets;
+    view.n_seqs = 1;
+    AppendKv(view, 0, kLen, seq.data(), pos.data(), k.data(), row, v.data(), row);
+    const int32_t tseq = 0, tpos = kLen - 1;
+    AttentionBatch batch{1, &tseq, &tpos, kKvHeads * kGqa, 1.0f / 8.0f};
+    std::vector<float> out(q.size());
+    PagedAttention(view, 0, batch, q.data(), 0, out.data(), 0, nullptr);
+    return out;
+  };
+  const std::vector<float> want = attend(KvDType::kF32);
+  const std::vector<float> got = attend(c.dtype);
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    err += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += want[i] * want[i];
+  }
+  const double rel = std::sqrt(err / norm);
+  EXPECT_LT(rel, c.max_rel_rms) << KvDTypeName(c.dtype);
+  RecordProperty("rel_rms", std::to_string(rel));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Codecs, QuantizedAttentionTest,
+    ::testing::Values(AttnCase{KvDType::kF16, 2e-3}, AttnCase{KvDType::kBF16, 1e-2},
+                      AttnCase{KvDType::kInt8, 2e-2}, AttnCase{KvDType::kFp8E4M3, 6e-2},
+                      AttnCase{KvDType::kFp8E5M2, 1.2e-1}, AttnCase{KvDType::kInt4, 2e-1}),
+    [](const ::testing::TestParamInfo<AttnCase>& info) {
+      std::string name(KvDTypeName(info.param.dtype));
+      std::replace(name.begin(), name.end(), '-', '_');
+      return name;
+    });
+
+}  // namespace
+}  // namespace kvserve::kernels
