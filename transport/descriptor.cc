@@ -219,4 +219,26 @@ absl::StatusOr<PeerAddress> UnpackPeerAddress(absl::string_view blob) {
   return a;
 }
 
+bool InRange(uint64_t offset, uint64_t length, uint64_t size) {
+  return offset <= size && length <= size - offset;
+}
+
+absl::Status CheckOpRanges(size_t index, const TransferOp& op, uint64_t local_length,
+                           uint64_t remote_length) {
+  if (op.length == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("op ", index, ": zero length"));
+  }
+  if (!InRange(op.local_offset, op.length, local_length)) {
+    return absl::OutOfRangeError(absl::StrCat("op ", index, ": local range [", op.local_offset,
+                                              ", +", op.length, ") exceeds local region ",
+                                              op.local, " of ", local_length, " bytes"));
+  }
+  if (!InRange(op.remote_offset, op.length, remote_length)) {
+    return absl::OutOfRangeError(absl::StrCat("op ", index, ": remote range [", op.remote_offset,
+                                              ", +", op.length, ") exceeds remote region ",
+                                              op.remote, " of ", remote_length, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvserve::transport

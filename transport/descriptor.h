@@ -51,4 +51,14 @@ uint64_t ProcessStartTime(uint64_t pid);  // 0: no such (live) process
 // 64-bit FNV-1a; also used by tests and the benchmark to checksum bytes.
 uint64_t Fnv1a64(const void* data, size_t length, uint64_t seed = 0);
 
+// [offset, offset + length) lies inside a region of `size` bytes (no
+// overflow).
+bool InRange(uint64_t offset, uint64_t length, uint64_t size);
+
+// The byte-range checks every backend applies to op `index` of a batch
+// before moving anything: a non-zero length inside both regions. Messages
+// name the op and the region.
+[[nodiscard]] absl::Status CheckOpRanges(size_t index, const TransferOp& op,
+                                         uint64_t local_length, uint64_t remote_length);
+
 }  // namespace kvserve::transport

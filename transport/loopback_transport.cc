@@ -29,10 +29,6 @@ absl::flat_hash_map<uint64_t, LoopbackTransport*>& Agents() {
   return *agents;
 }
 
-bool InRange(uint64_t offset, uint64_t length, uint64_t size) {
-  return offset <= size && length <= size - offset;
-}
-
 class LoopbackTransport final : public Transport {
  public:
   explicit LoopbackTransport(LoopbackTransportOptions options)
@@ -217,21 +213,8 @@ class LoopbackTransport final : public Transport {
         return absl::UnavailableError(absl::StrCat(
             "op ", i, ": remote region ", op.remote, " was deregistered"));
       }
-      if (op.length == 0) {
-        return absl::InvalidArgumentError(absl::StrCat("op ", i, ": zero length"));
-      }
-      if (!InRange(op.local_offset, op.length, l->second.length)) {
-        return absl::OutOfRangeError(absl::StrCat(
-            "op ", i, ": local range [", op.local_offset, ", +", op.length,
-            ") exceeds local region ", op.local, " of ", l->second.length,
-            " bytes"));
-      }
-      if (!InRange(op.remote_offset, op.length, r->second.descriptor.length)) {
-        return absl::OutOfRangeError(absl::StrCat(
-            "op ", i, ": remote range [", op.remote_offset, ", +", op.length,
-            ") exceeds remote region ", op.remote, " of ",
-            r->second.descriptor.length, " bytes"));
-      }
+      absl::Status range = CheckOpRanges(i, op, l->second.length, r->second.descriptor.length);
+      if (!range.ok()) return range;
       resolved.push_back({&l->second, &owner->second});
     }
     absl::Status status;

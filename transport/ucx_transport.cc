@@ -39,12 +39,6 @@ std::string DurationToUcx(absl::Duration d) {
   return absl::StrCat(absl::ToInt64Microseconds(d), "us");
 }
 
-// Checks [offset, offset + length) against a region of `size` bytes without
-// overflowing.
-bool InRange(uint64_t offset, uint64_t length, uint64_t size) {
-  return offset <= size && length <= size - offset;
-}
-
 // A byte range of one of our own regions, named by handle; carried in
 // notifications so the target copies staged bytes to the device.
 struct RangeRef {
@@ -744,21 +738,8 @@ absl::StatusOr<TransferId> UcxTransport::DoPost(
       return absl::InvalidArgumentError(absl::StrCat(
           "op ", i, ": remote region ", op.remote, " belongs to another peer"));
     }
-    if (op.length == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("op ", i, ": zero length"));
-    }
-    if (!InRange(op.local_offset, op.length, l->second.info.length)) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "op ", i, ": local range [", op.local_offset, ", +", op.length,
-          ") exceeds local region ", op.local, " of ", l->second.info.length,
-          " bytes"));
-    }
-    if (!InRange(op.remote_offset, op.length, r->second.descriptor.length)) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "op ", i, ": remote range [", op.remote_offset, ", +", op.length,
-          ") exceeds remote region ", op.remote, " of ",
-          r->second.descriptor.length, " bytes"));
-    }
+    absl::Status range = CheckOpRanges(i, op, l->second.info.length, r->second.descriptor.length);
+    if (!range.ok()) return range;
     if (direction == Direction::kWrite && r->second.descriptor.staged) {
       staged_remote.push_back(
           {r->second.descriptor.region, op.remote_offset, op.length});
