@@ -36,15 +36,8 @@ BenchOutput RunBench(const std::vector<std::string>& args) {
   std::string cmd = KVSERVE_BENCH_BINARY;
   for (const std::string& a : args) cmd += " '" + a + "'";
   cmd += " -q 2>/dev/null";
-  BenchOutput r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  const testing::CommandResult run = testing::RunCommand(cmd);
+  return BenchOutput{run.exit_code, run.out};
 }
 
 std::string TempPath(const std::string& name) {

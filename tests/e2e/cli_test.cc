@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing/daemon.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
@@ -24,15 +25,8 @@ struct RunResult {
 
 RunResult RunKvserve(const std::string& args) {
   const std::string cmd = std::string(KVSERVE_BINARY) + " " + args + " 2>&1";
-  RunResult r{-1, ""};
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  const testing::CommandResult run = testing::RunCommand(cmd);
+  return RunResult{run.exit_code, run.out};
 }
 
 std::string LastLine(const std::string& s) {

@@ -118,13 +118,9 @@ TEST(DaemonTest, SettingsComeFromEnvironmentAndConfigFile) {
 
 TEST(DaemonTest, HelpListsTheSubcommandsAndBadFlagsFailClearly) {
   const std::string help_cmd = std::string(KVSERVE_BINARY) + " --help 2>&1";
-  FILE* p = popen(help_cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  EXPECT_EQ(pclose(p), 0);
+  const testing::CommandResult help = testing::RunCommand(help_cmd);
+  EXPECT_EQ(help.exit_code, 0);
+  const std::string& out = help.out;
   for (const char* sub : {"serve", "generate", "perplexity", "bench", "loadtest", "plan", "info"}) {
     EXPECT_THAT(out, HasSubstr(sub));
   }
@@ -214,13 +210,9 @@ TEST(DaemonTest, SmolLM2AnswersAChatQuestionOverHttpAndGrpc) {
   const std::string cmd = std::string(KVSERVE_CLI_BINARY) + " --address 127.0.0.1:" +
                           std::to_string((*d)->grpc_port()) + " chat --temperature 0 -p '" +
                           question + "' 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  EXPECT_EQ(pclose(p), 0) << out;
+  const testing::CommandResult chat = testing::RunCommand(cmd);
+  const std::string& out = chat.out;
+  EXPECT_EQ(chat.exit_code, 0) << out;
   EXPECT_THAT(out, HasSubstr("Paris"));
 }
 

@@ -29,6 +29,7 @@
 #include "proto/kvserve.grpc.pb.h"
 #include "server/grpc_server.h"
 #include "server/model_service.h"
+#include "tests/testing/daemon.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -772,15 +773,8 @@ struct CliResult {
 
 CliResult RunCli(const std::string& args) {
   const std::string cmd = std::string(KVSERVE_CLI_BINARY) + " " + args + " 2>&1";
-  CliResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  const testing::CommandResult run = testing::RunCommand(cmd);
+  return CliResult{run.exit_code, run.out};
 }
 
 TEST_P(GrpcTest, CliGeneratePrintsTheGoldenText) {

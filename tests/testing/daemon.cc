@@ -96,4 +96,16 @@ std::string Daemon::Log() const {
 
 Daemon::~Daemon() { StopWith(SIGTERM, 10); }
 
+CommandResult RunCommand(const std::string& command_line) {
+  CommandResult r;
+  FILE* p = popen(command_line.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
 }  // namespace kvserve::testing

@@ -39,4 +39,12 @@ class Daemon {
   std::string dir_;
 };
 
+// Runs a shell command line and returns its exit status (-1 when it did not
+// exit normally) and everything it wrote to stdout (add 2>&1 for stderr).
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;
+};
+CommandResult RunCommand(const std::string& command_line);
+
 }  // namespace kvserve::testing
