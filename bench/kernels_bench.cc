@@ -264,8 +264,7 @@ void RegisterAll() {
                                    BM_Ops, which, true);
     }
   }
-  for (KvDType dt : {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kFp8E4M3,
-                     KvDType::kFp8E5M2, KvDType::kInt8, KvDType::kInt4}) {
+  for (KvDType dt : kAllKvDTypes) {
     const std::string base = std::string("AttentionDecode/") + std::string(KvDTypeName(dt));
     for (int threads : {1, 2}) {
       benchmark::RegisterBenchmark((base + "/threads:" + std::to_string(threads)).c_str(),

@@ -1,6 +1,8 @@
 #include "cache/block_table.h"
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -67,6 +69,19 @@ absl::Status BlockTable::Reserve(int32_t n) {
   blocks_.insert(blocks_.end(), fresh.begin() + next, fresh.end());
   num_tokens_ += n;
   return absl::OkStatus();
+}
+
+void BlockTable::Adopt(std::vector<BlockHandle> blocks, int32_t num_tokens) {
+  const int32_t bs = pool_->block_size();
+  const int64_t want = (static_cast<int64_t>(num_tokens) + bs - 1) / bs;
+  if (!blocks_.empty() || num_tokens_ != 0 || static_cast<int64_t>(blocks.size()) != want) {
+    // A mismatch would let the kernels read slots no block backs.
+    std::fprintf(stderr, "BlockTable::Adopt: %zu blocks for %d tokens into a table of %d\n",
+                 blocks.size(), num_tokens, num_tokens_);
+    std::abort();
+  }
+  blocks_ = std::move(blocks);
+  num_tokens_ = num_tokens;
 }
 
 BlockTable BlockTable::Fork() const {

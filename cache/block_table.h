@@ -40,6 +40,13 @@ class BlockTable {
   // then nothing changes.
   [[nodiscard]] absl::Status Reserve(int32_t n);
 
+  // Takes over `blocks` (one reference each, now the table's) as holding the
+  // first num_tokens tokens: a prefix-cache match. The last block may be
+  // partly used and shared; Reserve copies it before writing into it.
+  // REQUIRES: the table is empty and blocks cover num_tokens exactly
+  // (ceil(num_tokens / block_size) blocks).
+  void Adopt(std::vector<BlockHandle> blocks, int32_t num_tokens);
+
   // A new table sharing every block of this one (reference counts +1).
   BlockTable Fork() const;
 

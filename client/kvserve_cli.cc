@@ -5,6 +5,8 @@
 //   kvserve-cli chat -p "Hello"                      (one turn)
 //   kvserve-cli tokenize "some text"
 //   kvserve-cli stats | info | health
+//   kvserve-cli kv-events [--summary]                (follow the prefix cache)
+//   kvserve-cli clear-prefix-cache
 //
 // Text streams to stdout as it arrives; --json prints one JSON object per
 // line instead, for scripts. Exit status: 0 on success, 1 on any error (the
@@ -15,9 +17,13 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -26,6 +32,8 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -412,6 +420,269 @@ int RunHealth(Client* client, const std::string& service) {
   return serving_status == 1 ? 0 : 1;
 }
 
+int RunClearPrefixCache(Client* client) {
+  pb::ClearPrefixCacheResponse response;
+  auto ctx = client->Context(30);
+  grpc::Status s =
+      client->stub()->ClearPrefixCache(ctx.get(), pb::ClearPrefixCacheRequest(), &response);
+  if (!s.ok()) return Fail(s);
+  if (client->options().json) {
+    std::printf("%s\n", ToJson(response).c_str());
+  } else {
+    std::printf("cleared %d blocks\n", response.blocks_cleared());
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------
+// kv-events: a replica of the daemon's prefix-cache index, kept from the
+// event stream alone, as a router would keep one.
+
+struct KvEventsFlags {
+  uint64_t after = 0;           // resume after this sequence
+  bool snapshot = false;        // start from a snapshot
+  bool snapshot_only = false;   // take one snapshot, print the summary, exit
+  bool summary = false;         // print the replica's summary at the end
+  bool quiet = false;           // no per-event lines
+  bool no_reconnect = false;
+  double duration_s = 0;        // 0: until interrupted
+  int64_t count = 0;            // stop after this many events (0: no limit)
+  double reconnect_delay_s = 0.5;
+};
+
+std::atomic<bool> g_interrupted{false};
+void OnInterrupt(int /*sig*/) { g_interrupted = true; }
+
+std::string Hex(uint64_t v) {
+  char buf[20];
+  std::snprintf(buf, sizeof(buf), "%016" PRIx64, v);
+  return buf;
+}
+
+class KvReplica {
+ public:
+  void Clear() { blocks_.clear(); }
+  void Store(const pb::KvBlockStored& b) {
+    blocks_[b.block_hash()] = Block{b.parent_hash(), b.token_count()};
+  }
+  bool Remove(uint64_t hash) { return blocks_.erase(hash) > 0; }
+  bool Has(uint64_t hash) const { return blocks_.count(hash) > 0; }
+
+  void PrintSummary(bool json, uint64_t sequence, int64_t events, int64_t snapshots,
+                    int64_t reconnects) const {
+    int64_t roots = 0, tokens = 0, leaves = 0;
+    int32_t max_depth = 0;
+    std::unordered_map<uint64_t, int32_t> children;
+    for (const auto& [hash, b] : blocks_) {
+      if (b.parent == 0) ++roots;
+      tokens += b.token_count;
+      ++children[b.parent];
+    }
+    for (const auto& [hash, b] : blocks_) {
+      if (children.count(hash) == 0) ++leaves;
+      int32_t depth = 1;
+      for (uint64_t p = b.parent; p != 0 && depth <= static_cast<int32_t>(blocks_.size());) {
+        auto it = blocks_.find(p);
+        if (it == blocks_.end()) break;
+        ++depth;
+        p = it->second.parent;
+      }
+      max_depth = std::max(max_depth, depth);
+    }
+    if (json) {
+      std::printf(
+          "{\"sequence\":%" PRIu64 ",\"blocks\":%zu,\"roots\":%" PRId64 ",\"leaves\":%" PRId64
+          ",\"max_depth\":%d,\"tokens\":%" PRId64 ",\"events\":%" PRId64
+          ",\"snapshots\":%" PRId64 ",\"reconnects\":%" PRId64 "}\n",
+          sequence, blocks_.size(), roots, leaves, max_depth, tokens, events, snapshots,
+          reconnects);
+    } else {
+      std::printf("replica as of #%" PRIu64 ": %zu blocks (%" PRId64 " roots, %" PRId64
+                  " leaves, depth up to %d), %" PRId64 " tokens; %" PRId64 " events, %" PRId64
+                  " snapshots, %" PRId64 " reconnects\n",
+                  sequence, blocks_.size(), roots, leaves, max_depth, tokens, events, snapshots,
+                  reconnects);
+    }
+    std::fflush(stdout);
+  }
+
+ private:
+  struct Block {
+    uint64_t parent = 0;
+    int32_t token_count = 0;
+  };
+  std::unordered_map<uint64_t, Block> blocks_;
+};
+
+void PrintEvent(const pb::KvEvent& e, bool json) {
+  if (json) {
+    std::printf("%s\n", ToJson(e).c_str());
+    return;
+  }
+  switch (e.event_case()) {
+    case pb::KvEvent::kBlockStored: {
+      const pb::KvBlockStored& b = e.block_stored();
+      std::printf("#%" PRIu64 " stored %s parent %s tokens %d [", e.sequence(),
+                  Hex(b.block_hash()).c_str(), Hex(b.parent_hash()).c_str(), b.token_count());
+      for (int i = 0; i < b.token_ids_size(); ++i) {
+        std::printf(i == 0 ? "%d" : " %d", b.token_ids(i));
+      }
+      std::printf("]\n");
+      break;
+    }
+    case pb::KvEvent::kBlockRemoved:
+      std::printf("#%" PRIu64 " removed %s\n", e.sequence(),
+                  Hex(e.block_removed().block_hash()).c_str());
+      break;
+    case pb::KvEvent::kAllCleared:
+      std::printf("#%" PRIu64 " cleared\n", e.sequence());
+      break;
+    case pb::KvEvent::EVENT_NOT_SET:
+      std::printf("#%" PRIu64 " (unknown event)\n", e.sequence());
+      break;
+  }
+}
+
+// Statuses after which trying again cannot help.
+bool Permanent(grpc::StatusCode code) {
+  return code == grpc::StatusCode::UNAUTHENTICATED ||
+         code == grpc::StatusCode::PERMISSION_DENIED ||
+         code == grpc::StatusCode::FAILED_PRECONDITION ||
+         code == grpc::StatusCode::INVALID_ARGUMENT ||
+         code == grpc::StatusCode::UNIMPLEMENTED;
+}
+
+int RunKvEvents(Client* client, const KvEventsFlags& flags) {
+  const bool json = client->options().json;
+  signal(SIGINT, OnInterrupt);
+  signal(SIGTERM, OnInterrupt);
+  const auto end = flags.duration_s > 0
+                       ? std::chrono::steady_clock::now() +
+                             std::chrono::milliseconds(static_cast<int64_t>(flags.duration_s * 1000))
+                       : std::chrono::steady_clock::time_point::max();
+  // The watcher cancels the call in progress on Ctrl-C, at the end of
+  // --duration, or once --count events arrived (signal handlers may not).
+  std::mutex mu;
+  grpc::ClientContext* current = nullptr;  // guarded by mu
+  std::atomic<bool> stop{false}, done{false};
+  std::thread watcher([&] {
+    while (!done) {
+      if (g_interrupted || std::chrono::steady_clock::now() >= end) stop = true;
+      if (stop) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (current != nullptr) current->TryCancel();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+
+  KvReplica replica;
+  uint64_t position = flags.after;  // the last sequence the replica reflects
+  bool want_snapshot = flags.snapshot || flags.snapshot_only;
+  int64_t events = 0, snapshots = 0, reconnects = 0;
+  int exit_code = 0;
+  double delay_s = flags.reconnect_delay_s;
+  while (!stop) {
+    pb::SubscribeKvEventsRequest request;
+    request.set_after_sequence(position);
+    request.set_snapshot(want_snapshot);
+    // A stream lives as long as it is wanted: no deadline from --timeout.
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    if (!client->options().api_key.empty()) {
+      ctx->AddMetadata("authorization", "Bearer " + client->options().api_key);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      current = ctx.get();
+    }
+    auto reader = client->stub()->SubscribeKvEvents(ctx.get(), request);
+    pb::KvEventsResponse msg;
+    bool got_any = false;
+    bool resync = false;
+    while (!resync && reader->Read(&msg)) {
+      got_any = true;
+      if (msg.has_snapshot()) {
+        const pb::KvSnapshotChunk& chunk = msg.snapshot();
+        if (chunk.index() == 0) {
+          // Until the last chunk the replica matches no sequence: a break
+          // now means starting over (after 0 replays or re-snapshots).
+          replica.Clear();
+          position = 0;
+        }
+        for (const pb::KvBlockStored& b : chunk.blocks()) replica.Store(b);
+        if (json) {
+          std::printf("{\"snapshot\":{\"as_of_sequence\":%" PRIu64
+                      ",\"index\":%u,\"blocks\":%d,\"last\":%s}}\n",
+                      chunk.as_of_sequence(), chunk.index(), chunk.blocks_size(),
+                      chunk.last() ? "true" : "false");
+        } else if (!flags.quiet) {
+          std::printf("snapshot as of #%" PRIu64 ": chunk %u, %d blocks%s\n",
+                      chunk.as_of_sequence(), chunk.index(), chunk.blocks_size(),
+                      chunk.last() ? " (complete)" : "");
+        }
+        if (chunk.last()) {
+          position = chunk.as_of_sequence();
+          ++snapshots;
+          want_snapshot = false;
+          if (flags.snapshot_only) stop = true;
+        }
+      }
+      for (const pb::KvEvent& e : msg.events()) {
+        if (e.sequence() != position + 1) {
+          std::fprintf(stderr, "kvserve-cli: warning: expected event #%" PRIu64 ", got #%" PRIu64
+                       "; resynchronizing\n", position + 1, e.sequence());
+          want_snapshot = true;
+          resync = true;
+          ctx->TryCancel();
+          break;
+        }
+        switch (e.event_case()) {
+          case pb::KvEvent::kBlockStored: replica.Store(e.block_stored()); break;
+          case pb::KvEvent::kBlockRemoved: replica.Remove(e.block_removed().block_hash()); break;
+          case pb::KvEvent::kAllCleared: replica.Clear(); break;
+          case pb::KvEvent::EVENT_NOT_SET: break;
+        }
+        position = e.sequence();
+        ++events;
+        if (!flags.quiet) PrintEvent(e, json);
+        if (flags.count > 0 && events >= flags.count) stop = true;
+      }
+      std::fflush(stdout);
+      if (stop) ctx->TryCancel();
+    }
+    grpc::Status status = reader->Finish();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      current = nullptr;
+    }
+    if (stop) break;
+    if (Permanent(status.error_code())) {
+      exit_code = Fail(status);
+      break;
+    }
+    if (flags.no_reconnect) {
+      if (!status.ok()) exit_code = Fail(status);
+      break;
+    }
+    // Back off while the daemon is away; reset once a stream delivered.
+    delay_s = got_any ? flags.reconnect_delay_s : std::min(delay_s * 2, 10.0);
+    std::fprintf(stderr, "kvserve-cli: event stream ended (%s: %s); reconnecting after #%" PRIu64
+                 "\n", CodeName(status.error_code()), status.error_message().c_str(), position);
+    for (auto until = std::chrono::steady_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(delay_s * 1000));
+         !stop && std::chrono::steady_clock::now() < until;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ++reconnects;
+  }
+  done = true;
+  watcher.join();
+  if (flags.summary || flags.snapshot_only) {
+    replica.PrintSummary(json, position, events, snapshots, reconnects);
+  }
+  return exit_code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -461,6 +732,27 @@ int main(int argc, char** argv) {
   std::string health_service;
   health->add_option("--service", health_service, "Service to check (default: the server)");
 
+  CLI::App* kv_events = app.add_subcommand(
+      "kv-events",
+      "Follow the prefix cache's KV event stream, keeping a local replica of the index "
+      "(reconnects with its last sequence number)");
+  KvEventsFlags kv;
+  kv_events->add_option("--after", kv.after, "Resume after this sequence number (default 0)");
+  kv_events->add_flag("--snapshot", kv.snapshot, "Start from a snapshot of the whole index");
+  kv_events->add_flag("--snapshot-only", kv.snapshot_only,
+                      "Take one snapshot, print the replica's summary and exit");
+  kv_events->add_flag("--summary", kv.summary, "Print a summary of the replica on exit");
+  kv_events->add_flag("--quiet,-q", kv.quiet, "Print no line per event");
+  kv_events->add_option("--duration", kv.duration_s, "Stop after this many seconds (0: never)");
+  kv_events->add_option("--count", kv.count, "Stop after this many events (0: no limit)");
+  kv_events->add_flag("--no-reconnect", kv.no_reconnect, "Exit when the stream ends");
+  kv_events->add_option("--reconnect-delay", kv.reconnect_delay_s,
+                        "Seconds before reconnecting (doubles while the daemon is away)")
+      ->capture_default_str();
+
+  CLI::App* clear_prefix_cache = app.add_subcommand(
+      "clear-prefix-cache", "Drop every prefix-cache block that no running request uses");
+
   CLI11_PARSE(app, argc, argv);
 
   Client client(g);
@@ -473,5 +765,7 @@ int main(int argc, char** argv) {
   if (*stats) return RunStats(&client);
   if (*info) return RunInfo(&client);
   if (*health) return RunHealth(&client, health_service);
+  if (*kv_events) return RunKvEvents(&client, kv);
+  if (*clear_prefix_cache) return RunClearPrefixCache(&client);
   return 1;
 }

@@ -5,9 +5,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/kv_codec.h"
 
 namespace kvserve {
@@ -25,6 +27,28 @@ double NegLogProb(const float* logits, int32_t n, int32_t target) {
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
+
+int32_t ArgMax(const float* x, int32_t n) {
+  return static_cast<int32_t>(std::max_element(x, x + n) - x);
+}
+
+// KL(p || q) of the softmax distributions of two logit rows, in double.
+double KlDivergence(const float* p_logits, const float* q_logits, int32_t n) {
+  const double pm = *std::max_element(p_logits, p_logits + n);
+  const double qm = *std::max_element(q_logits, q_logits + n);
+  double ps = 0, qs = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    ps += std::exp(p_logits[i] - pm);
+    qs += std::exp(q_logits[i] - qm);
+  }
+  const double plse = pm + std::log(ps), qlse = qm + std::log(qs);
+  double kl = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    const double lp = p_logits[i] - plse, lq = q_logits[i] - qlse;
+    kl += std::exp(lp) * (lp - lq);
+  }
+  return kl;
+}
 
 }  // namespace
 
@@ -75,35 +99,47 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
     windows.resize(o.max_windows);
   }
 
+  if (o.block_size < 1) return absl::InvalidArgumentError("block_size must be positive");
   // One sequence's worth of contiguous KV, addressed through an identity
   // block table.
-  constexpr int32_t kBlock = 16;
+  const int32_t kBlock = o.block_size;
   const int32_t n_blocks = (o.context + kBlock - 1) / kBlock;
-  const int64_t half = kernels::PagedKvView::HalfLayerBytes(kBlock, cfg.n_kv_heads, cfg.head_dim,
-                                                            o.kv_dtype);
-  const int64_t block_bytes = 2 * half * cfg.n_layers;
-  std::unique_ptr<uint8_t, FreeDeleter> storage(
-      static_cast<uint8_t*>(std::aligned_alloc(64, block_bytes * n_blocks)));
-  if (!storage) return absl::ResourceExhaustedError("cannot allocate KV for perplexity");
   std::vector<int32_t> block_ids(n_blocks);
   for (int32_t i = 0; i < n_blocks; ++i) block_ids[i] = i;
   const int32_t offsets[2] = {0, n_blocks};
-  kernels::PagedKvView view;
-  view.pool = storage.get();
-  view.block_bytes = block_bytes;
-  view.layer_bytes = 2 * half;
-  view.block_size = kBlock;
-  view.n_kv_heads = cfg.n_kv_heads;
-  view.head_dim = cfg.head_dim;
-  view.dtype = o.kv_dtype;
-  view.block_ids = block_ids.data();
-  view.seq_block_offsets = offsets;
-  view.n_seqs = 1;
+  std::unique_ptr<uint8_t, FreeDeleter> storage, compare_storage;
+  auto make_view = [&](kernels::KvDType dtype,
+                       std::unique_ptr<uint8_t, FreeDeleter>* store) -> kernels::PagedKvView {
+    const int64_t half =
+        kernels::PagedKvView::HalfLayerBytes(kBlock, cfg.n_kv_heads, cfg.head_dim, dtype);
+    const int64_t block_bytes = 2 * half * cfg.n_layers;
+    store->reset(static_cast<uint8_t*>(std::aligned_alloc(64, block_bytes * n_blocks)));
+    kernels::PagedKvView view;
+    view.pool = store->get();
+    view.block_bytes = block_bytes;
+    view.layer_bytes = 2 * half;
+    view.block_size = kBlock;
+    view.n_kv_heads = cfg.n_kv_heads;
+    view.head_dim = cfg.head_dim;
+    view.dtype = dtype;
+    view.block_ids = block_ids.data();
+    view.seq_block_offsets = offsets;
+    view.n_seqs = 1;
+    return view;
+  };
+  const kernels::PagedKvView view = make_view(o.kv_dtype, &storage);
+  kernels::PagedKvView compare_view;
+  if (o.compare) compare_view = make_view(o.compare_dtype, &compare_storage);
+  if (!storage || (o.compare && !compare_storage)) {
+    return absl::ResourceExhaustedError("cannot allocate KV for perplexity");
+  }
+  int64_t same_top1 = 0;
+  double kl_sum = 0;
 
   PerplexityResult result;
   double nll = 0;
   std::vector<int32_t> chunk, seq, pos, rows;
-  std::vector<float> logits;
+  std::vector<float> logits, compare_logits;
   for (const Window& w : windows) {
     for (int32_t start = 0; start < w.length; start += o.batch_tokens) {
       const int32_t n = std::min(o.batch_tokens, w.length - start);
@@ -119,10 +155,21 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
       }
       logits.resize(rows.size() * static_cast<size_t>(cfg.vocab_size));
       RETURN_IF_ERROR(model.Forward(ForwardBatch{chunk, seq, pos, rows}, view, logits.data(), pool));
+      if (o.compare) {
+        compare_logits.resize(logits.size());
+        RETURN_IF_ERROR(model.Forward(ForwardBatch{chunk, seq, pos, rows}, compare_view,
+                                      compare_logits.data(), pool));
+      }
       for (size_t r = 0; r < rows.size(); ++r) {
         const int64_t target = w.begin + start + rows[r] + 1;
-        nll += NegLogProb(logits.data() + r * cfg.vocab_size, cfg.vocab_size, tokens[target]);
+        const float* row_logits = logits.data() + r * cfg.vocab_size;
+        nll += NegLogProb(row_logits, cfg.vocab_size, tokens[target]);
         ++result.scored_tokens;
+        if (o.compare) {
+          const float* ref = compare_logits.data() + r * cfg.vocab_size;
+          same_top1 += ArgMax(ref, cfg.vocab_size) == ArgMax(row_logits, cfg.vocab_size);
+          kl_sum += KlDivergence(ref, row_logits, cfg.vocab_size);
+        }
       }
     }
     ++result.windows;
@@ -131,6 +178,8 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
   if (result.scored_tokens == 0) return absl::InvalidArgumentError("no tokens to score");
   result.mean_nll = nll / result.scored_tokens;
   result.perplexity = std::exp(result.mean_nll);
+  result.same_top1 = static_cast<double>(same_top1) / result.scored_tokens;
+  result.mean_kl = kl_sum / result.scored_tokens;
   return result;
 }
 
@@ -252,7 +301,8 @@ absl::StatusOr<std::vector<KvErrorRow>> ComputeKvError(LlamaModel& model,
   std::vector<uint8_t> data(kernels::KvRowBytes(kernels::KvDType::kF32, hd)), meta(64 + 4 * hd);
   for (kernels::KvDType t : {kernels::KvDType::kF16, kernels::KvDType::kBF16,
                              kernels::KvDType::kFp8E4M3, kernels::KvDType::kFp8E5M2,
-                             kernels::KvDType::kInt8, kernels::KvDType::kInt4}) {
+                             kernels::KvDType::kInt8, kernels::KvDType::kInt4,
+                             kernels::KvDType::kInt4G64}) {
     for (int64_t r = 0; r < static_cast<int64_t>(k.size()) / hd; ++r) {
       kernels::QuantizeRow(t, &k[r * hd], hd, data.data(), meta.data());
       kernels::DequantizeRow(t, data.data(), meta.data(), hd, &yk[r * hd]);
@@ -260,9 +310,67 @@ absl::StatusOr<std::vector<KvErrorRow>> ComputeKvError(LlamaModel& model,
       kernels::DequantizeRow(t, data.data(), meta.data(), hd, &yv[r * hd]);
     }
     report(std::string(kernels::KvDTypeName(t)),
-           t == kernels::KvDType::kInt4 ? "per token, 32-channel groups"
+           t == kernels::KvDType::kInt4      ? "per token, 32-channel groups"
+           : t == kernels::KvDType::kInt4G64 ? "per token, 64-channel groups"
            : kernels::KvIsQuantized(t) && t != kernels::KvDType::kBF16 ? "per token-head"
                                                                         : "-");
+  }
+  // int4-kivi through the paged cache's own write path: keys per channel of
+  // a 16-token block, written as prefill writes them (a block at once) and
+  // as decode does (one token per append, earlier keys re-encoded when a
+  // channel's range widens).
+  struct KiviCase {
+    kernels::KvDType dtype;
+    int32_t block_size;  // int4-kivi-g64's halves are equal at 32
+    bool one_by_one;
+  };
+  for (const KiviCase& kc : {KiviCase{kernels::KvDType::kInt4Kivi, 16, false},
+                             KiviCase{kernels::KvDType::kInt4Kivi, 16, true},
+                             KiviCase{kernels::KvDType::kInt4KiviG64, 32, false},
+                             KiviCase{kernels::KvDType::kInt4KiviG64, 32, true}}) {
+    const bool one_by_one = kc.one_by_one;
+    kernels::PagedKvView q = view;
+    q.dtype = kc.dtype;
+    q.block_size = kc.block_size;
+    const int32_t q_blocks = (context + kc.block_size - 1) / kc.block_size;
+    const int32_t q_offsets[2] = {0, q_blocks};
+    q.seq_block_offsets = q_offsets;  // block_ids: the identity, long enough
+    const int64_t qhalf =
+        kernels::PagedKvView::HalfLayerBytes(kc.block_size, cfg.n_kv_heads, hd, q.dtype);
+    q.layer_bytes = 2 * qhalf;
+    q.block_bytes = q.layer_bytes * cfg.n_layers;
+    std::vector<uint8_t> qstore(q.block_bytes * q_blocks);
+    q.pool = qstore.data();
+    const int32_t row = cfg.n_kv_heads * hd;
+    std::vector<float> kt(static_cast<size_t>(context) * row), vt(kt.size());
+    std::vector<int32_t> seqs(context, 0), positions(context);
+    for (int32_t p = 0; p < context; ++p) positions[p] = p;
+    for (int32_t l = 0; l < cfg.n_layers; ++l) {
+      for (int32_t h = 0; h < cfg.n_kv_heads; ++h) {
+        for (int32_t p = 0; p < context; ++p) {
+          const int64_t off = l * per_layer + h * per_head + static_cast<int64_t>(p) * hd;
+          std::memcpy(&kt[static_cast<int64_t>(p) * row + h * hd], &k[off], hd * sizeof(float));
+          std::memcpy(&vt[static_cast<int64_t>(p) * row + h * hd], &v[off], hd * sizeof(float));
+        }
+      }
+      const int32_t step = one_by_one ? 1 : context;
+      for (int32_t p = 0; p < context; p += step) {
+        const int32_t n = std::min(step, context - p);
+        kernels::AppendKv(q, l, n, seqs.data(), positions.data() + p, &kt[int64_t{p} * row], row,
+                          &vt[int64_t{p} * row], row);
+      }
+      for (int32_t h = 0; h < cfg.n_kv_heads; ++h) {
+        for (int32_t p = 0; p < context; ++p) {
+          const int64_t off = l * per_layer + h * per_head + static_cast<int64_t>(p) * hd;
+          kernels::ReadKvRow(q, l, 0, p, h, false, &yk[off]);
+          kernels::ReadKvRow(q, l, 0, p, h, true, &yv[off]);
+        }
+      }
+    }
+    report(std::string(kernels::KvDTypeName(kc.dtype)),
+           absl::StrCat("keys per channel (", kc.block_size, "-token block, appended ",
+                        one_by_one ? "one by one" : "at once", "), values per token (",
+                        kernels::KvInt4GroupOf(kc.dtype), "-channel groups)"));
   }
   // Granularities the paged cache does not store, for comparison.
   for (int bits : {8, 4}) {

@@ -28,6 +28,12 @@ struct PerplexityOptions {
   // Storage of the window's KV: quantized codecs measure what KV compression
   // costs in perplexity.
   kernels::KvDType kv_dtype = kernels::KvDType::kF32;
+  // Tokens per KV block: int4-kivi* keys share per-channel ranges over one.
+  int32_t block_size = 16;
+  // When set, every window also runs with a cache of this dtype (twice the
+  // work), and the result compares the two next-token distributions.
+  bool compare = false;
+  kernels::KvDType compare_dtype = kernels::KvDType::kF16;
 };
 
 struct PerplexityResult {
@@ -36,6 +42,12 @@ struct PerplexityResult {
   int64_t scored_tokens = 0;
   int32_t windows = 0;
   std::vector<double> window_perplexity;  // running perplexity after each window
+  // With PerplexityOptions::compare: the fraction of scored positions where
+  // both caches give the same most likely next token (what greedy decoding
+  // picks, teacher-forced on the text, so one near-tie does not decide the
+  // rest of a sequence), and the mean KL(compare || kv_dtype) in nats.
+  double same_top1 = 0;
+  double mean_kl = 0;
 };
 
 [[nodiscard]] absl::StatusOr<PerplexityResult> ComputePerplexity(

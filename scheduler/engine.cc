@@ -38,6 +38,9 @@ struct Engine::Sequence {
   std::vector<int32_t> tokens;  // prompt, then every sampled token
   int32_t n_prompt = 0;
   int32_t n_computed = 0;       // tokens whose K/V are in the cache
+  int32_t n_cached_blocks = 0;  // leading full blocks offered to the prefix cache
+  int32_t cached_prompt_tokens = 0;  // prompt tokens the first admission matched
+  bool ever_admitted = false;
   int64_t admit_order = 0;
   bool running = false;
   bool finished = false;
@@ -65,6 +68,13 @@ SamplingParams ForSample(const SamplingParams& p, int32_t index) {
 
 }  // namespace
 
+absl::StatusOr<EngineOptions::SchedulePolicy> ParseSchedulePolicy(std::string_view name) {
+  if (name == "fcfs") return EngineOptions::SchedulePolicy::kFcfs;
+  if (name == "lpm") return EngineOptions::SchedulePolicy::kLpm;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown schedule policy '", std::string(name), "' (expected fcfs or lpm)"));
+}
+
 Engine::Engine(LlamaModel* model, const Tokenizer* tokenizer, ThreadPool* pool,
                const EngineOptions& options)
     : model_(model), tokenizer_(tokenizer), pool_(pool), options_(options) {}
@@ -86,6 +96,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   po.dtype = o.kv_dtype;
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, pool, o));
   ASSIGN_OR_RETURN(e->kv_pool_, KvPool::Create(po));
+  if (o.prefix_cache) {
+    PrefixCacheOptions pc;
+    pc.model_identity = o.model_identity;
+    pc.clock = o.clock;
+    pc.events = o.kv_events;
+    e->prefix_cache_ = std::make_unique<PrefixCache>(e->kv_pool_.get(), std::move(pc));
+  }
   e->PublishStats(0, 0);
   return e;
 }
@@ -98,6 +115,8 @@ Engine::~Engine() {
   for (auto& [id, g] : groups_) left.push_back(g.get());
   for (Group* g : left) FinishGroup(g, FinishReason::kCancelled);
   RemoveFinished();
+  // Running sequences are gone; drop the cache's blocks before the pool.
+  prefix_cache_.reset();
 }
 
 absl::StatusOr<uint64_t> Engine::Submit(EngineRequest request, EventCallback callback) {
@@ -162,6 +181,17 @@ std::unique_ptr<Engine::Sequence> Engine::NewSample(Group* g, int32_t index,
   return s;
 }
 
+std::future<int32_t> Engine::ClearPrefixCache() {
+  std::promise<int32_t> p;
+  std::future<int32_t> f = p.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    clear_requests_.push_back(std::move(p));
+  }
+  cv_.notify_one();
+  return f;
+}
+
 void Engine::CancelAll() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -174,13 +204,16 @@ void Engine::TakeInbox() {
   std::vector<std::unique_ptr<Group>> inbox;
   std::vector<uint64_t> cancels;
   bool cancel_all;
+  std::vector<std::promise<int32_t>> clears;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    clears.swap(clear_requests_);
     inbox.swap(inbox_);
     cancels.swap(cancels_);
     cancel_all = cancel_all_;
     cancel_all_ = false;
   }
+  for (auto& p : clears) p.set_value(prefix_cache_ ? prefix_cache_->Clear() : -1);
   for (auto& g : inbox) {
     std::unique_ptr<Sequence> s = NewSample(g.get(), 0, g->request.prompt);
     waiting_.push_back(s.get());
@@ -211,6 +244,7 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason) {
         ev.text = std::move(tail);
         ev.prompt_tokens = s->n_prompt;
         ev.completion_tokens = s->n_generated();
+        ev.cached_tokens = s->cached_prompt_tokens;
         s->group->callback(ev);
       }
     }
@@ -225,6 +259,7 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason) {
   ev.finish = reason;
   ev.prompt_tokens = s->n_prompt;
   ev.completion_tokens = s->n_generated();
+  ev.cached_tokens = s->cached_prompt_tokens;
   s->group->callback(ev);
 }
 
@@ -246,8 +281,9 @@ void Engine::FinishGroup(Group* g, FinishReason reason) {
 void Engine::Preempt(Sequence* s) {
   // Recompute: drop every block; the prompt and the tokens generated so far
   // are prefilled again when the sequence is readmitted.
-  s->table.Release();
+  s->table.Release();  // its full blocks stay in the prefix cache, if on
   s->n_computed = 0;
+  s->n_cached_blocks = 0;
   s->running = false;
   running_.erase(std::find(running_.begin(), running_.end(), s));
   waiting_.push_back(s);
@@ -272,6 +308,7 @@ void Engine::EmitToken(Sequence* s, int32_t token, float logprob) {
   ev.text = s->stops->Push(s->detok->Push(token));
   ev.prompt_tokens = s->n_prompt;
   ev.completion_tokens = s->n_generated();
+  ev.cached_tokens = s->cached_prompt_tokens;
   s->group->callback(ev);
   if (s->stops->stopped()) {
     FinishSequence(s, FinishReason::kStop);
@@ -336,8 +373,13 @@ bool Engine::Step() {
   // Makes room for `take` more tokens of s, preempting later sequences (or
   // s itself) while blocks are short. Returns false if s was preempted.
   auto reserve = [&](Sequence* s, int32_t take) {
-    const int32_t extra = s->n_computed + take - s->table.num_tokens();
-    while (!s->table.Reserve(std::max(0, extra)).ok()) {
+    const int32_t extra = std::max(0, s->n_computed + take - s->table.num_tokens());
+    for (;;) {
+      const absl::Status st = s->table.Reserve(extra);
+      if (st.ok()) break;
+      if (!absl::IsResourceExhausted(st)) return false;
+      // Cached blocks no running sequence uses go before any preemption.
+      if (EnsureFree(s->table.BlocksNeeded(extra))) continue;
       Sequence* victim = nullptr;
       for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
         if (std::find(batch_seqs.begin(), batch_seqs.end(), *it) == batch_seqs.end()) {
@@ -365,12 +407,24 @@ bool Engine::Step() {
     }
   }
 
-  // 2. Admission, in priority then arrival order. Static batching admits only
-  // into an empty engine.
-  std::stable_sort(waiting_.begin(), waiting_.end(), [](const Sequence* a, const Sequence* b) {
+  // 2. Admission, in priority then arrival order (or, under LPM, longest
+  // cached prefix before arrival). Static batching admits only into an empty
+  // engine.
+  std::unordered_map<const Sequence*, int32_t> cached_len;
+  const bool lpm = prefix_cache_ != nullptr &&
+                   options_.schedule_policy == EngineOptions::SchedulePolicy::kLpm &&
+                   static_cast<int32_t>(waiting_.size()) <= options_.lpm_max_waiting;
+  if (lpm) {
+    for (const Sequence* w : waiting_) {
+      cached_len[w] = prefix_cache_->MatchLength(w->group->request.cache_salt, w->tokens,
+                                                 static_cast<int32_t>(w->tokens.size()) - 1);
+    }
+  }
+  std::stable_sort(waiting_.begin(), waiting_.end(), [&](const Sequence* a, const Sequence* b) {
     if (a->group->request.priority != b->group->request.priority) {
       return a->group->request.priority > b->group->request.priority;
     }
+    if (lpm && cached_len[a] != cached_len[b]) return cached_len[a] > cached_len[b];
     return a->group->arrival < b->group->arrival;
   });
   const bool may_admit = !options_.static_batching || running_.empty();
@@ -388,13 +442,30 @@ bool Engine::Step() {
   while (may_admit && (budget > 0 || options_.static_batching) && admitted < waiting_.size() &&
          static_cast<int32_t>(running_.size()) < options_.max_seqs) {
     Sequence* s = waiting_[admitted];
-    // Admit only what the pool can hold in full: the prompt plus what the
-    // sequence generated before a preemption. FCFS: no overtaking.
-    const int32_t need = s->table.BlocksNeeded(static_cast<int32_t>(s->tokens.size()));
-    if (need + pending_blocks > kv_pool_->num_free_blocks()) break;
+    // Start from the longest cached prefix, then admit only what the pool
+    // can hold in full: the rest of the prompt plus what the sequence
+    // generated before a preemption. FCFS: no overtaking.
+    MatchPrefix(s);
+    const int32_t need = s->table.BlocksNeeded(static_cast<int32_t>(s->tokens.size()) -
+                                               s->table.num_tokens());
     const int32_t take = std::min(budget, s->remaining_input());
-    if (!s->table.Reserve(take).ok()) break;
-    pending_blocks += need - s->table.num_blocks();
+    const int32_t free_before = kv_pool_->num_free_blocks();
+    if (!EnsureFree(need + pending_blocks) || !s->table.Reserve(take).ok()) {
+      s->table.Release();  // unpin the match; it is looked up again next time
+      s->n_computed = 0;
+      s->n_cached_blocks = 0;
+      break;
+    }
+    pending_blocks += need - (free_before - kv_pool_->num_free_blocks());
+    if (!s->ever_admitted) {
+      s->ever_admitted = true;
+      s->cached_prompt_tokens = std::min(s->n_computed, s->n_prompt);
+      if (prefix_cache_) {
+        ++prefix_queries_;
+        prefix_query_tokens_ += s->n_prompt;
+        prefix_hit_tokens_ += s->cached_prompt_tokens;
+      }
+    }
     s->running = true;
     s->admit_order = admit_counter_++;
     running_.push_back(s);
@@ -443,6 +514,9 @@ bool Engine::Step() {
     PublishStats(0, 0);
     return true;
   }
+  // Blocks this step filled become shareable at once, so a request with the
+  // same prefix arriving now reuses them even while this one still runs.
+  for (Sequence* s : batch_seqs) OfferBlocks(s);
 
   // 4. Sample. A request with n > 1 forks when its prompt is in: the
   // samples share every prompt block and copy only the partial last one.
@@ -456,6 +530,9 @@ bool Engine::Step() {
         std::unique_ptr<Sequence> child = NewSample(g, i, s->tokens);
         child->table = s->table.Fork();
         child->n_computed = s->n_computed;
+        child->n_cached_blocks = s->n_cached_blocks;
+        child->cached_prompt_tokens = s->cached_prompt_tokens;
+        child->ever_admitted = true;
         child->admit_order = s->admit_order;
         child->running = true;
         running_.push_back(child.get());
@@ -476,6 +553,39 @@ bool Engine::Step() {
   ++steps_;
   PublishStats(n_batch_seqs, n_batch_tokens);
   return true;
+}
+
+void Engine::MatchPrefix(Sequence* s) {
+  if (prefix_cache_ == nullptr || s->table.num_blocks() > 0) return;
+  // At least the last token is computed: its logits pick the next token.
+  const int32_t len = static_cast<int32_t>(s->tokens.size());
+  PrefixMatch m = prefix_cache_->Match(s->group->request.cache_salt, s->tokens, len - 1);
+  if (m.num_tokens == 0) {
+    kv_pool_->Release(m.blocks);
+    return;
+  }
+  s->table.Adopt(std::move(m.blocks), m.num_tokens);
+  s->n_computed = m.num_tokens;
+  s->n_cached_blocks = m.num_tokens / options_.block_size;
+}
+
+void Engine::OfferBlocks(Sequence* s) {
+  if (prefix_cache_ == nullptr) return;
+  const int32_t bs = options_.block_size;
+  const int32_t full = s->n_computed / bs;
+  if (full <= s->n_cached_blocks) return;
+  prefix_cache_->Insert(s->group->request.cache_salt,
+                        absl::MakeConstSpan(s->tokens).first(static_cast<size_t>(full) * bs),
+                        absl::MakeConstSpan(s->table.blocks()).first(full));
+  s->n_cached_blocks = full;
+}
+
+bool Engine::EnsureFree(int32_t blocks) {
+  const int32_t short_by = blocks - kv_pool_->num_free_blocks();
+  if (short_by <= 0) return true;
+  if (prefix_cache_ == nullptr) return false;
+  prefix_cache_->Evict(short_by);
+  return kv_pool_->num_free_blocks() >= blocks;
 }
 
 void Engine::PublishStats(int64_t batch_seqs, int64_t batch_tokens) {
@@ -500,8 +610,15 @@ void Engine::PublishStats(int64_t batch_seqs, int64_t batch_tokens) {
   }
   const int64_t reserved_context =
       static_cast<int64_t>(running_.size()) * model_->config().context_length;
-  const int64_t used = kv_pool_->num_blocks() - kv_pool_->num_free_blocks();
-  const double slot_eff = used > 0 ? static_cast<double>(live) / (used * bs) : 1.0;
+  // Cached blocks no sequence holds count as free, as they are to admission:
+  // taking one costs an eviction, not a wait.
+  const int64_t evictable = prefix_cache_ ? prefix_cache_->num_evictable_blocks() : 0;
+  const int64_t available = kv_pool_->num_free_blocks() + evictable;
+  const int64_t used = kv_pool_->num_blocks() - available;
+  // Slots of the blocks running sequences hold (the prefix cache's idle
+  // blocks are reusable, not waste).
+  const int64_t held = static_cast<int64_t>(fill.size());
+  const double slot_eff = held > 0 ? static_cast<double>(live) / (held * bs) : 1.0;
   if (batch_seqs > 0) {
     sum_batch_seqs_ += static_cast<double>(batch_seqs);
     sum_batch_tokens_ += static_cast<double>(batch_tokens);
@@ -513,7 +630,7 @@ void Engine::PublishStats(int64_t batch_seqs, int64_t batch_tokens) {
   }
   EngineStats st;
   st.blocks_total = kv_pool_->num_blocks();
-  st.blocks_free = kv_pool_->num_free_blocks();
+  st.blocks_free = available;
   st.blocks_used = used;
   st.kv_utilization = st.blocks_total > 0 ? static_cast<double>(used) / st.blocks_total : 0;
   st.slot_efficiency = slot_eff;
@@ -532,6 +649,17 @@ void Engine::PublishStats(int64_t batch_seqs, int64_t batch_tokens) {
   st.generation_tokens_total = generation_tokens_total_;
   st.requests_finished = finished_;
   st.requests_cancelled = cancelled_;
+  if (prefix_cache_) {
+    const PrefixCacheStats pc = prefix_cache_->stats();
+    st.prefix_cache_enabled = true;
+    st.prefix_queries = prefix_queries_;
+    st.prefix_query_tokens = prefix_query_tokens_;
+    st.prefix_hit_tokens = prefix_hit_tokens_;
+    st.prefix_inserted_blocks = pc.inserted_blocks;
+    st.prefix_evicted_blocks = pc.evicted_blocks;
+    st.prefix_cached_blocks = pc.cached_blocks;
+    st.prefix_evictable_blocks = evictable;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   stats_ = st;
 }
@@ -556,7 +684,10 @@ void Engine::Start() {
       if (!Step()) {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock,
-                 [&] { return stop_ || !inbox_.empty() || !cancels_.empty() || cancel_all_; });
+                 [&] {
+          return stop_ || !inbox_.empty() || !cancels_.empty() || cancel_all_ ||
+                 !clear_requests_.empty();
+        });
       }
     }
   });

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "cache/block_table.h"
 #include "cache/kv_pool.h"
+#include "cache/prefix_cache.h"
 #include "common/thread_pool.h"
 #include "model/llama.h"
 #include "model/sampler.h"
@@ -47,7 +49,24 @@ struct EngineOptions {
   // Static batching: a batch is admitted together and no one joins until
   // every member has finished (for measuring what continuous batching buys).
   bool static_batching = false;
+  // Radix prefix reuse: prompts start from the longest cached prefix, and
+  // finished or preempted sequences leave their full blocks in the cache
+  // until the pool needs them (evicted before any running sequence is
+  // preempted).
+  bool prefix_cache = true;
+  // Waiting-queue order within a priority: kFcfs (arrival) or kLpm (longest
+  // cached prefix first, SGLang's policy; falls back to FCFS past
+  // lpm_max_waiting waiting sequences, where matching each costs too much).
+  enum class SchedulePolicy { kFcfs, kLpm };
+  SchedulePolicy schedule_policy = SchedulePolicy::kFcfs;
+  int32_t lpm_max_waiting = 128;
+  std::string model_identity;            // seeds the prefix cache's hashes
+  KvEventSink* kv_events = nullptr;      // optional: receives the cache's changes
+  Clock* clock = nullptr;                // prefix-cache LRU clock (tests)
 };
+
+// "fcfs" or "lpm".
+absl::StatusOr<EngineOptions::SchedulePolicy> ParseSchedulePolicy(std::string_view name);
 
 struct EngineRequest {
   std::vector<int32_t> prompt;
@@ -55,6 +74,9 @@ struct EngineRequest {
   int32_t n = 1;         // parallel samples sharing the prompt's KV blocks
   int32_t priority = 0;  // higher runs first; FCFS within a priority
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  // Prefix-cache namespace: requests share cached blocks only with requests
+  // of the same salt (tenant isolation).
+  std::string cache_salt{};
 };
 
 enum class FinishReason { kNone, kStop, kLength, kCancelled, kDeadline };
@@ -70,13 +92,14 @@ struct SeqEvent {
   FinishReason finish = FinishReason::kNone;
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;   // so far
+  int32_t cached_tokens = 0;       // prompt tokens served from the prefix cache
 };
 using EventCallback = std::function<void(const SeqEvent&)>;
 
 struct EngineStats {
   int64_t blocks_total = 0;
-  int64_t blocks_used = 0;
-  int64_t blocks_free = 0;
+  int64_t blocks_used = 0;  // held by running sequences
+  int64_t blocks_free = 0;  // free, or cached and evictable at once
   double kv_utilization = 0;        // used / total
   double slot_efficiency = 1;       // live token slots / allocated slots, now
   double mean_slot_efficiency = 1;  // the same, averaged over steps with work
@@ -97,6 +120,15 @@ struct EngineStats {
   int64_t generation_tokens_total = 0;
   int64_t requests_finished = 0;
   int64_t requests_cancelled = 0;
+  // Prefix cache (all zero when it is off).
+  bool prefix_cache_enabled = false;
+  int64_t prefix_queries = 0;          // sequences matched at admission
+  int64_t prefix_query_tokens = 0;     // prompt tokens looked up
+  int64_t prefix_hit_tokens = 0;       // of those, served from the cache
+  int64_t prefix_inserted_blocks = 0;
+  int64_t prefix_evicted_blocks = 0;
+  int64_t prefix_cached_blocks = 0;    // blocks held by the cache now
+  int64_t prefix_evictable_blocks = 0; // of those, with no running sequence on them
 };
 
 class Engine {
@@ -116,6 +148,10 @@ class Engine {
   void Cancel(uint64_t request_id);
   // Cancels every request submitted so far (end of a drain).
   void CancelAll();
+  // Empties the prefix cache at the next step (blocks running sequences use
+  // stay with them). The future yields the number of cached blocks dropped;
+  // -1 when the prefix cache is off.
+  std::future<int32_t> ClearPrefixCache();
 
   // One scheduling iteration. Returns false when there was nothing to do.
   bool Step();
@@ -127,6 +163,8 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   // REQUIRES: called from the engine thread or while it is stopped.
   const KvPool& kv_pool() const { return *kv_pool_; }
+  // nullptr when the prefix cache is off. REQUIRES: as kv_pool().
+  const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
 
  private:
   struct Group;
@@ -144,12 +182,19 @@ class Engine {
   void EmitToken(Sequence* s, int32_t token, float logprob);
   void PublishStats(int64_t batch_seqs, int64_t batch_tokens);
   void RemoveFinished();
+  // Prefix cache: starts a sequence with no blocks from its longest cached
+  // prefix; offers its newly completed full blocks; frees cached blocks
+  // until `blocks` are free (false when it cannot).
+  void MatchPrefix(Sequence* s);
+  void OfferBlocks(Sequence* s);
+  bool EnsureFree(int32_t blocks);
 
   LlamaModel* model_;
   const Tokenizer* tokenizer_;
   ThreadPool* pool_;
   EngineOptions options_;
   std::unique_ptr<KvPool> kv_pool_;
+  std::unique_ptr<PrefixCache> prefix_cache_;
 
   // Engine-thread state.
   std::map<uint64_t, std::unique_ptr<Group>> groups_;
@@ -162,6 +207,7 @@ class Engine {
   double sum_contig_request_eff_ = 0, sum_contig_context_eff_ = 0;
   int64_t prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
   int64_t finished_ = 0, cancelled_ = 0;
+  int64_t prefix_queries_ = 0, prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0;
   std::vector<float> logits_;
 
   // Shared with other threads.
@@ -171,6 +217,7 @@ class Engine {
   std::vector<std::unique_ptr<Group>> inbox_;  // guarded by mu_
   std::vector<uint64_t> cancels_;            // guarded by mu_
   bool cancel_all_ = false;                  // guarded by mu_
+  std::vector<std::promise<int32_t>> clear_requests_;  // guarded by mu_
   EngineStats stats_;                        // guarded by mu_
   bool stop_ = false;                        // guarded by mu_
   std::thread thread_;

@@ -5,11 +5,17 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <deque>
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "proto/kvserve.grpc.pb.h"
@@ -79,6 +85,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
     p.prompt_text = r.prompt();  // empty is rejected by Prepare, naming the field
   }
   if (r.has_add_special_tokens()) p.add_special_tokens = r.add_special_tokens();
+  p.cache_salt = r.cache_salt();
   ApplySampling(r.sampling(), &p);
   return p;
 }
@@ -90,6 +97,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
   messages.reserve(r.messages_size());
   for (const pb::ChatMessage& m : r.messages()) messages.push_back({m.role(), m.content()});
   p.messages = std::move(messages);
+  p.cache_salt = r.cache_salt();
   ApplySampling(r.sampling(), &p);
   return p;
 }
@@ -199,6 +207,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     int32_t samples = 1;
     int32_t samples_done = 0;
     int32_t prompt_tokens = 0;
+    int32_t cached_tokens = 0;  // the most any event reported
     int32_t completion_tokens = 0;
     FinishReason worst = FinishReason::kNone;  // cancelled/deadline outrank stop/length
     std::deque<pb::GenerateResponse> pending;
@@ -237,6 +246,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
       {
         std::lock_guard<std::mutex> lock(self->mu);
         if (self->finishing) return;  // cancelled: late events go nowhere
+        self->cached_tokens = std::max(self->cached_tokens, ev.cached_tokens);
         if (ev.finish != FinishReason::kNone) {
           ++self->samples_done;
           self->completion_tokens += ev.completion_tokens;
@@ -246,8 +256,10 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
           if (self->samples_done >= self->samples) {
             self->engine_done = true;
             pb::Usage* usage = chunk.mutable_usage();
-            usage->set_prompt_tokens(ev.prompt_tokens > 0 ? ev.prompt_tokens : self->prompt_tokens);
-            usage->set_cached_prompt_tokens(0);  // no prefix cache yet (issue 5)
+            const int32_t prompt_tokens =
+                ev.prompt_tokens > 0 ? ev.prompt_tokens : self->prompt_tokens;
+            usage->set_prompt_tokens(prompt_tokens);
+            usage->set_cached_prompt_tokens(std::min(self->cached_tokens, prompt_tokens));
             usage->set_completion_tokens(self->completion_tokens);
           }
         }
@@ -276,11 +288,273 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
   std::shared_ptr<Shared> shared_;
 };
 
-// A stream answered at once (authentication failure).
-class RejectedStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+// A stream answered at once (authentication failure, no event log).
+template <typename Response>
+class RejectedStream final : public grpc::ServerWriteReactor<Response> {
  public:
-  explicit RejectedStream(const grpc::Status& status) { Finish(status); }
+  explicit RejectedStream(const grpc::Status& status) { this->Finish(status); }
   void OnDone() override { delete this; }
+};
+
+// Threads that do blocking work for RPCs (event subscribers, cache clears)
+// so that gRPC's callback threads never wait. A thread hands its own handle
+// to the next Spawn (or JoinAll) to join when it ends.
+class BackgroundThreads {
+ public:
+  ~BackgroundThreads() { JoinAll(); }
+
+  // Runs `fn` on a new thread; false once JoinAll has begun.
+  bool Spawn(std::function<void()> fn) {
+    std::vector<std::thread> ended;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return false;
+      ended.swap(ended_);
+      const uint64_t id = next_id_++;
+      // Created under the lock, so the thread's exit (which takes it) always
+      // finds its own entry.
+      running_.emplace(id, std::thread([this, id, fn = std::move(fn)] {
+                         fn();
+                         std::lock_guard<std::mutex> lock(mu_);
+                         auto self = running_.find(id);
+                         if (self == running_.end()) return;  // JoinAll holds the handle
+                         ended_.push_back(std::move(self->second));
+                         running_.erase(self);
+                       }));
+    }
+    for (std::thread& t : ended) t.join();
+    return true;
+  }
+
+  // REQUIRES: the caller has made every running `fn` return soon.
+  void JoinAll() {
+    std::vector<std::thread> threads;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+      for (auto& [id, t] : running_) threads.push_back(std::move(t));
+      running_.clear();
+      for (std::thread& t : ended_) threads.push_back(std::move(t));
+      ended_.clear();
+    }
+    for (std::thread& t : threads) t.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<uint64_t, std::thread> running_;  // guarded by mu_
+  std::vector<std::thread> ended_;           // guarded by mu_; returned from fn
+  uint64_t next_id_ = 0;                     // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+};
+
+// Messages stay far below gRPC's default 4 MB limit.
+constexpr size_t kMaxKvMessageBytes = 1 << 20;
+constexpr size_t kMaxKvEventsPerRead = 512;
+// How long a subscriber thread waits in one Read before it looks at its
+// stream again (a cancel or shutdown is noticed within this).
+constexpr auto kKvReadWait = std::chrono::milliseconds(200);
+
+void ToProto(const KvCacheEvent& e, pb::KvBlockStored* out) {
+  out->set_block_hash(e.block_hash);
+  out->set_parent_hash(e.parent_hash);
+  out->mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
+  out->set_token_count(static_cast<int32_t>(e.token_ids.size()));
+}
+
+void ToProto(const SequencedKvEvent& e, pb::KvEvent* out) {
+  out->set_sequence(e.sequence);
+  switch (e.event.kind) {
+    case KvCacheEvent::Kind::kBlockStored:
+      ToProto(e.event, out->mutable_block_stored());
+      break;
+    case KvCacheEvent::Kind::kBlockRemoved:
+      out->mutable_block_removed()->set_block_hash(e.event.block_hash);
+      break;
+    case KvCacheEvent::Kind::kAllCleared:
+      out->mutable_all_cleared();
+      break;
+  }
+}
+
+// The messages of one KvEventLog::Read: snapshot chunks, then events in
+// batches, each under kMaxKvMessageBytes. Advances *position to the last
+// sequence delivered.
+std::vector<pb::KvEventsResponse> ToMessages(const KvEventRead& r, uint64_t* position) {
+  std::vector<pb::KvEventsResponse> out;
+  if (r.is_snapshot) {
+    pb::KvEventsResponse msg;
+    size_t bytes = 0;
+    auto start_chunk = [&] {
+      msg.Clear();
+      msg.set_sequence(r.snapshot_sequence);
+      msg.mutable_snapshot()->set_as_of_sequence(r.snapshot_sequence);
+      msg.mutable_snapshot()->set_index(static_cast<uint32_t>(out.size()));
+      bytes = 0;
+    };
+    start_chunk();
+    for (const KvCacheEvent& e : r.snapshot) {
+      pb::KvBlockStored block;
+      ToProto(e, &block);
+      const size_t size = block.ByteSizeLong() + 8;  // tag and length prefix
+      if (bytes > 0 && bytes + size > kMaxKvMessageBytes) {
+        out.push_back(std::move(msg));
+        start_chunk();
+      }
+      *msg.mutable_snapshot()->add_blocks() = std::move(block);
+      bytes += size;
+    }
+    msg.mutable_snapshot()->set_last(true);
+    out.push_back(std::move(msg));
+    *position = r.snapshot_sequence;
+  }
+  pb::KvEventsResponse msg;
+  size_t bytes = 0;
+  for (const SequencedKvEvent& e : r.events) {
+    pb::KvEvent event;
+    ToProto(e, &event);
+    const size_t size = event.ByteSizeLong() + 8;
+    if (bytes > 0 && bytes + size > kMaxKvMessageBytes) {
+      out.push_back(std::move(msg));
+      msg.Clear();
+      bytes = 0;
+    }
+    *msg.add_events() = std::move(event);
+    msg.set_sequence(e.sequence);
+    bytes += size;
+    *position = e.sequence;
+  }
+  if (msg.events_size() > 0) out.push_back(std::move(msg));
+  return out;
+}
+
+// One SubscribeKvEvents stream. A background thread reads the event log
+// (which blocks, so not on a gRPC thread) and queues messages; gRPC threads
+// drive the writes. The thread reads again only once its last messages are
+// written, so a slow subscriber holds at most one read's worth in memory;
+// the log keeps the rest, or hands the laggard a snapshot.
+//
+// Lifetime: gRPC deletes the reactor after OnDone; `Shared` lives on with
+// the thread, which never touches the reactor once `finishing` is set.
+// Reactor methods are called outside the mutex (gRPC may run reactions
+// inline), as in CompletionStream.
+class KvEventStream final : public grpc::ServerWriteReactor<pb::KvEventsResponse> {
+ public:
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    KvEventStream* stream = nullptr;  // valid until `finishing` is set
+    std::deque<pb::KvEventsResponse> pending;
+    pb::KvEventsResponse in_flight;  // gRPC reads it until OnWriteDone
+    bool writing = false;
+    bool finish_requested = false;  // the stream is over; Finish once no write is in flight
+    bool finishing = false;         // Finish called (or about to be)
+    bool server_stopping = false;
+    grpc::Status final_status;
+
+    // REQUIRES: mu held.
+    const pb::KvEventsResponse* NextWriteLocked() {
+      if (writing || finish_requested || pending.empty()) return nullptr;
+      in_flight = std::move(pending.front());
+      pending.pop_front();
+      writing = true;
+      return &in_flight;
+    }
+
+    // Any thread: ends the stream with `status` (the first request wins).
+    void RequestFinish(const grpc::Status& status) {
+      KvEventStream* s = nullptr;
+      grpc::Status final;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!finish_requested) {
+          finish_requested = true;
+          final_status = status;
+          pending.clear();
+        }
+        // With a write in flight, its OnWriteDone finishes.
+        if (!writing && !finishing) {
+          finishing = true;
+          s = stream;
+          final = final_status;
+        }
+      }
+      cv.notify_all();
+      if (s != nullptr) s->Finish(final);
+    }
+
+    void Enqueue(std::vector<pb::KvEventsResponse> messages) {
+      const pb::KvEventsResponse* next = nullptr;
+      KvEventStream* s = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (finish_requested) return;
+        for (pb::KvEventsResponse& m : messages) pending.push_back(std::move(m));
+        next = NextWriteLocked();
+        s = stream;
+      }
+      if (next != nullptr) s->StartWrite(next);
+    }
+
+    // Blocks until everything queued is written. False when the stream is
+    // ending (cancelled, failed, or the server stops).
+    bool WaitDrained() {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock,
+              [&] { return finish_requested || server_stopping || (pending.empty() && !writing); });
+      return !finish_requested && !server_stopping;
+    }
+  };
+
+  KvEventStream() : shared_(std::make_shared<Shared>()) { shared_->stream = this; }
+
+  std::shared_ptr<Shared> shared() const { return shared_; }
+
+  // The subscriber thread's body.
+  static void Serve(const std::shared_ptr<Shared>& shared, KvEventLog* log, uint64_t after) {
+    while (shared->WaitDrained()) {
+      KvEventRead r = log->Read(after, kMaxKvEventsPerRead, kKvReadWait);
+      if (r.closed) break;
+      std::vector<pb::KvEventsResponse> messages = ToMessages(r, &after);
+      if (!messages.empty()) shared->Enqueue(std::move(messages));
+    }
+    // No-op when the client is gone already.
+    shared->RequestFinish(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is shutting down"));
+  }
+
+  void OnWriteDone(bool ok) override {
+    const pb::KvEventsResponse* next = nullptr;
+    bool finish = false;
+    grpc::Status status;
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->writing = false;
+      if (!ok && !shared_->finish_requested) {
+        shared_->finish_requested = true;
+        shared_->final_status = grpc::Status(grpc::StatusCode::CANCELLED, "stream broken");
+        shared_->pending.clear();
+      }
+      if (shared_->finish_requested) {
+        if (!shared_->finishing) finish = shared_->finishing = true;
+        status = shared_->final_status;
+      } else {
+        next = shared_->NextWriteLocked();
+      }
+    }
+    shared_->cv.notify_all();
+    if (next != nullptr) StartWrite(next);
+    if (finish) Finish(status);
+  }
+
+  void OnCancel() override {
+    shared_->RequestFinish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
 };
 
 class KvserveService final : public pb::Kvserve::CallbackService {
@@ -290,14 +564,94 @@ class KvserveService final : public pb::Kvserve::CallbackService {
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Generate(
       grpc::CallbackServerContext* ctx, const pb::GenerateRequest* request) override {
-    if (grpc::Status auth = Authorize(ctx); !auth.ok()) return new RejectedStream(auth);
+    if (grpc::Status auth = Authorize(ctx); !auth.ok()) {
+      return new RejectedStream<pb::GenerateResponse>(auth);
+    }
     return new CompletionStream(service_, ctx, ToParams(*request));
   }
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Chat(grpc::CallbackServerContext* ctx,
                                                        const pb::ChatRequest* request) override {
-    if (grpc::Status auth = Authorize(ctx); !auth.ok()) return new RejectedStream(auth);
+    if (grpc::Status auth = Authorize(ctx); !auth.ok()) {
+      return new RejectedStream<pb::GenerateResponse>(auth);
+    }
     return new CompletionStream(service_, ctx, ToParams(*request));
+  }
+
+  grpc::ServerWriteReactor<pb::KvEventsResponse>* SubscribeKvEvents(
+      grpc::CallbackServerContext* ctx, const pb::SubscribeKvEventsRequest* request) override {
+    using Rejected = RejectedStream<pb::KvEventsResponse>;
+    if (grpc::Status auth = Authorize(ctx); !auth.ok()) return new Rejected(auth);
+    KvEventLog* log = service_->kv_events();
+    if (log == nullptr) {
+      return new Rejected(grpc::Status(
+          grpc::StatusCode::FAILED_PRECONDITION,
+          "the daemon publishes no KV events: the prefix cache is off (serve --prefix-cache)"));
+    }
+    auto* stream = new KvEventStream();
+    std::shared_ptr<KvEventStream::Shared> shared = stream->shared();
+    {
+      std::lock_guard<std::mutex> lock(subscribers_mu_);
+      std::erase_if(subscribers_, [](const auto& w) { return w.expired(); });
+      subscribers_.push_back(shared);
+    }
+    // Past every sequence the log has published: Read answers with a snapshot.
+    const uint64_t after =
+        request->snapshot() ? std::numeric_limits<uint64_t>::max() : request->after_sequence();
+    if (!threads_.Spawn([shared, log, after] { KvEventStream::Serve(shared, log, after); })) {
+      shared->RequestFinish(
+          grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is shutting down"));
+    }
+    return stream;
+  }
+
+  grpc::ServerUnaryReactor* ClearPrefixCache(grpc::CallbackServerContext* ctx,
+                                             const pb::ClearPrefixCacheRequest* /*request*/,
+                                             pb::ClearPrefixCacheResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    if (grpc::Status auth = Authorize(ctx); !auth.ok()) {
+      reactor->Finish(auth);
+      return reactor;
+    }
+    // The engine clears at its next step; wait for it off the gRPC thread.
+    ModelService* service = service_;
+    const bool spawned = threads_.Spawn([service, reactor, response] {
+      absl::StatusOr<int32_t> cleared = service->ClearPrefixCache();
+      if (!cleared.ok()) {
+        reactor->Finish(ToGrpc(cleared.status()));
+        return;
+      }
+      response->set_blocks_cleared(*cleared);
+      reactor->Finish(grpc::Status::OK);
+    });
+    if (!spawned) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is shutting down"));
+    }
+    return reactor;
+  }
+
+  // Ends every event stream (UNAVAILABLE) and waits for the background
+  // threads, so that a server shutdown need not wait for subscribers, who
+  // never leave by themselves.
+  void StopBackgroundWork() {
+    std::vector<std::shared_ptr<KvEventStream::Shared>> live;
+    {
+      std::lock_guard<std::mutex> lock(subscribers_mu_);
+      for (const auto& w : subscribers_) {
+        if (auto s = w.lock()) live.push_back(std::move(s));
+      }
+      subscribers_.clear();
+    }
+    for (const auto& s : live) {
+      {
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->server_stopping = true;
+      }
+      s->cv.notify_all();
+    }
+    // Wakes subscriber threads blocked in Read at once.
+    if (KvEventLog* log = service_->kv_events()) log->Close();
+    threads_.JoinAll();
   }
 
   grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* ctx,
@@ -374,6 +728,14 @@ class KvserveService final : public pb::Kvserve::CallbackService {
       response->set_generation_tokens_total(s.generation_tokens_total);
       response->set_requests_finished(s.requests_finished);
       response->set_requests_cancelled(s.requests_cancelled);
+      response->set_prefix_cache_enabled(s.prefix_cache_enabled);
+      response->set_prefix_queries(s.prefix_queries);
+      response->set_prefix_query_tokens(s.prefix_query_tokens);
+      response->set_prefix_hit_tokens(s.prefix_hit_tokens);
+      response->set_prefix_inserted_blocks(s.prefix_inserted_blocks);
+      response->set_prefix_evicted_blocks(s.prefix_evicted_blocks);
+      response->set_prefix_cached_blocks(s.prefix_cached_blocks);
+      response->set_prefix_evictable_blocks(s.prefix_evictable_blocks);
       return grpc::Status::OK;
     });
   }
@@ -416,6 +778,9 @@ class KvserveService final : public pb::Kvserve::CallbackService {
 
   ModelService* service_;
   std::string api_key_;
+  BackgroundThreads threads_;
+  std::mutex subscribers_mu_;
+  std::vector<std::weak_ptr<KvEventStream::Shared>> subscribers_;  // guarded by subscribers_mu_
 };
 
 }  // namespace
@@ -479,6 +844,9 @@ void GrpcServer::Shutdown(std::chrono::system_clock::time_point deadline) {
     if (grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService()) {
       health->SetServingStatus(false);
     }
+    // Event subscribers stay forever; end their streams now rather than at
+    // the deadline.
+    impl_->service->StopBackgroundWork();
     // Waits for in-flight RPCs until `deadline`, then cancels them; each
     // stream's OnCancel cancels its engine request.
     impl_->server->Shutdown(deadline);

@@ -39,7 +39,7 @@ namespace kvserve {
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
+using SteadyTime = std::chrono::steady_clock;  // kvserve::Clock is the prefix cache's
 
 // Upper bound on connection workers. Each open stream holds one; beyond the
 // cap new connections wait in the queue rather than exhausting the process.
@@ -198,7 +198,8 @@ const std::set<std::string>& KnownParams() {
       "n",         "stop",             "seed",              "logprobs",
       "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
       "stop_token_ids", "ignore_eos",  "stream",            "stream_options",
-      "echo",      "max_completion_tokens", "priority",     "tools"};
+      "echo",      "max_completion_tokens", "priority",     "tools",
+      "cache_salt"};
   return kParams;
 }
 
@@ -472,6 +473,13 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
   r.Integer("n", &p->n);
   r.Integer("priority", &p->priority);
   r.Bool("ignore_eos", &p->ignore_eos);
+  if (const json* salt = r.Get("cache_salt")) {
+    if (!salt->is_string()) {
+      r.Fail("cache_salt", "cache_salt must be a string");
+    } else {
+      p->cache_salt = salt->get<std::string>();
+    }
+  }
   r.Bool("stream", &o->stream);
   ReadStop(r, p);
   if (const json* ids = r.Get("stop_token_ids")) {
@@ -589,7 +597,7 @@ struct HttpServer::Impl {
   void Untrack(uint64_t id);
 
   // Builds the JSON objects of a response.
-  json Usage(int32_t prompt_tokens, int64_t completion_tokens) const;
+  json Usage(int32_t prompt_tokens, int64_t completion_tokens, int32_t cached_tokens) const;
   json LogprobsJson(const HttpRequestOptions& o, const std::vector<int32_t>& tokens,
                     const std::vector<float>& logprobs, size_t text_offset) const;
 };
@@ -607,12 +615,14 @@ bool HttpServer::Impl::Authorized(const httplib::Request& req) const {
   return ConstantTimeEquals(auth.substr(kBearer.size()), options.api_key);
 }
 
-json HttpServer::Impl::Usage(int32_t prompt_tokens, int64_t completion_tokens) const {
-  // cached_tokens: the engine reports no prefix-cache hits yet.
+json HttpServer::Impl::Usage(int32_t prompt_tokens, int64_t completion_tokens,
+                             int32_t cached_tokens) const {
+  // cached_tokens: prompt tokens served from the prefix cache (OpenAI's field).
   return json{{"prompt_tokens", prompt_tokens},
               {"completion_tokens", completion_tokens},
               {"total_tokens", prompt_tokens + completion_tokens},
-              {"prompt_tokens_details", {{"cached_tokens", 0}}}};
+              {"prompt_tokens_details",
+               {{"cached_tokens", std::clamp(cached_tokens, 0, prompt_tokens)}}}};
 }
 
 json HttpServer::Impl::LogprobsJson(const HttpRequestOptions& o,
@@ -709,6 +719,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
     std::vector<Choice> choices(n);
     int open = n;
     bool aborted = false;
+    int32_t cached_tokens = 0;
     while (open > 0) {
       std::deque<SeqEvent> events;
       {
@@ -717,6 +728,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
         events.swap(state->events);
       }
       for (SeqEvent& ev : events) {
+        cached_tokens = std::max(cached_tokens, ev.cached_tokens);
         if (ev.index < 0 || ev.index >= n) continue;
         Choice& c = choices[ev.index];
         c.text += ev.text;
@@ -761,7 +773,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
                 {"created", created_at},
                 {"model", model},
                 {"choices", std::move(out_choices)},
-                {"usage", Usage(prompt_tokens, completion_tokens)}};
+                {"usage", Usage(prompt_tokens, completion_tokens, cached_tokens)}};
     if (chat) out["system_fingerprint"] = nullptr;
     res.set_content(Dump(out), "application/json");
     return;
@@ -772,9 +784,10 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   struct StreamCursor {
     std::vector<Choice> choices;
     int open = 0;
+    int32_t cached_tokens = 0;
     bool opened = false;    // role / echo chunks written
     bool finished = false;  // [DONE] written
-    Clock::time_point last_write = Clock::now();
+    SteadyTime::time_point last_write = SteadyTime::now();
   };
   auto cursor = std::make_shared<StreamCursor>();
   cursor->choices.resize(n);
@@ -833,6 +846,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
         }
         std::optional<std::string> abort_message;
         for (SeqEvent& ev : events) {
+          cur.cached_tokens = std::max(cur.cached_tokens, ev.cached_tokens);
           if (ev.index < 0 || ev.index >= n) continue;
           Choice& c = cur.choices[ev.index];
           c.completion_tokens = std::max(c.completion_tokens, ev.completion_tokens);
@@ -870,13 +884,14 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
             int64_t completion_tokens = 0;
             for (const Choice& c : cur.choices) completion_tokens += c.completion_tokens;
             json u = chunk_json(json::array());
-            u["usage"] = Usage(prompt_tokens, completion_tokens);
+            u["usage"] = Usage(prompt_tokens, completion_tokens, cur.cached_tokens);
             out += absl::StrCat("data: ", Dump(u), "\n\n");
           }
           out += "data: [DONE]\n\n";
           cur.finished = true;
         }
-        if (out.empty() && !stopping_now && Clock::now() - cur.last_write >= kStreamHeartbeat) {
+        if (out.empty() && !stopping_now &&
+            SteadyTime::now() - cur.last_write >= kStreamHeartbeat) {
           out = ": keep-alive\n\n";  // an SSE comment: clients skip it
         }
         if (!out.empty()) {
@@ -885,7 +900,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
             service->Cancel(request_id);
             return false;
           }
-          cur.last_write = Clock::now();
+          cur.last_write = SteadyTime::now();
         }
         if (cur.finished) {
           sink.done();
@@ -936,6 +951,17 @@ void HttpServer::Impl::Routes() {
                                absl::StrCat("the request body is larger than max_request_bytes (",
                                             options.max_request_bytes, " bytes)"),
                                "", "request_too_large"});
+      case 400:
+        if (req.method == "POST" && !req.has_header("Content-Length") &&
+            req.get_header_value("Transfer-Encoding") != "chunked") {
+          // httplib refuses a POST whose body length is unknown (curl -X POST
+          // without -d sends none).
+          return SendError(res, {400,
+                                 "a POST needs a Content-Length header; send an empty body "
+                                 "for none (curl -d '')",
+                                 "", ""});
+        }
+        return SendError(res, {400, "HTTP 400", "", ""});
       default:
         return SendError(res, {res.status, absl::StrCat("HTTP ", res.status), "", ""});
     }
@@ -991,6 +1017,22 @@ void HttpServer::Impl::Routes() {
   });
   s.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     HandleCompletion(req, res, /*chat=*/true);
+  });
+  // Admin: empties the prefix cache (behind the API key like every route
+  // but /health). Blocks this worker until the engine's next step.
+  s.Post("/admin/clear_prefix_cache", [this](const httplib::Request&, httplib::Response& res) {
+    absl::StatusOr<int32_t> cleared = service->ClearPrefixCache();
+    if (!cleared.ok()) {
+      ApiError e = FromStatus(cleared.status());
+      if (cleared.status().code() == absl::StatusCode::kFailedPrecondition) {
+        // The request is fine; the server's configuration does not allow it.
+        e.status = 409;
+        e.code = "prefix_cache_disabled";
+        e.param.clear();
+      }
+      return SendError(res, e);
+    }
+    res.set_content(Dump(json{{"blocks_cleared", *cleared}}), "application/json");
   });
 }
 

@@ -22,6 +22,7 @@
 #include <random>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -35,6 +36,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
+#include "kernels/cuda/probe.h"
 #include "model/chat_template.h"
 #include "model/llama.h"
 #include "model/perplexity.h"
@@ -173,6 +175,8 @@ struct EngineFlags {
   int32_t max_batched_tokens = 512;
   int32_t max_seqs = 64;
   bool static_batching = false;
+  bool prefix_cache = true;
+  std::string schedule_policy = "fcfs";
 
   void Add(CLI::App* app) {
     app->add_option("--block-size", block_size, "Tokens per KV block")->capture_default_str();
@@ -180,20 +184,25 @@ struct EngineFlags {
                     "KV cache budget: bytes (512MiB, 2GiB) or a fraction of available memory (0.5)")
         ->capture_default_str();
     app->add_option("--kv-cache-dtype", kv_cache_dtype,
-                    "KV storage: f32, f16, bf16, fp8-e4m3, fp8-e5m2, int8, int4")->capture_default_str();
+                    "KV storage: " + std::string(kernels::KvDTypeList()))->capture_default_str();
     app->add_option("--max-batched-tokens", max_batched_tokens, "Token budget of one engine step")
         ->capture_default_str();
     app->add_option("--max-seqs", max_seqs, "Running sequences at most")->capture_default_str();
     app->add_flag("--static-batching", static_batching,
                   "Admit whole batches; no one joins until all finish (for comparison)");
+    app->add_flag("--prefix-cache,!--no-prefix-cache", prefix_cache,
+                  "Reuse the KV blocks of cached prompt prefixes (radix prefix cache)")
+        ->capture_default_str();
+    app->add_option("--schedule-policy", schedule_policy,
+                    "Waiting-queue order: fcfs, or lpm (longest cached prefix first)")
+        ->capture_default_str();
   }
 
   kernels::KvDType DType() const {
     kernels::KvDType t;
     if (kernels::ParseKvDType(kv_cache_dtype, &t)) return t;
     Die(absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-dtype must be one of f32, f16, bf16, fp8-e4m3, fp8-e5m2, int8, "
-                     "int4; not '",
+        absl::StrCat("--kv-cache-dtype must be one of ", std::string(kernels::KvDTypeList()), "; not '",
                      kv_cache_dtype, "'")));
   }
 
@@ -207,7 +216,9 @@ struct EngineFlags {
   }
 
   // Plans the KV memory, logs the plan, and creates the engine.
-  std::unique_ptr<Engine> MakeEngine(const Loaded& l, ThreadPool* pool) const {
+  std::unique_ptr<Engine> MakeEngine(const Loaded& l, ThreadPool* pool,
+                                     KvEventSink* kv_events = nullptr,
+                                     std::string model_identity = "") const {
     const MemoryPlan plan = Plan(l.model->config());
     spdlog::info("KV cache ({}): {} bytes/token, {} bytes/block of {} tokens, {} blocks, "
                  "{} tokens, {} sequences of the full context",
@@ -220,6 +231,12 @@ struct EngineFlags {
     o.max_batched_tokens = max_batched_tokens;
     o.max_seqs = max_seqs;
     o.static_batching = static_batching;
+    o.prefix_cache = prefix_cache;
+    auto policy = ParseSchedulePolicy(schedule_policy);
+    if (!policy.ok()) Die(absl::InvalidArgumentError(absl::StrCat("--schedule-policy: ", policy.status().message())));
+    o.schedule_policy = *policy;
+    o.kv_events = kv_events;
+    o.model_identity = std::move(model_identity);
     auto e = Engine::Create(l.model.get(), l.tokenizer.get(), pool, o);
     if (!e.ok()) Die(e.status());
     return std::move(e).value();
@@ -263,6 +280,7 @@ struct ServeFlags {
   std::string served_model_name;
   int32_t max_n = 8;
   int32_t default_max_tokens = 256;
+  int64_t kv_events_retain = 65536;
 
   void Add(CLI::App* app) {
     app->add_option("--grpc-address", grpc_address, "gRPC listen address (port 0: any free port)")
@@ -288,6 +306,9 @@ struct ServeFlags {
     app->add_option("--max-n", max_n, "Samples per request at most")->capture_default_str();
     app->add_option("--default-max-tokens", default_max_tokens,
                     "max_tokens when a request gives none")->capture_default_str();
+    app->add_option("--kv-events-retain", kv_events_retain,
+                    "KV events kept for reconnecting subscribers (0: no event stream)")
+        ->capture_default_str();
   }
 };
 
@@ -341,13 +362,28 @@ int RunServer(const Loaded& l, const std::string& model_path, const ServeFlags& 
   } else {
     spdlog::warn("chat disabled: {}", t.status().ToString());
   }
-  std::unique_ptr<Engine> engine = engine_flags.MakeEngine(l, pool);
+  if (f.kv_events_retain < 0) Die(absl::InvalidArgumentError("--kv-events-retain must be >= 0"));
+  std::unique_ptr<KvEventLog> kv_events;
+  if (f.kv_events_retain > 0 && engine_flags.prefix_cache) {
+    kv_events = std::make_unique<KvEventLog>(static_cast<size_t>(f.kv_events_retain));
+  }
+  // Cached blocks are only valid for the weights that computed them. The
+  // file's name and size stand for its identity: stable across restarts and
+  // across replicas serving the same file, so routers see the same hashes.
+  std::string identity = model_path.substr(model_path.find_last_of('/') + 1);
+  {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(model_path, ec);
+    absl::StrAppend(&identity, "/", ec ? 0 : size);
+  }
+  std::unique_ptr<Engine> engine = engine_flags.MakeEngine(l, pool, kv_events.get(), identity);
   Metrics metrics(name);
   ServiceLimits limits;
   limits.max_queued = f.max_queued;
   limits.max_n = f.max_n;
   limits.default_max_tokens = f.default_max_tokens;
   ModelService service(name, l.model.get(), l.tokenizer.get(), chat, engine.get(), limits, &metrics);
+  service.set_kv_events(kv_events.get());
   engine->Start();
 
   GrpcServerOptions go;
@@ -399,6 +435,8 @@ int RunServer(const Loaded& l, const std::string& model_path, const ServeFlags& 
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
+  // Subscribers' streams end first so the gRPC shutdown does not wait on them.
+  if (kv_events) kv_events->Close();
   (*grpc)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   (*http)->Stop();
   engine->Stop();
@@ -448,10 +486,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   ppl->add_option("--max-windows", ppl_opts.max_windows, "0 = all")->capture_default_str();
   ppl->add_option("--batch", ppl_opts.batch_tokens, "Tokens per forward call")->capture_default_str();
+  ppl->add_option("--block-size", ppl_opts.block_size, "Tokens per KV block")->capture_default_str();
   std::string ppl_kv_dtype = "f32";
   ppl->add_option("--kv-cache-dtype", ppl_kv_dtype,
-                  "KV storage while scoring: f32, f16, bf16, fp8-e4m3, fp8-e5m2, int8, int4")
+                  "KV storage while scoring: " + std::string(kernels::KvDTypeList()))
       ->capture_default_str();
+  std::string ppl_compare_dtype;
+  ppl->add_option("--compare-kv-dtype", ppl_compare_dtype,
+                  "Also run with this KV dtype; report same-top-1 fraction and mean KL");
 
   // kv-error
   auto* kverr = app.add_subcommand(
@@ -498,6 +540,14 @@ int main(int argc, char** argv) {
 
   auto* info = app.add_subcommand("info", "Model hyper-parameters and KV bytes per token");
 
+  auto* probe = app.add_subcommand(
+      "probe", "GPU memory bandwidth: device copy and pinned host<->device (needs CUDA)");
+  int64_t probe_mib = 1024;
+  int probe_iters = 10;
+  probe->add_option("--mib", probe_mib, "MiB per copy")->capture_default_str();
+  probe->add_option("--iters", probe_iters, "timed copies each way (best is reported)")
+      ->capture_default_str();
+
   // serve
   auto* serve = app.add_subcommand("serve", "Run the daemon: gRPC and OpenAI-compatible HTTP");
   ServeFlags serve_flags;
@@ -533,6 +583,16 @@ int main(int argc, char** argv) {
   }
   ThreadPool* pool = &ThreadPool::Global();
 
+  if (*probe) {
+    if (probe_mib < 1 || probe_iters < 1) {
+      Die(absl::InvalidArgumentError("--mib and --iters must be >= 1"));
+    }
+    auto r = cuda::ProbeBandwidth(static_cast<size_t>(probe_mib) << 20, probe_iters);
+    if (!r.ok()) Die(r.status());
+    std::printf("%s", cuda::FormatBandwidthReport(*r).c_str());
+    return 0;
+  }
+
   if (*info) {
     Loaded l = LoadModel(model_path);
     const LlamaConfig& c = l.model->config();
@@ -545,14 +605,13 @@ int main(int argc, char** argv) {
                 c.tied_output ? "yes" : "no", l.model->weight_bytes() / 1048576.0,
                 static_cast<long long>(c.KvBytesPerToken(4)),
                 static_cast<long long>(c.KvBytesPerToken(2)));
-    // Per codec, scales included (the pool's own formula, per token).
+    // Per codec, scales included (the pool's own formula, per token of a
+    // 16-token block: int4-kivi's key scales are per block).
     std::printf("KV bytes/token by --kv-cache-dtype:");
-    for (kernels::KvDType t :
-         {kernels::KvDType::kF32, kernels::KvDType::kF16, kernels::KvDType::kBF16,
-          kernels::KvDType::kFp8E4M3, kernels::KvDType::kFp8E5M2, kernels::KvDType::kInt8,
-          kernels::KvDType::kInt4}) {
+    for (kernels::KvDType t : kernels::kAllKvDTypes) {
       const int64_t bytes =
-          2 * c.n_layers * kernels::PagedKvView::HalfLayerBytes(1, c.n_kv_heads, c.head_dim, t);
+          2 * c.n_layers * kernels::PagedKvView::HalfLayerBytes(16, c.n_kv_heads, c.head_dim, t) /
+          16;
       std::printf(" %s %lld", std::string(kernels::KvDTypeName(t)).c_str(),
                   static_cast<long long>(bytes));
     }
@@ -626,6 +685,11 @@ int main(int argc, char** argv) {
       Die(absl::InvalidArgumentError(
           absl::StrCat("--kv-cache-dtype: unknown KV dtype '", ppl_kv_dtype, "'")));
     }
+    ppl_opts.compare = !ppl_compare_dtype.empty();
+    if (ppl_opts.compare && !kernels::ParseKvDType(ppl_compare_dtype, &ppl_opts.compare_dtype)) {
+      Die(absl::InvalidArgumentError(
+          absl::StrCat("--compare-kv-dtype: unknown KV dtype '", ppl_compare_dtype, "'")));
+    }
     spdlog::info("{}: {} tokens", ppl_file, tokens.size());
     auto r = ComputePerplexity(*l.model, tokens, ppl_opts, pool);
     if (!r.ok()) Die(r.status());
@@ -637,6 +701,10 @@ int main(int argc, char** argv) {
         "perplexity %.4f over %lld scored tokens in %d windows (context %d, stride %d, kv %s)\n",
         r->perplexity, static_cast<long long>(r->scored_tokens), r->windows, ppl_opts.context,
         ppl_opts.stride, ppl_kv_dtype.c_str());
+    if (ppl_opts.compare) {
+      std::printf("vs %s: same top-1 token %.2f%%, mean KL %.5f nats\n", ppl_compare_dtype.c_str(),
+                  100.0 * r->same_top1, r->mean_kl);
+    }
     return 0;
   }
 

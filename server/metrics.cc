@@ -217,6 +217,39 @@ std::string Metrics::Render(const EngineStats& stats) const {
               static_cast<double>(stats.last_batch_tokens), &out);
   AppendGauge("kvserve:batch_seqs", "Sequences in the last engine step's batch.", l,
               static_cast<double>(stats.last_batch_seqs), &out);
+
+  // The prefix cache (all zero when it is off). vLLM's two counters count
+  // tokens; the rest are ours.
+  AppendCounter("kvserve:prefix_cache_queries_total",
+                "Prefix cache queries, in terms of number of queried prompt tokens.", l,
+                static_cast<double>(stats.prefix_query_tokens), &out);
+  AppendCounter("kvserve:prefix_cache_hits_total",
+                "Prefix cache hits, in terms of number of prompt tokens served from the cache.", l,
+                static_cast<double>(stats.prefix_hit_tokens), &out);
+  AppendCounter("kvserve:prefix_cache_lookups_total",
+                "Sequences matched against the prefix cache at admission.", l,
+                static_cast<double>(stats.prefix_queries), &out);
+  AppendGauge("kvserve:prefix_cache_hit_rate",
+              "Prompt tokens served from the prefix cache over prompt tokens queried, since "
+              "start (0 before the first query).",
+              l,
+              stats.prefix_query_tokens > 0 ? static_cast<double>(stats.prefix_hit_tokens) /
+                                                  static_cast<double>(stats.prefix_query_tokens)
+                                            : 0.0,
+              &out);
+  AppendCounter("kvserve:prefix_cache_inserted_blocks_total",
+                "KV blocks inserted into the prefix cache.", l,
+                static_cast<double>(stats.prefix_inserted_blocks), &out);
+  AppendCounter("kvserve:prefix_cache_evicted_blocks_total",
+                "KV blocks evicted from the prefix cache.", l,
+                static_cast<double>(stats.prefix_evicted_blocks), &out);
+  AppendGauge("kvserve:prefix_cache_cached_blocks", "KV blocks held by the prefix cache.", l,
+              static_cast<double>(stats.prefix_cached_blocks), &out);
+  AppendGauge("kvserve:prefix_cache_evictable_blocks",
+              "KV blocks held by the prefix cache that no running request uses.", l,
+              static_cast<double>(stats.prefix_evictable_blocks), &out);
+  AppendGauge("kvserve:prefix_cache_enabled", "1 when the prefix cache is on.", l,
+              stats.prefix_cache_enabled ? 1.0 : 0.0, &out);
   return out;
 }
 

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -115,6 +116,11 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   RETURN_IF_ERROR(ValidateSamplingParams(s));
   r.n = p.n;
   r.priority = p.priority;
+  if (p.cache_salt.size() > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_salt: ", p.cache_salt.size(), " bytes; at most 256"));
+  }
+  r.cache_salt = p.cache_salt;
   out.prompt_tokens = static_cast<int32_t>(r.prompt.size());
   return out;
 }
@@ -203,6 +209,16 @@ absl::StatusOr<std::string> ModelService::Detokenize(const std::vector<int32_t>&
     }
   }
   return tokenizer_->Decode(ids);
+}
+
+absl::StatusOr<int32_t> ModelService::ClearPrefixCache(std::chrono::milliseconds timeout) {
+  std::future<int32_t> done = engine_->ClearPrefixCache();
+  if (done.wait_for(timeout) != std::future_status::ready) {
+    return absl::DeadlineExceededError("the engine did not clear the prefix cache in time");
+  }
+  const int32_t dropped = done.get();
+  if (dropped < 0) return absl::FailedPreconditionError("the prefix cache is disabled");
+  return dropped;
 }
 
 ModelInfo ModelService::Info() const {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "cache/kv_event_log.h"
 #include "model/chat_template.h"
 #include "model/llama.h"
 #include "model/tokenizer.h"
@@ -57,6 +59,7 @@ struct CompletionParams {
   bool ignore_eos = false;
   int32_t priority = 0;
   bool add_special_tokens = true;  // BOS for text prompts, as the model asks
+  std::string cache_salt;          // prefix-cache namespace (tenant isolation)
 };
 
 struct PreparedRequest {
@@ -96,6 +99,14 @@ class ModelService {
   [[nodiscard]] absl::StatusOr<std::string> Detokenize(const std::vector<int32_t>& ids) const;
   ModelInfo Info() const;
   EngineStats Stats() const { return engine_->Stats(); }
+  // Empties the prefix cache; returns the cached blocks dropped.
+  // FailedPrecondition when the prefix cache is off, DeadlineExceeded when
+  // the engine does not answer within `timeout`.
+  [[nodiscard]] absl::StatusOr<int32_t> ClearPrefixCache(
+      std::chrono::milliseconds timeout = std::chrono::seconds(10));
+  // The KV event stream, or nullptr when the daemon publishes none.
+  KvEventLog* kv_events() const { return kv_events_; }
+  void set_kv_events(KvEventLog* log) { kv_events_ = log; }
   const std::string& model_name() const { return model_name_; }
 
   // Draining: new requests get Unavailable; in-flight ones continue.
@@ -115,6 +126,7 @@ class ModelService {
   Engine* engine_;
   ServiceLimits limits_;
   Metrics* metrics_;
+  KvEventLog* kv_events_ = nullptr;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};
 };

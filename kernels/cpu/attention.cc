@@ -108,6 +108,39 @@ AttnScratch& ThreadScratch() {
 void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int32_t* token_seq,
               const int32_t* token_pos, const float* k, int64_t k_stride, const float* v,
               int64_t v_stride) {
+  if (KvIsKivi(kv.dtype)) {
+    // Values: per (token, KV head) row, as int4. Keys: per channel over a
+    // block, so a run of consecutive positions of one sequence inside one
+    // block is appended at once (a prefill chunk sets each block's channel
+    // ranges from all its keys; decode appends runs of one).
+    const int32_t bs = kv.block_size;
+    for (int32_t t = 0; t < n_tokens; ++t) {
+      for (int32_t h = 0; h < kv.n_kv_heads; ++h) {
+        const int64_t off = static_cast<int64_t>(h) * kv.head_dim;
+        QuantizeRow(kv.dtype, v + t * v_stride + off, kv.head_dim,
+                    kv.ValueAt(layer, token_seq[t], token_pos[t], h),
+                    kv.ValueMetaAt(layer, token_seq[t], token_pos[t], h));
+      }
+    }
+    for (int32_t t = 0; t < n_tokens;) {
+      const int32_t seq = token_seq[t];
+      const int32_t pos = token_pos[t];
+      const int32_t slot = pos % bs;
+      int32_t n = 1;
+      while (t + n < n_tokens && token_seq[t + n] == seq && token_pos[t + n] == pos + n &&
+             slot + n < bs) {
+        ++n;
+      }
+      const int32_t block = kv.block_ids[kv.seq_block_offsets[seq] + pos / bs];
+      for (int32_t h = 0; h < kv.n_kv_heads; ++h) {
+        AppendKiviKeys(k + t * k_stride + static_cast<int64_t>(h) * kv.head_dim, k_stride, n, slot,
+                       kv.head_dim, kv.BlockHead(layer, block, h),
+                       kv.BlockHeadMeta(layer, block, h));
+      }
+      t += n;
+    }
+    return;
+  }
   for (int32_t t = 0; t < n_tokens; ++t) {
     for (int32_t h = 0; h < kv.n_kv_heads; ++h) {
       // Quantized codecs compute their scales here, per (token, KV head) row.
@@ -282,8 +315,9 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
   const int32_t hd = kv.head_dim;
   std::vector<double> scores;
   std::vector<double> acc(hd);
-  // Every codec is read through the plain-loop DequantizeRow, so the fast
-  // path is checked against an independent walk of the layout.
+  // Every codec is read through the plain-loop ReadKvRow, one row at a time
+  // through KeyAt/ValueAt, so the fast path is checked against an
+  // independent walk of the layout.
   std::vector<float> row(hd);
   for (int32_t t = 0; t < batch.n_tokens; ++t) {
     const int32_t seq = batch.token_seq[t];
@@ -294,8 +328,7 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
       const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
       double mx = -std::numeric_limits<double>::infinity();
       for (int32_t p = 0; p < len; ++p) {
-        DequantizeRow(kv.dtype, kv.KeyAt(layer, seq, p, kvh), kv.KeyMetaAt(layer, seq, p, kvh), hd,
-                      row.data());
+        ReadKvRow(kv, layer, seq, p, kvh, /*value=*/false, row.data());
         double s = 0.0;
         for (int32_t i = 0; i < hd; ++i) {
           s += static_cast<double>(QueryElem(qh[i], kv.dtype)) * row[i];
@@ -310,8 +343,7 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
       }
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int32_t p = 0; p < len; ++p) {
-        DequantizeRow(kv.dtype, kv.ValueAt(layer, seq, p, kvh), kv.ValueMetaAt(layer, seq, p, kvh),
-                      hd, row.data());
+        ReadKvRow(kv, layer, seq, p, kvh, /*value=*/true, row.data());
         const double w = kv.dtype == KvDType::kF16
                              ? Fp16ToFp32(Fp32ToFp16(static_cast<float>(scores[p] / sum)))
                              : scores[p] / sum;

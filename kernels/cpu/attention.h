@@ -22,7 +22,9 @@ struct AttentionBatch {
 // Encodes (for int8/fp8/int4 caches: quantizes, scales included) and writes
 // K and V of n_tokens new tokens (token t of sequence token_seq[t] at
 // position token_pos[t]) into their slots. k/v rows hold n_kv_heads*head_dim
-// floats, k_stride/v_stride floats apart.
+// floats, k_stride/v_stride floats apart. int4-kivi keys share per-channel
+// ranges over a block, so their appends may re-encode earlier keys of the
+// same block. REQUIRES (int4-kivi): each block is filled in position order.
 void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int32_t* token_seq,
               const int32_t* token_pos, const float* k, int64_t k_stride, const float* v,
               int64_t v_stride);
@@ -36,7 +38,7 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
 // Plain loops, single-threaded, two-pass softmax: the reference. With an f16
 // cache the query and the normalized probabilities are rounded to f16, as the
 // fast path does (f16 operands, wider accumulation). Quantized caches are
-// read through the plain-loop DequantizeRow (kernels/cpu/kv_codec.h).
+// read through the plain-loop ReadKvRow (kernels/cpu/kv_codec.h).
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride);
 

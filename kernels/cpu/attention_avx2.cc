@@ -208,32 +208,42 @@ struct Avx2Ops {
   }
 };
 
-// int4: whole groups of 32 with SIMD (16 bytes -> 32 codes, interleaving low
-// and high nibbles back into channel order), a short last group with the
-// plain loop.
-void DequantizeInt4Avx2(const uint8_t* data, const uint8_t* meta, int32_t n, float* dst) {
+// Sixteen packed bytes -> 32 codes in channel order (low nibble = even
+// channel), as four vectors of 8 floats.
+inline void UnpackInt4x32(const uint8_t* data, __m256 out[4]) {
   const __m128i low_mask = _mm_set1_epi8(0x0f);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data));
+  const __m128i lo = _mm_and_si128(bytes, low_mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+  const __m128i c0 = _mm_unpacklo_epi8(lo, hi);  // channels 0..15
+  const __m128i c1 = _mm_unpackhi_epi8(lo, hi);  // channels 16..31
+  const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
+  for (int q = 0; q < 4; ++q) out[q] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
+}
+
+// int4 rows: 32 channels at a time with SIMD (a group of 64 is two steps
+// with one scale), a short last group with the plain loop.
+void DequantizeInt4Avx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
+                        float* dst) {
+  const int32_t group = KvInt4GroupOf(t);
   int32_t g0 = 0;
-  for (; g0 + kInt4Group <= n; g0 += kInt4Group) {
-    const uint8_t* group_meta = meta + 4 * (g0 / kInt4Group);  // f16 scale, f16 min
+  for (; g0 + group <= n; g0 += group) {
+    const uint8_t* group_meta = meta + 4 * (g0 / group);  // f16 scale, f16 min
     uint16_t s16, m16;
     std::memcpy(&s16, group_meta, sizeof(s16));
     std::memcpy(&m16, group_meta + 2, sizeof(m16));
     const __m256 scale = _mm256_set1_ps(Fp16ToFp32(s16));
     const __m256 mn = _mm256_set1_ps(Fp16ToFp32(m16));
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + g0 / 2));
-    const __m128i lo = _mm_and_si128(bytes, low_mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
-    const __m128i c0 = _mm_unpacklo_epi8(lo, hi);  // channels 0..15
-    const __m128i c1 = _mm_unpackhi_epi8(lo, hi);  // channels 16..31
-    const __m128i parts[4] = {c0, _mm_srli_si128(c0, 8), c1, _mm_srli_si128(c1, 8)};
-    for (int q = 0; q < 4; ++q) {
-      const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
-      _mm256_storeu_ps(dst + g0 + 8 * q, _mm256_add_ps(_mm256_mul_ps(codes, scale), mn));
+    for (int32_t c0 = g0; c0 < g0 + group; c0 += 32) {
+      __m256 codes[4];
+      UnpackInt4x32(data + c0 / 2, codes);
+      for (int q = 0; q < 4; ++q) {
+        _mm256_storeu_ps(dst + c0 + 8 * q, _mm256_add_ps(_mm256_mul_ps(codes[q], scale), mn));
+      }
     }
   }
   if (g0 < n) {
-    DequantizeRow(KvDType::kInt4, data + g0 / 2, meta + 4 * (g0 / kInt4Group), n - g0, dst + g0);
+    DequantizeRow(t, data + g0 / 2, meta + 4 * (g0 / group), n - g0, dst + g0);
   }
 }
 
@@ -241,14 +251,33 @@ struct Avx2RowDecoder {
   static void Row(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n, float* dst) {
     DequantizeRowAvx2(t, data, meta, n, dst);
   }
+  static void KiviKeyRow(const uint8_t* codes, const float* scale, const float* offset, int32_t n,
+                         float* dst) {
+    DequantizeKiviKeyRowAvx2(codes, scale, offset, n, dst);
+  }
 };
 
 }  // namespace
 
+void DequantizeKiviKeyRowAvx2(const uint8_t* codes, const float* scale, const float* offset,
+                              int32_t n, float* dst) {
+  int32_t c0 = 0;
+  for (; c0 + 32 <= n; c0 += 32) {
+    __m256 q[4];
+    UnpackInt4x32(codes + c0 / 2, q);
+    for (int i = 0; i < 4; ++i) {
+      const int32_t c = c0 + 8 * i;
+      _mm256_storeu_ps(dst + c, _mm256_add_ps(_mm256_mul_ps(q[i], _mm256_loadu_ps(scale + c)),
+                                              _mm256_loadu_ps(offset + c)));
+    }
+  }
+  if (c0 < n) DequantizeKiviKeyRow(codes + c0 / 2, scale + c0, offset + c0, n - c0, dst + c0);
+}
+
 void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
                        float* dst) {
-  if (t == KvDType::kInt4) {
-    DequantizeInt4Avx2(data, meta, n, dst);
+  if (KvIsInt4Rows(t)) {
+    DequantizeInt4Avx2(t, data, meta, n, dst);
     return;
   }
   const bool int8 = t == KvDType::kInt8;

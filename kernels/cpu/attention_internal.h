@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "common/half.h"
 #include "kernels/cpu/kv_codec.h"
@@ -102,7 +103,18 @@ struct PlainRowDecoder {
   static void Row(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n, float* dst) {
     DequantizeRow(t, data, meta, n, dst);
   }
+  static void KiviKeyRow(const uint8_t* codes, const float* scale, const float* offset, int32_t n,
+                         float* dst) {
+    DequantizeKiviKeyRow(codes, scale, offset, n, dst);
+  }
 };
+
+// Per-thread scratch for int4-kivi keys' per-channel factors.
+inline float* KiviFactorScratch(int32_t head_dim) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < 2 * static_cast<size_t>(head_dim)) buf.resize(2 * static_cast<size_t>(head_dim));
+  return buf.data();
+}
 
 // Dequantizes the rows of positions [p0, p1) of one KV head (keys, or
 // values when v_half) into rows[(p - p0) * head_dim].
@@ -113,6 +125,25 @@ void DequantizeRows(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
   const int64_t row_bytes = kv.RowBytes();
   const int64_t meta_bytes = kv.RowMetaBytes();
   const int64_t half = v_half ? kv.layer_bytes / 2 : 0;
+  if (KvIsKivi(kv.dtype) && !v_half) {
+    // Keys per channel: decode a block's channel factors once per run of
+    // positions inside that block, then its rows.
+    float* scale = KiviFactorScratch(hd);
+    float* offset = scale + hd;
+    for (int32_t p = p0; p < p1;) {
+      const int32_t block = blocks[p / kv.block_size];
+      const int32_t slot = p % kv.block_size;
+      const int32_t run = std::min(p1 - p, kv.block_size - slot);
+      KiviKeyChannelParams(kv.BlockHeadMeta(layer, block, kv_head), hd, scale, offset);
+      const uint8_t* data = kv.BlockHead(layer, block, kv_head) + slot * row_bytes;
+      for (int32_t j = 0; j < run; ++j) {
+        Decoder::KiviKeyRow(data + j * row_bytes, scale, offset, hd,
+                            rows + static_cast<int64_t>(p - p0 + j) * hd);
+      }
+      p += run;
+    }
+    return;
+  }
   for (int32_t p = p0; p < p1; ++p) {
     const int32_t block = blocks[p / kv.block_size];
     const int32_t slot = p % kv.block_size;
@@ -122,7 +153,7 @@ void DequantizeRows(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
   }
 }
 
-// AttendRange for a quantized cache (bf16, fp8, int8, int4): each tile of at
+// AttendRange for a quantized cache (bf16, fp8, int8, int4*): each tile of at
 // most kPosTile positions is dequantized into `rows` (kPosTile * head_dim
 // floats of per-thread scratch) right before the float Ops score it or
 // weight it, so the kernel reads the compressed cache once and never holds
@@ -203,10 +234,13 @@ void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& 
                           int32_t group, float scale, float* scores, int32_t ld, float* q16,
                           float* out);
 
-// DequantizeRow with AVX2 for int8 and fp8 (other codecs: the plain loop).
-// Exactly equal to DequantizeRow. REQUIRES: the CPU has AVX2.
+// DequantizeRow with AVX2 for int8, fp8 and the int4 rows (other codecs:
+// the plain loop). Exactly equal to DequantizeRow. REQUIRES: the CPU has AVX2.
 void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
                        float* dst);
+// DequantizeKiviKeyRow with AVX2, exactly equal to it. REQUIRES: AVX2.
+void DequantizeKiviKeyRowAvx2(const uint8_t* codes, const float* scale, const float* offset,
+                              int32_t n, float* dst);
 
 // Entry points per ISA: run one item from a freshly reset state.
 // rows: kPosTile * head_dim floats of scratch, used only by quantized caches.

@@ -12,9 +12,30 @@
 namespace kvserve::kernels {
 
 // data: KvRowBytes(t, n) bytes; meta: KvRowMetaBytes(t, n) bytes (may be null
-// when that is 0).
+// when that is 0). For int4-kivi these are the value rows (int4, groups of
+// 32); its keys go through the per-block functions below.
 void QuantizeRow(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta);
 void DequantizeRow(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n, float* dst);
+
+// int4-kivi keys of one (block, KV head): codes = the head's block_size rows
+// of KvRowBytes(kInt4Kivi, head_dim) bytes, meta = its head_dim channel
+// pairs (kv_view.h). Appends n keys (src[j * src_stride], head_dim floats)
+// at slots [first_slot, first_slot + n), widening channel ranges and
+// re-encoding earlier codes when needed.
+// REQUIRES: slots [0, first_slot) were written by this function (the block
+// fills in order); first_slot == 0 starts the block afresh, whatever it held.
+void AppendKiviKeys(const float* src, int64_t src_stride, int32_t n, int32_t first_slot,
+                    int32_t head_dim, uint8_t* codes, uint8_t* meta);
+// Per-channel decode factors of a block's keys: key[c] = code[c] * scale[c]
+// + offset[c] (a multiply, then an add: SIMD decoders match bit for bit).
+void KiviKeyChannelParams(const uint8_t* meta, int32_t head_dim, float* scale, float* offset);
+void DequantizeKiviKeyRow(const uint8_t* codes, const float* scale, const float* offset,
+                          int32_t head_dim, float* dst);
+
+// Decodes the stored key (value: value == true) of one (layer, seq, pos,
+// head) with plain loops, whatever the codec: the reference read path.
+void ReadKvRow(const PagedKvView& kv, int32_t layer, int32_t seq, int32_t pos, int32_t head,
+               bool value, float* dst);
 
 // OCP fp8 conversions, round to nearest even, saturating to the largest
 // finite value (e4m3: 448, e5m2: 57344); NaN maps to NaN.

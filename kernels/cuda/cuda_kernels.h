@@ -1,30 +1,144 @@
-// Host entry points of the CUDA kernels. Plain C++ header (no CUDA types) so
-// callers compile with g++; every launcher returns a Status.
+// Host launchers of the CUDA kernels of the Llama forward. Plain C++ header
+// (no CUDA types) so callers compile with g++; builds without CUDA link
+// cuda_stub.cc and get Unavailable from every launcher.
+//
+// Conventions:
+// - Every pointer argument is device memory unless its comment says "host".
+// - Launchers enqueue on `stream` and return without synchronizing; the
+//   Status reports bad arguments and launch errors, not faults of the kernel
+//   itself (those surface at the next synchronization).
+// - Each launcher has the same contract as its CPU twin in kernels/cpu/ (named
+//   in its comment); tests compare them with normalized error thresholds.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/runtime.h"
+#include "kernels/dtype.h"
+#include "kernels/kv_view.h"
 
 namespace kvserve::cuda {
 
-// Number of usable CUDA devices; 0 (not an error) when there is no driver or
-// no device, as on build machines.
-int UsableDeviceCount();
-// Name of a device, for logs.
-absl::StatusOr<std::string> DeviceName(int device);
+// ---- Element-wise and normalization ----
 
-// Device memory helpers for tests and the backend seam.
-absl::StatusOr<void*> DeviceAlloc(size_t bytes);
-absl::Status DeviceFree(void* p);
-absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);
-absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
+// out[t] = dequantized row tokens[t] of a [vocab][dim] table, for t <
+// n_tokens. Table types: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (dim a multiple of
+// 32 for the block types). Token ids outside [0, vocab) produce zero rows
+// (the caller validates ids on the host; the kernel must not read out of
+// bounds). CPU twin: kernels::DequantizeRow per token.
+absl::Status EmbeddingGather(kernels::DType table_type, const void* table, int64_t vocab,
+                             int64_t dim, const int32_t* tokens, int64_t n_tokens, float* out,
+                             StreamHandle stream);
 
-// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; device pointers; same
-// contract as kernels::RmsNorm. Synchronous on the default stream.
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight for n_rows rows of n
+// (row-contiguous). out may alias x. CPU twin: kernels::RmsNorm.
 absl::Status RmsNorm(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
-                     float* out);
+                     float* out, StreamHandle stream);
+
+// Rotary embedding in place over n_tokens rows (stride floats apart) of
+// n_heads heads of p.head_dim; token t sits at positions[t]. Both layouts of
+// kernels::RopeStyle (kNorm: adjacent pairs, GGUF llama; kNeox: halves).
+// Angles follow ggml's float recurrence as kernels::Rope does.
+absl::Status Rope(float* x, int64_t n_tokens, int64_t stride, int32_t n_heads,
+                  const int32_t* positions, const kernels::RopeParams& p, StreamHandle stream);
+
+// out[i] = silu(gate[i]) * up[i]; out may alias gate. CPU twin: kernels::SiluMul.
+absl::Status SiluMul(const float* gate, const float* up, int64_t n, float* out,
+                     StreamHandle stream);
+
+// x[i] += y[i] (the residual add). CPU twin: kernels::AddInPlace.
+absl::Status AddInPlace(float* x, const float* y, int64_t n, StreamHandle stream);
+
+// out_ids[r] = argmax over logits[r * stride .. + vocab) (lowest index on
+// ties; NaN never wins) for r < n_rows: greedy sampling without copying the
+// logits back.
+absl::Status ArgmaxRows(const float* logits, int64_t n_rows, int64_t vocab, int64_t stride,
+                        int32_t* out_ids, StreamHandle stream);
+
+// Converts n floats to IEEE half / bfloat16 (round to nearest even), as the
+// matmul does with activations.
+absl::Status ConvertF32ToF16(const float* in, int64_t n, uint16_t* out, StreamHandle stream);
+absl::Status ConvertF32ToBF16(const float* in, int64_t n, uint16_t* out, StreamHandle stream);
+
+// ---- Paged KV cache ----
+//
+// The view is kernels::PagedKvView with device pointers: kv.pool is the
+// device pool (same block layout as cache/KvPool, so a block copies
+// byte-identically between tiers), kv.block_ids / kv.seq_block_offsets are
+// device arrays. CUDA supports the f32, f16 and bf16 codecs; quantized codecs
+// return Unimplemented. Block size: any power of two.
+
+// Writes K and V of n_tokens new tokens (token t of sequence token_seq[t] at
+// position token_pos[t]). CPU twin: kernels::AppendKv.
+absl::Status AppendKv(const kernels::PagedKvView& kv, int32_t layer, int32_t n_tokens,
+                      const int32_t* token_seq, const int32_t* token_pos, const float* k,
+                      int64_t k_stride, const float* v, int64_t v_stride, StreamHandle stream);
+
+// A ragged batch of query tokens, each attending causally to positions
+// [0, token_pos[t]] of sequence token_seq[t] (device arrays).
+struct DecodeAttentionBatch {
+  int32_t n_tokens = 0;
+  const int32_t* token_seq = nullptr;
+  const int32_t* token_pos = nullptr;
+  int32_t n_heads = 0;      // query heads; n_heads % kv.n_kv_heads == 0
+  float scale = 1.0f;       // usually 1/sqrt(head_dim)
+  int32_t max_context = 0;  // host-side bound on token_pos[t] + 1; sizes the split
+};
+
+// Device scratch (bytes) PagedDecodeAttention needs for this batch: the
+// partial softmax states of a split context (0 when it will not split).
+size_t PagedDecodeAttentionWorkspaceBytes(const kernels::PagedKvView& kv,
+                                          const DecodeAttentionBatch& batch);
+
+// Decode-shaped attention (any ragged batch works; built for one query token
+// per sequence): one CTA per (token, KV head, context split) reads the keys
+// and values of its split once for every query head of the group (GQA) with
+// 16-byte loads, keeps an online softmax over tiles of positions, and a
+// second kernel merges the splits (flash-decoding). Head dims 64 and 128.
+// workspace: at least PagedDecodeAttentionWorkspaceBytes (may be null when
+// that is 0). q/out rows: n_heads*head_dim floats, q_stride/out_stride apart.
+// CPU twin: kernels::PagedAttention.
+absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,
+                                  const DecodeAttentionBatch& batch, const float* q,
+                                  int64_t q_stride, float* out, int64_t out_stride,
+                                  void* workspace, size_t workspace_bytes, StreamHandle stream);
+
+// Prefill chunks: sequence s (of kv.n_seqs) contributes query rows
+// [q_seq_offsets[s], q_seq_offsets[s+1]) (device CSR) at consecutive positions
+// ending at seq_lens[s] - 1 (device; the KV length after this chunk's
+// append). Causal. Tiled flash attention: each CTA takes a tile of query rows
+// of one head, streams K/V tiles of its sequence through shared memory and
+// keeps an online softmax. max_q_per_seq: host bound on any sequence's query
+// rows (sizes the grid). Head dims 64 and 128. CPU twin: kernels::PagedAttention.
+struct PrefillAttentionBatch {
+  const int32_t* q_seq_offsets = nullptr;
+  const int32_t* seq_lens = nullptr;
+  int32_t max_q_per_seq = 0;
+  int32_t n_heads = 0;
+  float scale = 1.0f;
+};
+absl::Status PagedPrefillAttention(const kernels::PagedKvView& kv, int32_t layer,
+                                   const PrefillAttentionBatch& batch, const float* q,
+                                   int64_t q_stride, float* out, int64_t out_stride,
+                                   StreamHandle stream);
+
+// Copy-on-write: copies whole blocks (every layer, K, V and scales) of the
+// device pool, pairs (src_ids[i], dst_ids[i]) (device arrays), in one launch.
+// REQUIRES: no dst is also a src. CPU twin: KvPool::CopyBlock.
+absl::Status CopyBlocks(uint8_t* pool, int64_t block_bytes, const int32_t* src_ids,
+                        const int32_t* dst_ids, int32_t n_pairs, StreamHandle stream);
+
+// Tier copies between the device pool and pinned host staging memory.
+// block_ids are HOST arrays (the tier manager knows them); host holds n_blocks
+// blocks back to back. Runs of consecutive ids become one copy.
+absl::Status GatherBlocksToHost(const uint8_t* pool, int64_t block_bytes,
+                                const int32_t* block_ids, int32_t n_blocks, void* host,
+                                StreamHandle stream);
+absl::Status ScatterBlocksFromHost(const void* host, int64_t block_bytes,
+                                   const int32_t* block_ids, int32_t n_blocks, uint8_t* pool,
+                                   StreamHandle stream);
 
 }  // namespace kvserve::cuda

@@ -390,7 +390,9 @@ TEST_P(GrpcTest, GreedyGenerateMatchesGoldenAndStreams) {
     EXPECT_EQ(r.chunks_with_usage, 1);
     EXPECT_EQ(r.usage.prompt_tokens(), static_cast<int32_t>(c.prompt_ids.size()));
     EXPECT_EQ(r.usage.completion_tokens(), 48);
-    EXPECT_EQ(r.usage.cached_prompt_tokens(), 0);
+    // The prefix cache may serve some prompt tokens (the shared BOS at least,
+    // after the first case), never all of them: the last one is computed.
+    EXPECT_LT(r.usage.cached_prompt_tokens(), r.usage.prompt_tokens());
   }
 }
 

@@ -19,9 +19,10 @@
 namespace kvserve::kernels {
 namespace {
 
-const KvDType kAllCodecs[] = {KvDType::kF32,     KvDType::kF16,  KvDType::kBF16,
+const KvDType kAllCodecs[] = {KvDType::kF32,  KvDType::kF16,     KvDType::kBF16,
                               KvDType::kFp8E4M3, KvDType::kFp8E5M2, KvDType::kInt8,
-                              KvDType::kInt4};
+                              KvDType::kInt4, KvDType::kInt4G64, KvDType::kInt4Kivi,
+                              KvDType::kInt4KiviG64};
 
 std::vector<float> RoundTrip(KvDType t, const std::vector<float>& x) {
   const int32_t n = static_cast<int32_t>(x.size());
@@ -50,9 +51,14 @@ float Bound(KvDType t, const std::vector<float>& x, int32_t i) {
       return 1.0001f * std::max(a * 0x1p-3f, amax / kE5M2Max * 0x1p-17f);
     case KvDType::kInt8:  // half a step of amax / 127
       return 1.0001f * amax / 254.0f;
-    case KvDType::kInt4: {  // half a step of the group's range / 15, plus f16 scale/min rounding
-      const int32_t g0 = i / kInt4Group * kInt4Group;
-      const int32_t g1 = std::min<int32_t>(g0 + kInt4Group, static_cast<int32_t>(x.size()));
+    case KvDType::kInt4:
+    case KvDType::kInt4G64:
+    case KvDType::kInt4Kivi:
+    case KvDType::kInt4KiviG64: {  // (values) half a step of the group's range / 15, plus f16
+                                // scale/min rounding
+      const int32_t group = KvInt4GroupOf(t);
+      const int32_t g0 = i / group * group;
+      const int32_t g1 = std::min<int32_t>(g0 + group, static_cast<int32_t>(x.size()));
       const auto [lo, hi] = std::minmax_element(x.begin() + g0, x.begin() + g1);
       return (*hi - *lo) / 30.0f + (std::abs(*lo) + std::abs(*hi)) * 0x1p-9f;
     }
@@ -107,7 +113,7 @@ TEST_P(KvCodecTest, Avx2DecoderEqualsPlainLoop) {
     // int4 decodes as code * scale + min, which the compiler may fuse into
     // one FMA in the AVX2 unit: allow an ulp there, demand equality elsewhere.
     for (int32_t i = 0; i < n; ++i) {
-      if (t == KvDType::kInt4) {
+      if (KvIsInt4Rows(t)) {
         ASSERT_NEAR(got[i], want[i], 1e-6f * (1.0f + std::abs(want[i])))
             << "n=" << n << " i=" << i;
       } else {
@@ -173,6 +179,164 @@ TEST(KvCodecTest, ScalesLiveInTheBlock) {
   EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kF16), 16 * 3 * 128);
   EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kInt8), 16 * 3 * (64 + 4));
   EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kInt4), 16 * 3 * (32 + 8));
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kInt4G64), 16 * 3 * (32 + 4));
+  // int4-kivi: keys' 2 bytes per channel per block equal the values' 8
+  // bytes per row at block 16, head_dim 64; elsewhere the smaller half pads.
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kInt4Kivi), 16 * 3 * (32 + 8));
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(32, 3, 64, KvDType::kInt4Kivi), 3 * (32 * 32 + 32 * 8));
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(8, 3, 64, KvDType::kInt4Kivi), 3 * (8 * 32 + 2 * 64));
+  // int4-kivi-g64: equal halves at block 32 (4.5 bits a value).
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(32, 3, 64, KvDType::kInt4KiviG64), 3 * 32 * (32 + 4));
+  EXPECT_EQ(PagedKvView::HalfLayerBytes(16, 3, 64, KvDType::kInt4KiviG64), 3 * 16 * (32 + 8));
+}
+
+// int4-kivi keys of one (block, head): block_size rows appended in runs of
+// `run` keys (1 = decode, block_size = a prefill chunk), decoded back.
+struct KiviBlock {
+  int32_t bs, hd;
+  std::vector<uint8_t> codes, meta;
+  KiviBlock(int32_t block_size, int32_t head_dim, uint8_t fill)
+      : bs(block_size), hd(head_dim),
+        codes(block_size * KvRowBytes(KvDType::kInt4Kivi, head_dim), fill),
+        meta(kKiviKeyMetaBytes * head_dim, fill) {}
+  void Append(const std::vector<float>& x, int32_t run) {
+    for (int32_t s = 0; s < bs; s += run) {
+      AppendKiviKeys(&x[int64_t{s} * hd], hd, std::min(run, bs - s), s, hd, codes.data(),
+                     meta.data());
+    }
+  }
+  std::vector<float> Decode() const {
+    std::vector<float> scale(hd), offset(hd), y(int64_t{bs} * hd);
+    KiviKeyChannelParams(meta.data(), hd, scale.data(), offset.data());
+    const int64_t rb = KvRowBytes(KvDType::kInt4Kivi, hd);
+    for (int32_t r = 0; r < bs; ++r) {
+      DequantizeKiviKeyRow(&codes[r * rb], scale.data(), offset.data(), hd, &y[int64_t{r} * hd]);
+    }
+    return y;
+  }
+  float Step(int32_t c) const { return std::exp2((meta[2 * c] - 128) / 8.0f); }
+};
+
+// Keys like real ones: per-channel offsets and spreads that differ by
+// orders of magnitude (outlier channels), some channels far from zero.
+std::vector<float> KiviKeys(int32_t bs, int32_t hd, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> mean(hd), spread(hd), x(int64_t{bs} * hd);
+  for (int32_t c = 0; c < hd; ++c) {
+    mean[c] = c % 5 == 0 ? 20.0f * dist(rng) : 0.3f * dist(rng);
+    spread[c] = c % 7 == 0 ? 8.0f : (c % 3 == 0 ? 0.01f : 0.5f);
+  }
+  for (int32_t r = 0; r < bs; ++r) {
+    for (int32_t c = 0; c < hd; ++c) x[int64_t{r} * hd + c] = mean[c] + spread[c] * dist(rng);
+  }
+  return x;
+}
+
+TEST(KiviKeysTest, BlockAtOnceWithinHalfAStep) {
+  std::mt19937 rng(21);
+  for (int32_t hd : {8, 40, 64, 77}) {
+    for (int32_t bs : {1, 4, 16}) {
+      const std::vector<float> x = KiviKeys(bs, hd, rng);
+      KiviBlock b(bs, hd, 0);
+      b.Append(x, bs);
+      const std::vector<float> y = b.Decode();
+      for (int32_t c = 0; c < hd; ++c) {
+        float lo = x[c], hi = x[c];
+        for (int32_t r = 0; r < bs; ++r) {
+          lo = std::min(lo, x[int64_t{r} * hd + c]);
+          hi = std::max(hi, x[int64_t{r} * hd + c]);
+        }
+        // The chosen step is the first rung of the 1/8-octave ladder that
+        // covers the range (14 steps: the integer zero point may waste one)
+        // with the zero point inside int8.
+        const float need = std::max({(hi - lo) / 14.0f, -lo / 128.0f, hi / 142.0f});
+        ASSERT_LE(b.Step(c), std::max(1.0001f * std::exp2(1.0f / 8) * need, 0x1p-16f))
+            << "hd=" << hd << " bs=" << bs << " c=" << c;
+        for (int32_t r = 0; r < bs; ++r) {
+          const int64_t i = int64_t{r} * hd + c;
+          ASSERT_LE(std::abs(y[i] - x[i]), 0.5001f * b.Step(c))
+              << "hd=" << hd << " bs=" << bs << " c=" << c << " r=" << r;
+        }
+      }
+    }
+  }
+}
+
+TEST(KiviKeysTest, OneByOneStaysCloseToBlockAtOnce) {
+  // Decode appends one key at a time; a key that widens a channel's range
+  // re-encodes that channel's earlier codes. Each re-encoding adds at most
+  // half a step: the error stays within a few final steps, and the mean
+  // square error within a small factor of writing the block at once.
+  std::mt19937 rng(22);
+  double sq_once = 0, sq_one = 0;
+  for (int trial = 0; trial < 50; ++trial) {
+    const int32_t bs = 16, hd = 64;
+    const std::vector<float> x = KiviKeys(bs, hd, rng);
+    KiviBlock once(bs, hd, 0), one(bs, hd, 0);
+    once.Append(x, bs);
+    one.Append(x, 1);
+    const std::vector<float> y_once = once.Decode(), y_one = one.Decode();
+    for (int32_t r = 0; r < bs; ++r) {
+      for (int32_t c = 0; c < hd; ++c) {
+        const int64_t i = int64_t{r} * hd + c;
+        ASSERT_LE(std::abs(y_one[i] - x[i]), 2.0f * one.Step(c)) << "r=" << r << " c=" << c;
+        sq_once += (y_once[i] - x[i]) * (y_once[i] - x[i]);
+        sq_one += (y_one[i] - x[i]) * (y_one[i] - x[i]);
+      }
+    }
+  }
+  EXPECT_LT(sq_one, 3.0 * sq_once);
+  RecordProperty("mse_ratio", std::to_string(sq_one / sq_once));
+}
+
+TEST(KiviKeysTest, FreshBlockIgnoresWhatItHeld) {
+  // A block from the free list holds a previous owner's bytes: writing slot
+  // 0 must start afresh, whatever they were.
+  std::mt19937 rng(23);
+  const std::vector<float> x = KiviKeys(16, 40, rng);
+  for (int32_t run : {1, 5, 16}) {
+    KiviBlock clean(16, 40, 0), dirty(16, 40, 0xff);
+    clean.Append(x, run);
+    dirty.Append(x, run);
+    EXPECT_EQ(clean.codes, dirty.codes) << "run=" << run;
+    EXPECT_EQ(clean.meta, dirty.meta) << "run=" << run;
+  }
+}
+
+TEST(KiviKeysTest, ConstantAndZeroChannels) {
+  // A channel constant over the block decodes within its step (the zero
+  // point carries its offset); an all-zero block decodes to exact zeros.
+  for (float value : {0.0f, 1e-6f, -3.0f, 1234.5f}) {
+    std::vector<float> x(16 * 8, value);
+    KiviBlock b(16, 8, 0);
+    b.Append(x, 1);
+    for (float y : b.Decode()) {
+      EXPECT_LE(std::abs(y - value), std::max(std::abs(value) / 256.0f * 1.1f, 0x1p-17f))
+          << value;
+    }
+  }
+}
+
+TEST(KiviKeysTest, Avx2DecoderEqualsPlainLoop) {
+  if (!UseAvx2()) GTEST_SKIP() << "no AVX2";
+  std::mt19937 rng(24);
+  for (int32_t hd : {8, 40, 64, 77, 128}) {
+    const std::vector<float> x = KiviKeys(4, hd, rng);
+    KiviBlock b(4, hd, 0);
+    b.Append(x, 4);
+    std::vector<float> scale(hd), offset(hd), want(hd), got(hd);
+    KiviKeyChannelParams(b.meta.data(), hd, scale.data(), offset.data());
+    const int64_t rb = KvRowBytes(KvDType::kInt4Kivi, hd);
+    for (int32_t r = 0; r < 4; ++r) {
+      DequantizeKiviKeyRow(&b.codes[r * rb], scale.data(), offset.data(), hd, want.data());
+      internal::DequantizeKiviKeyRowAvx2(&b.codes[r * rb], scale.data(), offset.data(), hd,
+                                         got.data());
+      for (int32_t i = 0; i < hd; ++i) {
+        // code * scale + offset: an FMA may round once instead of twice.
+        ASSERT_NEAR(got[i], want[i], 1e-6f * (1.0f + std::abs(want[i]))) << "hd=" << hd;
+      }
+    }
+  }
 }
 
 // Attention over a quantized cache against attention over the same K/V in
@@ -181,6 +345,7 @@ TEST(KvCodecTest, ScalesLiveInTheBlock) {
 struct AttnCase {
   KvDType dtype;
   double max_rel_rms;
+  int32_t run = 300;  // tokens per AppendKv call
 };
 
 class QuantizedAttentionTest : public ::testing::TestWithParam<AttnCase> {};
@@ -201,7 +366,7 @@ TEST_P(QuantizedAttentionTest, CloseToF32Attention) {
   const int32_t offsets[2] = {0, n_blocks};
   std::vector<int32_t> seq(kLen, 0), pos(kLen);
   std::iota(pos.begin(), pos.end(), 0);
-  auto attend = [&](KvDType t) {
+  auto attend = [&](KvDType t, int32_t run) {
     PagedKvView view;
     view.block_size = kBs;
     view.n_kv_heads = kKvHeads;
@@ -214,15 +379,19 @@ TEST_P(QuantizedAttentionTest, CloseToF32Attention) {
     view.block_ids = ids.data();
     view.seq_block_offsets = offsets;
     view.n_seqs = 1;
-    AppendKv(view, 0, kLen, seq.data(), pos.data(), k.data(), row, v.data(), row);
+    // run = 1 appends token by token as decode does; kLen as one prefill.
+    for (int32_t p = 0; p < kLen; p += run) {
+      AppendKv(view, 0, std::min(run, kLen - p), seq.data(), pos.data() + p, &k[p * row], row,
+               &v[p * row], row);
+    }
     const int32_t tseq = 0, tpos = kLen - 1;
     AttentionBatch batch{1, &tseq, &tpos, kKvHeads * kGqa, 1.0f / 8.0f};
     std::vector<float> out(q.size());
     PagedAttention(view, 0, batch, q.data(), 0, out.data(), 0, nullptr);
     return out;
   };
-  const std::vector<float> want = attend(KvDType::kF32);
-  const std::vector<float> got = attend(c.dtype);
+  const std::vector<float> want = attend(KvDType::kF32, kLen);
+  const std::vector<float> got = attend(c.dtype, c.run);
   double err = 0, norm = 0;
   for (size_t i = 0; i < want.size(); ++i) {
     err += (got[i] - want[i]) * (got[i] - want[i]);
@@ -237,9 +406,13 @@ INSTANTIATE_TEST_SUITE_P(
     Codecs, QuantizedAttentionTest,
     ::testing::Values(AttnCase{KvDType::kF16, 2e-3}, AttnCase{KvDType::kBF16, 1e-2},
                       AttnCase{KvDType::kInt8, 2e-2}, AttnCase{KvDType::kFp8E4M3, 6e-2},
-                      AttnCase{KvDType::kFp8E5M2, 1.2e-1}, AttnCase{KvDType::kInt4, 2e-1}),
+                      AttnCase{KvDType::kFp8E5M2, 1.2e-1}, AttnCase{KvDType::kInt4, 2e-1},
+                      AttnCase{KvDType::kInt4G64, 2.5e-1}, AttnCase{KvDType::kInt4Kivi, 2e-1},
+                      AttnCase{KvDType::kInt4Kivi, 2.5e-1, 1},
+                      AttnCase{KvDType::kInt4KiviG64, 2.5e-1}),
     [](const ::testing::TestParamInfo<AttnCase>& info) {
       std::string name(KvDTypeName(info.param.dtype));
+      if (info.param.run == 1) name += "_one_by_one";
       std::replace(name.begin(), name.end(), '-', '_');
       return name;
     });

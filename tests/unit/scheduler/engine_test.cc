@@ -90,6 +90,14 @@ void RunToCompletion(Engine& e) {
   }
 }
 
+// Blocks that are free or could be freed at once: what no running sequence
+// holds. With the prefix cache on, finished sequences leave their full
+// blocks cached (and evictable) instead of free, so a leak check counts both.
+int32_t Reclaimable(const Engine& e) {
+  return e.kv_pool().num_free_blocks() +
+         (e.prefix_cache() ? e.prefix_cache()->num_evictable_blocks() : 0);
+}
+
 std::vector<std::vector<int32_t>> Prompts(const Tokenizer& tok, int count, uint32_t seed) {
   const std::string text =
       "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -139,7 +147,7 @@ void ExpectConcurrentEqualsAlone(const Model& m, int count, int max_tokens, int3
     if (blocks == pressure_blocks && expect_preemption) {
       EXPECT_GT(st.preemptions, 0);
     }
-    EXPECT_EQ(e->kv_pool().num_free_blocks(), blocks) << "blocks leaked";
+    EXPECT_EQ(Reclaimable(*e), blocks) << "blocks leaked";
     EXPECT_EQ(st.requests_finished, count);
   }
 }
@@ -191,7 +199,7 @@ TEST(EngineTest, ParallelSamplesShareThePromptBlocksAndAreReproducible) {
   ASSERT_TRUE(e->Step());  // first decode: the shared partial block is copied, 3 times
   EXPECT_EQ(e->kv_pool().num_blocks() - e->kv_pool().num_free_blocks(), 5 + 4);
   RunToCompletion(*e);
-  EXPECT_EQ(e->kv_pool().num_free_blocks(), 64);
+  EXPECT_EQ(Reclaimable(*e), 64);
   // Each sample equals a single-sample request seeded with seed + index.
   for (int i = 0; i < 4; ++i) {
     auto single = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
@@ -222,7 +230,7 @@ TEST(EngineTest, CancelFreesEveryBlockAtOnce) {
   EXPECT_FALSE(c.finish.count(Key(b, 0))) << "the other request is undisturbed";
   e->Cancel(b);
   e->Step();
-  EXPECT_EQ(e->kv_pool().num_free_blocks(), 64);
+  EXPECT_EQ(Reclaimable(*e), 64);
   EXPECT_EQ(e->Stats().requests_cancelled, 2);
 }
 
@@ -237,7 +245,7 @@ TEST(EngineTest, ExpiredDeadlineFinishesTheRequest) {
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   RunToCompletion(*e);
   EXPECT_EQ(c.finish[Key(id, 0)], FinishReason::kDeadline);
-  EXPECT_EQ(e->kv_pool().num_free_blocks(), 64);
+  EXPECT_EQ(Reclaimable(*e), 64);
 }
 
 TEST(EngineTest, HigherPriorityIsAdmittedFirst) {
@@ -323,7 +331,259 @@ TEST(EngineTest, EngineThreadServesManySubmittingThreads) {
   ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return done == 40; }));
   lock.unlock();
   e->Stop();
-  EXPECT_EQ(e->kv_pool().num_free_blocks(), 128);
+  EXPECT_EQ(Reclaimable(*e), 128);
+}
+
+// ---- Prefix cache -------------------------------------------------------
+
+// A shared prefix (a system prompt) followed by distinct questions, each at
+// least a block long so every request fills the block that ends the prefix.
+std::vector<std::vector<int32_t>> SharedPrefixPrompts(const Tokenizer& tok, int count,
+                                                      size_t* prefix_len) {
+  std::vector<int32_t> prefix = tok.Encode(
+      "You are a helpful assistant. Answer briefly and kindly. Once upon a time there was a "
+      "little girl named Lily who loved the park.",
+      tok.add_bos_default(), false);
+  *prefix_len = prefix.size();
+  const char* questions[] = {"What did Lily see in the park that day?",
+                             "Where does the little girl like to play?",
+                             "Why did her mother call her home so soon?",
+                             "How fast could Lily run to the big red ball?",
+                             "Who were the friends that came to the park?",
+                             "Tell me a story about a dog and a cat."};
+  std::vector<std::vector<int32_t>> out;
+  for (int i = 0; i < count; ++i) {
+    std::vector<int32_t> p = prefix;
+    std::vector<int32_t> q = tok.Encode(questions[i % 6], false, false);
+    // Distinct first tokens after the prefix: the match ends exactly there.
+    q.insert(q.begin(), static_cast<int32_t>(10 + i));
+    while (q.size() < 20) q.push_back(static_cast<int32_t>(20 + (q.size() * 7 + i) % 50));
+    p.insert(p.end(), q.begin(), q.end());
+    out.push_back(p);
+  }
+  return out;
+}
+
+struct PrefixRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<int32_t> cached;  // cached_tokens each request reported
+  EngineStats stats;
+};
+
+// The first request alone, then the rest together; greedy.
+PrefixRun RunSharedPrefix(const Model& m, const std::vector<std::vector<int32_t>>& prompts,
+                          bool prefix_cache, int max_tokens) {
+  EngineOptions o = Opts(512, 64, 64);
+  o.block_size = 8;
+  o.prefix_cache = prefix_cache;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  std::mutex mu;
+  std::map<uint64_t, int32_t> cached;
+  Collector c;
+  auto collect = c.Callback();
+  auto cb = [&](const SeqEvent& ev) {
+    collect(ev);
+    std::lock_guard<std::mutex> lock(mu);
+    cached[ev.request_id] = ev.cached_tokens;
+  };
+  std::vector<uint64_t> ids;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SamplingParams p = Greedy(max_tokens);
+    p.ignore_eos = true;
+    ids.push_back(e->Submit({prompts[i], p}, cb).value());
+    if (i == 0) RunToCompletion(*e);
+  }
+  RunToCompletion(*e);
+  PrefixRun r;
+  for (uint64_t id : ids) {
+    r.tokens.push_back(c.tokens[Key(id, 0)]);
+    r.cached.push_back(cached[id]);
+  }
+  r.stats = e->Stats();
+  EXPECT_EQ(Reclaimable(*e), 512) << "blocks leaked";
+  if (prefix_cache) {
+    auto cleared = e->ClearPrefixCache();
+    e->Step();
+    EXPECT_EQ(cleared.get(), r.stats.prefix_cached_blocks);
+  }
+  EXPECT_EQ(e->kv_pool().num_free_blocks(), 512) << "blocks leaked";
+  return r;
+}
+
+void ExpectPrefixCacheChangesNothingButWork(const Model& m, int max_tokens) {
+  size_t prefix_len = 0;
+  const auto prompts = SharedPrefixPrompts(*m.tokenizer, 6, &prefix_len);
+  const PrefixRun off = RunSharedPrefix(m, prompts, false, max_tokens);
+  const PrefixRun on = RunSharedPrefix(m, prompts, true, max_tokens);
+  EXPECT_EQ(on.tokens, off.tokens) << "greedy output changed with the prefix cache";
+  int64_t total = 0, suffixes = 0;
+  for (const auto& p : prompts) {
+    total += static_cast<int64_t>(p.size());
+    suffixes += static_cast<int64_t>(p.size() - prefix_len);
+  }
+  EXPECT_EQ(off.stats.prompt_tokens_total, total);
+  // The prefix is computed once, by the first request; the others compute
+  // only their own questions (the block ending the prefix is shared partly,
+  // by copy-on-write).
+  EXPECT_EQ(on.stats.prompt_tokens_total, static_cast<int64_t>(prefix_len) + suffixes);
+  EXPECT_EQ(on.cached[0], 0);
+  for (size_t i = 1; i < prompts.size(); ++i) {
+    EXPECT_EQ(on.cached[i], static_cast<int32_t>(prefix_len)) << "request " << i;
+  }
+  EXPECT_EQ(on.stats.prefix_queries, 6);
+  EXPECT_EQ(on.stats.prefix_query_tokens, total);
+  EXPECT_EQ(on.stats.prefix_hit_tokens, 5 * static_cast<int64_t>(prefix_len));
+  EXPECT_FALSE(off.stats.prefix_cache_enabled);
+  EXPECT_EQ(off.cached, std::vector<int32_t>(6, 0));
+}
+
+TEST(EnginePrefixCacheTest, TinyModelSameTokensPrefixComputedOnce) {
+  ExpectPrefixCacheChangesNothingButWork(Tiny(), 12);
+}
+
+TEST(EnginePrefixCacheTest, Stories260KSameTokensPrefixComputedOnce) {
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  static const Model m = Load(path);
+  ExpectPrefixCacheChangesNothingButWork(m, 16);
+}
+
+TEST(EnginePrefixCacheTest, SmolLM2SameTokensPrefixComputedOnce) {
+  const std::string path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(path, "SmolLM2 (run deploy/setup.sh)");
+  static const Model m = Load(path);
+  ExpectPrefixCacheChangesNothingButWork(m, 8);
+}
+
+// Runs one request to completion and returns the cached_tokens it reported.
+int32_t CachedTokensOf(Engine& e, const std::vector<int32_t>& prompt, const std::string& salt) {
+  int32_t cached = -1;
+  EngineRequest r{prompt, Greedy(2)};
+  r.cache_salt = salt;
+  EXPECT_TRUE(e.Submit(r, [&](const SeqEvent& ev) { cached = ev.cached_tokens; }).ok());
+  RunToCompletion(e);
+  return cached;
+}
+
+TEST(EnginePrefixCacheTest, SaltsIsolateTenants) {
+  const Model& m = Tiny();
+  EngineOptions o = Opts(128);
+  o.block_size = 4;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  std::vector<int32_t> prompt = Prompts(*m.tokenizer, 1, 11)[0];
+  ASSERT_GE(prompt.size(), 17u);
+  prompt.resize(17);  // 17 + 1 computed tokens fill 4 blocks: 16 cacheable
+  EXPECT_EQ(CachedTokensOf(*e, prompt, "tenant-a"), 0);
+  EXPECT_EQ(CachedTokensOf(*e, prompt, "tenant-b"), 0) << "another salt must not see a's blocks";
+  EXPECT_EQ(CachedTokensOf(*e, prompt, ""), 0) << "nor the unsalted namespace";
+  EXPECT_EQ(CachedTokensOf(*e, prompt, "tenant-a"), static_cast<int32_t>(prompt.size()) - 1);
+  EXPECT_EQ(CachedTokensOf(*e, prompt, "tenant-b"), static_cast<int32_t>(prompt.size()) - 1);
+}
+
+TEST(EnginePrefixCacheTest, CachedBlocksAreEvictedBeforeAnyPreemption) {
+  const Model& m = Tiny();
+  EngineOptions o = Opts(24, 512, 8);
+  o.block_size = 4;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  // Fill the cache with finished requests.
+  for (int i = 0; i < 4; ++i) CachedTokensOf(*e, std::vector<int32_t>(13, 20 + i), "");
+  ASSERT_GT(e->Stats().prefix_cached_blocks, 0);
+  // Two long requests that need the whole pool between them.
+  Collector c;
+  SamplingParams p = Greedy(40);
+  p.ignore_eos = true;
+  std::vector<int32_t> a(7, 5), b(7, 9);
+  ASSERT_TRUE(e->Submit({a, p}, c.Callback()).ok());
+  ASSERT_TRUE(e->Submit({b, p}, c.Callback()).ok());
+  RunToCompletion(*e);
+  const EngineStats st = e->Stats();
+  EXPECT_EQ(st.preemptions, 0) << "idle cached blocks must go first";
+  EXPECT_GT(st.prefix_evicted_blocks, 0);
+  EXPECT_EQ(Reclaimable(*e), 24);
+}
+
+TEST(EnginePrefixCacheTest, PreemptedSequenceResumesFromItsCachedBlocks) {
+  const Model& m = Tiny();
+  // Disjoint prompts, so only a sequence's own blocks can serve its recompute.
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 8; ++i) prompts.push_back(std::vector<int32_t>(12, 10 + i));
+  int64_t computed[2];
+  std::vector<std::vector<int32_t>> outputs[2];
+  for (int on = 0; on < 2; ++on) {
+    EngineOptions o = Opts(20, 48, 64);
+    o.block_size = 4;
+    o.prefix_cache = on == 1;
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+    Collector c;
+    std::vector<uint64_t> ids;
+    for (const auto& p : prompts) {
+      SamplingParams sp = Greedy(16);
+      sp.ignore_eos = true;
+      ids.push_back(e->Submit({p, sp}, c.Callback()).value());
+    }
+    RunToCompletion(*e);
+    EXPECT_GT(e->Stats().preemptions, 0);
+    computed[on] = e->Stats().prompt_tokens_total;
+    for (uint64_t id : ids) outputs[on].push_back(c.tokens[Key(id, 0)]);
+    EXPECT_EQ(Reclaimable(*e), 20);
+  }
+  EXPECT_EQ(outputs[1], outputs[0]);
+  EXPECT_LT(computed[1], computed[0]) << "recompute should reuse cached blocks";
+}
+
+TEST(EnginePrefixCacheTest, LongestPrefixMatchAdmitsTheCachedPromptFirst) {
+  const Model& m = Tiny();
+  std::vector<int32_t> cached_prompt(24, 7), other1(24, 8), other2(24, 9);
+  cached_prompt.push_back(3);
+  for (auto policy : {EngineOptions::SchedulePolicy::kFcfs, EngineOptions::SchedulePolicy::kLpm}) {
+    EngineOptions o = Opts(128, 512, 1);
+    o.block_size = 4;
+    o.schedule_policy = policy;
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+    CachedTokensOf(*e, std::vector<int32_t>(cached_prompt.begin(), cached_prompt.end() - 1), "");
+    std::vector<uint64_t> order;
+    auto cb = [&](const SeqEvent& ev) {
+      if (ev.finish != FinishReason::kNone) order.push_back(ev.request_id);
+    };
+    const uint64_t a = e->Submit({other1, Greedy(2)}, cb).value();
+    const uint64_t b = e->Submit({other2, Greedy(2)}, cb).value();
+    const uint64_t c = e->Submit({cached_prompt, Greedy(2)}, cb).value();
+    RunToCompletion(*e);
+    const std::vector<uint64_t> want =
+        policy == EngineOptions::SchedulePolicy::kLpm ? std::vector<uint64_t>{c, a, b}
+                                                      : std::vector<uint64_t>{a, b, c};
+    EXPECT_EQ(order, want);
+  }
+  EXPECT_FALSE(ParseSchedulePolicy("random").ok());
+}
+
+TEST(EnginePrefixCacheTest, ClearDropsIdleBlocksButNotRunningOnes) {
+  const Model& m = Tiny();
+  EngineOptions o = Opts(64);
+  o.block_size = 4;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  const std::vector<int32_t> prompt(17, 6);
+  CachedTokensOf(*e, prompt, "");
+  Collector c;
+  SamplingParams p = Greedy(30);
+  p.ignore_eos = true;
+  const uint64_t id = e->Submit({prompt, p}, c.Callback()).value();
+  e->Step();
+  auto cleared = e->ClearPrefixCache();
+  e->Step();
+  EXPECT_EQ(cleared.get(), 4) << "the four full prompt blocks";
+  EXPECT_EQ(e->Stats().prefix_cached_blocks, e->prefix_cache()->num_cached_blocks());
+  RunToCompletion(*e);
+  EXPECT_EQ(c.finish[Key(id, 0)], FinishReason::kLength);
+  EXPECT_EQ(c.tokens[Key(id, 0)].size(), 30u);
+  EXPECT_EQ(Reclaimable(*e), 64);
+
+  EngineOptions off = o;
+  off.prefix_cache = false;
+  auto e2 = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), off).value();
+  auto none = e2->ClearPrefixCache();
+  e2->Step();
+  EXPECT_EQ(none.get(), -1);
 }
 
 }  // namespace

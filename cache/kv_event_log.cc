@@ -1,0 +1,135 @@
+#include "cache/kv_event_log.h"
+
+#include <utility>
+
+namespace kvserve {
+
+KvEventLog::KvEventLog(size_t retain) : retain_(retain) {}
+
+KvEventLog::~KvEventLog() { Close(); }
+
+void KvEventLog::Publish(std::vector<KvCacheEvent> events) {
+  if (events.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (KvCacheEvent& e : events) {
+      ApplyLocked(e);
+      if (retain_ == 0) {
+        ++last_;
+        continue;
+      }
+      window_.push_back(SequencedKvEvent{++last_, std::move(e)});
+      if (window_.size() > retain_) window_.pop_front();
+    }
+  }
+  cv_.notify_all();
+}
+
+void KvEventLog::ApplyLocked(const KvCacheEvent& e) {
+  switch (e.kind) {
+    case KvCacheEvent::Kind::kBlockStored: {
+      // A hash already present keeps its place: its children, if any, were
+      // stored after it, so the original position stays parents-first.
+      auto [it, inserted] = replica_.try_emplace(e.block_hash);
+      if (!inserted) return;
+      it->second.parent = e.parent_hash;
+      it->second.tokens = e.token_ids;
+      it->second.order = replica_order_.size();
+      replica_order_.push_back(e.block_hash);
+      return;
+    }
+    case KvCacheEvent::Kind::kBlockRemoved:
+      replica_.erase(e.block_hash);
+      // Stale entries in replica_order_ are skipped by SnapshotLocked and
+      // dropped here once they outnumber the live ones.
+      if (replica_order_.size() > 2 * replica_.size() + 1024) CompactOrderLocked();
+      return;
+    case KvCacheEvent::Kind::kAllCleared:
+      replica_.clear();
+      replica_order_.clear();
+      return;
+  }
+}
+
+void KvEventLog::CompactOrderLocked() {
+  std::vector<uint64_t> order;
+  order.reserve(replica_.size());
+  for (size_t i = 0; i < replica_order_.size(); ++i) {
+    auto it = replica_.find(replica_order_[i]);
+    // A hash removed and stored again appears twice; only the entry of its
+    // latest store is live (the earlier one may precede its new parent).
+    if (it == replica_.end() || it->second.order != i) continue;
+    it->second.order = order.size();
+    order.push_back(replica_order_[i]);
+  }
+  replica_order_ = std::move(order);
+}
+
+std::vector<KvCacheEvent> KvEventLog::SnapshotLocked() const {
+  std::vector<KvCacheEvent> out;
+  out.reserve(replica_.size());
+  for (size_t i = 0; i < replica_order_.size(); ++i) {
+    auto it = replica_.find(replica_order_[i]);
+    if (it == replica_.end() || it->second.order != i) continue;
+    KvCacheEvent e;
+    e.kind = KvCacheEvent::Kind::kBlockStored;
+    e.block_hash = it->first;
+    e.parent_hash = it->second.parent;
+    e.token_ids = it->second.tokens;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+KvEventRead KvEventLog::Read(uint64_t after, size_t max_events, std::chrono::milliseconds wait) {
+  KvEventRead out;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (after == last_ && !closed_ && wait.count() > 0) {
+    cv_.wait_for(lock, wait, [&] { return closed_ || last_ != after; });
+  }
+  if (closed_) {
+    out.closed = true;
+    return out;
+  }
+  if (after == last_) return out;  // nothing new yet
+  const uint64_t oldest = window_.empty() ? 0 : window_.front().sequence;
+  if (after > last_ || oldest == 0 || after + 1 < oldest) {
+    // The reader's position is gone from the window (or was never ours, as
+    // after a daemon restart): start it over from the whole index.
+    out.is_snapshot = true;
+    out.snapshot_sequence = last_;
+    out.snapshot = SnapshotLocked();
+    return out;
+  }
+  const size_t begin = static_cast<size_t>(after + 1 - oldest);
+  size_t end = window_.size();
+  if (max_events > 0 && end - begin > max_events) end = begin + max_events;
+  out.events.reserve(end - begin);
+  for (size_t i = begin; i < end; ++i) out.events.push_back(window_[i]);
+  return out;
+}
+
+void KvEventLog::Close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+}
+
+uint64_t KvEventLog::last_sequence() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_;
+}
+
+uint64_t KvEventLog::oldest_retained() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return window_.empty() ? 0 : window_.front().sequence;
+}
+
+size_t KvEventLog::replica_size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return replica_.size();
+}
+
+}  // namespace kvserve

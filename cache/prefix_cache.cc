@@ -1,0 +1,454 @@
+#include "cache/prefix_cache.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <tuple>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
+
+namespace kvserve {
+namespace {
+
+class SteadyClockImpl final : public Clock {
+ public:
+  int64_t NowNanos() override {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+};
+
+class LruPolicy final : public EvictionPolicy {
+ public:
+  const char* name() const override { return "lru"; }
+  double Key(const CachedBlockInfo& b) const override {
+    return static_cast<double>(b.last_access_ns);
+  }
+};
+
+// Blocks up to this many tokens hash from a stack buffer; bigger ones (no
+// model we serve uses them) take one heap allocation per hash.
+constexpr int32_t kStackHashTokens = 256;
+
+// The chained hash of one block: XXH3_64bits over the parent's hash (8 bytes,
+// host order) followed by the block's tokens (int32, host order). Chaining
+// makes a hash name the whole prefix, not just the block's own tokens, so a
+// router can key its replica by hash alone.
+uint64_t ChainHash(uint64_t parent_hash, absl::Span<const int32_t> tokens) {
+  const size_t token_bytes = tokens.size() * sizeof(int32_t);
+  const size_t n = sizeof(parent_hash) + token_bytes;
+  if (tokens.size() <= static_cast<size_t>(kStackHashTokens)) {
+    alignas(8) unsigned char buf[sizeof(uint64_t) + kStackHashTokens * sizeof(int32_t)];
+    std::memcpy(buf, &parent_hash, sizeof(parent_hash));
+    if (token_bytes > 0) std::memcpy(buf + sizeof(parent_hash), tokens.data(), token_bytes);
+    return XXH3_64bits(buf, n);
+  }
+  std::vector<unsigned char> buf(n);
+  std::memcpy(buf.data(), &parent_hash, sizeof(parent_hash));
+  std::memcpy(buf.data() + sizeof(parent_hash), tokens.data(), token_bytes);
+  return XXH3_64bits(buf.data(), n);
+}
+
+// Debian's Abseil has its own string_view, which the maps' heterogeneous
+// lookup needs.
+absl::string_view AbslView(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// Leading tokens a and b share.
+int32_t SharedPrefix(absl::Span<const int32_t> a, absl::Span<const int32_t> b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return static_cast<int32_t>(i);
+}
+
+}  // namespace
+
+Clock* SteadyClock() {
+  static SteadyClockImpl clock;
+  return &clock;
+}
+
+std::unique_ptr<EvictionPolicy> MakeLruPolicy() { return std::make_unique<LruPolicy>(); }
+
+// One cached block, or a namespace root (parent == nullptr, no block, no
+// tokens). Nodes sit on an intrusive list in insertion order; since a node is
+// only ever created under an existing parent, that order is also a
+// topological one (parents first), which Dump and num_evictable_blocks use
+// instead of recursion (a long multi-turn chain is thousands of levels deep).
+struct PrefixCache::Node {
+  uint64_t hash = 0;
+  Node* parent = nullptr;
+  BlockHandle block;
+  std::vector<int32_t> tokens;
+  // Unordered (removal swaps with the last, so it is O(1) even under a root
+  // with thousands of children); ties are broken by seq, never by position.
+  std::vector<Node*> children;
+  int32_t index_in_parent = 0;  // where this node sits in parent->children
+  int64_t last_access_ns = 0;
+  int64_t hits = 0;
+  int32_t depth = 0;
+  uint64_t seq = 0;  // insertion order: the policy's tie-break
+  Node* prev = nullptr;
+  Node* next = nullptr;
+  bool blocked = false;  // scratch for num_evictable_blocks
+  std::string salt;      // roots only: their key in Impl::roots
+};
+
+struct PrefixCache::Impl {
+  KvPool* pool = nullptr;
+  PrefixCacheOptions options;
+  Clock* clock = nullptr;
+  std::string root_key_prefix;  // length-prefixed model identity; salt follows
+
+  // Roots by salt (exact string keys, so namespaces never merge on a hash).
+  absl::flat_hash_map<std::string, std::unique_ptr<Node>> roots;
+  // Every block node by chained hash: the child lookup. A hit is verified
+  // (same parent, same tokens) before it is trusted.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Node>> nodes;
+  Node* oldest = nullptr;  // insertion-order list
+  Node* newest = nullptr;
+  uint64_t next_seq = 1;
+  PrefixCacheStats stats;
+
+  uint64_t RootHash(std::string_view salt) const {
+    std::string key = root_key_prefix;
+    key.append(salt);
+    return XXH3_64bits(key.data(), key.size());
+  }
+
+  const Node* FindRoot(std::string_view salt) const {
+    auto it = roots.find(AbslView(salt));
+    return it == roots.end() ? nullptr : it->second.get();
+  }
+
+  Node* GetOrCreateRoot(std::string_view salt) {
+    auto it = roots.find(AbslView(salt));
+    if (it != roots.end()) return it->second.get();
+    auto root = std::make_unique<Node>();
+    root->hash = RootHash(salt);
+    root->salt = std::string(salt);
+    Node* raw = root.get();
+    roots.emplace(std::string(salt), std::move(root));
+    return raw;
+  }
+
+  // The child of parent holding exactly `tokens`, or nullptr. A hash hit on a
+  // node elsewhere in the tree or with other tokens is a 64-bit collision and
+  // counts as a miss.
+  Node* FindChild(const Node* parent, absl::Span<const int32_t> tokens, uint64_t hash) const {
+    auto it = nodes.find(hash);
+    if (it == nodes.end()) return nullptr;
+    Node* n = it->second.get();
+    if (n->parent != parent || absl::Span<const int32_t>(n->tokens) != tokens) return nullptr;
+    return n;
+  }
+
+  // Walks the longest cached prefix of tokens[0, max_tokens) and calls
+  // visit(node) for each matched node in order (the partial one last).
+  // Returns the tokens covered.
+  template <typename Visit>
+  int32_t Walk(std::string_view salt, absl::Span<const int32_t> tokens, int32_t max_tokens,
+               Visit visit) const {
+    const Node* node = FindRoot(salt);
+    if (node == nullptr) return 0;
+    const int32_t bs = pool->block_size();
+    const int32_t limit =
+        std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
+    int32_t pos = 0;
+    while (pos + bs <= limit) {
+      const absl::Span<const int32_t> block = tokens.subspan(pos, bs);
+      Node* child = FindChild(node, block, ChainHash(node->hash, block));
+      if (child == nullptr) break;
+      visit(child);
+      node = child;
+      pos += bs;
+    }
+    if (pos == limit) return pos;
+    // Past the full blocks: the child sharing the most leading tokens with
+    // what is left (at most one block's worth, and never past the cap).
+    const absl::Span<const int32_t> rest = tokens.subspan(pos, std::min(bs, limit - pos));
+    Node* best = nullptr;
+    int32_t best_shared = 0;
+    for (Node* child : node->children) {
+      const int32_t shared = SharedPrefix(child->tokens, rest);
+      if (shared > best_shared || (shared == best_shared && shared > 0 && child->seq < best->seq)) {
+        best = child;
+        best_shared = shared;
+      }
+    }
+    if (best != nullptr) visit(best);
+    return pos + best_shared;
+  }
+
+  void Link(Node* n) {
+    n->prev = newest;
+    n->next = nullptr;
+    if (newest != nullptr) {
+      newest->next = n;
+    } else {
+      oldest = n;
+    }
+    newest = n;
+  }
+
+  void Unlink(Node* n) {
+    if (n->prev != nullptr) {
+      n->prev->next = n->next;
+    } else {
+      oldest = n->next;
+    }
+    if (n->next != nullptr) {
+      n->next->prev = n->prev;
+    } else {
+      newest = n->prev;
+    }
+  }
+
+  // True when the cache holds the block's only reference and nothing hangs
+  // below it: dropping it frees the block and orphans nothing.
+  bool Evictable(const Node* n) const {
+    return n->children.empty() && pool->ref_count(n->block) == 1;
+  }
+
+  CachedBlockInfo Info(const Node* n) const {
+    CachedBlockInfo info;
+    info.last_access_ns = n->last_access_ns;
+    info.hits = n->hits;
+    info.depth = n->depth;
+    info.hash = n->hash;
+    return info;
+  }
+
+  // Removes a leaf and releases its block. Drops the namespace root with its
+  // last child, so salts that come and go leave nothing behind.
+  void RemoveLeaf(Node* n) {
+    Node* parent = n->parent;
+    std::vector<Node*>& siblings = parent->children;
+    Node* moved = siblings.back();
+    siblings[n->index_in_parent] = moved;
+    moved->index_in_parent = n->index_in_parent;
+    siblings.pop_back();
+    Unlink(n);
+    pool->Release(n->block);
+    nodes.erase(n->hash);  // destroys n
+    if (parent->parent == nullptr && parent->children.empty()) {
+      const std::string salt = parent->salt;  // the key dies with the root
+      roots.erase(salt);
+    }
+  }
+
+  void Publish(std::vector<KvCacheEvent> events) {
+    if (options.events != nullptr && !events.empty()) options.events->Publish(std::move(events));
+  }
+
+  int32_t DropAll() {
+    const int32_t dropped = static_cast<int32_t>(nodes.size());
+    for (Node* n = oldest; n != nullptr; n = n->next) pool->Release(n->block);
+    nodes.clear();
+    roots.clear();
+    oldest = newest = nullptr;
+    return dropped;
+  }
+};
+
+PrefixCache::PrefixCache(KvPool* pool, PrefixCacheOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->pool = pool;
+  impl_->options = std::move(options);
+  impl_->clock = impl_->options.clock != nullptr ? impl_->options.clock : SteadyClock();
+  if (impl_->options.policy == nullptr) impl_->options.policy = MakeLruPolicy();
+  // The identity's length goes first so (identity, salt) splits one way only:
+  // ("ab", "c") and ("a", "bc") must not share a namespace.
+  const uint64_t len = impl_->options.model_identity.size();
+  impl_->root_key_prefix.assign(reinterpret_cast<const char*>(&len), sizeof(len));
+  impl_->root_key_prefix.append(impl_->options.model_identity);
+}
+
+PrefixCache::~PrefixCache() { impl_->DropAll(); }
+
+PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> tokens,
+                               int32_t max_tokens) {
+  Impl& m = *impl_;
+  PrefixMatch match;
+  const int64_t now = m.clock->NowNanos();
+  match.num_tokens = m.Walk(salt, tokens, max_tokens, [&](Node* n) {
+    m.pool->AddRef(n->block);
+    match.blocks.push_back(n->block);
+    n->last_access_ns = now;
+    ++n->hits;
+  });
+  ++m.stats.queries;
+  m.stats.query_tokens += std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
+  m.stats.hit_tokens += match.num_tokens;
+  return match;
+}
+
+int32_t PrefixCache::MatchLength(std::string_view salt, absl::Span<const int32_t> tokens,
+                                 int32_t max_tokens) const {
+  return impl_->Walk(salt, tokens, max_tokens, [](const Node*) {});
+}
+
+int32_t PrefixCache::Insert(std::string_view salt, absl::Span<const int32_t> tokens,
+                            absl::Span<const BlockHandle> blocks) {
+  Impl& m = *impl_;
+  const int32_t bs = m.pool->block_size();
+  const size_t n_blocks = std::min(tokens.size() / bs, blocks.size());
+  if (n_blocks == 0) return 0;
+  const int64_t now = m.clock->NowNanos();
+  Node* node = m.GetOrCreateRoot(salt);
+  std::vector<KvCacheEvent> events;
+  int32_t added = 0;
+  for (size_t i = 0; i < n_blocks; ++i) {
+    const absl::Span<const int32_t> block = tokens.subspan(i * bs, bs);
+    const uint64_t hash = ChainHash(node->hash, block);
+    auto it = m.nodes.find(hash);
+    if (it != m.nodes.end()) {
+      Node* existing = it->second.get();
+      if (existing->parent != node || absl::Span<const int32_t>(existing->tokens) != block) {
+        // A 64-bit collision with another prefix: two nodes cannot share a
+        // published hash, so this prefix (and what would hang below it)
+        // stays uncached.
+        break;
+      }
+      // Dedupe: the cached block already holds this K/V; keep it.
+      existing->last_access_ns = now;
+      node = existing;
+      continue;
+    }
+    auto owned = std::make_unique<Node>();
+    Node* child = owned.get();
+    child->hash = hash;
+    child->parent = node;
+    child->block = blocks[i];
+    child->tokens.assign(block.begin(), block.end());
+    child->last_access_ns = now;
+    child->depth = node->depth + 1;
+    child->seq = m.next_seq++;
+    m.pool->AddRef(child->block);
+    child->index_in_parent = static_cast<int32_t>(node->children.size());
+    node->children.push_back(child);
+    m.Link(child);
+    m.nodes.emplace(hash, std::move(owned));
+    if (m.options.events != nullptr) {
+      KvCacheEvent e;
+      e.kind = KvCacheEvent::Kind::kBlockStored;
+      e.block_hash = hash;
+      e.parent_hash = node->parent == nullptr ? 0 : node->hash;
+      e.token_ids = child->tokens;
+      events.push_back(std::move(e));
+    }
+    ++added;
+    node = child;
+  }
+  // A namespace that gained nothing (a lone collision) keeps no empty root.
+  if (node->parent == nullptr && node->children.empty()) {
+    m.roots.erase(AbslView(salt));
+  }
+  m.stats.inserted_blocks += added;
+  m.Publish(std::move(events));
+  return added;
+}
+
+int32_t PrefixCache::Evict(int32_t n) {
+  Impl& m = *impl_;
+  if (n <= 0 || m.nodes.empty()) return 0;
+  // Min-heap over (policy key, insertion order). Keys are computed once per
+  // call: nothing a policy reads changes while we evict.
+  using Entry = std::tuple<double, uint64_t, Node*>;
+  auto later = [](const Entry& a, const Entry& b) {
+    return std::tie(std::get<0>(a), std::get<1>(a)) > std::tie(std::get<0>(b), std::get<1>(b));
+  };
+  std::vector<Entry> heap;
+  for (Node* node = m.oldest; node != nullptr; node = node->next) {
+    if (m.Evictable(node)) heap.emplace_back(m.options.policy->Key(m.Info(node)), node->seq, node);
+  }
+  std::make_heap(heap.begin(), heap.end(), later);
+  std::vector<KvCacheEvent> events;
+  int32_t evicted = 0;
+  while (evicted < n && !heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    Node* victim = std::get<2>(heap.back());
+    heap.pop_back();
+    Node* parent = victim->parent;
+    if (m.options.events != nullptr) {
+      KvCacheEvent e;
+      e.kind = KvCacheEvent::Kind::kBlockRemoved;
+      e.block_hash = victim->hash;
+      events.push_back(std::move(e));
+    }
+    const bool parent_is_root = parent->parent == nullptr;
+    m.RemoveLeaf(victim);  // may destroy parent when it is an emptied root
+    ++evicted;
+    // The parent may just have become a leaf: a candidate in this same call.
+    if (!parent_is_root && m.Evictable(parent)) {
+      heap.emplace_back(m.options.policy->Key(m.Info(parent)), parent->seq, parent);
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  }
+  m.stats.evicted_blocks += evicted;
+  m.Publish(std::move(events));
+  return evicted;
+}
+
+int32_t PrefixCache::Clear() {
+  const int32_t dropped = impl_->DropAll();
+  if (impl_->options.events != nullptr) {
+    std::vector<KvCacheEvent> events(1);
+    events[0].kind = KvCacheEvent::Kind::kAllCleared;
+    impl_->options.events->Publish(std::move(events));
+  }
+  return dropped;
+}
+
+int32_t PrefixCache::num_cached_blocks() const {
+  return static_cast<int32_t>(impl_->nodes.size());
+}
+
+int32_t PrefixCache::num_evictable_blocks() const {
+  // A node is freeable by repeated eviction when neither it nor anything
+  // below it has an outside reference. Children come after their parents in
+  // insertion order, so one reverse pass settles each node before its parent.
+  const Impl& m = *impl_;
+  for (Node* n = m.oldest; n != nullptr; n = n->next) n->blocked = false;
+  int32_t count = 0;
+  for (Node* n = m.newest; n != nullptr; n = n->prev) {
+    if (m.pool->ref_count(n->block) != 1) n->blocked = true;
+    if (n->blocked) {
+      n->parent->blocked = true;  // roots are never read, so marking them is harmless
+    } else {
+      ++count;
+    }
+  }
+  return count;
+}
+
+PrefixCacheStats PrefixCache::stats() const {
+  PrefixCacheStats s = impl_->stats;
+  s.cached_blocks = num_cached_blocks();
+  return s;
+}
+
+const EvictionPolicy& PrefixCache::policy() const { return *impl_->options.policy; }
+
+std::vector<KvCacheEvent> PrefixCache::Dump() const {
+  std::vector<KvCacheEvent> out;
+  out.reserve(impl_->nodes.size());
+  for (const Node* n = impl_->oldest; n != nullptr; n = n->next) {
+    KvCacheEvent e;
+    e.kind = KvCacheEvent::Kind::kBlockStored;
+    e.block_hash = n->hash;
+    e.parent_hash = n->parent->parent == nullptr ? 0 : n->parent->hash;
+    e.token_ids = n->tokens;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+uint64_t PrefixCache::RootHash(std::string_view salt) const { return impl_->RootHash(salt); }
+
+}  // namespace kvserve

@@ -1,0 +1,163 @@
+// PrefixCache: a radix tree over the paged KV cache, at block granularity.
+// Each node is one full block of block_size tokens; a path from a namespace
+// root spells a cached token prefix, and each node holds one reference on the
+// pool block that stores that prefix's K/V. Namespaces separate what must
+// never be shared: the model identity and the request's cache_salt both seed
+// the root, so two salts never match each other's blocks.
+//
+// Pinning is the pool's reference count: Match hands back blocks with one
+// reference each, owned by the caller (a sequence's BlockTable). A cached
+// block is evictable only while the cache holds its sole reference and no
+// child hangs below it, so a pinned block can never be evicted, by
+// construction. Eviction takes evictable leaves in the order of an
+// EvictionPolicy (LRU by default, over an injectable clock).
+//
+// Every node also carries a stable 64-bit hash chained over its parent's hash
+// and its tokens (XXH3), which is what the KV event stream publishes, so a
+// router can keep an exact replica of the index.
+//
+// Not thread-safe: owned by the engine thread, like the pool.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "cache/kv_pool.h"
+
+namespace kvserve {
+
+// Monotonic time for LRU ordering; tests inject a manual clock.
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  virtual int64_t NowNanos() = 0;
+};
+// std::chrono::steady_clock.
+Clock* SteadyClock();
+
+// What an eviction policy may look at for one evictable block.
+struct CachedBlockInfo {
+  int64_t last_access_ns = 0;  // Match or Insert that touched the block last
+  int64_t hits = 0;            // Matches that used the block
+  int32_t depth = 0;           // 1 for a block directly under a namespace root
+  uint64_t hash = 0;
+};
+
+// Chooses eviction order among evictable leaves: smaller Key goes first.
+// Ties go to the block inserted earlier.
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual const char* name() const = 0;
+  virtual double Key(const CachedBlockInfo& b) const = 0;
+};
+std::unique_ptr<EvictionPolicy> MakeLruPolicy();
+
+// One change to the index, as the KV event stream publishes it.
+struct KvCacheEvent {
+  enum class Kind { kBlockStored, kBlockRemoved, kAllCleared };
+  Kind kind = Kind::kBlockStored;
+  uint64_t block_hash = 0;          // stored / removed
+  uint64_t parent_hash = 0;         // stored: 0 for a block under a namespace root
+  std::vector<int32_t> token_ids;   // stored: the block's tokens (block_size of them)
+};
+
+// Receives index changes, in order, on the engine thread; must not block.
+class KvEventSink {
+ public:
+  virtual ~KvEventSink() = default;
+  virtual void Publish(std::vector<KvCacheEvent> events) = 0;
+};
+
+struct PrefixCacheOptions {
+  std::string model_identity;        // seeds every namespace root hash
+  Clock* clock = nullptr;            // nullptr: SteadyClock()
+  std::unique_ptr<EvictionPolicy> policy;  // nullptr: LRU
+  KvEventSink* events = nullptr;     // optional
+};
+
+struct PrefixMatch {
+  std::vector<BlockHandle> blocks;  // one reference each, owned by the caller
+  int32_t num_tokens = 0;           // tokens covered; the last block may be partly used
+};
+
+struct PrefixCacheStats {
+  int64_t queries = 0;         // Match calls
+  int64_t query_tokens = 0;    // tokens offered to Match (after the max_tokens cap)
+  int64_t hit_tokens = 0;      // tokens Match returned
+  int64_t inserted_blocks = 0;
+  int64_t evicted_blocks = 0;
+  int32_t cached_blocks = 0;   // nodes in the tree now
+};
+
+class PrefixCache {
+ public:
+  // REQUIRES: pool outlives the cache.
+  PrefixCache(KvPool* pool, PrefixCacheOptions options);
+  ~PrefixCache();  // releases the cache's references (no events)
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  // The longest cached prefix of tokens[0, max_tokens), pinned for the
+  // caller. Full blocks match whole; past them, the child block sharing the
+  // most leading tokens with the rest is returned too and num_tokens counts
+  // only the shared tokens (the caller's BlockTable copies that block before
+  // writing into it). Touches every matched block for the policy.
+  // Equally good partial candidates: the block cached first wins.
+  // max_tokens <= 0 matches nothing.
+  PrefixMatch Match(std::string_view salt, absl::Span<const int32_t> tokens, int32_t max_tokens);
+  // The token count Match would return, without pinning or touching.
+  int32_t MatchLength(std::string_view salt, absl::Span<const int32_t> tokens,
+                      int32_t max_tokens) const;
+
+  // Caches the full blocks of a sequence: blocks[i] holds tokens
+  // [i * block_size, (i + 1) * block_size); only floor(tokens.size() /
+  // block_size) blocks are considered. A prefix block already cached under
+  // another pool block keeps the cached one (the caller's copy is not taken);
+  // a new node takes a reference on the caller's block. Returns the number of
+  // new nodes. Blocks past the full ones (the partial last) are ignored; with
+  // fewer blocks than full token blocks, only those are cached. Existing nodes
+  // on the path are touched. A (2^-64) hash collision with another prefix
+  // stops the walk there: that suffix stays uncached.
+  // REQUIRES: every considered block live.
+  int32_t Insert(std::string_view salt, absl::Span<const int32_t> tokens,
+                 absl::Span<const BlockHandle> blocks);
+
+  // Frees up to n evictable blocks back to the pool, in policy order (a
+  // parent becomes a candidate once its last child is gone). Returns how
+  // many were freed. Scans every node: O(N log N) per call.
+  int32_t Evict(int32_t n);
+  // Forgets every node and drops the cache's references (pinned blocks stay
+  // with their holders). Publishes AllCleared (even when already empty).
+  // Returns the nodes dropped.
+  int32_t Clear();
+
+  int32_t num_cached_blocks() const;
+  // Blocks Evict could free now (leaves and chains with no outside reference).
+  // O(N): reads the pool's reference count of every node.
+  int32_t num_evictable_blocks() const;
+  PrefixCacheStats stats() const;
+  const EvictionPolicy& policy() const;
+
+  // Every node as a BlockStored event, parents before children (the snapshot
+  // a new subscriber starts from, and what tests compare replicas with).
+  std::vector<KvCacheEvent> Dump() const;
+
+  // The root hash of a namespace (model identity + salt); the parent hash
+  // published for depth-1 blocks is 0, this is what their own hash chains on.
+  // Root: XXH3_64bits(u64 length of model_identity, model_identity, salt).
+  // Block: XXH3_64bits(parent's hash as 8 bytes, then its int32 tokens), all
+  // in host byte order (little-endian on every machine we run on).
+  uint64_t RootHash(std::string_view salt) const;
+
+ private:
+  struct Node;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvserve

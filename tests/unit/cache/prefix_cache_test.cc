@@ -1,0 +1,838 @@
+#include "cache/prefix_cache.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cache/kv_pool.h"
+#include "gtest/gtest.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int32_t kBlockSize = 4;
+
+KvPoolOptions TinyPool(int32_t blocks) {
+  KvPoolOptions o;
+  o.n_layers = 1;
+  o.n_kv_heads = 1;
+  o.head_dim = 4;
+  o.block_size = kBlockSize;
+  o.n_blocks = blocks;
+  return o;
+}
+
+class FakeClock : public Clock {
+ public:
+  int64_t NowNanos() override { return now; }
+  int64_t now = 0;
+};
+
+class RecordingSink : public KvEventSink {
+ public:
+  void Publish(std::vector<KvCacheEvent> events) override { batches.push_back(std::move(events)); }
+  std::vector<std::vector<KvCacheEvent>> batches;
+};
+
+// What the hash of a block under `parent` must be, computed independently of
+// the cache: XXH3 over the parent hash's bytes then the tokens' bytes.
+uint64_t ExpectedHash(uint64_t parent, const std::vector<int32_t>& tokens) {
+  std::vector<unsigned char> buf(sizeof(parent) + tokens.size() * sizeof(int32_t));
+  std::memcpy(buf.data(), &parent, sizeof(parent));
+  std::memcpy(buf.data() + sizeof(parent), tokens.data(), tokens.size() * sizeof(int32_t));
+  return XXH3_64bits(buf.data(), buf.size());
+}
+
+// A per-block content tag kept in the block's own memory, so a block that was
+// freed and handed to someone else shows up as a changed tag.
+void WriteTag(KvPool& pool, BlockHandle h, uint64_t tag) {
+  const kernels::PagedKvView v = pool.View(nullptr, nullptr, 0);
+  std::memcpy(v.pool + static_cast<int64_t>(h.id) * v.block_bytes, &tag, sizeof(tag));
+}
+uint64_t ReadTag(const KvPool& pool, BlockHandle h) {
+  const kernels::PagedKvView v = pool.View(nullptr, nullptr, 0);
+  uint64_t tag;
+  std::memcpy(&tag, v.pool + static_cast<int64_t>(h.id) * v.block_bytes, sizeof(tag));
+  return tag;
+}
+
+std::vector<int32_t> Ids(const std::vector<BlockHandle>& hs) {
+  std::vector<int32_t> ids;
+  for (const BlockHandle& h : hs) ids.push_back(h.id);
+  return ids;
+}
+
+class PrefixCacheTest : public ::testing::Test {
+ protected:
+  PrefixCacheTest() : pool_(KvPool::Create(TinyPool(32)).value()) { MakeCache(); }
+
+  void MakeCache() {
+    PrefixCacheOptions o;
+    o.model_identity = "test-model";
+    o.clock = &clock_;
+    o.events = &sink_;
+    cache_ = std::make_unique<PrefixCache>(pool_.get(), std::move(o));
+  }
+
+  // Fresh blocks for the full blocks of tokens, as a finished sequence holds.
+  std::vector<BlockHandle> Blocks(const std::vector<int32_t>& tokens) {
+    std::vector<BlockHandle> hs;
+    EXPECT_TRUE(pool_->Allocate(static_cast<int32_t>(tokens.size()) / kBlockSize, &hs).ok());
+    return hs;
+  }
+
+  // Inserts like a finished sequence does (insert, then drop its own
+  // references); returns the blocks it used.
+  std::vector<BlockHandle> InsertFresh(std::string_view salt, const std::vector<int32_t>& tokens,
+                                       int32_t* added = nullptr) {
+    std::vector<BlockHandle> hs = Blocks(tokens);
+    const int32_t n = cache_->Insert(salt, tokens, hs);
+    if (added != nullptr) *added = n;
+    pool_->Release(hs);
+    return hs;
+  }
+
+  FakeClock clock_;
+  RecordingSink sink_;
+  std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<PrefixCache> cache_;
+};
+
+TEST_F(PrefixCacheTest, FullBlocksMatchWhole) {
+  const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  int32_t added = 0;
+  const std::vector<BlockHandle> stored = InsertFresh("", seq, &added);
+  EXPECT_EQ(added, 3);
+  EXPECT_EQ(cache_->num_cached_blocks(), 3);
+
+  std::vector<int32_t> longer = seq;
+  longer.insert(longer.end(), {13, 14, 15, 16, 17});
+  PrefixMatch m = cache_->Match("", longer, 100);
+  EXPECT_EQ(m.num_tokens, 12);
+  EXPECT_EQ(Ids(m.blocks), Ids(stored));
+  for (const BlockHandle& h : m.blocks) EXPECT_EQ(pool_->ref_count(h), 2);  // cache + caller
+  pool_->Release(m.blocks);
+  for (const BlockHandle& h : m.blocks) EXPECT_EQ(pool_->ref_count(h), 1);
+}
+
+TEST_F(PrefixCacheTest, MissReturnsNothing) {
+  InsertFresh("", {1, 2, 3, 4});
+  PrefixMatch m = cache_->Match("", std::vector<int32_t>{9, 9, 9, 9, 9}, 100);
+  EXPECT_EQ(m.num_tokens, 0);
+  EXPECT_TRUE(m.blocks.empty());
+  EXPECT_EQ(cache_->Match("", {}, 100).num_tokens, 0);
+}
+
+TEST_F(PrefixCacheTest, PartialBlockCountsOnlySharedTokens) {
+  const std::vector<BlockHandle> stored = InsertFresh("", {1, 2, 3, 4, 5, 6, 7, 8});
+  // Diverges inside the second block.
+  PrefixMatch m = cache_->Match("", std::vector<int32_t>{1, 2, 3, 4, 5, 6, 0, 0, 0}, 100);
+  EXPECT_EQ(m.num_tokens, 6);
+  EXPECT_EQ(Ids(m.blocks), Ids(stored));
+  pool_->Release(m.blocks);
+  // Ends inside the second block.
+  m = cache_->Match("", std::vector<int32_t>{1, 2, 3, 4, 5}, 100);
+  EXPECT_EQ(m.num_tokens, 5);
+  EXPECT_EQ(m.blocks.size(), 2u);
+  pool_->Release(m.blocks);
+  // Diverges inside the first block.
+  m = cache_->Match("", std::vector<int32_t>{1, 2, 0, 0, 0, 0}, 100);
+  EXPECT_EQ(m.num_tokens, 2);
+  ASSERT_EQ(m.blocks.size(), 1u);
+  EXPECT_EQ(m.blocks[0].id, stored[0].id);
+  pool_->Release(m.blocks);
+}
+
+TEST_F(PrefixCacheTest, PartialMatchTakesTheChildSharingMostAndTiesGoToTheOlder) {
+  const std::vector<BlockHandle> a = InsertFresh("", {1, 2, 3, 4, 5, 6, 7, 8});
+  const std::vector<BlockHandle> b = InsertFresh("", {1, 2, 3, 4, 5, 9, 9, 9});
+  const std::vector<BlockHandle> c = InsertFresh("", {1, 2, 3, 4, 5, 6, 7, 0});
+  // a and c both share 3 tokens; a was cached first.
+  PrefixMatch m = cache_->Match("", std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 1}, 100);
+  EXPECT_EQ(m.num_tokens, 7);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  EXPECT_EQ(m.blocks[1].id, a[1].id);
+  pool_->Release(m.blocks);
+  // Only b shares 2.
+  m = cache_->Match("", std::vector<int32_t>{1, 2, 3, 4, 5, 9, 1, 1}, 100);
+  EXPECT_EQ(m.num_tokens, 6);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  EXPECT_EQ(m.blocks[1].id, b[1].id);
+  pool_->Release(m.blocks);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 0, 1}, 100), 8);
+  (void)c;
+}
+
+TEST_F(PrefixCacheTest, MaxTokensCapsTheMatch) {
+  const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  InsertFresh("", seq);
+  PrefixMatch m = cache_->Match("", seq, 10);
+  EXPECT_EQ(m.num_tokens, 10);
+  EXPECT_EQ(m.blocks.size(), 3u);  // the third partly used
+  pool_->Release(m.blocks);
+  m = cache_->Match("", seq, 8);
+  EXPECT_EQ(m.num_tokens, 8);
+  EXPECT_EQ(m.blocks.size(), 2u);
+  pool_->Release(m.blocks);
+  m = cache_->Match("", seq, 0);
+  EXPECT_EQ(m.num_tokens, 0);
+  EXPECT_TRUE(m.blocks.empty());
+  EXPECT_EQ(cache_->MatchLength("", seq, 11), 11);
+  EXPECT_EQ(cache_->MatchLength("", seq, -5), 0);
+  const PrefixCacheStats s = cache_->stats();
+  EXPECT_EQ(s.queries, 3);
+  EXPECT_EQ(s.query_tokens, 10 + 8 + 0);
+  EXPECT_EQ(s.hit_tokens, 10 + 8);
+}
+
+TEST_F(PrefixCacheTest, SaltsIsolate) {
+  const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8};
+  InsertFresh("tenant-a", seq);
+  EXPECT_EQ(cache_->MatchLength("tenant-a", seq, 100), 8);
+  EXPECT_EQ(cache_->MatchLength("tenant-b", seq, 100), 0);
+  EXPECT_EQ(cache_->MatchLength("", seq, 100), 0);
+  EXPECT_NE(cache_->RootHash("tenant-a"), cache_->RootHash("tenant-b"));
+  // The same tokens under another salt are separate nodes with other hashes.
+  int32_t added = 0;
+  InsertFresh("tenant-b", seq, &added);
+  EXPECT_EQ(added, 2);
+  const std::vector<KvCacheEvent> dump = cache_->Dump();
+  ASSERT_EQ(dump.size(), 4u);
+  std::set<uint64_t> hashes;
+  for (const KvCacheEvent& e : dump) hashes.insert(e.block_hash);
+  EXPECT_EQ(hashes.size(), 4u);
+}
+
+TEST(PrefixCacheRootTest, IdentityAndSaltSplitOneWayOnly) {
+  auto pool = KvPool::Create(TinyPool(4)).value();
+  PrefixCacheOptions o1;
+  o1.model_identity = "ab";
+  PrefixCacheOptions o2;
+  o2.model_identity = "a";
+  PrefixCache c1(pool.get(), std::move(o1));
+  PrefixCache c2(pool.get(), std::move(o2));
+  EXPECT_NE(c1.RootHash("c"), c2.RootHash("bc"));
+  EXPECT_EQ(c1.RootHash("c"), c1.RootHash("c"));
+  EXPECT_STREQ(c1.policy().name(), "lru");
+}
+
+TEST_F(PrefixCacheTest, InsertKeepsTheCachedBlockForTheSameContent) {
+  const std::vector<BlockHandle> first = InsertFresh("", {1, 2, 3, 4, 5, 6, 7, 8});
+  const std::vector<int32_t> longer = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  std::vector<BlockHandle> second = Blocks(longer);
+  EXPECT_EQ(cache_->Insert("", longer, second), 1);
+  // The duplicates were not taken: the caller is their only holder.
+  EXPECT_EQ(pool_->ref_count(second[0]), 1);
+  EXPECT_EQ(pool_->ref_count(second[1]), 1);
+  EXPECT_EQ(pool_->ref_count(second[2]), 2);
+  pool_->Release(second);
+  EXPECT_EQ(cache_->num_cached_blocks(), 3);
+  EXPECT_EQ(pool_->num_free_blocks(), 32 - 3);
+  PrefixMatch m = cache_->Match("", longer, 100);
+  EXPECT_EQ(Ids(m.blocks), (std::vector<int32_t>{first[0].id, first[1].id, second[2].id}));
+  pool_->Release(m.blocks);
+  EXPECT_EQ(cache_->stats().inserted_blocks, 3);
+}
+
+TEST_F(PrefixCacheTest, InsertIgnoresTheTrailingPartialBlock) {
+  int32_t added = 0;
+  std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  std::vector<BlockHandle> hs;
+  ASSERT_TRUE(pool_->Allocate(3, &hs).ok());  // the sequence's partial third block too
+  added = cache_->Insert("", seq, hs);
+  EXPECT_EQ(added, 2);
+  EXPECT_EQ(pool_->ref_count(hs[2]), 1);
+  pool_->Release(hs);
+  EXPECT_EQ(cache_->MatchLength("", seq, 100), 8);
+}
+
+TEST_F(PrefixCacheTest, EvictsLeastRecentlyUsedFirst) {
+  clock_.now = 1;
+  InsertFresh("", {1, 1, 1, 1});
+  clock_.now = 2;
+  InsertFresh("", {2, 2, 2, 2});
+  clock_.now = 3;
+  InsertFresh("", {3, 3, 3, 3});
+  clock_.now = 4;
+  pool_->Release(cache_->Match("", std::vector<int32_t>{1, 1, 1, 1}, 100).blocks);
+  EXPECT_EQ(cache_->Evict(1), 1);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{2, 2, 2, 2}, 100), 0);
+  EXPECT_EQ(cache_->Evict(1), 1);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{3, 3, 3, 3}, 100), 0);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{1, 1, 1, 1}, 100), 4);
+  EXPECT_EQ(cache_->stats().evicted_blocks, 2);
+}
+
+TEST_F(PrefixCacheTest, TiesGoToTheBlockInsertedFirst) {
+  clock_.now = 7;
+  InsertFresh("", {2, 2, 2, 2});
+  InsertFresh("", {1, 1, 1, 1});
+  EXPECT_EQ(cache_->Evict(1), 1);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{2, 2, 2, 2}, 100), 0);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{1, 1, 1, 1}, 100), 4);
+}
+
+TEST_F(PrefixCacheTest, MatchLengthNeitherPinsNorTouches) {
+  clock_.now = 1;
+  const std::vector<BlockHandle> old = InsertFresh("", {1, 1, 1, 1});
+  clock_.now = 2;
+  InsertFresh("", {2, 2, 2, 2});
+  clock_.now = 3;
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{1, 1, 1, 1}, 100), 4);
+  EXPECT_EQ(pool_->ref_count(old[0]), 1);
+  EXPECT_EQ(cache_->stats().queries, 0);
+  EXPECT_EQ(cache_->Evict(1), 1);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{1, 1, 1, 1}, 100), 0);
+}
+
+TEST_F(PrefixCacheTest, ParentBecomesACandidateOnceItsChildrenAreGone) {
+  clock_.now = 1;
+  InsertFresh("", {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3});
+  clock_.now = 2;
+  InsertFresh("", {9, 9, 9, 9});
+  sink_.batches.clear();
+  // The whole older chain goes, leaf first, before the newer block.
+  EXPECT_EQ(cache_->Evict(3), 3);
+  EXPECT_EQ(cache_->num_cached_blocks(), 1);
+  EXPECT_EQ(cache_->MatchLength("", std::vector<int32_t>{9, 9, 9, 9}, 100), 4);
+  ASSERT_EQ(sink_.batches.size(), 1u);
+  const uint64_t h1 = ExpectedHash(cache_->RootHash(""), {1, 1, 1, 1});
+  const uint64_t h2 = ExpectedHash(h1, {2, 2, 2, 2});
+  const uint64_t h3 = ExpectedHash(h2, {3, 3, 3, 3});
+  const std::vector<KvCacheEvent>& removed = sink_.batches[0];
+  ASSERT_EQ(removed.size(), 3u);
+  EXPECT_EQ(removed[0].block_hash, h3);
+  EXPECT_EQ(removed[1].block_hash, h2);
+  EXPECT_EQ(removed[2].block_hash, h1);
+  for (const KvCacheEvent& e : removed) EXPECT_EQ(e.kind, KvCacheEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(pool_->num_free_blocks(), 31);
+}
+
+TEST_F(PrefixCacheTest, PinnedBlocksAreNeverEvicted) {
+  const std::vector<int32_t> seq = {1, 1, 1, 1, 2, 2, 2, 2};
+  InsertFresh("", seq);
+  PrefixMatch all = cache_->Match("", seq, 100);
+  EXPECT_EQ(cache_->num_evictable_blocks(), 0);
+  EXPECT_EQ(cache_->Evict(10), 0);
+  pool_->Release(all.blocks);
+  // Pinning only the first block leaves its child evictable, not itself.
+  PrefixMatch head = cache_->Match("", seq, 4);
+  ASSERT_EQ(head.blocks.size(), 1u);
+  EXPECT_EQ(cache_->num_evictable_blocks(), 1);
+  EXPECT_EQ(cache_->Evict(10), 1);
+  EXPECT_EQ(cache_->num_cached_blocks(), 1);
+  EXPECT_TRUE(pool_->IsLive(head.blocks[0]));
+  pool_->Release(head.blocks);
+  EXPECT_EQ(cache_->num_evictable_blocks(), 1);
+  EXPECT_EQ(cache_->Evict(10), 1);
+  EXPECT_EQ(pool_->num_free_blocks(), 32);
+}
+
+TEST_F(PrefixCacheTest, EvictableCountsWholeUnpinnedChains) {
+  // a-b-c chain and a-d branch; pin d only.
+  InsertFresh("", {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3});
+  InsertFresh("", {1, 1, 1, 1, 4, 4, 4, 4});
+  EXPECT_EQ(cache_->num_evictable_blocks(), 4);
+  std::vector<BlockHandle> d = cache_->Match("", std::vector<int32_t>{1, 1, 1, 1, 4, 4, 4, 4}, 100).blocks;
+  ASSERT_EQ(d.size(), 2u);
+  pool_->Release(d[0]);  // keep only d pinned, not a
+  EXPECT_EQ(cache_->num_evictable_blocks(), 2);  // b and c; a has a pinned child
+  EXPECT_EQ(cache_->Evict(10), 2);
+  EXPECT_EQ(cache_->num_cached_blocks(), 2);
+  pool_->Release(d[1]);
+  EXPECT_EQ(cache_->num_evictable_blocks(), 2);
+}
+
+TEST_F(PrefixCacheTest, ClearKeepsPinnedBlocksAlive) {
+  const std::vector<int32_t> seq = {1, 1, 1, 1, 2, 2, 2, 2};
+  InsertFresh("", seq);
+  InsertFresh("x", {5, 5, 5, 5});
+  PrefixMatch pinned = cache_->Match("", seq, 100);
+  for (const BlockHandle& h : pinned.blocks) WriteTag(*pool_, h, 0xabc0 + h.id);
+  sink_.batches.clear();
+  EXPECT_EQ(cache_->Clear(), 3);
+  EXPECT_EQ(cache_->num_cached_blocks(), 0);
+  EXPECT_EQ(cache_->MatchLength("", seq, 100), 0);
+  ASSERT_EQ(sink_.batches.size(), 1u);
+  ASSERT_EQ(sink_.batches[0].size(), 1u);
+  EXPECT_EQ(sink_.batches[0][0].kind, KvCacheEvent::Kind::kAllCleared);
+  for (const BlockHandle& h : pinned.blocks) {
+    EXPECT_EQ(pool_->ref_count(h), 1);
+    EXPECT_EQ(ReadTag(*pool_, h), 0xabc0u + h.id);
+  }
+  pool_->Release(pinned.blocks);
+  EXPECT_EQ(pool_->num_free_blocks(), 32);
+}
+
+TEST_F(PrefixCacheTest, DestructorReleasesTheCachesReferences) {
+  InsertFresh("", {1, 1, 1, 1, 2, 2, 2, 2});
+  sink_.batches.clear();
+  cache_.reset();
+  EXPECT_EQ(pool_->num_free_blocks(), 32);
+  EXPECT_TRUE(sink_.batches.empty());
+}
+
+TEST_F(PrefixCacheTest, EventsCarryChainedHashesAndParents) {
+  const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8};
+  InsertFresh("s", seq);
+  ASSERT_EQ(sink_.batches.size(), 1u);
+  const std::vector<KvCacheEvent>& stored = sink_.batches[0];
+  ASSERT_EQ(stored.size(), 2u);
+  const uint64_t h1 = ExpectedHash(cache_->RootHash("s"), {1, 2, 3, 4});
+  const uint64_t h2 = ExpectedHash(h1, {5, 6, 7, 8});
+  EXPECT_EQ(stored[0].kind, KvCacheEvent::Kind::kBlockStored);
+  EXPECT_EQ(stored[0].block_hash, h1);
+  EXPECT_EQ(stored[0].parent_hash, 0u);
+  EXPECT_EQ(stored[0].token_ids, (std::vector<int32_t>{1, 2, 3, 4}));
+  EXPECT_EQ(stored[1].block_hash, h2);
+  EXPECT_EQ(stored[1].parent_hash, h1);
+  EXPECT_EQ(stored[1].token_ids, (std::vector<int32_t>{5, 6, 7, 8}));
+  // A duplicate insert changes nothing, so publishes nothing; nor does Match.
+  InsertFresh("s", seq);
+  pool_->Release(cache_->Match("s", seq, 100).blocks);
+  EXPECT_EQ(sink_.batches.size(), 1u);
+  EXPECT_EQ(cache_->Evict(5), 2);
+  ASSERT_EQ(sink_.batches.size(), 2u);
+  ASSERT_EQ(sink_.batches[1].size(), 2u);
+  EXPECT_EQ(sink_.batches[1][0].block_hash, h2);
+  EXPECT_EQ(sink_.batches[1][1].block_hash, h1);
+  EXPECT_EQ(cache_->Evict(5), 0);
+  EXPECT_EQ(sink_.batches.size(), 2u);
+}
+
+TEST_F(PrefixCacheTest, DumpListsParentsFirst) {
+  clock_.now = 1;
+  InsertFresh("", {1, 1, 1, 1, 2, 2, 2, 2});
+  clock_.now = 2;
+  InsertFresh("", {3, 3, 3, 3});
+  clock_.now = 3;
+  InsertFresh("", {1, 1, 1, 1, 2, 2, 2, 2, 5, 5, 5, 5, 6, 6, 6, 6});
+  InsertFresh("", {1, 1, 1, 1, 7, 7, 7, 7});
+  InsertFresh("t", {1, 1, 1, 1});
+  const std::vector<KvCacheEvent> dump = cache_->Dump();
+  EXPECT_EQ(dump.size(), 7u);
+  std::set<uint64_t> seen;
+  for (const KvCacheEvent& e : dump) {
+    EXPECT_EQ(e.kind, KvCacheEvent::Kind::kBlockStored);
+    EXPECT_TRUE(e.parent_hash == 0 || seen.count(e.parent_hash)) << e.block_hash;
+    seen.insert(e.block_hash);
+  }
+}
+
+TEST_F(PrefixCacheTest, StatsCountQueriesHitsAndBlocks) {
+  const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8};
+  InsertFresh("", seq);
+  pool_->Release(cache_->Match("", std::vector<int32_t>{1, 2, 3, 4, 5, 0, 0, 0, 0, 0}, 100).blocks);
+  pool_->Release(cache_->Match("", std::vector<int32_t>{9, 9}, 100).blocks);
+  cache_->Evict(1);
+  const PrefixCacheStats s = cache_->stats();
+  EXPECT_EQ(s.queries, 2);
+  EXPECT_EQ(s.query_tokens, 12);
+  EXPECT_EQ(s.hit_tokens, 5);
+  EXPECT_EQ(s.inserted_blocks, 2);
+  EXPECT_EQ(s.evicted_blocks, 1);
+  EXPECT_EQ(s.cached_blocks, 1);
+}
+
+// ---------------------------------------------------------------------------
+// Randomized: thousands of operations against a deliberately naive model.
+
+// The reference: every cached block keyed by (salt, the whole token prefix it
+// ends), found by linear scans. No tree, no hashes.
+struct RefBlock {
+  std::string salt;
+  std::vector<int32_t> prefix;  // tokens [0, end of this block)
+  BlockHandle block;
+  int64_t last_access = 0;
+  uint64_t seq = 0;
+};
+
+class ReferenceCache {
+ public:
+  explicit ReferenceCache(int32_t bs) : bs_(bs) {}
+
+  RefBlock* Find(const std::string& salt, const std::vector<int32_t>& prefix) {
+    for (RefBlock& b : blocks_) {
+      if (b.salt == salt && b.prefix == prefix) return &b;
+    }
+    return nullptr;
+  }
+
+  // Same answer as PrefixCache::Match, as the list of blocks it returns.
+  std::vector<RefBlock*> Match(const std::string& salt, const std::vector<int32_t>& tokens,
+                               int32_t max_tokens, int32_t* num_tokens) {
+    const int32_t limit = std::max(0, std::min<int32_t>(tokens.size(), max_tokens));
+    std::vector<RefBlock*> out;
+    int32_t pos = 0;
+    while (pos + bs_ <= limit) {
+      RefBlock* b = Find(salt, std::vector<int32_t>(tokens.begin(), tokens.begin() + pos + bs_));
+      if (b == nullptr) break;
+      out.push_back(b);
+      pos += bs_;
+    }
+    *num_tokens = pos;
+    if (pos == limit) return out;
+    const int32_t rest = std::min(bs_, limit - pos);
+    RefBlock* best = nullptr;
+    int32_t best_shared = 0;
+    for (RefBlock& b : blocks_) {
+      if (b.salt != salt || static_cast<int32_t>(b.prefix.size()) != pos + bs_ ||
+          !std::equal(tokens.begin(), tokens.begin() + pos, b.prefix.begin())) {
+        continue;
+      }
+      int32_t shared = 0;
+      while (shared < rest && b.prefix[pos + shared] == tokens[pos + shared]) ++shared;
+      if (shared > best_shared || (shared == best_shared && shared > 0 && b.seq < best->seq)) {
+        best = &b;
+        best_shared = shared;
+      }
+    }
+    if (best != nullptr) out.push_back(best);
+    *num_tokens = pos + best_shared;
+    return out;
+  }
+
+  int32_t Insert(const std::string& salt, const std::vector<int32_t>& tokens,
+                 const std::vector<BlockHandle>& handles, int64_t now) {
+    int32_t added = 0;
+    for (size_t i = 0; i < tokens.size() / bs_ && i < handles.size(); ++i) {
+      std::vector<int32_t> prefix(tokens.begin(), tokens.begin() + (i + 1) * bs_);
+      if (RefBlock* b = Find(salt, prefix)) {
+        b->last_access = now;
+        continue;
+      }
+      blocks_.push_back(RefBlock{salt, std::move(prefix), handles[i], now, next_seq_++});
+      ++added;
+    }
+    return added;
+  }
+
+  bool IsChild(const RefBlock& child, const RefBlock& parent) const {
+    return child.salt == parent.salt && child.prefix.size() == parent.prefix.size() + bs_ &&
+           std::equal(parent.prefix.begin(), parent.prefix.end(), child.prefix.begin());
+  }
+  bool IsUnder(const RefBlock& d, const RefBlock& a) const {
+    return d.salt == a.salt && d.prefix.size() >= a.prefix.size() &&
+           std::equal(a.prefix.begin(), a.prefix.end(), d.prefix.begin());
+  }
+
+  // held(block id): how many references the test holds on that block.
+  template <typename Held>
+  int32_t Evict(int32_t n, Held held) {
+    int32_t evicted = 0;
+    while (evicted < n) {
+      auto victim = blocks_.end();
+      for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
+        if (held(it->block.id) > 0) continue;
+        bool leaf = true;
+        for (const RefBlock& o : blocks_) leaf = leaf && !IsChild(o, *it);
+        if (!leaf) continue;
+        if (victim == blocks_.end() ||
+            std::tie(it->last_access, it->seq) < std::tie(victim->last_access, victim->seq)) {
+          victim = it;
+        }
+      }
+      if (victim == blocks_.end()) break;
+      blocks_.erase(victim);
+      ++evicted;
+    }
+    return evicted;
+  }
+
+  template <typename Held>
+  int32_t NumEvictable(Held held) const {
+    int32_t count = 0;
+    for (const RefBlock& a : blocks_) {
+      bool free_below = true;
+      for (const RefBlock& d : blocks_) {
+        if (IsUnder(d, a) && held(d.block.id) > 0) free_below = false;
+      }
+      count += free_below;
+    }
+    return count;
+  }
+
+  // What Dump must hold: (hash, parent hash or 0, tokens) of every block.
+  std::set<std::tuple<uint64_t, uint64_t, std::vector<int32_t>>> Expected(
+      const PrefixCache& cache) const {
+    std::set<std::tuple<uint64_t, uint64_t, std::vector<int32_t>>> out;
+    for (const RefBlock& b : blocks_) {
+      uint64_t h = cache.RootHash(b.salt);
+      uint64_t parent = 0;
+      for (size_t i = 0; i < b.prefix.size(); i += bs_) {
+        parent = i == 0 ? 0 : h;
+        h = ExpectedHash(h, std::vector<int32_t>(b.prefix.begin() + i, b.prefix.begin() + i + bs_));
+      }
+      out.emplace(h, parent, std::vector<int32_t>(b.prefix.end() - bs_, b.prefix.end()));
+    }
+    return out;
+  }
+
+  void Clear() { blocks_.clear(); }
+  const std::vector<RefBlock>& blocks() const { return blocks_; }
+
+ private:
+  int32_t bs_;
+  std::vector<RefBlock> blocks_;
+  uint64_t next_seq_ = 1;
+};
+
+// Applies the event stream, to check it rebuilds exactly what Dump shows.
+class ReplicaSink : public KvEventSink {
+ public:
+  void Publish(std::vector<KvCacheEvent> events) override {
+    EXPECT_FALSE(events.empty()) << "empty batch";
+    for (KvCacheEvent& e : events) {
+      switch (e.kind) {
+        case KvCacheEvent::Kind::kBlockStored:
+          EXPECT_TRUE(e.parent_hash == 0 || blocks.count(e.parent_hash)) << "orphan store";
+          EXPECT_TRUE(blocks.emplace(e.block_hash, std::make_pair(e.parent_hash, e.token_ids)).second)
+              << "stored twice";
+          break;
+        case KvCacheEvent::Kind::kBlockRemoved:
+          EXPECT_EQ(blocks.erase(e.block_hash), 1u) << "removed unknown block";
+          break;
+        case KvCacheEvent::Kind::kAllCleared:
+          blocks.clear();
+          break;
+      }
+    }
+  }
+  std::map<uint64_t, std::pair<uint64_t, std::vector<int32_t>>> blocks;
+};
+
+uint64_t ContentTag(const std::string& salt, const std::vector<int32_t>& prefix) {
+  std::string s = salt;
+  s.push_back('\0');
+  s.append(reinterpret_cast<const char*>(prefix.data()), prefix.size() * sizeof(int32_t));
+  return XXH3_64bits(s.data(), s.size()) | 1;  // never 0, unlike fresh memory
+}
+
+struct Pin {
+  BlockHandle block;
+  uint64_t tag;
+};
+
+// (seed, pool blocks): a smaller pool evicts more and runs short of room.
+class PrefixCachePropertyTest
+    : public ::testing::TestWithParam<std::tuple<uint32_t, int32_t>> {};
+
+TEST_P(PrefixCachePropertyTest, RandomOperationsAgreeWithANaiveModel) {
+  const int32_t kPoolBlocks = std::get<1>(GetParam());
+  constexpr int kOps = 6000;
+  std::mt19937 rng(std::get<0>(GetParam()));
+  auto uniform = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+
+  // Sequences that share prefixes a lot: half extend (a cut of) an earlier
+  // one, and a 3-token vocabulary makes even fresh blocks collide and
+  // partial matches common.
+  std::vector<std::vector<int32_t>> corpus;
+  for (int i = 0; i < 300; ++i) {
+    std::vector<int32_t> s;
+    if (!corpus.empty() && uniform(0, 1) == 0) {
+      const std::vector<int32_t>& base = corpus[uniform(0, corpus.size() - 1)];
+      s.assign(base.begin(), base.begin() + uniform(0, base.size()));
+    }
+    const int extra = uniform(0, 14);
+    for (int j = 0; j < extra; ++j) s.push_back(uniform(0, 2));
+    if (s.size() > 40) s.resize(40);
+    corpus.push_back(std::move(s));
+  }
+  const std::string salts[2] = {"", "tenant-b"};
+
+  auto pool = KvPool::Create(TinyPool(kPoolBlocks)).value();
+  FakeClock clock;
+  ReplicaSink replica;
+  PrefixCacheOptions o;
+  o.model_identity = "prop-model";
+  o.clock = &clock;
+  o.events = &replica;
+  PrefixCache cache(pool.get(), std::move(o));
+  ReferenceCache ref(kBlockSize);
+
+  std::vector<Pin> pins;
+  std::map<int32_t, int32_t> held;  // block id -> references the test holds
+  auto held_fn = [&held](int32_t id) {
+    auto it = held.find(id);
+    return it == held.end() ? 0 : it->second;
+  };
+  auto hold = [&](BlockHandle h, uint64_t tag) {
+    pins.push_back({h, tag});
+    ++held[h.id];
+  };
+  auto drop = [&](size_t i) {
+    pool->Release(pins[i].block);
+    if (--held[pins[i].block.id] == 0) held.erase(pins[i].block.id);
+    pins.erase(pins.begin() + i);
+  };
+  int64_t ref_inserted = 0, ref_evicted = 0;
+  // Frees room for `need` blocks through both caches; false if it cannot.
+  auto make_room = [&](int32_t need) {
+    const int32_t short_by = need - pool->num_free_blocks();
+    if (short_by > 0) {
+      const int32_t got = cache.Evict(short_by);
+      EXPECT_EQ(got, ref.Evict(short_by, held_fn));
+      ref_evicted += got;
+    }
+    return pool->num_free_blocks() >= need;
+  };
+  // A Match on both, checked; the returned blocks come back pinned (held).
+  auto match_both = [&](const std::string& salt, const std::vector<int32_t>& tokens,
+                        int32_t max_tokens, int32_t* num_tokens) {
+    int32_t ref_tokens = 0;
+    std::vector<RefBlock*> want = ref.Match(salt, tokens, max_tokens, &ref_tokens);
+    PrefixMatch got = cache.Match(salt, tokens, max_tokens);
+    EXPECT_EQ(got.num_tokens, ref_tokens);
+    EXPECT_EQ(got.blocks.size(), want.size());
+    std::vector<Pin> out;
+    for (size_t i = 0; i < got.blocks.size(); ++i) {
+      const uint64_t tag =
+          i < want.size() ? ContentTag(salt, want[i]->prefix) : ReadTag(*pool, got.blocks[i]);
+      if (i < want.size()) {
+        EXPECT_EQ(got.blocks[i].id, want[i]->block.id);
+        want[i]->last_access = clock.now;
+      }
+      EXPECT_EQ(ReadTag(*pool, got.blocks[i]), tag) << "matched block holds other content";
+      hold(got.blocks[i], tag);
+    }
+    *num_tokens = got.num_tokens;
+    return got.blocks.size();
+  };
+
+  int counts[8] = {};
+  for (int op = 0; op < kOps; ++op) {
+    SCOPED_TRACE(absl::StrCat("op ", op));
+    clock.now += uniform(0, 2);  // 0 makes ties, which insertion order breaks
+    const std::string& salt = salts[uniform(0, 1)];
+    std::vector<int32_t> tokens = corpus[uniform(0, corpus.size() - 1)];
+    const int32_t n_full = static_cast<int32_t>(tokens.size()) / kBlockSize;
+    const int dice = uniform(0, 999);
+    if (dice < 200) {
+      // A finished sequence with fresh blocks for every full block.
+      ++counts[0];
+      if (!make_room(n_full)) continue;
+      std::vector<BlockHandle> hs;
+      ASSERT_TRUE(pool->Allocate(n_full, &hs).ok());
+      for (int32_t i = 0; i < n_full; ++i) {
+        WriteTag(*pool, hs[i],
+                 ContentTag(salt, std::vector<int32_t>(tokens.begin(),
+                                                       tokens.begin() + (i + 1) * kBlockSize)));
+      }
+      const int32_t added = cache.Insert(salt, tokens, hs);
+      EXPECT_EQ(added, ref.Insert(salt, tokens, hs, clock.now));
+      ref_inserted += added;
+      pool->Release(hs);
+    } else if (dice < 350) {
+      // The engine's way: match, reuse the fully matched blocks, compute the
+      // rest into fresh ones (the partial block copied first), insert.
+      ++counts[1];
+      const size_t first_pin = pins.size();
+      int32_t matched = 0;
+      match_both(salt, tokens, static_cast<int32_t>(tokens.size()), &matched);
+      const int32_t reuse = matched / kBlockSize;
+      std::vector<BlockHandle> hs;
+      for (int32_t i = 0; i < reuse; ++i) hs.push_back(pins[first_pin + i].block);
+      const int32_t fresh = n_full - reuse;
+      if (make_room(fresh)) {
+        std::vector<BlockHandle> extra;
+        ASSERT_TRUE(pool->Allocate(fresh, &extra).ok());
+        for (int32_t i = 0; i < fresh; ++i) {
+          WriteTag(*pool, extra[i],
+                   ContentTag(salt, std::vector<int32_t>(
+                                        tokens.begin(), tokens.begin() + (reuse + i + 1) * kBlockSize)));
+        }
+        hs.insert(hs.end(), extra.begin(), extra.end());
+        const int32_t added = cache.Insert(salt, tokens, hs);
+        EXPECT_EQ(added, ref.Insert(salt, tokens, hs, clock.now));
+        ref_inserted += added;
+        pool->Release(extra);
+      }
+      while (pins.size() > first_pin) drop(pins.size() - 1);
+    } else if (dice < 600) {
+      // A new request: sometimes a variant, sometimes capped, and some keep
+      // their pins for a while (running sequences).
+      ++counts[2];
+      if (!tokens.empty() && uniform(0, 3) == 0) tokens[uniform(0, tokens.size() - 1)] = uniform(0, 2);
+      const int32_t max_tokens =
+          uniform(0, 1) == 0 ? static_cast<int32_t>(tokens.size()) : uniform(-1, tokens.size() + 2);
+      const size_t first_pin = pins.size();
+      int32_t matched = 0;
+      match_both(salt, tokens, max_tokens, &matched);
+      if (pins.size() > 12 || uniform(0, 2) != 0) {
+        while (pins.size() > first_pin) drop(pins.size() - 1);
+      }
+    } else if (dice < 700) {
+      ++counts[3];
+      const int32_t max_tokens = uniform(0, tokens.size() + 2);
+      int32_t want = 0;
+      ref.Match(salt, tokens, max_tokens, &want);
+      EXPECT_EQ(cache.MatchLength(salt, tokens, max_tokens), want);
+    } else if (dice < 800) {
+      ++counts[4];
+      if (!pins.empty()) drop(uniform(0, pins.size() - 1));
+    } else if (dice < 995) {
+      ++counts[5];
+      const int32_t n = uniform(0, 8);
+      const int32_t got = cache.Evict(n);
+      EXPECT_EQ(got, ref.Evict(n, held_fn));
+      ref_evicted += got;
+    } else {
+      ++counts[6];
+      EXPECT_EQ(cache.Clear(), static_cast<int32_t>(ref.blocks().size()));
+      ref.Clear();
+    }
+
+    // Invariants after every operation.
+    ASSERT_EQ(cache.num_cached_blocks(), static_cast<int32_t>(ref.blocks().size()));
+    ASSERT_EQ(cache.num_evictable_blocks(), ref.NumEvictable(held_fn));
+    std::set<int32_t> in_use;
+    for (const RefBlock& b : ref.blocks()) {
+      // The cache's one reference plus the test's.
+      ASSERT_EQ(pool->ref_count(b.block), 1 + held_fn(b.block.id));
+      ASSERT_EQ(ReadTag(*pool, b.block), ContentTag(b.salt, b.prefix));
+      in_use.insert(b.block.id);
+    }
+    for (const Pin& p : pins) {
+      ASSERT_TRUE(pool->IsLive(p.block));
+      ASSERT_GE(pool->ref_count(p.block), 1);
+      ASSERT_EQ(ReadTag(*pool, p.block), p.tag) << "a pinned block was reused";
+      in_use.insert(p.block.id);
+    }
+    ASSERT_EQ(pool->num_free_blocks(), kPoolBlocks - static_cast<int32_t>(in_use.size()));
+    const auto expected = ref.Expected(cache);
+    std::set<std::tuple<uint64_t, uint64_t, std::vector<int32_t>>> dumped, replicated;
+    for (const KvCacheEvent& e : cache.Dump()) dumped.emplace(e.block_hash, e.parent_hash, e.token_ids);
+    for (const auto& [hash, rest] : replica.blocks) replicated.emplace(hash, rest.first, rest.second);
+    ASSERT_EQ(dumped, expected);
+    ASSERT_EQ(replicated, expected);
+    const PrefixCacheStats s = cache.stats();
+    ASSERT_EQ(s.inserted_blocks, ref_inserted);
+    ASSERT_EQ(s.evicted_blocks, ref_evicted);
+  }
+  // The run must have exercised what it claims to.
+  EXPECT_GT(ref_evicted, 500);
+  EXPECT_GT(counts[6], 10);
+  EXPECT_GT(cache.stats().hit_tokens, 1000);
+
+  while (!pins.empty()) drop(pins.size() - 1);
+  cache.Clear();
+  EXPECT_EQ(pool->num_free_blocks(), kPoolBlocks);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, PrefixCachePropertyTest,
+                         ::testing::Values(std::make_tuple(20240611u, 48), std::make_tuple(7u, 48),
+                                           std::make_tuple(99u, 24), std::make_tuple(1234u, 96)));
+
+}  // namespace
+}  // namespace kvserve
