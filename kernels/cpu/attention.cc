@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "common/half.h"
@@ -65,15 +67,21 @@ struct ScalarOps {
   static void Scale(float* v, float c, int32_t n) {
     for (int32_t i = 0; i < n; ++i) v[i] *= c;
   }
-  static void AccumulateV(float* acc, int32_t group, int32_t hd, const float* p, int32_t ld,
-                          const Elem* v_rows, int32_t n) {
+  static void AccumulateV(float* acc, int32_t group, int32_t stride, int32_t width, const float* p,
+                          int32_t ld, const Elem* v_rows, int32_t n) {
     for (int32_t h = 0; h < group; ++h) {
       for (int32_t j = 0; j < n; ++j) {
-        const Elem* v = v_rows + static_cast<int64_t>(j) * hd;
+        const Elem* v = v_rows + static_cast<int64_t>(j) * stride;
         const float pj = p[h * ld + j];
-        for (int32_t i = 0; i < hd; ++i) acc[h * hd + i] += pj * ToFloat(v[i]);
+        for (int32_t i = 0; i < width; ++i) acc[h * stride + i] += pj * ToFloat(v[i]);
       }
     }
+  }
+  static void RoundF16(const float* x, float* dst, int32_t n) {
+    for (int32_t i = 0; i < n; ++i) dst[i] = Fp16ToFp32(Fp32ToFp16(x[i]));
+  }
+  static void ScaleRoundF16(float* x, int32_t n, float c) {
+    for (int32_t i = 0; i < n; ++i) x[i] = Fp16ToFp32(Fp32ToFp16(x[i] * c));
   }
 };
 
@@ -87,6 +95,129 @@ void AttendScalar(const PagedKvView& kv, int32_t layer, const AttnItem& item, in
   } else {
     internal::AttendRange<ScalarOps<uint16_t>, uint16_t>(kv, layer, item, group, scale, st, scores);
   }
+}
+
+// The f16 cache's split path (below) pays off once a pair's context is this
+// long: its units wait on each other, and short contexts leave little to
+// share.
+constexpr int32_t kMinF16SplitPositions = 256;
+
+// -1: the heuristic decides; 0/1: ScopedF16SplitForTesting's choice.
+std::atomic<int> g_f16_split_override{-1};
+
+// f16 cache, few (token, KV head) pairs: each pair's three steps (see
+// AttendTwoPassF16) are spread over all threads -- score ranges of whole
+// blocks, then one head's softmax per work unit, then channel ranges of the
+// output -- with results bitwise equal to running each pair on one thread.
+void PagedAttentionF16Split(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                            const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                            ThreadPool* pool, const internal::F16Kernels& k) {
+  const int32_t group = batch.n_heads / kv.n_kv_heads;
+  const int32_t hd = kv.head_dim;
+  const int32_t bs = kv.block_size;
+  const int32_t n_pairs = batch.n_tokens * kv.n_kv_heads;
+  const int n_threads = pool->num_threads();
+
+  // Per pair: the f16 query (group * hd floats), then the scores
+  // (group * ld floats), in one buffer shared by all threads.
+  struct Pair {
+    int32_t t, kvh, len, ld, n_blocks;
+    const int32_t* blocks;
+    int64_t offset;
+  };
+  // The caller's buffers; the lambdas below run on every thread, so they
+  // reach them through the plain pointers pairs and base, never by naming
+  // the thread_locals.
+  thread_local std::vector<Pair> pair_buf;
+  thread_local std::vector<float> shared;
+  pair_buf.resize(n_pairs);
+  Pair* const pairs = pair_buf.data();
+  int64_t total = 0;
+  for (int32_t i = 0; i < n_pairs; ++i) {
+    Pair& pr = pairs[i];
+    pr.t = i / kv.n_kv_heads;
+    pr.kvh = i % kv.n_kv_heads;
+    pr.len = batch.token_pos[pr.t] + 1;
+    pr.ld = (pr.len + 15) & ~15;
+    pr.n_blocks = (pr.len + bs - 1) / bs;
+    pr.blocks = kv.block_ids + kv.seq_block_offsets[batch.token_seq[pr.t]];
+    pr.offset = total;
+    total += static_cast<int64_t>(group) * (hd + pr.ld);
+  }
+  if (shared.size() < static_cast<size_t>(total)) shared.resize(total);
+  float* const base = shared.data();
+  for (int32_t i = 0; i < n_pairs; ++i) {
+    const Pair& pr = pairs[i];
+    k.round_query(q + pr.t * q_stride + static_cast<int64_t>(pr.kvh) * group * hd, group * hd,
+                  base + pr.offset);
+  }
+
+  // One region, one queue of units: all score units, then all softmax
+  // units, then all V units. A unit waits only for earlier units of its own
+  // pair (counted in `done`), which threads already hold and are running, so
+  // the queue cannot deadlock (and a pool running the region inline on one
+  // thread meets every dependency in order). One region instead of one per
+  // step: a thread that starts late, or is preempted, costs less.
+  const int32_t n_groups8 = std::max(1, hd / 8);
+  const int32_t n_ranges = std::min(n_threads, n_groups8);
+  const int64_t n_score = int64_t{n_pairs} * n_threads;
+  const int64_t n_norm = int64_t{n_pairs} * group;
+  const int64_t n_units = n_score + n_norm + int64_t{n_pairs} * n_ranges;
+  std::unique_ptr<std::atomic<int32_t>[]> done(new std::atomic<int32_t>[2 * n_pairs]);
+  for (int32_t i = 0; i < 2 * n_pairs; ++i) done[i].store(0, std::memory_order_relaxed);
+  auto wait_for = [&](int32_t slot, int32_t count) {
+    for (int spin = 0; done[slot].load(std::memory_order_acquire) < count; ++spin) {
+      if (spin >= 256) std::this_thread::yield();
+    }
+  };
+  auto run_unit = [&](int64_t u) {
+    if (u < n_score) {
+      // Scores: each pair's blocks in n_threads ranges of whole blocks.
+      const int32_t i = static_cast<int32_t>(u / n_threads);
+      const Pair& pr = pairs[i];
+      const int32_t c = static_cast<int32_t>(u % n_threads);
+      const int32_t b0 = static_cast<int32_t>(int64_t{pr.n_blocks} * c / n_threads);
+      const int32_t b1 = static_cast<int32_t>(int64_t{pr.n_blocks} * (c + 1) / n_threads);
+      const int32_t p0 = b0 * bs;
+      const int32_t p1 = std::min(pr.len, b1 * bs);
+      if (p0 < p1) {
+        const float* q16 = base + pr.offset;
+        k.score_range(kv, layer, pr.blocks, pr.kvh, group, batch.scale, q16, p0, p1,
+                      base + pr.offset + int64_t{group} * hd, pr.ld);
+      }
+      done[i].fetch_add(1, std::memory_order_release);
+    } else if (u < n_score + n_norm) {
+      // Softmax: one head per unit, once all of its pair's scores are in.
+      const int32_t i = static_cast<int32_t>((u - n_score) / group);
+      const int32_t h = static_cast<int32_t>((u - n_score) % group);
+      const Pair& pr = pairs[i];
+      wait_for(i, n_threads);
+      k.normalize(base + pr.offset + int64_t{group} * hd + int64_t{h} * pr.ld, pr.len);
+      done[n_pairs + i].fetch_add(1, std::memory_order_release);
+    } else {
+      // V: each pair's channels in ranges of whole groups of 8 (the tail of
+      // a head_dim that is not a multiple of 8 goes with the last range),
+      // once all of its pair's heads are normalized.
+      const int32_t i = static_cast<int32_t>((u - n_score - n_norm) / n_ranges);
+      const int32_t r = static_cast<int32_t>((u - n_score - n_norm) % n_ranges);
+      const Pair& pr = pairs[i];
+      const int32_t c0 = 8 * static_cast<int32_t>(int64_t{n_groups8} * r / n_ranges);
+      const int32_t c1 = r + 1 == n_ranges
+                             ? hd
+                             : 8 * static_cast<int32_t>(int64_t{n_groups8} * (r + 1) / n_ranges);
+      wait_for(n_pairs + i, group);
+      const float* probs = base + pr.offset + int64_t{group} * hd;
+      float* o = out + pr.t * out_stride + static_cast<int64_t>(pr.kvh) * group * hd;
+      k.accumulate_v(kv, layer, pr.blocks, pr.kvh, group, probs, pr.ld, pr.len, c0, c1, o);
+    }
+  };
+  std::atomic<int64_t> next{0};
+  pool->Run([&](int, int) {
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < n_units;
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_unit(u);
+    }
+  });
 }
 
 // Per-thread scratch: one state (m, l, acc) and the score tile.
@@ -168,7 +299,27 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
 
   if (kv.dtype == KvDType::kF16) {
     // f16 cache: two passes per (token, KV head) with llama.cpp's rounding
-    // points (see AttendTwoPassF16); each item covers its whole context.
+    // points (see AttendTwoPassF16). Few pairs (single-stream decode has
+    // n_kv_heads of them) would leave threads idle on long contexts: split
+    // each pair's steps across the threads instead, bit for bit the same.
+    if (n_threads > 1) {
+      const int over = g_f16_split_override.load(std::memory_order_relaxed);
+      bool split = over == 1;
+      if (over < 0 && n_pairs < 2 * n_threads) {
+        int32_t max_len = 0;
+        for (int32_t t = 0; t < batch.n_tokens; ++t)
+          max_len = std::max(max_len, batch.token_pos[t] + 1);
+        split = max_len >= kMinF16SplitPositions;
+      }
+      if (split) {
+        static constexpr internal::F16Kernels kScalarF16 =
+            internal::MakeF16Kernels<ScalarOps<uint16_t>>();
+        PagedAttentionF16Split(kv, layer, batch, q, q_stride, out, out_stride, pool,
+                               simd ? internal::F16KernelsAvx2() : kScalarF16);
+        return;
+      }
+    }
+    // Otherwise each item covers a whole pair.
     auto run_pair = [&](int64_t pair) {
       const int32_t t = static_cast<int32_t>(pair / kv.n_kv_heads);
       const int32_t kvh = static_cast<int32_t>(pair % kv.n_kv_heads);
@@ -303,6 +454,11 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
     }
   }
 }
+
+ScopedF16SplitForTesting::ScopedF16SplitForTesting(bool split)
+    : previous_(g_f16_split_override.exchange(split ? 1 : 0)) {}
+
+ScopedF16SplitForTesting::~ScopedF16SplitForTesting() { g_f16_split_override.store(previous_); }
 
 // With an f16 cache the query meets the keys as f16 (see AttendTwoPassF16).
 static float QueryElem(float q, KvDType dtype) {

@@ -35,6 +35,21 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
                     const float* q, int64_t q_stride, float* out, int64_t out_stride,
                     ThreadPool* pool);
 
+// Testing: while alive, an f16 cache with a pool of more than one thread
+// takes the split path (each pair's steps spread over the threads) when
+// `split`, and one thread per pair otherwise, whatever the batch. The two
+// must agree bit for bit. Not thread-safe with concurrent PagedAttention.
+class ScopedF16SplitForTesting {
+ public:
+  explicit ScopedF16SplitForTesting(bool split);
+  ~ScopedF16SplitForTesting();
+  ScopedF16SplitForTesting(const ScopedF16SplitForTesting&) = delete;
+  ScopedF16SplitForTesting& operator=(const ScopedF16SplitForTesting&) = delete;
+
+ private:
+  int previous_;
+};
+
 // Plain loops, single-threaded, two-pass softmax: the reference. With an f16
 // cache the query and the normalized probabilities are rounded to f16, as the
 // fast path does (f16 operands, wider accumulation). Quantized caches are

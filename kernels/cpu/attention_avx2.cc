@@ -145,28 +145,30 @@ struct Avx2Ops {
   // Each V chunk is loaded (and converted) once for all H heads. S position
   // streams per head give S*H independent FMA chains: with 4-cycle FMA
   // latency, two streams of three heads left the FMA units a quarter idle.
+  // Channels [0, width) of rows `stride` apart; each group of 8 channels (and
+  // each tail channel) sees the same operations whatever width is.
   template <int H>
-  static void AccumulateVH(float* acc, int32_t hd, const float* p, int32_t ld, const Elem* v_rows,
-                           int32_t n) {
+  static void AccumulateVH(float* acc, int32_t stride, int32_t width, const float* p, int32_t ld,
+                           const Elem* v_rows, int32_t n) {
     constexpr int S = H <= 3 ? 4 : 2;
     int32_t i = 0;
-    for (; i + 8 <= hd; i += 8) {
+    for (; i + 8 <= width; i += 8) {
       __m256 o[S][H];
       for (int h = 0; h < H; ++h) {
-        o[0][h] = _mm256_loadu_ps(acc + h * hd + i);
+        o[0][h] = _mm256_loadu_ps(acc + h * stride + i);
         for (int st = 1; st < S; ++st) o[st][h] = _mm256_setzero_ps();
       }
       int32_t j = 0;
       for (; j + S <= n; j += S) {
         for (int st = 0; st < S; ++st) {
-          const __m256 v = Load8(v_rows + static_cast<int64_t>(j + st) * hd + i);
+          const __m256 v = Load8(v_rows + static_cast<int64_t>(j + st) * stride + i);
           for (int h = 0; h < H; ++h) {
             o[st][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * ld + j + st), v, o[st][h]);
           }
         }
       }
       for (; j < n; ++j) {
-        const __m256 v = Load8(v_rows + static_cast<int64_t>(j) * hd + i);
+        const __m256 v = Load8(v_rows + static_cast<int64_t>(j) * stride + i);
         for (int h = 0; h < H; ++h) {
           o[0][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * ld + j), v, o[0][h]);
         }
@@ -174,37 +176,65 @@ struct Avx2Ops {
       for (int h = 0; h < H; ++h) {
         __m256 sum = o[0][h];
         for (int st = 1; st < S; ++st) sum = _mm256_add_ps(sum, o[st][h]);
-        _mm256_storeu_ps(acc + h * hd + i, sum);
+        _mm256_storeu_ps(acc + h * stride + i, sum);
       }
     }
-    for (; i < hd; ++i) {
+    for (; i < width; ++i) {
       for (int h = 0; h < H; ++h) {
-        float s = acc[h * hd + i];
+        float s = acc[h * stride + i];
         for (int32_t j = 0; j < n; ++j) {
-          s += p[h * ld + j] * Load1(v_rows + static_cast<int64_t>(j) * hd + i);
+          s += p[h * ld + j] * Load1(v_rows + static_cast<int64_t>(j) * stride + i);
         }
-        acc[h * hd + i] = s;
+        acc[h * stride + i] = s;
       }
     }
   }
 
-  static void AccumulateV(float* acc, int32_t group, int32_t hd, const float* p, int32_t ld,
-                          const Elem* v_rows, int32_t n) {
+  static void AccumulateV(float* acc, int32_t group, int32_t stride, int32_t width, const float* p,
+                          int32_t ld, const Elem* v_rows, int32_t n) {
     int32_t h = 0;
-    for (; h + 4 <= group; h += 4) AccumulateVH<4>(acc + h * hd, hd, p + h * ld, ld, v_rows, n);
+    for (; h + 4 <= group; h += 4) {
+      AccumulateVH<4>(acc + h * stride, stride, width, p + h * ld, ld, v_rows, n);
+    }
     switch (group - h) {
       case 3:
-        AccumulateVH<3>(acc + h * hd, hd, p + h * ld, ld, v_rows, n);
+        AccumulateVH<3>(acc + h * stride, stride, width, p + h * ld, ld, v_rows, n);
         break;
       case 2:
-        AccumulateVH<2>(acc + h * hd, hd, p + h * ld, ld, v_rows, n);
+        AccumulateVH<2>(acc + h * stride, stride, width, p + h * ld, ld, v_rows, n);
         break;
       case 1:
-        AccumulateVH<1>(acc + h * hd, hd, p + h * ld, ld, v_rows, n);
+        AccumulateVH<1>(acc + h * stride, stride, width, p + h * ld, ld, v_rows, n);
         break;
       default:
         break;
     }
+  }
+
+  // F16C rounds exactly as Fp32ToFp16 (nearest even, overflow to inf) for
+  // every non-NaN input; a group of 8 holding a NaN takes the scalar
+  // conversion, whose NaN bits (payload dropped, quiet) F16C does not match.
+  static void RoundF16x8(__m256 x, float* dst) {
+    if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, x);
+      for (int t = 0; t < 8; ++t) dst[t] = Fp16ToFp32(Fp32ToFp16(tmp[t]));
+      return;
+    }
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)));
+  }
+
+  static void RoundF16(const float* x, float* dst, int32_t n) {
+    int32_t i = 0;
+    for (; i + 8 <= n; i += 8) RoundF16x8(_mm256_loadu_ps(x + i), dst + i);
+    for (; i < n; ++i) dst[i] = Fp16ToFp32(Fp32ToFp16(x[i]));
+  }
+
+  static void ScaleRoundF16(float* x, int32_t n, float c) {
+    const __m256 vc = _mm256_set1_ps(c);
+    int32_t i = 0;
+    for (; i + 8 <= n; i += 8) RoundF16x8(_mm256_mul_ps(_mm256_loadu_ps(x + i), vc), x + i);
+    for (; i < n; ++i) x[i] = Fp16ToFp32(Fp32ToFp16(x[i] * c));
   }
 };
 
@@ -338,6 +368,11 @@ void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& 
                           int32_t group, float scale, float* scores, int32_t ld, float* q16,
                           float* out) {
   AttendTwoPassF16<Avx2Ops<uint16_t>>(kv, layer, item, group, scale, scores, ld, q16, out);
+}
+
+const F16Kernels& F16KernelsAvx2() {
+  static constexpr F16Kernels kKernels = MakeF16Kernels<Avx2Ops<uint16_t>>();
+  return kKernels;
 }
 
 }  // namespace kvserve::kernels::internal

@@ -45,8 +45,14 @@ constexpr int32_t kPosTile = 64;
 //   Max(x, n) -> max of x[0..n).
 //   ExpShift(x, n, shift) -> sum: x[j] = exp(x[j] - shift), returns the sum.
 //   Scale(v, c, n): v[i] *= c.
-//   AccumulateV(acc, group, head_dim, p, ld, v_rows, n): acc[h] += sum_j
-//     p[h*ld+j] * v_rows[j].
+//   AccumulateV(acc, group, stride, width, p, ld, v_rows, n): for i < width,
+//     acc[h*stride+i] += sum_j p[h*ld+j] * v_rows[j*stride+i], j in order.
+//     Each element's sequence of operations depends only on n and on whether
+//     it lies in width's whole groups of 8 or in the tail, so a caller may
+//     split the channels into ranges of multiples of 8 (tail in the last).
+//   RoundF16(x, dst, n): dst[i] = x[i] rounded to f16 (round to nearest even)
+//     and back, exactly as Fp16ToFp32(Fp32ToFp16(x[i])).
+//   ScaleRoundF16(x, n, c): x[i] = RoundF16(x[i] * c).
 // scores: group * kPosTile floats of scratch.
 template <typename Ops, typename Elem>
 void AttendRange(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
@@ -90,7 +96,7 @@ void AttendRange(const PagedKvView& kv, int32_t layer, const AttnItem& item, int
       const int32_t run = std::min(tile_end - p, bs - slot);
       const uint8_t* v_head = kv.BlockHead(layer, blocks[p / bs], item.kv_head) + v_offset;
       const Elem* v_rows = reinterpret_cast<const Elem*>(v_head) + static_cast<int64_t>(slot) * hd;
-      Ops::AccumulateV(st.acc, group, hd, scores + n, kPosTile, v_rows, run);
+      Ops::AccumulateV(st.acc, group, hd, hd, scores + n, kPosTile, v_rows, run);
       n += run;
       p += run;
     }
@@ -182,7 +188,7 @@ void AttendRangeQuant(const PagedKvView& kv, int32_t layer, const AttnItem& item
       st.l[h] += tile_sum;
     }
     DequantizeRows<Decoder>(kv, layer, blocks, item.kv_head, true, pos, tile_end, rows);
-    Ops::AccumulateV(st.acc, group, hd, scores, kPosTile, rows, n);
+    Ops::AccumulateV(st.acc, group, hd, hd, scores, kPosTile, rows, n);
     pos = tile_end;
   }
 }
@@ -191,48 +197,109 @@ void AttendRangeQuant(const PagedKvView& kv, int32_t layer, const AttnItem& item
 // normalized probabilities are rounded to f16 before they weight V, with f32
 // accumulation -- f16 operands as tensor-core kernels use them, and the exact
 // rounding points of llama.cpp's CPU attention, so both engines break greedy
-// near-ties the same way. Needs the whole context of the item
-// (pos_begin == 0): probabilities are normalized before V is read.
+// near-ties the same way. Probabilities are normalized before V is read, so
+// each (token, KV head) pair runs in three steps, each of which can be split
+// across threads without changing a bit:
+//   1. F16ScoreRange: scores of any block-aligned range of positions (each
+//      score depends only on its position, and block-aligned ranges issue
+//      exactly the Ops::Scores calls that the whole context does);
+//   2. F16Normalize: max, exp, sum and f16 rounding of one head's scores (an
+//      ordered reduction: one head stays on one thread);
+//   3. F16AccumulateV: the output channels [c0, c1) (c0, and c1 unless it is
+//      head_dim, multiples of 8), each summed over all positions in order.
+// AttendTwoPassF16 runs the three over a whole pair on one thread.
+
+// Query heads of the group rounded to f16: q16[group * head_dim].
+template <typename Ops>
+void F16RoundQuery(const float* q, int32_t n, float* q16) {
+  Ops::RoundF16(q, q16, n);
+}
+
+// scores[h * ld + p] for positions p in [p0, p1) of KV head kv_head.
+// REQUIRES: p0 % block_size == 0.
+template <typename Ops>
+void F16ScoreRange(const PagedKvView& kv, int32_t layer, const int32_t* blocks, int32_t kv_head,
+                   int32_t group, float scale, const float* q16, int32_t p0, int32_t p1,
+                   float* scores, int32_t ld) {
+  const int32_t hd = kv.head_dim;
+  const int32_t bs = kv.block_size;
+  for (int32_t p = p0; p < p1;) {
+    const int32_t slot = p % bs;
+    const int32_t run = std::min(p1 - p, bs - slot);
+    const uint8_t* k_head = kv.BlockHead(layer, blocks[p / bs], kv_head);
+    Ops::Scores(q16, group, hd, reinterpret_cast<const uint16_t*>(k_head) + int64_t{slot} * hd, run,
+                scale, scores + p, ld);
+    p += run;
+  }
+}
+
+// One head's scores s[0, len) -> f16-rounded probabilities.
+template <typename Ops>
+void F16Normalize(float* s, int32_t len) {
+  const float mx = Ops::Max(s, len);
+  const float sum = Ops::ExpShift(s, len, mx);
+  const float inv = static_cast<float>(1.0 / static_cast<double>(sum));
+  Ops::ScaleRoundF16(s, len, inv);
+}
+
+// out[h * head_dim + i] = sum_p probs[h * ld + p] * V[p][i] for i in [c0, c1).
+template <typename Ops>
+void F16AccumulateV(const PagedKvView& kv, int32_t layer, const int32_t* blocks, int32_t kv_head,
+                    int32_t group, const float* probs, int32_t ld, int32_t len, int32_t c0,
+                    int32_t c1, float* out) {
+  const int32_t hd = kv.head_dim;
+  const int32_t bs = kv.block_size;
+  const int64_t v_offset = kv.layer_bytes / 2;
+  for (int32_t h = 0; h < group; ++h) {
+    std::fill(out + static_cast<int64_t>(h) * hd + c0, out + static_cast<int64_t>(h) * hd + c1,
+              0.0f);
+  }
+  for (int32_t p = 0; p < len;) {
+    const int32_t slot = p % bs;
+    const int32_t run = std::min(len - p, bs - slot);
+    const uint8_t* v_head = kv.BlockHead(layer, blocks[p / bs], kv_head) + v_offset;
+    Ops::AccumulateV(out + c0, group, hd, c1 - c0, probs + p, ld,
+                     reinterpret_cast<const uint16_t*>(v_head) + int64_t{slot} * hd + c0, run);
+    p += run;
+  }
+}
+
+// The three steps of one ISA, for the threaded driver in attention.cc.
+struct F16Kernels {
+  void (*round_query)(const float* q, int32_t n, float* q16);
+  void (*score_range)(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
+                      int32_t kv_head, int32_t group, float scale, const float* q16, int32_t p0,
+                      int32_t p1, float* scores, int32_t ld);
+  void (*normalize)(float* s, int32_t len);
+  void (*accumulate_v)(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
+                       int32_t kv_head, int32_t group, const float* probs, int32_t ld,
+                       int32_t len, int32_t c0, int32_t c1, float* out);
+};
+
+template <typename Ops>
+constexpr F16Kernels MakeF16Kernels() {
+  return {&F16RoundQuery<Ops>, &F16ScoreRange<Ops>, &F16Normalize<Ops>, &F16AccumulateV<Ops>};
+}
+
+// The whole of one pair on the calling thread (item.pos_begin == 0).
 // scores: group * ld floats, ld >= pos_end; q16: group * head_dim floats.
 // Writes the normalized output of each head to out + h * head_dim.
 template <typename Ops>
 void AttendTwoPassF16(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
                       float scale, float* scores, int32_t ld, float* q16, float* out) {
-  const int32_t hd = kv.head_dim;
-  const int32_t bs = kv.block_size;
   const int32_t len = item.pos_end;
   const int32_t* blocks = kv.block_ids + kv.seq_block_offsets[item.seq];
-  const int64_t v_offset = kv.layer_bytes / 2;
-  for (int32_t i = 0; i < group * hd; ++i) q16[i] = Fp16ToFp32(Fp32ToFp16(item.q[i]));
-  for (int32_t p = 0; p < len;) {
-    const int32_t slot = p % bs;
-    const int32_t run = std::min(len - p, bs - slot);
-    const uint8_t* k_head = kv.BlockHead(layer, blocks[p / bs], item.kv_head);
-    Ops::Scores(q16, group, hd, reinterpret_cast<const uint16_t*>(k_head) + int64_t{slot} * hd, run,
-                scale, scores + p, ld);
-    p += run;
-  }
-  for (int32_t h = 0; h < group; ++h) {
-    float* s = scores + static_cast<int64_t>(h) * ld;
-    const float mx = Ops::Max(s, len);
-    const float sum = Ops::ExpShift(s, len, mx);
-    const float inv = static_cast<float>(1.0 / static_cast<double>(sum));
-    for (int32_t j = 0; j < len; ++j) s[j] = Fp16ToFp32(Fp32ToFp16(s[j] * inv));
-  }
-  std::fill(out, out + static_cast<int64_t>(group) * hd, 0.0f);
-  for (int32_t p = 0; p < len;) {
-    const int32_t slot = p % bs;
-    const int32_t run = std::min(len - p, bs - slot);
-    const uint8_t* v_head = kv.BlockHead(layer, blocks[p / bs], item.kv_head) + v_offset;
-    Ops::AccumulateV(out, group, hd, scores + p, ld,
-                     reinterpret_cast<const uint16_t*>(v_head) + int64_t{slot} * hd, run);
-    p += run;
-  }
+  F16RoundQuery<Ops>(item.q, group * kv.head_dim, q16);
+  F16ScoreRange<Ops>(kv, layer, blocks, item.kv_head, group, scale, q16, 0, len, scores, ld);
+  for (int32_t h = 0; h < group; ++h) F16Normalize<Ops>(scores + static_cast<int64_t>(h) * ld, len);
+  F16AccumulateV<Ops>(kv, layer, blocks, item.kv_head, group, scores, ld, len, 0, kv.head_dim, out);
 }
 
 void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& item,
                           int32_t group, float scale, float* scores, int32_t ld, float* q16,
                           float* out);
+// The AVX2 steps. REQUIRES: the CPU has AVX2 (and F16C).
+const F16Kernels& F16KernelsAvx2();
 
 // DequantizeRow with AVX2 for int8, fp8 and the int4 rows (other codecs:
 // the plain loop). Exactly equal to DequantizeRow. REQUIRES: the CPU has AVX2.

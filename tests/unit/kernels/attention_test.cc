@@ -255,6 +255,63 @@ TEST(KiviAttentionTest, DecodeAppendedCacheMatchesReference) {
   }
 }
 
+// f16 cache with few (token, KV head) pairs: the kernel may split each
+// pair's scores, softmax and output channels across threads. That split must
+// be bitwise equal to running each pair on one thread, for any thread count
+// -- block boundaries, contexts that end mid-block, head dims with a tail
+// past the last group of 8 -- with and without SIMD.
+TEST(F16SplitAttentionTest, SplitIsBitwiseEqualToUnsplit) {
+  static ThreadPool pool3(3), pool4(4);
+  ThreadPool* pools[] = {TestPool(), &pool3, &pool4};
+  struct Case {
+    int32_t block_size, head_dim, gqa;
+    std::vector<int32_t> lens;  // one decode token at the end of each
+  };
+  const std::vector<Case> cases = {
+      {16, 64, 3, {1}},          {16, 64, 3, {16}},         {16, 64, 3, {17}},
+      {16, 64, 3, {300}},        {16, 64, 3, {2048}},       {1, 64, 3, {37}},
+      {32, 128, 4, {255, 513}},  {16, 8, 1, {100}},         {4, 20, 5, {61}},
+      {32, 40, 2, {97, 3, 640}}, {16, 64, 3, {15, 33, 48}},
+  };
+  for (bool simd : {true, false}) {
+    std::optional<ScopedDisableSimdForTesting> no_simd;
+    if (!simd) no_simd.emplace();
+    for (const Case& c : cases) {
+      constexpr int32_t kKvHeads = 3;
+      KvFixture kv(c.block_size, kKvHeads, c.head_dim, KvDType::kF16, c.lens, 11);
+      const int32_t n_tokens = static_cast<int32_t>(c.lens.size());
+      std::vector<int32_t> seq(n_tokens), pos(n_tokens);
+      for (int32_t t = 0; t < n_tokens; ++t) {
+        seq[t] = t;
+        pos[t] = c.lens[t] - 1;
+      }
+      AttentionBatch batch{n_tokens, seq.data(), pos.data(), kKvHeads * c.gqa,
+                           1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+      const int64_t q_row = static_cast<int64_t>(batch.n_heads) * c.head_dim;
+      // Large scores make some probabilities round to f16 subnormals or 0.
+      auto q = RandomFloats(n_tokens * q_row, kv.rng());
+      for (auto& x : q) x *= 4.0f;
+      std::vector<float> want(n_tokens * q_row), got(n_tokens * q_row);
+      {
+        ScopedF16SplitForTesting unsplit(false);
+        PagedAttention(kv.view(), 1, batch, q.data(), q_row, want.data(), q_row, TestPool());
+      }
+      for (ThreadPool* pool : pools) {
+        ScopedF16SplitForTesting split(true);
+        std::fill(got.begin(), got.end(), std::nanf(""));
+        PagedAttention(kv.view(), 1, batch, q.data(), q_row, got.data(), q_row, pool);
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+            << "simd=" << simd << " threads=" << pool->num_threads() << " bs=" << c.block_size
+            << " hd=" << c.head_dim << " gqa=" << c.gqa << " len[0]=" << c.lens[0];
+      }
+      // The heuristic's own choice (split for the single long decode) too.
+      std::fill(got.begin(), got.end(), std::nanf(""));
+      PagedAttention(kv.view(), 1, batch, q.data(), q_row, got.data(), q_row, TestPool());
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+    }
+  }
+}
+
 // A query that matches one key far better than the others attends (almost)
 // only to it: a sanity check of the reference itself.
 TEST(PagedAttentionReferenceTest, SharpQueryPicksMatchingValue) {
