@@ -35,7 +35,9 @@ std::vector<cuda::DeviceBuffer> keep_;  // small uploads of the running benchmar
 void BM_PagedDecodeAttention(benchmark::State& state) {
   const int32_t ctx = static_cast<int32_t>(state.range(0));
   const auto dtype = static_cast<kernels::KvDType>(state.range(1));
-  const int64_t elem = kernels::KvElemBytes(dtype);
+  // Stored bytes of one (token, KV head) row: data plus its scale area.
+  const int64_t row_bytes =
+      kernels::KvRowBytes(dtype, kHeadDim) + kernels::KvRowMetaBytes(dtype, kHeadDim);
   const int64_t half = kernels::PagedKvView::HalfLayerBytes(kBlockSize, kKvHeads, kHeadDim, dtype);
   const int32_t blocks_per_seq = (ctx + kBlockSize - 1) / kBlockSize;
   const int32_t n_blocks = blocks_per_seq * kBatch;
@@ -47,7 +49,8 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
     state.SkipWithError("device allocation failed");
     return;
   }
-  // 0x3c bytes: every f16 is ~1.06, every f32 ~0.011; the math is the same.
+  // 0x3c bytes: every f16 is ~1.06, every f32 ~0.011, int8/fp8 codes times a
+  // scale of ~0.011, int4 f16 scale and minimum ~1.06; the math is the same.
   (void)cuda::MemsetAsync(kv_mem->data(), 0x3c, kv_mem->size(), stream->get());
 
   std::vector<int32_t> ids(n_blocks), offsets(kBatch + 1), seq(kBatch), pos(kBatch, ctx - 1);
@@ -115,8 +118,8 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
     total_s += sec;
     state.SetIterationTime(sec);
   }
-  // K and V of every attended position, every KV head, once.
-  const double kv_bytes = 2.0 * kBatch * ctx * kKvHeads * kHeadDim * elem;
+  // K and V (and their scales) of every attended position, every KV head, once.
+  const double kv_bytes = 2.0 * kBatch * ctx * kKvHeads * row_bytes;
   state.counters["kv_MB"] = kv_bytes / 1e6;
   const double gbps =
       total_s > 0 ? kv_bytes * static_cast<double>(state.iterations()) / total_s / 1e9 : 0;
@@ -134,7 +137,10 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
 BENCHMARK(kvserve::BM_PagedDecodeAttention)
     ->ArgsProduct({{1024, 2048, 4096, 8192, 16384, 32768},
                    {static_cast<int64_t>(kvserve::kernels::KvDType::kF16),
-                    static_cast<int64_t>(kvserve::kernels::KvDType::kF32)}})
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kF32),
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kInt8),
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kFp8E4M3),
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kInt4)}})
     ->ArgNames({"ctx", "dtype"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

@@ -26,7 +26,10 @@ int64_t KvPool::BlockBytes(const KvPoolOptions& o) {
 
 KvPool::KvPool(const KvPoolOptions& o) : options_(o) {}
 
-KvPool::~KvPool() { std::free(storage_); }
+KvPool::~KvPool() {
+  // Device storage returns to its pool with device_storage_.
+  if (!on_device()) std::free(storage_);
+}
 
 absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvPoolOptions& o) {
   if (o.n_layers <= 0 || o.n_kv_heads <= 0 || o.head_dim <= 0 || o.block_size <= 0 ||
@@ -39,12 +42,24 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvPoolOptions& o) {
   pool->block_bytes_ = BlockBytes(o);
   pool->layer_bytes_ = pool->block_bytes_ / o.n_layers;
   const int64_t total = pool->block_bytes_ * o.n_blocks;
-  // 64-byte alignment keeps every block cache-line aligned for SIMD loads.
-  const int64_t rounded = (total + 63) / 64 * 64;
-  pool->storage_ = static_cast<uint8_t*>(std::aligned_alloc(64, rounded));
-  if (pool->storage_ == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", total, " bytes of KV cache"));
+  if (o.device_memory != nullptr) {
+    absl::StatusOr<cuda::DeviceBuffer> device =
+        o.device_memory->Allocate(static_cast<size_t>(total));
+    if (!device.ok()) {
+      return absl::Status(device.status().code(),
+                          absl::StrCat("cannot allocate ", total, " bytes of KV cache on the GPU: ",
+                                       device.status().message()));
+    }
+    pool->device_storage_ = std::move(device).value();
+    pool->storage_ = pool->device_storage_.as<uint8_t>();
+  } else {
+    // 64-byte alignment keeps every block cache-line aligned for SIMD loads.
+    const int64_t rounded = (total + 63) / 64 * 64;
+    pool->storage_ = static_cast<uint8_t*>(std::aligned_alloc(64, rounded));
+    if (pool->storage_ == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", total, " bytes of KV cache"));
+    }
   }
   pool->free_.reserve(o.n_blocks);
   // Hand out low ids first: pop_back from a descending list.
@@ -104,6 +119,21 @@ void KvPool::CopyBlock(BlockHandle src, BlockHandle dst) {
   if (src.id == dst.id) DieOnBadHandle("CopyBlock", src, "is both source and destination");
   // Every layer of a block is contiguous (DESIGN.md), so one memcpy moves all
   // layers' K and V with their scales.
+  if (on_device()) {
+    // One contiguous device-to-device copy on the forward's stream: ordered
+    // before the next forward writes dst. A launch failure here means the
+    // device is gone; the step cannot go on with a half-made copy.
+    const absl::Status s = cuda::CopyDeviceToDeviceAsync(
+        storage_ + static_cast<int64_t>(dst.id) * block_bytes_,
+        storage_ + static_cast<int64_t>(src.id) * block_bytes_,
+        static_cast<size_t>(block_bytes_), options_.device_stream);
+    if (!s.ok()) {
+      std::fprintf(stderr, "KvPool::CopyBlock: device copy %d -> %d failed: %s\n", src.id, dst.id,
+                   s.ToString().c_str());
+      std::abort();
+    }
+    return;
+  }
   std::memcpy(storage_ + static_cast<int64_t>(dst.id) * block_bytes_,
               storage_ + static_cast<int64_t>(src.id) * block_bytes_,
               static_cast<size_t>(block_bytes_));

@@ -5,6 +5,10 @@
 // to the free list, so a stale handle is detected, not silently read.
 // Running out is ResourceExhausted, never a crash.
 //
+// The blocks live in host memory (the CPU forward's) or, with
+// KvPoolOptions::device_memory, in device memory from the CUDA backend's
+// pool: the same layout, so a block copies byte-identically between tiers.
+//
 // Not thread-safe: owned by the engine thread.
 #pragma once
 
@@ -14,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kernels/cuda/runtime.h"
 #include "kernels/kv_view.h"
 
 namespace kvserve {
@@ -25,6 +30,12 @@ struct KvPoolOptions {
   int32_t block_size = 16;
   int32_t n_blocks = 0;
   kernels::KvDType dtype = kernels::KvDType::kF32;
+  // Storage: host memory when null (the default), else device memory from
+  // this pool, which must outlive the KvPool. Copy-on-write copies of device
+  // blocks are enqueued on device_stream (the stream the forward runs on, so
+  // they are ordered before it); no host code reads device blocks.
+  cuda::DeviceMemoryPool* device_memory = nullptr;
+  cuda::StreamHandle device_stream = nullptr;
 };
 
 // A reference to one block. Plain data; the pool checks the generation.
@@ -67,6 +78,8 @@ class KvPool {
   int32_t block_size() const { return options_.block_size; }
   int64_t block_bytes() const { return block_bytes_; }
   const KvPoolOptions& options() const { return options_; }
+  // True when the blocks are device memory (View().pool is a device pointer).
+  bool on_device() const { return !device_storage_.empty(); }
 
   // A kernel view over this pool with the given CSR block table (the arrays
   // must outlive the view).
@@ -78,7 +91,8 @@ class KvPool {
   KvPoolOptions options_;
   int64_t block_bytes_ = 0;
   int64_t layer_bytes_ = 0;
-  uint8_t* storage_ = nullptr;
+  uint8_t* storage_ = nullptr;          // host memory, or device_storage_'s
+  cuda::DeviceBuffer device_storage_;  // set when options_.device_memory is
   std::vector<int32_t> free_;
   std::vector<int32_t> refs_;         // per block; 0 when free
   std::vector<uint32_t> generation_;  // per block; advances on each return to the free list

@@ -2,8 +2,12 @@
 # One-shot GPU check (issue 7): on a fresh NVIDIA machine with CUDA 13 and
 # this repository, builds the CUDA kernels, runs their unit tests against the
 # CPU reference (a skipped test is a failure here), runs them once more under
-# compute-sanitizer when it is installed, measures the device's copy
-# bandwidth and the paged decode attention bandwidth, and prints a summary.
+# compute-sanitizer when it is installed, runs the model on the GPU
+# (llama_cuda_test: stories260K goldens, SmolLM2 GPU == CPU greedy, no device
+# memory left after a run with cancellations; a test skipped for want of a
+# GPU is a failure, one skipped for a missing model is reported) and
+# `kvserve generate --device cuda`, measures the device's copy bandwidth and
+# the paged decode attention bandwidth, and prints a summary.
 # Fails loudly when no GPU is visible. Budget: < 10 minutes on 16 cores.
 #
 #   bash deploy/gpu-check.sh               # everything
@@ -51,7 +55,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DKVSERVE_WITH_CUDA=ON -DKVSERVE_BUILD_BEN
   -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$CAP" >"$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; die "cmake configure"; }
 grep -q "KVSERVE_WITH_CUDA=ON" "$OUT/configure.log" || die "CUDA was not enabled (see $OUT/configure.log)"
-cmake --build "$BUILD" --target cuda_kernels_test kvserve_cuda_bench -j "$(nproc)" \
+cmake --build "$BUILD" --target cuda_kernels_test kvserve_cuda_bench llama_cuda_test kvserve -j "$(nproc)" \
   >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; die "build"; }
 
 step "unit tests (GPU kernels vs CPU reference)"
@@ -73,6 +77,37 @@ if [ "$QUICK" = 0 ] && command -v compute-sanitizer >/dev/null; then
   tail -5 "$OUT/sanitizer.log"
 fi
 
+step "model on the GPU (llama_cuda_test)"
+MODEL_RC=0
+timeout 300 "$BUILD/tests/llama_cuda_test" --gtest_brief=1 >"$OUT/model.log" 2>&1 || MODEL_RC=$?
+tail -25 "$OUT/model.log"
+MODEL_PASSED="$(grep '^\[  PASSED  \]' "$OUT/model.log" || true)"
+MODEL_FAILED="$(grep '^\[  FAILED  \]' "$OUT/model.log" || true)"
+MODEL_NO_GPU="$(grep -c 'no usable CUDA device' "$OUT/model.log" || true)"
+MODEL_MISSING="$(grep -c 'not found; skipping' "$OUT/model.log" || true)"
+
+SAN2_RC=skipped
+if [ "$QUICK" = 0 ] && command -v compute-sanitizer >/dev/null; then
+  step "compute-sanitizer memcheck of an engine run with cancellations"
+  SAN2_RC=0
+  timeout 240 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 \
+    "$BUILD/tests/llama_cuda_test" --gtest_brief=1 \
+    --gtest_filter='CudaLlamaTest.EngineRunWithCancellations*:CudaLlamaTest.Stories260KSmall*' \
+    >"$OUT/sanitizer-model.log" 2>&1 || SAN2_RC=$?
+  tail -5 "$OUT/sanitizer-model.log"
+  # A timeout (124) is reported, not failed: memcheck is slow on big models.
+fi
+
+CLI_RC=skipped
+SMOL="${KVSERVE_MODEL_DIR:-$ROOT/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ -f "$SMOL" ]; then
+  step "kvserve generate --device cuda (SmolLM2)"
+  CLI_RC=0
+  timeout 120 "$BUILD/server/kvserve" -m "$SMOL" generate --device cuda --kv-cache-memory 256MiB \
+    -p "The capital of France is" -n 24 --temperature 0 >"$OUT/generate.log" 2>&1 || CLI_RC=$?
+  tail -8 "$OUT/generate.log"
+fi
+
 step "bandwidth probe + paged decode attention benchmark"
 MIN_TIME=0.3
 [ "$QUICK" = 1 ] && MIN_TIME=0.1
@@ -87,6 +122,10 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 echo "unit tests: rc=$TEST_RC ${PASSED_LINE:-no PASSED line}; skipped=$SKIPPED"
 [ -n "$FAILED_LINES" ] && echo "$FAILED_LINES"
 echo "compute-sanitizer: $SAN_RC"
+echo "model tests: rc=$MODEL_RC ${MODEL_PASSED:-no PASSED line}; skipped for no GPU=$MODEL_NO_GPU, for a missing model=$MODEL_MISSING"
+[ -n "$MODEL_FAILED" ] && echo "$MODEL_FAILED"
+echo "compute-sanitizer (engine run): $SAN2_RC"
+echo "kvserve generate --device cuda: $CLI_RC"
 grep -E "device->device|host->device|device->host" "$OUT/bench.log" || true
 grep -E "^BM_PagedDecodeAttention|ctx:" "$OUT/bench.log" | head -20 || true
 echo "logs: $OUT"
@@ -95,4 +134,8 @@ echo "logs: $OUT"
 [ "$SKIPPED" = 0 ] || die "$SKIPPED GPU tests skipped although a GPU is visible (see $OUT/tests.log)"
 [ "$SAN_RC" = 0 ] || [ "$SAN_RC" = skipped ] || die "compute-sanitizer (rc=$SAN_RC, see $OUT/sanitizer.log)"
 [ "$BENCH_RC" = 0 ] || die "benchmark (rc=$BENCH_RC, see $OUT/bench.log)"
+[ "$MODEL_RC" = 0 ] || die "model tests (rc=$MODEL_RC, see $OUT/model.log)"
+[ "$MODEL_NO_GPU" = 0 ] || die "$MODEL_NO_GPU model tests found no usable GPU although one is visible"
+[ "$SAN2_RC" != 9 ] || die "compute-sanitizer on the engine run (see $OUT/sanitizer-model.log)"
+[ "$CLI_RC" = 0 ] || [ "$CLI_RC" = skipped ] || die "kvserve generate --device cuda (rc=$CLI_RC, see $OUT/generate.log)"
 echo "gpu-check: OK"

@@ -94,6 +94,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   po.block_size = o.block_size;
   po.n_blocks = o.num_blocks;
   po.dtype = o.kv_dtype;
+  if (o.backend != nullptr) {
+    RETURN_IF_ERROR(o.backend->CheckKvLayout(o.kv_dtype, o.block_size));
+    po.device_memory = o.backend->kv_device_memory();  // null: host blocks
+    po.device_stream = o.backend->kv_stream();
+  }
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, pool, o));
   ASSIGN_OR_RETURN(e->kv_pool_, KvPool::Create(po));
   if (o.prefix_cache) {
@@ -504,8 +509,10 @@ bool Engine::Step() {
   logits_.resize(logit_rows.size() * static_cast<size_t>(c.vocab_size));
   const kernels::PagedKvView view = kv_pool_->View(block_ids.data(), block_offsets.data(),
                                                    static_cast<int32_t>(batch_seqs.size()));
-  absl::Status st = model_->Forward({tokens, token_seq, positions, logit_rows}, view,
-                                    logits_.data(), pool_);
+  const ForwardBatch batch{tokens, token_seq, positions, logit_rows};
+  absl::Status st = options_.backend != nullptr
+                        ? options_.backend->Forward(batch, view, logits_.data(), pool_)
+                        : model_->Forward(batch, view, logits_.data(), pool_);
   if (!st.ok()) {
     // Inputs were validated at Submit, so this is an engine bug; fail the
     // affected requests rather than the process.

@@ -33,6 +33,7 @@
 #include "cache/kv_pool.h"
 #include "cache/prefix_cache.h"
 #include "common/thread_pool.h"
+#include "model/backend.h"
 #include "model/llama.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -63,6 +64,9 @@ struct EngineOptions {
   std::string model_identity;            // seeds the prefix cache's hashes
   KvEventSink* kv_events = nullptr;      // optional: receives the cache's changes
   Clock* clock = nullptr;                // prefix-cache LRU clock (tests)
+  // Device seam (model/backend.h): runs the forward and decides where the KV
+  // pool's blocks live. Null: model->Forward over host KV (the CPU path).
+  std::shared_ptr<ForwardBackend> backend;
 };
 
 // "fcfs" or "lpm".

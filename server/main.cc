@@ -37,6 +37,7 @@
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
 #include "kernels/cuda/probe.h"
+#include "model/backend.h"
 #include "model/chat_template.h"
 #include "model/llama.h"
 #include "model/perplexity.h"
@@ -177,8 +178,17 @@ struct EngineFlags {
   bool static_batching = false;
   bool prefix_cache = true;
   std::string schedule_policy = "fcfs";
+  std::string device = "auto";
+  // The forward's backend, made once per model (CUDA uploads the weights).
+  mutable std::shared_ptr<ForwardBackend> backend;
+  mutable const LlamaModel* backend_model = nullptr;
 
   void Add(CLI::App* app) {
+    app->add_option("--device", device,
+                    "Where the model and KV cache run: cpu, cuda, or auto (cuda when a GPU is "
+                    "usable and supports the KV dtype, else cpu)")
+        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+        ->capture_default_str();
     app->add_option("--block-size", block_size, "Tokens per KV block")->capture_default_str();
     app->add_option("--kv-cache-memory", kv_cache_memory,
                     "KV cache budget: bytes (512MiB, 2GiB) or a fraction of available memory (0.5)")
@@ -215,6 +225,19 @@ struct EngineFlags {
     return *plan;
   }
 
+  // Selects the backend (--device; model/backend.cc decides), or dies with
+  // the reason: an unusable GPU or a combination it cannot run.
+  std::shared_ptr<ForwardBackend> Backend(const Loaded& l) const {
+    if (backend == nullptr || backend_model != l.model.get()) {
+      auto b = CreateBackend(device, l.model.get(), DType(), block_size);
+      if (!b.ok()) Die(b.status());
+      backend = std::move(b).value();
+      backend_model = l.model.get();
+      spdlog::info("device: {} (--device {})", backend->name(), device);
+    }
+    return backend;
+  }
+
   // Plans the KV memory, logs the plan, and creates the engine.
   std::unique_ptr<Engine> MakeEngine(const Loaded& l, ThreadPool* pool,
                                      KvEventSink* kv_events = nullptr,
@@ -237,6 +260,7 @@ struct EngineFlags {
     o.schedule_policy = *policy;
     o.kv_events = kv_events;
     o.model_identity = std::move(model_identity);
+    o.backend = Backend(l);
     auto e = Engine::Create(l.model.get(), l.tokenizer.get(), pool, o);
     if (!e.ok()) Die(e.status());
     return std::move(e).value();

@@ -64,26 +64,4 @@ __device__ __forceinline__ float QueryElem<__half>(float q) {
 
 }  // namespace kvserve::cuda::internal
 
-// Turns the runtime (dtype, head_dim) into template constants in one place.
-#define KVSERVE_DISPATCH_KV(dtype, head_dim, ...)                                     \
-  [&]() -> absl::Status {                                                             \
-    if ((head_dim) != 64 && (head_dim) != 128) {                                      \
-      return absl::UnimplementedError(absl::StrCat(                                   \
-          "CUDA attention: head_dim ", (head_dim), " is not supported (64, 128)"));   \
-    }                                                                                 \
-    switch (dtype) {                                                                  \
-      case kernels::KvDType::kF32:                                                    \
-        if ((head_dim) == 64) { using T = float; constexpr int HD = 64; __VA_ARGS__ } \
-        else { using T = float; constexpr int HD = 128; __VA_ARGS__ }                 \
-        break;                                                                        \
-      case kernels::KvDType::kF16:                                                    \
-        if ((head_dim) == 64) { using T = __half; constexpr int HD = 64; __VA_ARGS__ } \
-        else { using T = __half; constexpr int HD = 128; __VA_ARGS__ }                \
-        break;                                                                        \
-      default:                                                                        \
-        if ((head_dim) == 64) { using T = __nv_bfloat16; constexpr int HD = 64; __VA_ARGS__ } \
-        else { using T = __nv_bfloat16; constexpr int HD = 128; __VA_ARGS__ }         \
-        break;                                                                        \
-    }                                                                                 \
-    return absl::OkStatus();                                                          \
-  }()
+// KVSERVE_DISPATCH_KV (the dtype -> codec dispatch) lives in kv_codec.cuh.

@@ -22,13 +22,14 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/kv_device.cuh"
 
 namespace kvserve::cuda {
 namespace {
 
 using internal::KvLayout;
-using internal::Vec16;
+using internal::RowMeta;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
@@ -58,9 +59,11 @@ struct DecodeArgs {
   float* ws_ml;   // [token][head][split][2]: max, sum
 };
 
-template <typename T, int HD>
+// C: the KV codec (kv_codec.cuh): a lane loads C::kRawBytes of a row (and
+// the row's scale for quantized codecs) and dequantizes them in registers.
+template <typename C, int HD>
 __global__ void __launch_bounds__(kThreads) DecodeKernel(DecodeArgs a) {
-  constexpr int E = Vec16<T>::kElems;  // elements per 16-byte load
+  constexpr int E = C::kElems;  // elements per lane load
   constexpr int LPR = HD / E;          // lanes per row
   constexpr int RPW = 32 / LPR;        // rows per warp per step
   constexpr int RPI = kWarps * RPW;    // rows per CTA per step
@@ -95,7 +98,7 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(DecodeArgs a) {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       acc[g][e] = 0.f;
-      q[g][e] = g < n_g ? internal::QueryElem<T>(
+      q[g][e] = g < n_g ? C::Query(
                               a.q[t * a.q_stride + static_cast<int64_t>(h0 + g) * HD + li * E + e])
                         : 0.f;
     }
@@ -107,28 +110,38 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(DecodeArgs a) {
 
   const int32_t* blocks = a.kv.block_ids + a.kv.seq_block_offsets[seq];
   const int32_t mask = a.kv.block_size - 1;
-  // Byte offset of this lane's slice inside a (key) row of head kv_head at
-  // slot 0 of a block, from the block's start.
-  auto row_ptr = [&](int32_t pos) -> const uint8_t* {
-    return a.kv.HeadKeys(blocks[pos >> a.kv.block_shift], kv_head) +
-           static_cast<int64_t>(pos & mask) * a.kv.row_bytes + li * 16;
+  // Loads this lane's slice of the key (value: + v_offset) row at pos, and
+  // the row's scale when the codec has one.
+  auto load = [&](int32_t pos, int64_t half, typename C::Raw* raw, RowMeta* meta) {
+    const int32_t block = blocks[pos >> a.kv.block_shift];
+    const int32_t slot = pos & mask;
+    *raw = C::Load(a.kv.HeadKeys(block, kv_head) + half +
+                   static_cast<int64_t>(slot) * a.kv.row_bytes + li * C::kRawBytes);
+    if constexpr (C::kHasMeta) {
+      *meta = C::LoadMeta(a.kv,
+                          internal::HeadMeta(a.kv, block, kv_head) + half +
+                              static_cast<int64_t>(slot) * a.kv.row_meta_bytes,
+                          li);
+    }
   };
 
   for (int32_t tile_begin = begin; tile_begin < end; tile_begin += kTile) {
     const int32_t tile_n = min(kTile, end - tile_begin);
     // Phase 1: scores of the tile.
     for (int32_t base = 0; base < tile_n; base += kStep) {
-      uint4 kraw[kUnroll];
+      typename C::Raw kraw[kUnroll];
+      RowMeta kmeta[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int32_t j = base + u * RPI + row_group;
-        kraw[u] = j < tile_n ? __ldcs(reinterpret_cast<const uint4*>(row_ptr(tile_begin + j)))
-                             : make_uint4(0, 0, 0, 0);
+        kraw[u] = C::Zero();
+        kmeta[u] = RowMeta{0.f, 0.f};
+        if (j < tile_n) load(tile_begin + j, 0, &kraw[u], &kmeta[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         float kf[E];
-        Vec16<T>::ToFloat(kraw[u], kf);
+        C::ToFloat(kraw[u], kmeta[u], a.kv, kf);
         const int32_t j = base + u * RPI + row_group;
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
@@ -173,20 +186,21 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(DecodeArgs a) {
       for (int e = 0; e < E; ++e) acc[g][e] *= f;
     }
     for (int32_t base = 0; base < tile_n; base += kStep) {
-      uint4 vraw[kUnroll];
+      typename C::Raw vraw[kUnroll];
+      RowMeta vmeta[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int32_t j = base + u * RPI + row_group;
-        vraw[u] = j < tile_n ? __ldcs(reinterpret_cast<const uint4*>(row_ptr(tile_begin + j) +
-                                                                     a.kv.v_offset))
-                             : make_uint4(0, 0, 0, 0);
+        vraw[u] = C::Zero();
+        vmeta[u] = RowMeta{0.f, 0.f};
+        if (j < tile_n) load(tile_begin + j, a.kv.v_offset, &vraw[u], &vmeta[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int32_t j = base + u * RPI + row_group;
         if (j >= tile_n) continue;
         float vf[E];
-        Vec16<T>::ToFloat(vraw[u], vf);
+        C::ToFloat(vraw[u], vmeta[u], a.kv, vf);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g >= n_g) break;
@@ -343,7 +357,11 @@ absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,
   const dim3 grid(static_cast<unsigned>(kv.n_kv_heads * plan.head_tiles),
                   static_cast<unsigned>(batch.n_tokens), static_cast<unsigned>(plan.n_splits));
   return KVSERVE_DISPATCH_KV(kv.dtype, kv.head_dim, {
-    DecodeKernel<T, HD><<<grid, kThreads, 0, stream>>>(a);
+    if (absl::Status s = internal::CheckKvAlignment(kv, C::kRawBytes, "PagedDecodeAttention");
+        !s.ok()) {
+      return s;
+    }
+    DecodeKernel<C, HD><<<grid, kThreads, 0, stream>>>(a);
     if (plan.n_splits > 1) {
       MergeSplitsKernel<HD><<<static_cast<unsigned>(batch.n_tokens * batch.n_heads), HD, 0,
                               stream>>>(a.ws_acc, a.ws_ml, batch.n_heads, plan.n_splits, out,

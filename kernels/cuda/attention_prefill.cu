@@ -17,13 +17,14 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/kv_device.cuh"
 
 namespace kvserve::cuda {
 namespace {
 
 using internal::KvLayout;
-using internal::Vec16;
+using internal::RowMeta;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
@@ -43,9 +44,11 @@ struct PrefillArgs {
   float scale;
 };
 
-template <typename T, int HD>
+// Codec: the KV codec (kv_codec.cuh); K/V tiles are dequantized into shared
+// memory as they are loaded.
+template <typename Codec, int HD>
 __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillArgs a) {
-  constexpr int E = Vec16<T>::kElems;
+  constexpr int E = Codec::kElems;
   constexpr int kVecsPerRow = HD / E;
   constexpr int C = HD / 32;  // output channels per lane
 
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillArgs a) {
 
   for (int idx = threadIdx.x; idx < kQ * HD; idx += kThreads) {
     const int r = idx / HD, d = idx % HD;
-    s_q[r][d] = r < rows ? internal::QueryElem<T>(
+    s_q[r][d] = r < rows ? Codec::Query(
                                a.q[static_cast<int64_t>(q_begin + tile * kQ + r) * a.q_stride +
                                    static_cast<int64_t>(h) * HD + d])
                          : 0.f;
@@ -93,10 +96,19 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillArgs a) {
       const int32_t pos = k0 + j;
       float kf[E], vf[E];
       if (pos <= last_pos) {
-        const uint8_t* row = a.kv.HeadKeys(blocks[pos >> a.kv.block_shift], kv_head) +
-                             static_cast<int64_t>(pos & mask) * a.kv.row_bytes + c * 16;
-        Vec16<T>::ToFloat(*reinterpret_cast<const uint4*>(row), kf);
-        Vec16<T>::ToFloat(*reinterpret_cast<const uint4*>(row + a.kv.v_offset), vf);
+        const int32_t block = blocks[pos >> a.kv.block_shift];
+        const uint8_t* row = a.kv.HeadKeys(block, kv_head) +
+                             static_cast<int64_t>(pos & mask) * a.kv.row_bytes +
+                             c * Codec::kRawBytes;
+        RowMeta km{1.f, 0.f}, vm{1.f, 0.f};
+        if constexpr (Codec::kHasMeta) {
+          const uint8_t* meta = internal::HeadMeta(a.kv, block, kv_head) +
+                                static_cast<int64_t>(pos & mask) * a.kv.row_meta_bytes;
+          km = Codec::LoadMeta(a.kv, meta, c);
+          vm = Codec::LoadMeta(a.kv, meta + a.kv.v_offset, c);
+        }
+        Codec::ToFloat(Codec::LoadPlain(row), km, a.kv, kf);
+        Codec::ToFloat(Codec::LoadPlain(row + a.kv.v_offset), vm, a.kv, vf);
       } else {
 #pragma unroll
         for (int e = 0; e < E; ++e) kf[e] = vf[e] = 0.f;
@@ -176,7 +188,11 @@ absl::Status PagedPrefillAttention(const kernels::PagedKvView& kv, int32_t layer
   const dim3 grid(static_cast<unsigned>((batch.max_q_per_seq + kQ - 1) / kQ),
                   static_cast<unsigned>(batch.n_heads), static_cast<unsigned>(kv.n_seqs));
   return KVSERVE_DISPATCH_KV(kv.dtype, kv.head_dim, {
-    PrefillKernel<T, HD><<<grid, kThreads, 0, stream>>>(a);
+    if (absl::Status s = internal::CheckKvAlignment(kv, C::kRawBytes, "PagedPrefillAttention");
+        !s.ok()) {
+      return s;
+    }
+    PrefillKernel<C, HD><<<grid, kThreads, 0, stream>>>(a);
     if (absl::Status s = internal::LaunchStatus("PagedPrefillAttention"); !s.ok()) return s;
   });
 }

@@ -68,8 +68,10 @@ absl::Status ConvertF32ToBF16(const float* in, int64_t n, uint16_t* out, StreamH
 // The view is kernels::PagedKvView with device pointers: kv.pool is the
 // device pool (same block layout as cache/KvPool, so a block copies
 // byte-identically between tiers), kv.block_ids / kv.seq_block_offsets are
-// device arrays. CUDA supports the f32, f16 and bf16 codecs; quantized codecs
-// return Unimplemented. Block size: any power of two.
+// device arrays. CUDA supports f32, f16, bf16, int8, fp8-e4m3, fp8-e5m2, int4
+// and int4-g64 (kv_codec.cuh: AppendKv quantizes byte-identically to
+// kernels::QuantizeRow, attention dequantizes as it reads); int4-kivi and
+// int4-kivi-g64 return Unimplemented. Block size: any power of two.
 
 // Writes K and V of n_tokens new tokens (token t of sequence token_seq[t] at
 // position token_pos[t]). CPU twin: kernels::AppendKv.

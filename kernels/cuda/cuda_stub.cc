@@ -3,6 +3,7 @@
 // callers and tests build unchanged and pick the CPU backend at run time.
 #include <utility>
 
+#include "kernels/cuda/attention_generic.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/probe.h"
@@ -159,5 +160,11 @@ absl::Status CublasMatMul::MatMul(const DeviceWeight&, const float*, int64_t, in
 }
 
 absl::StatusOr<BandwidthReport> ProbeBandwidth(size_t, int) { return NotBuilt(); }
+
+absl::Status PagedAttentionGeneric(const kernels::PagedKvView&, int32_t, int32_t, const int32_t*,
+                                   const int32_t*, int32_t, float, const float*, int64_t, float*,
+                                   int64_t, StreamHandle) {
+  return NotBuilt();
+}
 
 }  // namespace kvserve::cuda

@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/kv_device.cuh"
 
 namespace kvserve::cuda {
@@ -47,6 +48,33 @@ __global__ void AppendKvKernel(KvLayout kv, int32_t n_kv_heads, int32_t head_dim
     uint8_t* krow = kv.KeyRow(seq, pos, h);
     reinterpret_cast<T*>(krow)[i] = FromFloat<T>(k[t * k_stride + e]);
     reinterpret_cast<T*>(krow + kv.v_offset)[i] = FromFloat<T>(v[t * v_stride + e]);
+  }
+}
+
+// Quantized codecs: one block per token, one warp per (kv head, K or V) row
+// at a time; internal::QuantizeRowWarp writes kernels::QuantizeRow's bytes.
+__global__ void AppendKvQuantKernel(KvLayout kv, kernels::KvDType dtype, int32_t n_kv_heads,
+                                    int32_t head_dim, const int32_t* __restrict__ token_seq,
+                                    const int32_t* __restrict__ token_pos,
+                                    const float* __restrict__ k, int64_t k_stride,
+                                    const float* __restrict__ v, int64_t v_stride) {
+  const int32_t t = blockIdx.x;
+  const int32_t seq = token_seq[t];
+  const int32_t pos = token_pos[t];
+  const int32_t block = kv.BlockOf(seq, pos);
+  const int32_t slot = pos & (kv.block_size - 1);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  for (int32_t r = static_cast<int32_t>(threadIdx.x / 32); r < 2 * n_kv_heads; r += warps) {
+    const int32_t h = r >> 1;
+    const bool value = (r & 1) != 0;
+    const int64_t half = value ? kv.v_offset : 0;
+    const float* src = value ? v + t * v_stride + static_cast<int64_t>(h) * head_dim
+                             : k + t * k_stride + static_cast<int64_t>(h) * head_dim;
+    uint8_t* data = const_cast<uint8_t*>(kv.HeadKeys(block, h)) + half +
+                    static_cast<int64_t>(slot) * kv.row_bytes;
+    uint8_t* meta = const_cast<uint8_t*>(internal::HeadMeta(kv, block, h)) + half +
+                    static_cast<int64_t>(slot) * kv.row_meta_bytes;
+    internal::QuantizeRowWarp(dtype, src, head_dim, data, meta);
   }
 }
 
@@ -94,10 +122,23 @@ absl::Status AppendKv(const kernels::PagedKvView& kv, int32_t layer, int32_t n_t
       AppendKvKernel<__half><<<n_tokens, threads, 0, stream>>>(
           L, kv.n_kv_heads, kv.head_dim, token_seq, token_pos, k, k_stride, v, v_stride);
       break;
-    default:
+    case kernels::KvDType::kBF16:
       AppendKvKernel<__nv_bfloat16><<<n_tokens, threads, 0, stream>>>(
           L, kv.n_kv_heads, kv.head_dim, token_seq, token_pos, k, k_stride, v, v_stride);
       break;
+    case kernels::KvDType::kInt8:
+    case kernels::KvDType::kFp8E4M3:
+    case kernels::KvDType::kFp8E5M2:
+    case kernels::KvDType::kInt4:
+    case kernels::KvDType::kInt4G64:
+      AppendKvQuantKernel<<<n_tokens, 128, 0, stream>>>(L, kv.dtype, kv.n_kv_heads, kv.head_dim,
+                                                        token_seq, token_pos, k, k_stride, v,
+                                                        v_stride);
+      break;
+    default:  // MakeKvLayout turned the int4-kivi codecs away
+      return absl::UnimplementedError(absl::StrCat(
+          "CUDA AppendKv: KV dtype ", std::string(kernels::KvDTypeName(kv.dtype)),
+          " is not supported"));
   }
   return LaunchStatus("AppendKv");
 }

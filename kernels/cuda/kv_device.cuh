@@ -23,6 +23,14 @@ struct KvLayout {
   int32_t block_shift;   // log2(block_size)
   const int32_t* block_ids;
   const int32_t* seq_block_offsets;
+  // Quantized codecs (kv_codec.cuh): the scale area of a layer's K half
+  // starts meta_offset after the layer (values: + v_offset), one head's is
+  // head_meta_bytes, one row's row_meta_bytes. codec_variant: int8/fp8
+  // 0 int8, 1 e4m3, 2 e5m2; int4: log2 of the group size.
+  int64_t meta_offset;
+  int64_t head_meta_bytes;
+  int64_t row_meta_bytes;
+  int32_t codec_variant;
 
   // Start of head `head`'s keys in block `block` (values: + v_offset).
   __device__ __forceinline__ const uint8_t* HeadKeys(int32_t block, int32_t head) const {
@@ -41,11 +49,10 @@ struct KvLayout {
 
 // Validates the view for the CUDA kernels and builds the device layout.
 inline absl::Status MakeKvLayout(const kernels::PagedKvView& kv, int32_t layer, KvLayout* out) {
-  if (kv.dtype != kernels::KvDType::kF32 && kv.dtype != kernels::KvDType::kF16 &&
-      kv.dtype != kernels::KvDType::kBF16) {
-    return absl::UnimplementedError(absl::StrCat("CUDA kernels: KV dtype ",
-                                                 std::string(kernels::KvDTypeName(kv.dtype)),
-                                                 " is not supported yet (f32, f16, bf16)"));
+  if (kernels::KvIsKivi(kv.dtype)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "CUDA kernels: KV dtype ", std::string(kernels::KvDTypeName(kv.dtype)),
+        " (per-channel keys re-encoded on append) is not supported yet; use int4 or int4-g64"));
   }
   if (kv.block_size <= 0 || (kv.block_size & (kv.block_size - 1)) != 0) {
     return absl::InvalidArgumentError(
@@ -66,7 +73,27 @@ inline absl::Status MakeKvLayout(const kernels::PagedKvView& kv, int32_t layer, 
                   kv.block_size,
                   shift,
                   kv.block_ids,
-                  kv.seq_block_offsets};
+                  kv.seq_block_offsets,
+                  int64_t{kv.block_size} * kv.n_kv_heads * kv.RowBytes(),
+                  kv.HeadMetaBytes(),
+                  kv.RowMetaBytes(),
+                  0};
+  switch (kv.dtype) {
+    case kernels::KvDType::kFp8E4M3:
+      out->codec_variant = 1;
+      break;
+    case kernels::KvDType::kFp8E5M2:
+      out->codec_variant = 2;
+      break;
+    case kernels::KvDType::kInt4:
+      out->codec_variant = 5;  // groups of 32
+      break;
+    case kernels::KvDType::kInt4G64:
+      out->codec_variant = 6;  // groups of 64
+      break;
+    default:
+      break;
+  }
   return absl::OkStatus();
 }
 

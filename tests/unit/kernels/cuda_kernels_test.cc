@@ -29,6 +29,14 @@ namespace {
 
 using kernels::KvDType;
 
+double MaxAbsDiff(const std::vector<float>& got, const std::vector<float>& want) {
+  double m = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    m = std::max(m, std::fabs(static_cast<double>(got[i]) - want[i]));
+  }
+  return m;
+}
+
 double Nmse(const std::vector<float>& got, const std::vector<float>& want) {
   double num = 0, den = 0;
   for (size_t i = 0; i < want.size(); ++i) {
@@ -354,6 +362,15 @@ class CudaPagedKvTest : public CudaTest, public ::testing::WithParamInterface<Kv
     // probabilities in the reference.
     return f_.dtype == KvDType::kF16 ? 1e-5 : 1e-9;
   }
+  // Quantized codecs with scales (int8, fp8, int4): the kernels dequantize
+  // as they read, the reference dequantizes each row with the CPU codec, so
+  // both see the same K/V (int4: an FMA on the GPU, multiply-add on the
+  // CPU, one rounding apart). Besides the NMSE, the CPU attention tests'
+  // bound for quantized caches (attention_test.cc: 5e-5 absolute) holds.
+  void ExpectQuantizedBound(const std::vector<float>& got, const std::vector<float>& want) const {
+    if (kernels::KvRowMetaBytes(f_.dtype, f_.head_dim) == 0) return;
+    EXPECT_LT(MaxAbsDiff(got, want), 5e-5);
+  }
   PagedKvFixture f_;
   int32_t group_ = 1;
 };
@@ -370,7 +387,47 @@ TEST_P(CudaPagedKvTest, AppendKvIsByteIdenticalToCpu) {
   }
   const int32_t n = static_cast<int32_t>(seq.size());
   const int64_t stride = w + 8;
-  const auto k = RandomFloats(n * stride, 11), v = RandomFloats(n * stride, 12);
+  auto k = RandomFloats(n * stride, 11), v = RandomFloats(n * stride, 12);
+  // Rows that exercise the codecs' edge cases (the rest stay random): all
+  // zeros (scale 0), a constant row (int4 range 0), tiny and large
+  // magnitudes (f16 subnormal int4 scales), exact rounding ties (int8 with
+  // scale 1: x.5; fp8 with scale 1: midpoints between codes; int4 with
+  // scale 1 and minimum 0: x.5), each with both signs.
+  const float fmt_max = f_.dtype == KvDType::kFp8E4M3   ? 448.f
+                        : f_.dtype == KvDType::kFp8E5M2 ? 57344.f
+                                                        : 127.f;
+  for (int32_t t = 0; t < 8; ++t) {
+    for (float* row : {&k[t * stride], &v[t * stride]}) {
+      for (int64_t e = 0; e < w; ++e) {
+        const int32_t i = static_cast<int32_t>(e % f_.head_dim);
+        const float sign = (i % 3 == 2) ? -1.f : 1.f;
+        float x = row[e];
+        switch (t) {
+          case 0: x = 0.f; break;
+          case 1: x = 3.f; break;
+          case 2: x *= 1e-6f; break;
+          case 3: x *= 1e3f; break;
+          case 4:  // int8 / fp8 ties at scale 1
+            if (i == 0) {
+              x = fmt_max;
+            } else if (f_.dtype == KvDType::kFp8E4M3) {
+              x = sign * (1.f + (2 * (i % 8) + 1) / 16.f);
+            } else if (f_.dtype == KvDType::kFp8E5M2) {
+              x = sign * (1.f + (2 * (i % 4) + 1) / 8.f);
+            } else {
+              x = sign * ((i % 20) + 0.5f);
+            }
+            break;
+          case 5:  // int4 ties: every group spans [0, 15]
+            x = i % 32 == 0 ? 0.f : (i % 32 == 1 ? 15.f : (i % 15) + 0.5f);
+            break;
+          case 6: x = sign * 1e-30f * (i + 1); break;  // underflows every scale
+          default: break;
+        }
+        row[e] = x;
+      }
+    }
+  }
   kernels::AppendKv(f_.HostView(), 1, n, seq.data(), pos.data(), k.data(), stride, v.data(),
                     stride);
   uint8_t* dpool = Upload(std::vector<uint8_t>(f_.host.size(), 0));
@@ -422,7 +479,9 @@ TEST_P(CudaPagedKvTest, DecodeAttentionMatchesReference) {
   ASSERT_TRUE(cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws, ws_bytes,
                                          stream())
                   .ok());
-  EXPECT_LT(Nmse(Download(out, want.size()), want), Threshold());
+  const auto got = Download(out, want.size());
+  EXPECT_LT(Nmse(got, want), Threshold());
+  ExpectQuantizedBound(got, want);
 }
 
 TEST_P(CudaPagedKvTest, PrefillAttentionMatchesReference) {
@@ -461,7 +520,9 @@ TEST_P(CudaPagedKvTest, PrefillAttentionMatchesReference) {
   ASSERT_TRUE(cuda::PagedPrefillAttention(DeviceView(Upload(f_.host)), 1, b, Upload(q), q_dim, out,
                                           q_dim, stream())
                   .ok());
-  EXPECT_LT(Nmse(Download(out, want.size()), want), Threshold());
+  const auto got = Download(out, want.size());
+  EXPECT_LT(Nmse(got, want), Threshold());
+  ExpectQuantizedBound(got, want);
 }
 
 TEST_P(CudaPagedKvTest, BlockCopyGatherAndScatterMoveBytesExactly) {
@@ -511,9 +572,10 @@ TEST_P(CudaPagedKvTest, BlockCopyGatherAndScatterMoveBytesExactly) {
   EXPECT_TRUE(Download(dpool, want2.size()) == want2);
 }
 
-// f32/f16/bf16 spell as identifiers already.
 std::string KvParamName(const ::testing::TestParamInfo<KvParam>& info) {
-  return absl::StrCat(std::string(kernels::KvDTypeName(std::get<0>(info.param))), "_b",
+  std::string name(kernels::KvDTypeName(std::get<0>(info.param)));
+  std::replace(name.begin(), name.end(), '-', '_');  // fp8-e4m3 -> fp8_e4m3
+  return absl::StrCat(name, "_b",
                       std::get<1>(info.param), "_d", std::get<2>(info.param), "_g",
                       std::get<3>(info.param));
 }
@@ -525,15 +587,61 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(1, 4, 8)),
     KvParamName);
 
+// Quantized caches (quantize on append, dequantize inside attention).
+INSTANTIATE_TEST_SUITE_P(
+    QuantDTypeBlockHeadDimGroup, CudaPagedKvTest,
+    ::testing::Combine(::testing::Values(KvDType::kInt8, KvDType::kFp8E4M3, KvDType::kFp8E5M2,
+                                         KvDType::kInt4, KvDType::kInt4G64),
+                       ::testing::Values(8, 32), ::testing::Values(64, 128),
+                       ::testing::Values(1, 8)),
+    KvParamName);
+
 // More query heads per KV head than one CTA takes (two head tiles).
 INSTANTIATE_TEST_SUITE_P(WideGroup, CudaPagedKvTest,
                          ::testing::Values(KvParam{KvDType::kF16, 16, 64, 12},
-                                           KvParam{KvDType::kF32, 32, 128, 3}),
+                                           KvParam{KvDType::kF32, 32, 128, 3},
+                                           KvParam{KvDType::kInt4, 16, 128, 12},
+                                           KvParam{KvDType::kFp8E4M3, 16, 64, 3}),
                          KvParamName);
+
+// Append takes any head dim (attention takes 64 and 128): int4 rows with a
+// partial last group and an odd channel count (the last byte's high nibble
+// stays zero), byte codecs with an odd row length.
+TEST_F(CudaTest, AppendKvQuantizesOddHeadDimsLikeCpu) {
+  for (KvDType dtype : {KvDType::kInt8, KvDType::kFp8E4M3, KvDType::kFp8E5M2, KvDType::kInt4,
+                        KvDType::kInt4G64}) {
+    for (int32_t hd : {9, 40, 72}) {
+      PagedKvFixture f;
+      f.dtype = dtype;
+      f.head_dim = hd;
+      f.n_kv_heads = 3;
+      f.block_size = 4;
+      f.lens = {11, 6};
+      f.Build(7);
+      const int64_t w = int64_t{f.n_kv_heads} * hd;
+      std::vector<int32_t> seq, pos;
+      for (int32_t s = 0; s < 2; ++s) {
+        for (int32_t p = 0; p < f.lens[s]; ++p) {
+          seq.push_back(s);
+          pos.push_back(p);
+        }
+      }
+      const int32_t n = static_cast<int32_t>(seq.size());
+      const auto k = RandomFloats(n * w, 70 + hd, 3.f), v = RandomFloats(n * w, 71 + hd, 0.1f);
+      kernels::AppendKv(f.HostView(), 0, n, seq.data(), pos.data(), k.data(), w, v.data(), w);
+      uint8_t* dpool = Upload(std::vector<uint8_t>(f.host.size(), 0));
+      ASSERT_TRUE(cuda::AppendKv(f.View(dpool, Upload(f.block_ids), Upload(f.offsets)), 0, n,
+                                 Upload(seq), Upload(pos), Upload(k), w, Upload(v), w, stream())
+                      .ok());
+      EXPECT_TRUE(Download(dpool, f.host.size()) == f.host)
+          << kernels::KvDTypeName(dtype) << " head_dim " << hd;
+    }
+  }
+}
 
 TEST_F(CudaTest, UnsupportedKvDTypeIsUnimplemented) {
   PagedKvFixture f;
-  f.dtype = KvDType::kInt8;
+  f.dtype = KvDType::kInt4Kivi;  // per-channel keys: CPU only for now
   f.lens = {4};
   f.Build(1);
   auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
@@ -543,6 +651,8 @@ TEST_F(CudaTest, UnsupportedKvDTypeIsUnimplemented) {
   b.max_context = 4;
   EXPECT_EQ(cuda::PagedDecodeAttention(view, 0, b, nullptr, 0, nullptr, 0, nullptr, 0, stream())
                 .code(),
+            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(cuda::AppendKv(view, 0, 1, nullptr, nullptr, nullptr, 0, nullptr, 0, stream()).code(),
             absl::StatusCode::kUnimplemented);
 }
 

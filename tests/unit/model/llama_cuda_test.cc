@@ -1,0 +1,387 @@
+// The CUDA backend end to end (model/llama_cuda.cc through the engine): the
+// stories260K greedy goldens on the GPU, SmolLM2 greedy equal to the CPU
+// backend, no device memory left behind after a run with cancellations, and
+// the backend selection's start-up errors. Tests that need a GPU skip with a
+// clear message where none is usable (build machines, CI); deploy/gpu-check.sh
+// runs them on a GPU machine, where a skip counts as a failure.
+#include "model/llama_cuda.h"
+
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/kv_pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/runtime.h"
+#include "model/backend.h"
+#include "model/tokenizer.h"
+#include "nlohmann/json.hpp"
+#include "scheduler/engine.h"
+#include "tests/testing/test_models.h"
+
+namespace kvserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+#define KVSERVE_SKIP_WITHOUT_GPU()                                                          \
+  do {                                                                                      \
+    const absl::Status usable = cuda::CudaUsable();                                         \
+    if (!usable.ok()) {                                                                     \
+      GTEST_SKIP() << "no usable CUDA device (" << usable.message()                         \
+                   << "); GPU test skipped (deploy/gpu-check.sh runs it on a GPU machine)"; \
+    }                                                                                       \
+  } while (0)
+
+struct Loaded {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+
+Loaded Load(const std::string& path) {
+  Loaded l;
+  auto m = LlamaModel::Load(path);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return l;
+  l.model = std::move(m).value();
+  auto t = Tokenizer::FromGguf(l.model->file());
+  EXPECT_TRUE(t.ok()) << t.status();
+  if (t.ok()) l.tokenizer = std::move(t).value();
+  return l;
+}
+
+SamplingParams Greedy(int max_tokens) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+struct RunOptions {
+  int32_t block_size = 16;
+  int32_t num_blocks = 1024;
+  int32_t max_batched_tokens = 512;
+  kernels::KvDType kv_dtype = kernels::KvDType::kF16;
+};
+
+struct Output {
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason finish = FinishReason::kNone;
+};
+
+// Runs every request through one engine on `backend` (null: the CPU path
+// without a backend) until it is idle; outputs in request order.
+absl::StatusOr<std::vector<Output>> Generate(const Loaded& l,
+                                             std::shared_ptr<ForwardBackend> backend,
+                                             const std::vector<EngineRequest>& requests,
+                                             const RunOptions& r = {}) {
+  EngineOptions o;
+  o.block_size = r.block_size;
+  o.num_blocks = r.num_blocks;
+  o.max_batched_tokens = r.max_batched_tokens;
+  o.kv_dtype = r.kv_dtype;
+  o.backend = std::move(backend);
+  ThreadPool pool(2);
+  auto engine = Engine::Create(l.model.get(), l.tokenizer.get(), &pool, o);
+  if (!engine.ok()) return engine.status();
+  std::vector<Output> out(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto id = (*engine)->Submit(requests[i], [&out, i](const SeqEvent& ev) {
+      out[i].tokens.insert(out[i].tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
+      out[i].text += ev.text;
+      if (ev.finish != FinishReason::kNone) out[i].finish = ev.finish;
+    });
+    if (!id.ok()) return id.status();
+  }
+  while ((*engine)->Step()) {
+  }
+  return out;
+}
+
+std::shared_ptr<ForwardBackend> CudaBackend(const Loaded& l) {
+  auto b = CreateBackend("cuda", l.model.get(), kernels::KvDType::kF16, 16);
+  EXPECT_TRUE(b.ok()) << b.status();
+  if (!b.ok()) return nullptr;
+  EXPECT_EQ((*b)->device(), Device::kCuda);
+  return std::move(b).value();
+}
+
+// Index of the first difference (size of the shorter when one is a prefix).
+size_t FirstDifference(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  return i;
+}
+
+// ---- Selection (no GPU needed) ------------------------------------------
+
+TEST(BackendSelectionTest, ParsesDeviceFlag) {
+  EXPECT_EQ(*ResolveDevice("cpu"), Device::kCpu);
+  EXPECT_EQ(*ResolveDevice("cuda"), Device::kCuda);
+  const absl::StatusOr<Device> a = ResolveDevice("auto");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(*a, cuda::CudaUsable().ok() ? Device::kCuda : Device::kCpu);
+  const absl::StatusOr<Device> bad = ResolveDevice("tpu");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("--device"));
+}
+
+TEST(BackendSelectionTest, CpuAndAutoAlwaysWork) {
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model);
+  auto cpu = CreateBackend("cpu", l.model.get(), kernels::KvDType::kF16, 16);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ((*cpu)->device(), Device::kCpu);
+  EXPECT_EQ((*cpu)->kv_device_memory(), nullptr);
+  // A KV codec the CUDA kernels do not run keeps auto on the CPU.
+  auto auto_int8 = CreateBackend("auto", l.model.get(), kernels::KvDType::kInt8, 16);
+  ASSERT_TRUE(auto_int8.ok()) << auto_int8.status();
+  EXPECT_EQ((*auto_int8)->device(), Device::kCpu);
+  auto auto_f16 = CreateBackend("auto", l.model.get(), kernels::KvDType::kF16, 16);
+  ASSERT_TRUE(auto_f16.ok()) << auto_f16.status();
+  EXPECT_EQ((*auto_f16)->device(), cuda::CudaUsable().ok() ? Device::kCuda : Device::kCpu);
+}
+
+TEST(BackendSelectionTest, CpuBackendThroughTheEngineEqualsNoBackend) {
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  auto cpu = CreateBackend("cpu", l.model.get(), kernels::KvDType::kF16, 16);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const std::vector<EngineRequest> reqs = {
+      {l.tokenizer->Encode("Once upon a time", true, false), Greedy(24)},
+      {l.tokenizer->Encode("The little dog", true, false), Greedy(24)}};
+  auto plain = Generate(l, nullptr, reqs);
+  auto seam = Generate(l, *cpu, reqs);
+  ASSERT_TRUE(plain.ok() && seam.ok());
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ((*seam)[i].tokens, (*plain)[i].tokens);
+}
+
+TEST(BackendSelectionTest, DeviceCudaWithoutGpuFailsClearly) {
+  if (cuda::CudaUsable().ok()) GTEST_SKIP() << "a GPU is usable here; this checks the no-GPU error";
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model);
+  auto b = CreateBackend("cuda", l.model.get(), kernels::KvDType::kF16, 16);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("--device cuda"));
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("no usable CUDA device"));
+}
+
+TEST(BackendSelectionTest, DeviceCudaRejectsQuantizedKvAndOddBlockSizes) {
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model);
+  // Checked before the device is, so the message is the same on any machine.
+  auto int8 = CreateBackend("cuda", l.model.get(), kernels::KvDType::kInt8, 16);
+  ASSERT_FALSE(int8.ok());
+  EXPECT_EQ(int8.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(int8.status().message()), HasSubstr("--kv-cache-dtype"));
+  EXPECT_THAT(std::string(int8.status().message()), HasSubstr("int8"));
+  auto odd = CreateBackend("cuda", l.model.get(), kernels::KvDType::kF16, 12);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_THAT(std::string(odd.status().message()), HasSubstr("--block-size"));
+}
+
+// ---- On the GPU ---------------------------------------------------------
+
+struct Golden {
+  std::string prompt;
+  std::vector<int32_t> ids;
+  int max_tokens;
+  std::string text;
+};
+
+std::vector<Golden> ReadGolden(const std::string& path) {
+  std::vector<Golden> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line);
+    out.push_back({j["prompt"], j["prompt_ids_with_bos"].get<std::vector<int32_t>>(),
+                   j["max_tokens"], j["output_text_including_prompt"]});
+  }
+  return out;
+}
+
+TEST(CudaLlamaTest, Stories260KReproducesGoldenGreedyOutputs) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const std::string model_path = testing::Stories260KPath();
+  const std::string golden_path = testing::Stories260KGoldenPath();
+  KVSERVE_SKIP_IF_MISSING(model_path, "stories260K.gguf");
+  KVSERVE_SKIP_IF_MISSING(golden_path, "stories260K golden file");
+  Loaded l = Load(model_path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  std::shared_ptr<ForwardBackend> gpu = CudaBackend(l);
+  ASSERT_NE(gpu, nullptr);
+  const std::vector<Golden> golden = ReadGolden(golden_path);
+  ASSERT_EQ(golden.size(), 5u);
+  for (const Golden& g : golden) {
+    auto out = Generate(l, gpu, {EngineRequest{g.ids, Greedy(g.max_tokens)}});
+    ASSERT_TRUE(out.ok()) << out.status();
+    const std::vector<int32_t> prompt_no_bos(g.ids.begin() + 1, g.ids.end());
+    EXPECT_EQ(l.tokenizer->Decode(prompt_no_bos) + (*out)[0].text, g.text) << g.prompt;
+    EXPECT_EQ((*out)[0].tokens.size(), static_cast<size_t>(g.max_tokens));
+  }
+}
+
+TEST(CudaKvPoolTest, DeviceBlocksLiveInTheDevicePoolAndCopyOnWrite) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  cuda::DeviceMemoryPool memory;
+  auto stream = cuda::CudaStream::Create();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  KvPoolOptions o;
+  o.n_layers = 3;
+  o.n_kv_heads = 2;
+  o.head_dim = 64;
+  o.block_size = 16;
+  o.n_blocks = 8;
+  o.dtype = kernels::KvDType::kF16;
+  o.device_memory = &memory;
+  o.device_stream = stream->get();
+  {
+    auto pool = KvPool::Create(o);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    KvPool& p = **pool;
+    EXPECT_TRUE(p.on_device());
+    EXPECT_EQ(memory.live_buffers(), 1);
+    std::vector<BlockHandle> blocks;
+    ASSERT_TRUE(p.Allocate(3, &blocks).ok());
+    const size_t bytes = static_cast<size_t>(p.block_bytes());
+    uint8_t* base = p.View(nullptr, nullptr, 0).pool;
+    std::vector<uint8_t> pattern(bytes);
+    for (size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<uint8_t>(i * 7 + 3);
+    ASSERT_TRUE(cuda::CopyToDevice(base + blocks[0].id * bytes, pattern.data(), bytes).ok());
+    ASSERT_TRUE(cuda::MemsetAsync(base + blocks[2].id * bytes, 0, bytes, stream->get()).ok());
+    p.CopyBlock(blocks[0], blocks[2]);
+    ASSERT_TRUE(stream->Synchronize().ok());
+    std::vector<uint8_t> back(bytes);
+    ASSERT_TRUE(cuda::CopyToHost(back.data(), base + blocks[2].id * bytes, bytes).ok());
+    EXPECT_EQ(back, pattern);
+    p.Release(blocks);
+  }
+  EXPECT_EQ(memory.live_buffers(), 0) << "the pool's device storage was not returned";
+}
+
+// All prompts in one engine (ragged prefill + decode batches, the prefill
+// and decode attention kernels) against the CPU backend, one prompt at a time
+// and all together.
+void ExpectGpuMatchesCpu(const std::string& path, const std::vector<std::string>& prompts,
+                         int max_tokens, const RunOptions& r) {
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  std::shared_ptr<ForwardBackend> gpu = CudaBackend(l);
+  ASSERT_NE(gpu, nullptr);
+  std::vector<EngineRequest> reqs;
+  for (const std::string& p : prompts) {
+    reqs.push_back({l.tokenizer->Encode(p, /*add_bos=*/true, false), Greedy(max_tokens)});
+  }
+  auto cpu = Generate(l, nullptr, reqs, r);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto together = Generate(l, gpu, reqs, r);
+  ASSERT_TRUE(together.ok()) << together.status();
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto alone = Generate(l, gpu, {reqs[i]}, r);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    const std::vector<int32_t>& want = (*cpu)[i].tokens;
+    ASSERT_EQ(want.size(), static_cast<size_t>(max_tokens)) << prompts[i];
+    EXPECT_EQ((*alone)[0].tokens, want)
+        << "prompt '" << prompts[i] << "' alone: first difference at token "
+        << FirstDifference((*alone)[0].tokens, want) << "; cpu: " << (*cpu)[i].text
+        << " | gpu: " << (*alone)[0].text;
+    EXPECT_EQ((*together)[i].tokens, want)
+        << "prompt '" << prompts[i] << "' batched: first difference at token "
+        << FirstDifference((*together)[i].tokens, want);
+  }
+}
+
+TEST(CudaLlamaTest, SmolLM2GreedyMatchesCpuForFirst32Tokens) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const std::string path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(path, "SmolLM2 (run deploy/setup.sh)");
+  RunOptions r;
+  r.max_batched_tokens = 64;  // several prefill chunks per prompt
+  ExpectGpuMatchesCpu(path,
+                      {"The capital of France is", "def fibonacci(n):", "Water boils at",
+                       "A short poem about the sea:\n",
+                       "Once upon a time, in a small village by the mountains, there lived"},
+                      32, r);
+}
+
+TEST(CudaLlamaTest, Stories260KSmallBlocksMatchCpu) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  RunOptions r;
+  r.block_size = 4;
+  r.max_batched_tokens = 7;
+  ExpectGpuMatchesCpu(path, {"Once upon a time", "The little dog", "Sam", "Tom had a red ball"}, 24,
+                      r);
+}
+
+TEST(CudaLlamaTest, EngineRunWithCancellationsLeaksNoDeviceMemory) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  std::string path = testing::SmolLM2Path();
+  if (path.empty()) path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "SmolLM2 or stories260K");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  auto created = CudaLlama::Create(*l.model);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::shared_ptr<CudaLlama> gpu = std::move(created).value();
+  const int64_t weights = gpu->device_memory().live_buffers();
+  ASSERT_GT(weights, 0);
+  {
+    EngineOptions o;
+    o.num_blocks = 256;
+    o.block_size = 16;
+    o.max_batched_tokens = 48;
+    o.backend = gpu;
+    ThreadPool pool(2);
+    auto engine = Engine::Create(l.model.get(), l.tokenizer.get(), &pool, o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    EXPECT_TRUE(e.kv_pool().on_device());
+    EXPECT_EQ(gpu->device_memory().live_buffers(), weights + 1) << "the KV pool is one buffer";
+    const std::vector<std::string> prompts = {
+        "The capital of France is",      "Water boils at", "def fibonacci(n):", "Once upon a time",
+        "A short poem about the sea:\n", "Tom had"};
+    std::vector<uint64_t> ids;
+    std::map<uint64_t, FinishReason> finish;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EngineRequest req{l.tokenizer->Encode(prompts[i], true, false), Greedy(40)};
+      req.n = i % 3 == 0 ? 2 : 1;  // forks: copy-on-write of device blocks
+      auto id = e.Submit(req, [&finish](const SeqEvent& ev) {
+        if (ev.finish != FinishReason::kNone) finish[ev.request_id] = ev.finish;
+      });
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    for (int step = 0; e.Step(); ++step) {
+      if (step == 3) e.Cancel(ids[1]);   // mid-prefill
+      if (step == 10) e.Cancel(ids[3]);  // mid-decode
+    }
+    EXPECT_EQ(finish[ids[1]], FinishReason::kCancelled);
+    EXPECT_EQ(finish[ids[3]], FinishReason::kCancelled);
+    EXPECT_NE(finish[ids[0]], FinishReason::kCancelled);
+    // Every block is free or held only by the prefix cache (evictable).
+    const EngineStats stats = e.Stats();
+    EXPECT_EQ(stats.blocks_free, stats.blocks_total) << "KV blocks leaked";
+  }
+  ASSERT_TRUE(gpu->ReleaseScratch().ok());
+  EXPECT_EQ(gpu->device_memory().live_buffers(), weights) << "device buffers leaked";
+}
+
+}  // namespace
+}  // namespace kvserve
