@@ -1,10 +1,24 @@
 #include "cache/kv_event_log.h"
 
+#include <chrono>
+#include <random>
+
 #include <utility>
 
 namespace kvserve {
 
-KvEventLog::KvEventLog(size_t retain) : retain_(retain) {}
+namespace {
+
+uint64_t NewEpoch() {
+  std::random_device rd;
+  uint64_t e = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+               static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return e == 0 ? 1 : e;
+}
+
+}  // namespace
+
+KvEventLog::KvEventLog(size_t retain) : retain_(retain), epoch_(NewEpoch()) {}
 
 KvEventLog::~KvEventLog() { Close(); }
 

@@ -57,6 +57,9 @@ class KvEventLog : public KvEventSink {
   // Wakes every reader; later Reads return closed = true at once.
   void Close();
 
+  // Random and nonzero, fixed for the log's lifetime: sequence numbers are
+  // only comparable within one epoch (a restarted daemon starts over at 1).
+  uint64_t epoch() const { return epoch_; }
   uint64_t last_sequence() const;
   uint64_t oldest_retained() const;  // 0 when nothing is retained
   size_t replica_size() const;       // blocks in the replica
@@ -65,6 +68,7 @@ class KvEventLog : public KvEventSink {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   size_t retain_;
+  uint64_t epoch_;
   std::deque<SequencedKvEvent> window_;
   uint64_t last_ = 0;
   bool closed_ = false;

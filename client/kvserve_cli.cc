@@ -578,6 +578,7 @@ int RunKvEvents(Client* client, const KvEventsFlags& flags) {
 
   KvReplica replica;
   uint64_t position = flags.after;  // the last sequence the replica reflects
+  uint64_t epoch = 0;               // the daemon log's epoch position counts in
   bool want_snapshot = flags.snapshot || flags.snapshot_only;
   int64_t events = 0, snapshots = 0, reconnects = 0;
   int exit_code = 0;
@@ -586,6 +587,7 @@ int RunKvEvents(Client* client, const KvEventsFlags& flags) {
     pb::SubscribeKvEventsRequest request;
     request.set_after_sequence(position);
     request.set_snapshot(want_snapshot);
+    request.set_epoch(epoch);
     // A stream lives as long as it is wanted: no deadline from --timeout.
     auto ctx = std::make_unique<grpc::ClientContext>();
     if (!client->options().api_key.empty()) {
@@ -601,6 +603,7 @@ int RunKvEvents(Client* client, const KvEventsFlags& flags) {
     bool resync = false;
     while (!resync && reader->Read(&msg)) {
       got_any = true;
+      epoch = msg.epoch();
       if (msg.has_snapshot()) {
         const pb::KvSnapshotChunk& chunk = msg.snapshot();
         if (chunk.index() == 0) {

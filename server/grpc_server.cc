@@ -380,13 +380,15 @@ void ToProto(const SequencedKvEvent& e, pb::KvEvent* out) {
 // The messages of one KvEventLog::Read: snapshot chunks, then events in
 // batches, each under kMaxKvMessageBytes. Advances *position to the last
 // sequence delivered.
-std::vector<pb::KvEventsResponse> ToMessages(const KvEventRead& r, uint64_t* position) {
+std::vector<pb::KvEventsResponse> ToMessages(const KvEventRead& r, uint64_t epoch,
+                                            uint64_t* position) {
   std::vector<pb::KvEventsResponse> out;
   if (r.is_snapshot) {
     pb::KvEventsResponse msg;
     size_t bytes = 0;
     auto start_chunk = [&] {
       msg.Clear();
+      msg.set_epoch(epoch);
       msg.set_sequence(r.snapshot_sequence);
       msg.mutable_snapshot()->set_as_of_sequence(r.snapshot_sequence);
       msg.mutable_snapshot()->set_index(static_cast<uint32_t>(out.size()));
@@ -421,6 +423,7 @@ std::vector<pb::KvEventsResponse> ToMessages(const KvEventRead& r, uint64_t* pos
     }
     *msg.add_events() = std::move(event);
     msg.set_sequence(e.sequence);
+    msg.set_epoch(epoch);
     bytes += size;
     *position = e.sequence;
   }
@@ -515,7 +518,7 @@ class KvEventStream final : public grpc::ServerWriteReactor<pb::KvEventsResponse
     while (shared->WaitDrained()) {
       KvEventRead r = log->Read(after, kMaxKvEventsPerRead, kKvReadWait);
       if (r.closed) break;
-      std::vector<pb::KvEventsResponse> messages = ToMessages(r, &after);
+      std::vector<pb::KvEventsResponse> messages = ToMessages(r, log->epoch(), &after);
       if (!messages.empty()) shared->Enqueue(std::move(messages));
     }
     // No-op when the client is gone already.
@@ -596,8 +599,11 @@ class KvserveService final : public pb::Kvserve::CallbackService {
       subscribers_.push_back(shared);
     }
     // Past every sequence the log has published: Read answers with a snapshot.
-    const uint64_t after =
-        request->snapshot() ? std::numeric_limits<uint64_t>::max() : request->after_sequence();
+    // Sequence numbers of another epoch (a restarted daemon) mean nothing here.
+    const bool other_epoch = request->epoch() != 0 && request->epoch() != log->epoch();
+    const uint64_t after = request->snapshot() || other_epoch
+                               ? std::numeric_limits<uint64_t>::max()
+                               : request->after_sequence();
     if (!threads_.Spawn([shared, log, after] { KvEventStream::Serve(shared, log, after); })) {
       shared->RequestFinish(
           grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is shutting down"));

@@ -70,6 +70,7 @@ struct Replica {
   };
   std::map<uint64_t, Block> blocks;
   uint64_t position = 0;
+  uint64_t epoch = 0;
   bool in_snapshot = false;
   int snapshots = 0;
   int stored = 0, removed = 0, cleared = 0;
@@ -88,6 +89,11 @@ struct Replica {
   }
 
   void Apply(const pb::KvEventsResponse& msg) {
+    if (msg.epoch() == 0) Fail("message without an epoch");
+    if (epoch != 0 && msg.epoch() != epoch && !msg.has_snapshot()) {
+      Fail("events of another epoch without a snapshot");
+    }
+    epoch = msg.epoch();
     if (msg.has_snapshot()) {
       const pb::KvSnapshotChunk& chunk = msg.snapshot();
       if (chunk.index() == 0) {
@@ -457,6 +463,51 @@ TEST(KvEventsTest, ClearEndpointsEmptyTheIndexAndPublishAllCleared) {
   EXPECT_THAT(res->body, HasSubstr(empty_cache));
   EXPECT_THAT(res->body, HasSubstr("# TYPE kvserve:prefix_cache_hits_total counter"));
   EXPECT_THAT(res->body, HasSubstr("kvserve:prefix_cache_hit_rate{"));
+}
+
+// The first message of a subscription from (after_sequence, epoch).
+pb::KvEventsResponse FirstMessage(const std::shared_ptr<grpc::Channel>& channel, uint64_t after,
+                                  uint64_t epoch) {
+  auto stub = pb::Kvserve::NewStub(channel);
+  grpc::ClientContext ctx;
+  Authorize(&ctx);
+  ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+  pb::SubscribeKvEventsRequest request;
+  request.set_after_sequence(after);
+  request.set_epoch(epoch);
+  auto reader = stub->SubscribeKvEvents(&ctx, request);
+  pb::KvEventsResponse msg;
+  EXPECT_TRUE(reader->Read(&msg)) << "the stream sent nothing";
+  ctx.TryCancel();
+  (void)reader->Finish();
+  return msg;
+}
+
+// A restarted daemon numbers its events from 1 again: a subscriber whose
+// sequence number comes from another epoch must get a snapshot, never a
+// replay of unrelated events on top of its stale replica.
+TEST(KvEventsTest, ASequenceFromAnotherEpochGetsASnapshot) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  auto d = StartDaemon({"--prefix-cache"});
+  ASSERT_TRUE(d);
+  auto channel = ChannelTo(d->grpc_port());
+  for (int i = 0; i < 3; ++i) Generate(channel, SharedPrefixRequest(1, i));
+  const Replica now = FreshSnapshot(channel);
+  ASSERT_NE(now.epoch, 0u);
+  ASSERT_GT(now.position, 1u);
+  // Same epoch, a retained position: the missed events are replayed.
+  // (The daemon retains only the last 8 events.)
+  const uint64_t after = now.position - 1;
+  const pb::KvEventsResponse same = FirstMessage(channel, after, now.epoch);
+  EXPECT_FALSE(same.has_snapshot());
+  ASSERT_GT(same.events_size(), 0);
+  EXPECT_EQ(same.events(0).sequence(), after + 1);
+  EXPECT_EQ(same.epoch(), now.epoch);
+  // Another epoch, the same position: a snapshot.
+  const pb::KvEventsResponse other = FirstMessage(channel, after, now.epoch + 1);
+  ASSERT_TRUE(other.has_snapshot());
+  EXPECT_EQ(other.snapshot().index(), 0u);
+  EXPECT_EQ(other.epoch(), now.epoch);
 }
 
 TEST(KvEventsTest, AWrongApiKeyIsRejected) {

@@ -143,6 +143,15 @@ TEST(KvEventLogTest, SequenceNumbersStartAtOneAndIncreaseByOne) {
   EXPECT_EQ(log.replica_size(), 1u);
 }
 
+TEST(KvEventLogTest, EachLogHasItsOwnNonzeroEpoch) {
+  KvEventLog a, b;
+  EXPECT_NE(a.epoch(), 0u);
+  EXPECT_NE(a.epoch(), b.epoch()) << "a restarted daemon must be told apart";
+  const uint64_t before = a.epoch();
+  a.Publish({KvCacheEvent{KvCacheEvent::Kind::kAllCleared, 0, 0, {}}});
+  EXPECT_EQ(a.epoch(), before);
+}
+
 TEST(KvEventLogTest, ReplaysExactlyTheMissedEventsInsideTheWindow) {
   KvEventLog log(8);
   for (uint64_t h = 1; h <= 12; ++h) log.Publish({Stored(h, h == 1 ? 0 : h - 1)});
