@@ -13,6 +13,10 @@
 #   bash deploy/gpu-check.sh               # everything
 #   bash deploy/gpu-check.sh --no-setup    # skip deploy/setup.sh (packages present)
 #   bash deploy/gpu-check.sh --quick       # skip compute-sanitizer, shorter benchmark
+#   bash deploy/gpu-check.sh --pack gpu-pack
+#       run binaries built elsewhere by deploy/gpu-pack.sh (no setup, no build):
+#       the lent GPU machines have CUDA, CMake and ninja but not this
+#       project's Debian libraries, and no network to fetch them
 #
 # Output: build dir $KVSERVE_BUILD_DIR (default build-gpu); logs and the
 # benchmark's JSON under $KVSERVE_GPU_CHECK_OUT (default <build>/gpu-check).
@@ -22,12 +26,15 @@ BUILD="${KVSERVE_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${KVSERVE_GPU_CHECK_OUT:-$BUILD/gpu-check}"
 SETUP=1
 QUICK=0
-for arg in "$@"; do
-  case "$arg" in
+PACK=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --no-setup) SETUP=0 ;;
     --quick) QUICK=1 ;;
-    *) echo "gpu-check.sh: unknown argument $arg" >&2; exit 2 ;;
+    --pack) PACK="${2:?--pack needs a directory}"; shift ;;
+    *) echo "gpu-check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
+  shift
 done
 die() { echo "gpu-check: FAILED: $*" >&2; exit 1; }
 step() { echo; echo "=== gpu-check: $* ($(date +%T))"; }
@@ -44,11 +51,33 @@ NVCC="${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 CAP="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')"
 [ -n "$CAP" ] || CAP="80;90"
 
+if [ -n "$PACK" ]; then
+  PACK="$(cd "$PACK" && pwd)" || die "--pack: no directory $PACK"
+  BUILD="$PACK"
+  OUT="${KVSERVE_GPU_CHECK_OUT:-$PACK/gpu-check}"
+  mkdir -p "$OUT"
+  step "pack $PACK (commit $(cat "$PACK/COMMIT" 2>/dev/null || echo ?), sm_$(cat "$PACK/CUDA_ARCH" 2>/dev/null || echo ?))"
+  echo "needs $(cat "$PACK/GLIBC_REQUIRED" 2>/dev/null || echo ?); this machine: $(ldd --version | head -1)"
+  # cuBLAS comes from this machine's CUDA: the toolkit's or the pip wheel's.
+  CUDA_LIBS=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+           $(python3 -c 'import nvidia, os; p = os.path.dirname(nvidia.__path__[0]); print(" ".join(os.path.join(p, "nvidia", x, "lib") for x in ("cublas", "cuda_runtime")))' 2>/dev/null); do
+    if [ -e "$d/libcublas.so.13" ] || [ -e "$d/libcudart.so.13" ]; then CUDA_LIBS="$CUDA_LIBS:$d"; fi
+  done
+  export LD_LIBRARY_PATH="$PACK/lib$CUDA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ -d "$PACK/shared" ]; then export KVSERVE_SHARED_DIR="$PACK/shared"; fi
+  MISSING="$(for t in tests/cuda_kernels_test tests/llama_cuda_test bench/kvserve_cuda_bench server/kvserve; do
+    ldd "$PACK/$t" | grep 'not found' || true; done | sort -u)"
+  [ -z "$MISSING" ] || die "libraries not found for the packed binaries: $MISSING (LD_LIBRARY_PATH=$LD_LIBRARY_PATH)"
+  SETUP=0
+fi
+
 if [ "$SETUP" = 1 ]; then
   step "setup (packages only)"
   bash "$ROOT/deploy/setup.sh" --no-model
 fi
 
+if [ -z "$PACK" ]; then
 step "configure + build (CUDA arch $CAP)"
 mkdir -p "$OUT"
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DKVSERVE_WITH_CUDA=ON -DKVSERVE_BUILD_BENCH=ON \
@@ -57,6 +86,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DKVSERVE_WITH_CUDA=ON -DKVSERVE_BUILD_BEN
 grep -q "KVSERVE_WITH_CUDA=ON" "$OUT/configure.log" || die "CUDA was not enabled (see $OUT/configure.log)"
 cmake --build "$BUILD" --target cuda_kernels_test kvserve_cuda_bench llama_cuda_test kvserve -j "$(nproc)" \
   >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; die "build"; }
+fi
 
 step "unit tests (GPU kernels vs CPU reference)"
 TEST_RC=0
@@ -100,6 +130,15 @@ fi
 
 CLI_RC=skipped
 SMOL="${KVSERVE_MODEL_DIR:-$ROOT/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
+STORIES="${KVSERVE_SHARED_DIR:-$ROOT/../shared}/models/stories260K.gguf"
+if [ ! -f "$SMOL" ] && [ -f "$STORIES" ]; then
+  # A pack carries stories260K only (SmolLM2 is over the device tool's limit).
+  step "kvserve generate --device cuda (stories260K)"
+  CLI_RC=0
+  timeout 120 "$BUILD/server/kvserve" -m "$STORIES" generate --device cuda --kv-cache-memory 64MiB \
+    -p "Once upon a time" -n 32 --temperature 0 >"$OUT/generate.log" 2>&1 || CLI_RC=$?
+  tail -8 "$OUT/generate.log"
+fi
 if [ -f "$SMOL" ]; then
   step "kvserve generate --device cuda (SmolLM2)"
   CLI_RC=0
