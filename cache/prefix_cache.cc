@@ -242,6 +242,35 @@ struct PrefixCache::Impl {
     }
   }
 
+  // A new node under `parent` holding `tokens` in `block` (one reference
+  // taken); its BlockStored event is appended to *events.
+  Node* AddChild(Node* parent, uint64_t hash, BlockHandle block, absl::Span<const int32_t> tokens,
+                 int64_t now, std::vector<KvCacheEvent>* events) {
+    auto owned = std::make_unique<Node>();
+    Node* child = owned.get();
+    child->hash = hash;
+    child->parent = parent;
+    child->block = block;
+    child->tokens.assign(tokens.begin(), tokens.end());
+    child->last_access_ns = now;
+    child->depth = parent->depth + 1;
+    child->seq = next_seq++;
+    pool->AddRef(child->block);
+    child->index_in_parent = static_cast<int32_t>(parent->children.size());
+    parent->children.push_back(child);
+    Link(child);
+    nodes.emplace(hash, std::move(owned));
+    if (options.events != nullptr) {
+      KvCacheEvent e;
+      e.kind = KvCacheEvent::Kind::kBlockStored;
+      e.block_hash = hash;
+      e.parent_hash = parent->parent == nullptr ? 0 : parent->hash;
+      e.token_ids = child->tokens;
+      events->push_back(std::move(e));
+    }
+    return child;
+  }
+
   void Publish(std::vector<KvCacheEvent> events) {
     if (options.events != nullptr && !events.empty()) options.events->Publish(std::move(events));
   }
@@ -320,30 +349,8 @@ int32_t PrefixCache::Insert(std::string_view salt, absl::Span<const int32_t> tok
       node = existing;
       continue;
     }
-    auto owned = std::make_unique<Node>();
-    Node* child = owned.get();
-    child->hash = hash;
-    child->parent = node;
-    child->block = blocks[i];
-    child->tokens.assign(block.begin(), block.end());
-    child->last_access_ns = now;
-    child->depth = node->depth + 1;
-    child->seq = m.next_seq++;
-    m.pool->AddRef(child->block);
-    child->index_in_parent = static_cast<int32_t>(node->children.size());
-    node->children.push_back(child);
-    m.Link(child);
-    m.nodes.emplace(hash, std::move(owned));
-    if (m.options.events != nullptr) {
-      KvCacheEvent e;
-      e.kind = KvCacheEvent::Kind::kBlockStored;
-      e.block_hash = hash;
-      e.parent_hash = node->parent == nullptr ? 0 : node->hash;
-      e.token_ids = child->tokens;
-      events.push_back(std::move(e));
-    }
+    node = m.AddChild(node, hash, blocks[i], block, now, &events);
     ++added;
-    node = child;
   }
   // A namespace that gained nothing (a lone collision) keeps no empty root.
   if (node->parent == nullptr && node->children.empty()) {
@@ -351,6 +358,51 @@ int32_t PrefixCache::Insert(std::string_view salt, absl::Span<const int32_t> tok
   }
   m.stats.inserted_blocks += added;
   m.Publish(std::move(events));
+  return added;
+}
+
+int32_t PrefixCache::InsertFinished(std::string_view salt, absl::Span<const int32_t> tokens,
+                                    absl::Span<const BlockHandle> blocks) {
+  Impl& m = *impl_;
+  int32_t added = Insert(salt, tokens, blocks);
+  const int32_t bs = m.pool->block_size();
+  const size_t full = tokens.size() / bs;
+  const size_t rest = tokens.size() % bs;
+  if (rest == 0 || blocks.size() <= full) return added;
+  // The node of the full-block prefix (Insert stops at a hash collision:
+  // then nothing hangs there and the tail stays uncached).
+  Node* node = m.GetOrCreateRoot(salt);
+  for (size_t i = 0; i < full && node != nullptr; ++i) {
+    const absl::Span<const int32_t> block = tokens.subspan(i * bs, bs);
+    node = m.FindChild(node, block, ChainHash(node->hash, block));
+  }
+  const absl::Span<const int32_t> tail = tokens.subspan(full * bs, rest);
+  const int64_t now = m.clock->NowNanos();
+  bool covered = node == nullptr;
+  if (node != nullptr) {
+    // A cached block that starts with the tail already serves every match
+    // the tail could: keep that one.
+    for (Node* child : node->children) {
+      if (SharedPrefix(child->tokens, tail) == static_cast<int32_t>(rest)) {
+        child->last_access_ns = now;
+        covered = true;
+        break;
+      }
+    }
+  }
+  if (!covered) {
+    const uint64_t hash = ChainHash(node->hash, tail);
+    if (m.nodes.find(hash) == m.nodes.end()) {
+      std::vector<KvCacheEvent> events;
+      m.AddChild(node, hash, blocks[full], tail, now, &events);
+      ++added;
+      ++m.stats.inserted_blocks;
+      m.Publish(std::move(events));
+    }
+  }
+  if (node != nullptr && node->parent == nullptr && node->children.empty()) {
+    m.roots.erase(AbslView(salt));
+  }
   return added;
 }
 

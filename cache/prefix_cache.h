@@ -127,6 +127,18 @@ class PrefixCache {
   int32_t Insert(std::string_view salt, absl::Span<const int32_t> tokens,
                  absl::Span<const BlockHandle> blocks);
 
+  // Insert, plus the partly filled last block of a sequence that will not
+  // write it again (finished or preempted): blocks[floor(tokens.size() /
+  // block_size)] holding the remaining tokens becomes a leaf that never has
+  // children; later prompts reuse its leading tokens through copy-on-write
+  // (the next turn of a chat starts with the previous reply's last tokens).
+  // Skipped when a cached sibling already starts with those tokens. Returns
+  // the new nodes. REQUIRES: nobody writes the partial block while it is
+  // cached without first copying it (every holder sees a shared block and
+  // copies on write).
+  int32_t InsertFinished(std::string_view salt, absl::Span<const int32_t> tokens,
+                         absl::Span<const BlockHandle> blocks);
+
   // Frees up to n evictable blocks back to the pool, in policy order (a
   // parent becomes a candidate once its last child is gone). Returns how
   // many were freed. Scans every node: O(N log N) per call.

@@ -256,6 +256,7 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason) {
   }
   s->finished = true;
   s->running = false;
+  CacheTail(s);
   s->table.Release();
   ++s->group->n_finished;
   SeqEvent ev;
@@ -286,7 +287,8 @@ void Engine::FinishGroup(Group* g, FinishReason reason) {
 void Engine::Preempt(Sequence* s) {
   // Recompute: drop every block; the prompt and the tokens generated so far
   // are prefilled again when the sequence is readmitted.
-  s->table.Release();  // its full blocks stay in the prefix cache, if on
+  CacheTail(s);
+  s->table.Release();  // its blocks stay in the prefix cache, if on
   s->n_computed = 0;
   s->n_cached_blocks = 0;
   s->running = false;
@@ -515,7 +517,9 @@ bool Engine::Step() {
                         : model_->Forward(batch, view, logits_.data(), pool_);
   if (!st.ok()) {
     // Inputs were validated at Submit, so this is an engine bug; fail the
-    // affected requests rather than the process.
+    // affected requests rather than the process. This step's K/V were not
+    // written: nothing of it may reach the prefix cache.
+    for (size_t i = 0; i < batch_seqs.size(); ++i) batch_seqs[i]->n_computed -= batch_take[i];
     for (Sequence* s : batch_seqs) FinishGroup(s->group, FinishReason::kCancelled);
     RemoveFinished();
     PublishStats(0, 0);
@@ -585,6 +589,15 @@ void Engine::OfferBlocks(Sequence* s) {
                         absl::MakeConstSpan(s->tokens).first(static_cast<size_t>(full) * bs),
                         absl::MakeConstSpan(s->table.blocks()).first(full));
   s->n_cached_blocks = full;
+}
+
+void Engine::CacheTail(Sequence* s) {
+  if (prefix_cache_ == nullptr || s->n_computed == 0) return;
+  // The sequence writes no more: its partly filled last block can be shared
+  // too (copied by whoever writes into it next).
+  prefix_cache_->InsertFinished(s->group->request.cache_salt,
+                                absl::MakeConstSpan(s->tokens).first(s->n_computed),
+                                s->table.blocks());
 }
 
 bool Engine::EnsureFree(int32_t blocks) {

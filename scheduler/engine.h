@@ -191,6 +191,8 @@ class Engine {
   // until `blocks` are free (false when it cannot).
   void MatchPrefix(Sequence* s);
   void OfferBlocks(Sequence* s);
+  // At finish or preemption: offers the full blocks and the partial last one.
+  void CacheTail(Sequence* s);
   bool EnsureFree(int32_t blocks);
 
   LlamaModel* model_;

@@ -37,7 +37,10 @@ using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
 constexpr char kApiKey[] = "open-sesame";
-constexpr int kRetain = 8;  // --kv-events-retain
+// --kv-events-retain: small enough that a long disconnect outlives it, large
+// enough that a live subscriber on a loaded 2-core machine does not fall
+// behind it (one request publishes about five events).
+constexpr int kRetain = 32;
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::vector<std::string>& extra) {
   std::vector<std::string> serve = {
@@ -291,7 +294,11 @@ TEST(KvEventsTest, ReplicaFromEventsAloneMatchesTheServerAcrossReconnects) {
   // Live: a new subscriber follows requests that share prefixes.
   Subscriber sub(channel);
   sub.Start();
-  send(6, 1);
+  send(1, 1);
+  // The subscription is live once its first event arrives.
+  for (int i = 0; i < 400 && sub.replica().position == 0; ++i) std::this_thread::sleep_for(50ms);
+  ASSERT_GT(sub.replica().position, 0u) << "no event reached the subscriber";
+  send(5, 1);
   ASSERT_TRUE(InSync(sub, channel));
   EXPECT_GT(sub.replica().stored, 0);
   EXPECT_EQ(sub.replica().snapshots, 0);  // every event was still retained
@@ -496,7 +503,7 @@ TEST(KvEventsTest, ASequenceFromAnotherEpochGetsASnapshot) {
   ASSERT_NE(now.epoch, 0u);
   ASSERT_GT(now.position, 1u);
   // Same epoch, a retained position: the missed events are replayed.
-  // (The daemon retains only the last 8 events.)
+  // (The daemon retains only the last kRetain events.)
   const uint64_t after = now.position - 1;
   const pb::KvEventsResponse same = FirstMessage(channel, after, now.epoch);
   EXPECT_FALSE(same.has_snapshot());

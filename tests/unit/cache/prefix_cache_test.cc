@@ -109,6 +109,62 @@ class PrefixCacheTest : public ::testing::Test {
   std::unique_ptr<PrefixCache> cache_;
 };
 
+// A finished sequence's partial last block becomes a childless leaf that
+// later prompts reuse up to the tokens it holds.
+TEST_F(PrefixCacheTest, FinishedSequencesCacheTheirPartialLastBlock) {
+  const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // 2 full + 2
+  std::vector<BlockHandle> hs;
+  ASSERT_TRUE(pool_->Allocate(3, &hs).ok());
+  sink_.batches.clear();
+  EXPECT_EQ(cache_->InsertFinished("", seq, hs), 3);
+  pool_->Release(hs);
+  EXPECT_EQ(cache_->num_cached_blocks(), 3);
+  // The next turn: the whole finished sequence, then more.
+  const std::vector<int32_t> next = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+  PrefixMatch m = cache_->Match("", next, 12);
+  EXPECT_EQ(m.num_tokens, 10);
+  EXPECT_EQ(Ids(m.blocks), Ids(hs));
+  pool_->Release(m.blocks);
+  // A prompt that parts from it inside the tail shares only what it shares.
+  EXPECT_EQ(cache_->MatchLength("", {1, 2, 3, 4, 5, 6, 7, 8, 9, 99, 1}, 11), 9);
+  // The tail leaf's event: parent is the second block, 2 tokens.
+  ASSERT_FALSE(sink_.batches.empty());
+  const KvCacheEvent& tail = sink_.batches.back().back();
+  EXPECT_EQ(tail.token_ids, (std::vector<int32_t>{9, 10}));
+  const uint64_t root = cache_->RootHash("");
+  const uint64_t b1 = ExpectedHash(ExpectedHash(root, {1, 2, 3, 4}), {5, 6, 7, 8});
+  EXPECT_EQ(tail.parent_hash, b1);
+  EXPECT_EQ(tail.block_hash, ExpectedHash(b1, {9, 10}));
+  // A longer sequence through the same prefix caches its full third block as
+  // a sibling; the tail leaf never gets children.
+  std::vector<int32_t> longer = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  int32_t added = 0;
+  InsertFresh("", longer, &added);
+  EXPECT_EQ(added, 2);
+  EXPECT_EQ(cache_->MatchLength("", longer, 16), 16);
+  // A tail that a cached block already starts with adds nothing.
+  std::vector<BlockHandle> again;
+  ASSERT_TRUE(pool_->Allocate(3, &again).ok());
+  EXPECT_EQ(cache_->InsertFinished("", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, again), 0);
+  pool_->Release(again);
+  // Everything is evictable again and goes back to the pool.
+  EXPECT_EQ(cache_->num_evictable_blocks(), cache_->num_cached_blocks());
+  cache_->Clear();
+  EXPECT_EQ(pool_->num_free_blocks(), pool_->num_blocks());
+}
+
+// Shorter than one block: the tail hangs directly under the namespace root.
+TEST_F(PrefixCacheTest, AShortFinishedSequenceIsCachedAsATailUnderTheRoot) {
+  std::vector<BlockHandle> hs;
+  ASSERT_TRUE(pool_->Allocate(1, &hs).ok());
+  EXPECT_EQ(cache_->InsertFinished("salt", {7, 8}, hs), 1);
+  pool_->Release(hs);
+  EXPECT_EQ(cache_->MatchLength("salt", {7, 8, 9}, 2), 2);
+  EXPECT_EQ(cache_->MatchLength("other", {7, 8, 9}, 2), 0);
+  EXPECT_EQ(cache_->Evict(5), 1);
+  EXPECT_EQ(pool_->num_free_blocks(), pool_->num_blocks());
+}
+
 TEST_F(PrefixCacheTest, FullBlocksMatchWhole) {
   const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
   int32_t added = 0;

@@ -479,6 +479,31 @@ int32_t CachedTokensOf(Engine& e, const std::vector<int32_t>& prompt, const std:
   return cached;
 }
 
+// The next turn of a conversation starts with the whole previous one: it
+// reuses the previous request's partly filled last block too.
+TEST(EnginePrefixCacheTest, TheNextTurnReusesThePreviousTurnsPartialBlock) {
+  const Model& m = Tiny();
+  EngineOptions o = Opts(128);
+  o.block_size = 4;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  std::vector<int32_t> turn1(10, 0);
+  for (int i = 0; i < 10; ++i) turn1[i] = 5 + i;
+  Collector c;
+  SamplingParams p = Greedy(5);
+  p.ignore_eos = true;
+  const uint64_t id = e->Submit({turn1, p}, c.Callback()).value();
+  RunToCompletion(*e);
+  // 10 prompt tokens + 4 of the 5 generated ones have K/V: 3 full blocks
+  // and 2 tokens in a fourth.
+  std::vector<int32_t> turn2 = turn1;
+  const auto& reply = c.tokens[Key(id, 0)];
+  ASSERT_EQ(reply.size(), 5u);
+  turn2.insert(turn2.end(), reply.begin(), reply.end());
+  turn2.insert(turn2.end(), {30, 31, 32});
+  EXPECT_EQ(CachedTokensOf(*e, turn2, ""), 14);
+  EXPECT_EQ(Reclaimable(*e), 128);
+}
+
 TEST(EnginePrefixCacheTest, SaltsIsolateTenants) {
   const Model& m = Tiny();
   EngineOptions o = Opts(128);
@@ -585,7 +610,7 @@ TEST(EnginePrefixCacheTest, ClearDropsIdleBlocksButNotRunningOnes) {
   e->Step();
   auto cleared = e->ClearPrefixCache();
   e->Step();
-  EXPECT_EQ(cleared.get(), 4) << "the four full prompt blocks";
+  EXPECT_EQ(cleared.get(), 5) << "the four full prompt blocks and the first request's tail";
   EXPECT_EQ(e->Stats().prefix_cached_blocks, e->prefix_cache()->num_cached_blocks());
   RunToCompletion(*e);
   EXPECT_EQ(c.finish[Key(id, 0)], FinishReason::kLength);
