@@ -242,6 +242,68 @@ struct PrefixCache::Impl {
     }
   }
 
+  // Insert and InsertFinished: the full blocks of tokens, then (with_tail)
+  // the partly filled last block as a childless leaf, unless a cached
+  // sibling already starts with its tokens. One walk, one Publish.
+  int32_t InsertPath(std::string_view salt, absl::Span<const int32_t> tokens,
+                     absl::Span<const BlockHandle> blocks, bool with_tail) {
+    const int32_t bs = pool->block_size();
+    const size_t full = tokens.size() / bs;
+    const size_t n_blocks = std::min(full, blocks.size());
+    const size_t rest = tokens.size() % bs;
+    const bool tail = with_tail && rest > 0 && blocks.size() > full;
+    if (n_blocks == 0 && !tail) return 0;
+    const int64_t now = clock->NowNanos();
+    Node* node = GetOrCreateRoot(salt);
+    std::vector<KvCacheEvent> events;
+    int32_t added = 0;
+    bool collided = false;
+    for (size_t i = 0; i < n_blocks; ++i) {
+      const absl::Span<const int32_t> block = tokens.subspan(i * bs, bs);
+      const uint64_t hash = ChainHash(node->hash, block);
+      auto it = nodes.find(hash);
+      if (it != nodes.end()) {
+        Node* existing = it->second.get();
+        if (existing->parent != node || absl::Span<const int32_t>(existing->tokens) != block) {
+          // A 64-bit collision with another prefix: two nodes cannot share a
+          // published hash, so this prefix (and what would hang below it)
+          // stays uncached.
+          collided = true;
+          break;
+        }
+        // Dedupe: the cached block already holds this K/V; keep it.
+        existing->last_access_ns = now;
+        node = existing;
+        continue;
+      }
+      node = AddChild(node, hash, blocks[i], block, now, &events);
+      ++added;
+    }
+    // The tail hangs under the last full block, when the walk got there.
+    if (tail && !collided && n_blocks == full) {
+      const absl::Span<const int32_t> rest_tokens = tokens.subspan(full * bs, rest);
+      Node* covering = nullptr;
+      for (Node* child : node->children) {
+        if (SharedPrefix(child->tokens, rest_tokens) == static_cast<int32_t>(rest)) {
+          covering = child;
+          break;
+        }
+      }
+      const uint64_t hash = ChainHash(node->hash, rest_tokens);
+      if (covering != nullptr) {
+        covering->last_access_ns = now;
+      } else if (nodes.find(hash) == nodes.end()) {
+        AddChild(node, hash, blocks[full], rest_tokens, now, &events);
+        ++added;
+      }
+    }
+    // A namespace that gained nothing (a lone collision) keeps no empty root.
+    if (node->parent == nullptr && node->children.empty()) roots.erase(AbslView(salt));
+    stats.inserted_blocks += added;
+    Publish(std::move(events));
+    return added;
+  }
+
   // A new node under `parent` holding `tokens` in `block` (one reference
   // taken); its BlockStored event is appended to *events.
   Node* AddChild(Node* parent, uint64_t hash, BlockHandle block, absl::Span<const int32_t> tokens,
@@ -324,86 +386,12 @@ int32_t PrefixCache::MatchLength(std::string_view salt, absl::Span<const int32_t
 
 int32_t PrefixCache::Insert(std::string_view salt, absl::Span<const int32_t> tokens,
                             absl::Span<const BlockHandle> blocks) {
-  Impl& m = *impl_;
-  const int32_t bs = m.pool->block_size();
-  const size_t n_blocks = std::min(tokens.size() / bs, blocks.size());
-  if (n_blocks == 0) return 0;
-  const int64_t now = m.clock->NowNanos();
-  Node* node = m.GetOrCreateRoot(salt);
-  std::vector<KvCacheEvent> events;
-  int32_t added = 0;
-  for (size_t i = 0; i < n_blocks; ++i) {
-    const absl::Span<const int32_t> block = tokens.subspan(i * bs, bs);
-    const uint64_t hash = ChainHash(node->hash, block);
-    auto it = m.nodes.find(hash);
-    if (it != m.nodes.end()) {
-      Node* existing = it->second.get();
-      if (existing->parent != node || absl::Span<const int32_t>(existing->tokens) != block) {
-        // A 64-bit collision with another prefix: two nodes cannot share a
-        // published hash, so this prefix (and what would hang below it)
-        // stays uncached.
-        break;
-      }
-      // Dedupe: the cached block already holds this K/V; keep it.
-      existing->last_access_ns = now;
-      node = existing;
-      continue;
-    }
-    node = m.AddChild(node, hash, blocks[i], block, now, &events);
-    ++added;
-  }
-  // A namespace that gained nothing (a lone collision) keeps no empty root.
-  if (node->parent == nullptr && node->children.empty()) {
-    m.roots.erase(AbslView(salt));
-  }
-  m.stats.inserted_blocks += added;
-  m.Publish(std::move(events));
-  return added;
+  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/false);
 }
 
 int32_t PrefixCache::InsertFinished(std::string_view salt, absl::Span<const int32_t> tokens,
                                     absl::Span<const BlockHandle> blocks) {
-  Impl& m = *impl_;
-  int32_t added = Insert(salt, tokens, blocks);
-  const int32_t bs = m.pool->block_size();
-  const size_t full = tokens.size() / bs;
-  const size_t rest = tokens.size() % bs;
-  if (rest == 0 || blocks.size() <= full) return added;
-  // The node of the full-block prefix (Insert stops at a hash collision:
-  // then nothing hangs there and the tail stays uncached).
-  Node* node = m.GetOrCreateRoot(salt);
-  for (size_t i = 0; i < full && node != nullptr; ++i) {
-    const absl::Span<const int32_t> block = tokens.subspan(i * bs, bs);
-    node = m.FindChild(node, block, ChainHash(node->hash, block));
-  }
-  const absl::Span<const int32_t> tail = tokens.subspan(full * bs, rest);
-  const int64_t now = m.clock->NowNanos();
-  bool covered = node == nullptr;
-  if (node != nullptr) {
-    // A cached block that starts with the tail already serves every match
-    // the tail could: keep that one.
-    for (Node* child : node->children) {
-      if (SharedPrefix(child->tokens, tail) == static_cast<int32_t>(rest)) {
-        child->last_access_ns = now;
-        covered = true;
-        break;
-      }
-    }
-  }
-  if (!covered) {
-    const uint64_t hash = ChainHash(node->hash, tail);
-    if (m.nodes.find(hash) == m.nodes.end()) {
-      std::vector<KvCacheEvent> events;
-      m.AddChild(node, hash, blocks[full], tail, now, &events);
-      ++added;
-      ++m.stats.inserted_blocks;
-      m.Publish(std::move(events));
-    }
-  }
-  if (node != nullptr && node->parent == nullptr && node->children.empty()) {
-    m.roots.erase(AbslView(salt));
-  }
-  return added;
+  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/true);
 }
 
 int32_t PrefixCache::Evict(int32_t n) {

@@ -571,10 +571,7 @@ void Engine::MatchPrefix(Sequence* s) {
   // At least the last token is computed: its logits pick the next token.
   const int32_t len = static_cast<int32_t>(s->tokens.size());
   PrefixMatch m = prefix_cache_->Match(s->group->request.cache_salt, s->tokens, len - 1);
-  if (m.num_tokens == 0) {
-    kv_pool_->Release(m.blocks);
-    return;
-  }
+  if (m.num_tokens == 0) return;  // no blocks either
   s->table.Adopt(std::move(m.blocks), m.num_tokens);
   s->n_computed = m.num_tokens;
   s->n_cached_blocks = m.num_tokens / options_.block_size;

@@ -359,15 +359,24 @@ class GrpcTest : public ::testing::TestWithParam<Mode> {
 
   // Stats are snapshots published by the engine after a step, so a request's
   // blocks show as free a moment after its last chunk: poll briefly.
-  pb::Stats WaitForNoBlocksUsed(std::chrono::milliseconds within = 1000ms) {
+  // Polls Stats until nothing runs and `done` holds (stats are published at
+  // the end of an engine step), or `within` passes; returns the last Stats.
+  template <typename Done>
+  pb::Stats WaitForIdle(Done done, std::chrono::milliseconds within = 1000ms) {
     pb::Stats s;
     const auto give_up = std::chrono::steady_clock::now() + within;
     do {
       s = Stats();
-      if (s.blocks_used() == 0 && s.running() == 0) break;
+      if (done(s) && s.running() == 0) break;
       std::this_thread::sleep_for(5ms);
     } while (std::chrono::steady_clock::now() < give_up);
     return s;
+  }
+  pb::Stats WaitForNoBlocksUsed() {
+    return WaitForIdle([](const pb::Stats& s) { return s.blocks_used() == 0; });
+  }
+  pb::Stats WaitForFreeBlocks(int64_t free, std::chrono::milliseconds within) {
+    return WaitForIdle([free](const pb::Stats& s) { return s.blocks_free() == free; }, within);
   }
 
   std::vector<GoldenCase> golden_;
@@ -474,13 +483,7 @@ TEST_P(GrpcTest, ClientCancelMidStreamFreesBlocks) {
   while (reader->Read(&chunk)) saw_finish |= !chunk.finish_reason().empty();
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
 
-  pb::Stats after;
-  const auto give_up = std::chrono::steady_clock::now() + 1s;
-  do {
-    after = Stats();
-    if (after.blocks_free() == before.blocks_free() && after.running() == 0) break;
-    std::this_thread::sleep_for(5ms);
-  } while (std::chrono::steady_clock::now() < give_up);
+  const pb::Stats after = WaitForFreeBlocks(before.blocks_free(), 1s);
   EXPECT_EQ(after.blocks_free(), before.blocks_free());
   EXPECT_EQ(after.running(), 0);
   // The engine really cancelled it (it had not run to its end).
@@ -510,13 +513,7 @@ TEST_P(GrpcTest, DeadlineCancelsTheRequest) {
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
         << r.status.error_message();
   }
-  pb::Stats after;
-  const auto give_up = std::chrono::steady_clock::now() + 2s;
-  do {
-    after = Stats();
-    if (after.blocks_free() == before.blocks_free() && after.running() == 0) break;
-    std::this_thread::sleep_for(5ms);
-  } while (std::chrono::steady_clock::now() < give_up);
+  const pb::Stats after = WaitForFreeBlocks(before.blocks_free(), 2s);
   EXPECT_EQ(after.blocks_free(), before.blocks_free());
 }
 

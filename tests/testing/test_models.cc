@@ -4,6 +4,9 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+
+#include "nlohmann/json.hpp"
 
 namespace kvserve::testing {
 namespace {
@@ -30,6 +33,19 @@ std::string SmolLM2Path() {
   std::filesystem::path dir = std::filesystem::path(KVSERVE_SOURCE_DIR) / "models";
   if (const char* env = std::getenv("KVSERVE_MODEL_DIR")) dir = env;
   return IfExists(dir / "SmolLM2-135M-Instruct.Q4_1.gguf");
+}
+
+std::vector<Golden> ReadGolden(const std::string& path) {
+  std::vector<Golden> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line);
+    out.push_back({j["prompt"], j["prompt_ids_with_bos"].get<std::vector<int32_t>>(),
+                   j["max_tokens"], j["output_text_including_prompt"]});
+  }
+  return out;
 }
 
 std::string TempDir() {

@@ -4,7 +4,9 @@
 // models/. Tests that need a missing model skip with a message.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace kvserve::testing {
 
@@ -15,6 +17,15 @@ std::string Stories260KGoldenPath();
 // Path of the SmolLM2 default model ($KVSERVE_MODEL_DIR or <repo>/models),
 // or "" when absent.
 std::string SmolLM2Path();
+// One line of the stories260K golden file (llama.cpp's greedy outputs).
+struct Golden {
+  std::string prompt;
+  std::vector<int32_t> ids;  // prompt ids with BOS
+  int max_tokens = 0;
+  std::string text;          // output text including the prompt
+};
+std::vector<Golden> ReadGolden(const std::string& path);
+
 // A fresh scratch directory for this test process.
 std::string TempDir();
 

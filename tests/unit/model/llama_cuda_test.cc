@@ -18,7 +18,6 @@
 #include "kernels/cuda/runtime.h"
 #include "model/backend.h"
 #include "model/tokenizer.h"
-#include "nlohmann/json.hpp"
 #include "scheduler/engine.h"
 #include "tests/testing/test_models.h"
 
@@ -195,25 +194,8 @@ TEST(BackendSelectionTest, DeviceCudaRejectsQuantizedKvAndOddBlockSizes) {
 
 // ---- On the GPU ---------------------------------------------------------
 
-struct Golden {
-  std::string prompt;
-  std::vector<int32_t> ids;
-  int max_tokens;
-  std::string text;
-};
-
-std::vector<Golden> ReadGolden(const std::string& path) {
-  std::vector<Golden> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    auto j = nlohmann::json::parse(line);
-    out.push_back({j["prompt"], j["prompt_ids_with_bos"].get<std::vector<int32_t>>(),
-                   j["max_tokens"], j["output_text_including_prompt"]});
-  }
-  return out;
-}
+using testing::Golden;
+using testing::ReadGolden;
 
 TEST(CudaLlamaTest, Stories260KReproducesGoldenGreedyOutputs) {
   KVSERVE_SKIP_WITHOUT_GPU();

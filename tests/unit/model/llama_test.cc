@@ -25,25 +25,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-struct Golden {
-  std::string prompt;
-  std::vector<int32_t> ids;
-  int max_tokens;
-  std::string text;
-};
-
-std::vector<Golden> ReadGolden(const std::string& path) {
-  std::vector<Golden> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    auto j = nlohmann::json::parse(line);
-    out.push_back({j["prompt"], j["prompt_ids_with_bos"].get<std::vector<int32_t>>(),
-                   j["max_tokens"], j["output_text_including_prompt"]});
-  }
-  return out;
-}
+using testing::Golden;
+using testing::ReadGolden;
 
 SamplingParams Greedy(int max_tokens) {
   SamplingParams p;
