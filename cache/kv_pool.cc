@@ -1,5 +1,6 @@
 #include "cache/kv_pool.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -95,14 +96,19 @@ int32_t KvPool::ref_count(BlockHandle h) const { return IsLive(h) ? refs_[h.id] 
 
 void KvPool::AddRef(BlockHandle h) {
   if (!IsLive(h)) DieOnBadHandle("AddRef", h, "is not live (stale or foreign handle)");
-  ++refs_[h.id];
+  if (++refs_[h.id] == 2) {
+    for (KvPoolObserver* o : observers_) o->OnSharedChanged(h.id, true);
+  }
 }
 
 void KvPool::Release(BlockHandle h) {
   if (!IsLive(h)) {
     DieOnBadHandle("Release", h, "is not live (double release, stale or foreign handle)");
   }
-  if (--refs_[h.id] == 0) {
+  const int32_t left = --refs_[h.id];
+  if (left == 1) {
+    for (KvPoolObserver* o : observers_) o->OnSharedChanged(h.id, false);
+  } else if (left == 0) {
     // The new generation invalidates every handle still naming this block.
     ++generation_[h.id];
     free_.push_back(h.id);
@@ -111,6 +117,12 @@ void KvPool::Release(BlockHandle h) {
 
 void KvPool::Release(absl::Span<const BlockHandle> hs) {
   for (const BlockHandle& h : hs) Release(h);
+}
+
+void KvPool::AddObserver(KvPoolObserver* o) { observers_.push_back(o); }
+
+void KvPool::RemoveObserver(KvPoolObserver* o) {
+  observers_.erase(std::remove(observers_.begin(), observers_.end(), o), observers_.end());
 }
 
 void KvPool::CopyBlock(BlockHandle src, BlockHandle dst) {

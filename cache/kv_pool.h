@@ -47,6 +47,18 @@ struct BlockHandle {
   }
 };
 
+// Told when a live block's reference count crosses between 1 and 2 (its
+// holder becomes shared or sole again), synchronously on the engine thread
+// from AddRef and Release. The prefix cache counts its evictable blocks from
+// this: releases by sequences never go through the cache. Must not call back
+// into AddRef or Release.
+class KvPoolObserver {
+ public:
+  virtual ~KvPoolObserver() = default;
+  // ref_count(block id) just went 1 -> 2 (shared) or 2 -> 1 (!shared).
+  virtual void OnSharedChanged(int32_t id, bool shared) = 0;
+};
+
 class KvPool {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvPool>> Create(const KvPoolOptions& options);
@@ -73,6 +85,11 @@ class KvPool {
   // REQUIRES: both live, src != dst.
   void CopyBlock(BlockHandle src, BlockHandle dst);
 
+  // Registers or removes an observer. REQUIRES: a registered observer stays
+  // alive until removed.
+  void AddObserver(KvPoolObserver* o);
+  void RemoveObserver(KvPoolObserver* o);
+
   int32_t num_blocks() const { return options_.n_blocks; }
   int32_t num_free_blocks() const { return static_cast<int32_t>(free_.size()); }
   int32_t block_size() const { return options_.block_size; }
@@ -96,6 +113,7 @@ class KvPool {
   std::vector<int32_t> free_;
   std::vector<int32_t> refs_;         // per block; 0 when free
   std::vector<uint32_t> generation_;  // per block; advances on each return to the free list
+  std::vector<KvPoolObserver*> observers_;
 };
 
 }  // namespace kvserve

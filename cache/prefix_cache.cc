@@ -78,7 +78,7 @@ std::unique_ptr<EvictionPolicy> MakeLruPolicy() { return std::make_unique<LruPol
 // One cached block, or a namespace root (parent == nullptr, no block, no
 // tokens). Nodes sit on an intrusive list in insertion order; since a node is
 // only ever created under an existing parent, that order is also a
-// topological one (parents first), which Dump and num_evictable_blocks use
+// topological one (parents first), which Dump and CountEvictableBlocksSlow use
 // instead of recursion (a long multi-turn chain is thousands of levels deep).
 struct PrefixCache::Node {
   uint64_t hash = 0;
@@ -95,11 +95,20 @@ struct PrefixCache::Node {
   uint64_t seq = 0;  // insertion order: the policy's tie-break
   Node* prev = nullptr;
   Node* next = nullptr;
-  bool blocked = false;  // scratch for num_evictable_blocks
+  // Other nodes holding the same pool block (only ever a misuse of Insert;
+  // the by-block index keeps them all so none misses a refcount change).
+  Node* prev_same = nullptr;
+  Node* next_same = nullptr;
+  // Evictable count, kept incrementally: a node is blocked (not freeable by
+  // repeated eviction) while its block has an outside reference (pinned) or
+  // any child is blocked.
+  bool pinned = false;
+  int32_t blocked_children = 0;
+  bool scratch_blocked = false;  // CountEvictableBlocksSlow only
   std::string salt;      // roots only: their key in Impl::roots
 };
 
-struct PrefixCache::Impl {
+struct PrefixCache::Impl final : public KvPoolObserver {
   KvPool* pool = nullptr;
   PrefixCacheOptions options;
   Clock* clock = nullptr;
@@ -114,6 +123,62 @@ struct PrefixCache::Impl {
   Node* newest = nullptr;
   uint64_t next_seq = 1;
   PrefixCacheStats stats;
+  // Pool block id -> a node holding that block (the head of its same-block
+  // list), so a refcount change the pool reports finds its node in O(1).
+  std::vector<Node*> by_block;
+  int32_t num_blocked = 0;  // block nodes that are blocked
+
+  static bool Blocked(const Node* n) { return n->pinned || n->blocked_children > 0; }
+
+  // n's blocked state was `was` and may have changed: carry the change up
+  // the path while it keeps flipping ancestors.
+  void Propagate(Node* n, bool was) {
+    for (;;) {
+      const bool now = Blocked(n);
+      if (now == was) return;
+      num_blocked += now ? 1 : -1;
+      Node* parent = n->parent;
+      if (parent->parent == nullptr) return;  // roots are not blocks
+      was = Blocked(parent);
+      parent->blocked_children += now ? 1 : -1;
+      n = parent;
+    }
+  }
+
+  void SetPinned(Node* n, bool pinned) {
+    if (n->pinned == pinned) return;
+    const bool was = Blocked(n);
+    n->pinned = pinned;
+    Propagate(n, was);
+  }
+
+  // KvPoolObserver: a block went shared or sole. Sequences release their
+  // blocks through the pool, never through the cache, so this is how the
+  // cache learns a block it holds is evictable again.
+  void OnSharedChanged(int32_t id, bool /*shared*/) override {
+    if (id < 0 || static_cast<size_t>(id) >= by_block.size()) return;
+    for (Node* n = by_block[id]; n != nullptr; n = n->next_same) {
+      SetPinned(n, pool->ref_count(n->block) != 1);
+    }
+  }
+
+  void RegisterBlock(Node* n) {
+    Node*& head = by_block[n->block.id];
+    n->prev_same = nullptr;
+    n->next_same = head;
+    if (head != nullptr) head->prev_same = n;
+    head = n;
+  }
+
+  void UnregisterBlock(Node* n) {
+    if (n->prev_same != nullptr) {
+      n->prev_same->next_same = n->next_same;
+    } else {
+      by_block[n->block.id] = n->next_same;
+    }
+    if (n->next_same != nullptr) n->next_same->prev_same = n->prev_same;
+    n->prev_same = n->next_same = nullptr;
+  }
 
   uint64_t RootHash(std::string_view salt) const {
     std::string key = root_key_prefix;
@@ -234,6 +299,9 @@ struct PrefixCache::Impl {
     moved->index_in_parent = n->index_in_parent;
     siblings.pop_back();
     Unlink(n);
+    // A blocked leaf is only ever pinned; it stops blocking its ancestors.
+    SetPinned(n, false);
+    UnregisterBlock(n);  // before Release: its callback must not find n
     pool->Release(n->block);
     nodes.erase(n->hash);  // destroys n
     if (parent->parent == nullptr && parent->children.empty()) {
@@ -322,6 +390,10 @@ struct PrefixCache::Impl {
     parent->children.push_back(child);
     Link(child);
     nodes.emplace(hash, std::move(owned));
+    // Unblocked so far (no children, not pinned): pinned when the caller
+    // still holds the block, as it normally does.
+    RegisterBlock(child);
+    SetPinned(child, pool->ref_count(child->block) != 1);
     if (options.events != nullptr) {
       KvCacheEvent e;
       e.kind = KvCacheEvent::Kind::kBlockStored;
@@ -339,6 +411,9 @@ struct PrefixCache::Impl {
 
   int32_t DropAll() {
     const int32_t dropped = static_cast<int32_t>(nodes.size());
+    // Unindexed first, so the releases' callbacks find no node.
+    for (Node* n = oldest; n != nullptr; n = n->next) by_block[n->block.id] = nullptr;
+    num_blocked = 0;
     for (Node* n = oldest; n != nullptr; n = n->next) pool->Release(n->block);
     nodes.clear();
     roots.clear();
@@ -350,6 +425,8 @@ struct PrefixCache::Impl {
 PrefixCache::PrefixCache(KvPool* pool, PrefixCacheOptions options)
     : impl_(std::make_unique<Impl>()) {
   impl_->pool = pool;
+  impl_->by_block.assign(static_cast<size_t>(pool->num_blocks()), nullptr);
+  pool->AddObserver(impl_.get());
   impl_->options = std::move(options);
   impl_->clock = impl_->options.clock != nullptr ? impl_->options.clock : SteadyClock();
   if (impl_->options.policy == nullptr) impl_->options.policy = MakeLruPolicy();
@@ -360,7 +437,10 @@ PrefixCache::PrefixCache(KvPool* pool, PrefixCacheOptions options)
   impl_->root_key_prefix.append(impl_->options.model_identity);
 }
 
-PrefixCache::~PrefixCache() { impl_->DropAll(); }
+PrefixCache::~PrefixCache() {
+  impl_->pool->RemoveObserver(impl_.get());
+  impl_->DropAll();
+}
 
 PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> tokens,
                                int32_t max_tokens) {
@@ -450,16 +530,20 @@ int32_t PrefixCache::num_cached_blocks() const {
 }
 
 int32_t PrefixCache::num_evictable_blocks() const {
+  return static_cast<int32_t>(impl_->nodes.size()) - impl_->num_blocked;
+}
+
+int32_t PrefixCache::CountEvictableBlocksSlow() const {
   // A node is freeable by repeated eviction when neither it nor anything
   // below it has an outside reference. Children come after their parents in
   // insertion order, so one reverse pass settles each node before its parent.
   const Impl& m = *impl_;
-  for (Node* n = m.oldest; n != nullptr; n = n->next) n->blocked = false;
+  for (Node* n = m.oldest; n != nullptr; n = n->next) n->scratch_blocked = false;
   int32_t count = 0;
   for (Node* n = m.newest; n != nullptr; n = n->prev) {
-    if (m.pool->ref_count(n->block) != 1) n->blocked = true;
-    if (n->blocked) {
-      n->parent->blocked = true;  // roots are never read, so marking them is harmless
+    if (m.pool->ref_count(n->block) != 1) n->scratch_blocked = true;
+    if (n->scratch_blocked) {
+      n->parent->scratch_blocked = true;  // roots are never read, so marking them is harmless
     } else {
       ++count;
     }

@@ -150,8 +150,12 @@ class PrefixCache {
 
   int32_t num_cached_blocks() const;
   // Blocks Evict could free now (leaves and chains with no outside reference).
-  // O(N): reads the pool's reference count of every node.
+  // O(1): kept up to date from the pool's refcount callbacks (KvPoolObserver),
+  // which also see the releases sequences make without the cache.
   int32_t num_evictable_blocks() const;
+  // The same count recomputed from every node's pool reference count: O(N),
+  // for tests that check the incremental count.
+  int32_t CountEvictableBlocksSlow() const;
   PrefixCacheStats stats() const;
   const EvictionPolicy& policy() const;
 

@@ -410,6 +410,78 @@ TEST_F(PrefixCacheTest, EvictableCountsWholeUnpinnedChains) {
   EXPECT_EQ(cache_->num_evictable_blocks(), 2);
 }
 
+// The evictable count is kept incrementally from the pool's refcount
+// callbacks: references taken and dropped outside the cache (a sequence's
+// table releasing, forks sharing) must move it exactly like a recount.
+TEST_F(PrefixCacheTest, EvictableCountFollowsOutsideReferences) {
+  auto check = [&](int32_t want) {
+    EXPECT_EQ(cache_->num_evictable_blocks(), want);
+    EXPECT_EQ(cache_->CountEvictableBlocksSlow(), want);
+  };
+  // A running sequence offers its blocks while it still holds them.
+  const std::vector<int32_t> seq = {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4};
+  std::vector<BlockHandle> hs = Blocks(seq);
+  EXPECT_EQ(cache_->Insert("", seq, hs), 4);
+  check(0);
+  // A fork shares them (AddRef on shared blocks), the parent finishes.
+  for (const BlockHandle& h : hs) pool_->AddRef(h);
+  pool_->Release(hs);
+  check(0);
+  // The fork releases its blocks from the front, as a table does: the chain
+  // stays blocked until the deepest block goes.
+  for (size_t i = 0; i + 1 < hs.size(); ++i) {
+    pool_->Release(hs[i]);
+    check(0);
+  }
+  pool_->Release(hs.back());
+  check(4);
+  // A match pins the path; releasing the leaf first unblocks from below.
+  PrefixMatch m = cache_->Match("", seq, 100);
+  ASSERT_EQ(m.blocks.size(), 4u);
+  check(0);
+  pool_->Release(m.blocks[3]);
+  check(1);
+  pool_->Release(m.blocks[1]);
+  check(1);  // blocks[2] is still pinned, so 1 stays blocked
+  pool_->Release(m.blocks[2]);
+  check(3);
+  pool_->Release(m.blocks[0]);
+  check(4);
+  // The same pool block cached under two prefixes (a caller's misuse): the
+  // cache's own two references keep both pinned, and eviction cannot split them.
+  std::vector<BlockHandle> one;
+  ASSERT_TRUE(pool_->Allocate(1, &one).ok());
+  EXPECT_EQ(cache_->Insert("x", {7, 7, 7, 7}, one), 1);
+  EXPECT_EQ(cache_->Insert("y", {8, 8, 8, 8}, one), 1);
+  pool_->Release(one);
+  check(4);
+  EXPECT_EQ(cache_->Evict(100), 4);
+  check(0);
+  EXPECT_EQ(cache_->Clear(), 2);
+  check(0);
+  EXPECT_EQ(pool_->num_free_blocks(), 32);
+}
+
+// Two caches over one pool both hear every refcount change; destroying one
+// leaves the other's count exact.
+TEST(PrefixCacheObserverTest, TwoCachesOnOnePool) {
+  auto pool = KvPool::Create(TinyPool(8)).value();
+  auto a = std::make_unique<PrefixCache>(pool.get(), PrefixCacheOptions{});
+  PrefixCache b(pool.get(), PrefixCacheOptions{});
+  std::vector<BlockHandle> ha, hb;
+  ASSERT_TRUE(pool->Allocate(1, &ha).ok());
+  ASSERT_TRUE(pool->Allocate(1, &hb).ok());
+  a->Insert("", {1, 1, 1, 1}, ha);
+  b.Insert("", {2, 2, 2, 2}, hb);
+  EXPECT_EQ(b.num_evictable_blocks(), 0);
+  a.reset();
+  pool->Release(ha);
+  pool->Release(hb);
+  EXPECT_EQ(b.num_evictable_blocks(), 1);
+  EXPECT_EQ(b.CountEvictableBlocksSlow(), 1);
+  EXPECT_EQ(pool->num_free_blocks(), 7);
+}
+
 TEST_F(PrefixCacheTest, ClearKeepsPinnedBlocksAlive) {
   const std::vector<int32_t> seq = {1, 1, 1, 1, 2, 2, 2, 2};
   InsertFresh("", seq);
@@ -852,6 +924,8 @@ TEST_P(PrefixCachePropertyTest, RandomOperationsAgreeWithANaiveModel) {
     // Invariants after every operation.
     ASSERT_EQ(cache.num_cached_blocks(), static_cast<int32_t>(ref.blocks().size()));
     ASSERT_EQ(cache.num_evictable_blocks(), ref.NumEvictable(held_fn));
+    // The incremental count against a full recount over the pool.
+    ASSERT_EQ(cache.num_evictable_blocks(), cache.CountEvictableBlocksSlow());
     std::set<int32_t> in_use;
     for (const RefBlock& b : ref.blocks()) {
       // The cache's one reference plus the test's.
