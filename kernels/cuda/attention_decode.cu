@@ -21,6 +21,7 @@
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/kv_device.cuh"
@@ -361,10 +362,9 @@ absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,
         !s.ok()) {
       return s;
     }
-    DecodeKernel<C, HD><<<grid, kThreads, 0, stream>>>(a);
+    KVSERVE_CUDA_LAUNCH(grid, kThreads, 0, stream, DecodeKernel<C, HD>)(a);
     if (plan.n_splits > 1) {
-      MergeSplitsKernel<HD><<<static_cast<unsigned>(batch.n_tokens * batch.n_heads), HD, 0,
-                              stream>>>(a.ws_acc, a.ws_ml, batch.n_heads, plan.n_splits, out,
+      KVSERVE_CUDA_LAUNCH(static_cast<unsigned>(batch.n_tokens * batch.n_heads), HD, 0, stream, MergeSplitsKernel<HD>)(a.ws_acc, a.ws_ml, batch.n_heads, plan.n_splits, out,
                                         out_stride);
     }
     if (absl::Status s = internal::LaunchStatus("PagedDecodeAttention"); !s.ok()) return s;

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.cuh"
 
 namespace kvserve::cuda {
 namespace {
@@ -182,13 +183,13 @@ absl::Status PagedAttentionGeneric(const kernels::PagedKvView& kv, int32_t layer
   const dim3 grid(static_cast<unsigned>(n_tokens), static_cast<unsigned>(n_heads));
   switch (kv.dtype) {
     case kernels::KvDType::kF32:
-      GenericAttentionKernel<kernels::KvDType::kF32><<<grid, kThreads, 0, stream>>>(a);
+      KVSERVE_CUDA_LAUNCH(grid, kThreads, 0, stream, GenericAttentionKernel<kernels::KvDType::kF32>)(a);
       break;
     case kernels::KvDType::kF16:
-      GenericAttentionKernel<kernels::KvDType::kF16><<<grid, kThreads, 0, stream>>>(a);
+      KVSERVE_CUDA_LAUNCH(grid, kThreads, 0, stream, GenericAttentionKernel<kernels::KvDType::kF16>)(a);
       break;
     case kernels::KvDType::kBF16:
-      GenericAttentionKernel<kernels::KvDType::kBF16><<<grid, kThreads, 0, stream>>>(a);
+      KVSERVE_CUDA_LAUNCH(grid, kThreads, 0, stream, GenericAttentionKernel<kernels::KvDType::kBF16>)(a);
       break;
     default:
       return absl::UnimplementedError(absl::StrCat("PagedAttentionGeneric: KV dtype ",

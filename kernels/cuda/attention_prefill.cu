@@ -16,6 +16,7 @@
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/kv_device.cuh"
@@ -192,7 +193,7 @@ absl::Status PagedPrefillAttention(const kernels::PagedKvView& kv, int32_t layer
         !s.ok()) {
       return s;
     }
-    PrefillKernel<C, HD><<<grid, kThreads, 0, stream>>>(a);
+    KVSERVE_CUDA_LAUNCH(grid, kThreads, 0, stream, PrefillKernel<C, HD>)(a);
     if (absl::Status s = internal::LaunchStatus("PagedPrefillAttention"); !s.ok()) return s;
   });
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/kv_device.cuh"
@@ -115,15 +116,15 @@ absl::Status AppendKv(const kernels::PagedKvView& kv, int32_t layer, int32_t n_t
   const int threads = kv.n_kv_heads * kv.head_dim >= 256 ? 256 : 128;
   switch (kv.dtype) {
     case kernels::KvDType::kF32:
-      AppendKvKernel<float><<<n_tokens, threads, 0, stream>>>(
+      KVSERVE_CUDA_LAUNCH(n_tokens, threads, 0, stream, AppendKvKernel<float>)(
           L, kv.n_kv_heads, kv.head_dim, token_seq, token_pos, k, k_stride, v, v_stride);
       break;
     case kernels::KvDType::kF16:
-      AppendKvKernel<__half><<<n_tokens, threads, 0, stream>>>(
+      KVSERVE_CUDA_LAUNCH(n_tokens, threads, 0, stream, AppendKvKernel<__half>)(
           L, kv.n_kv_heads, kv.head_dim, token_seq, token_pos, k, k_stride, v, v_stride);
       break;
     case kernels::KvDType::kBF16:
-      AppendKvKernel<__nv_bfloat16><<<n_tokens, threads, 0, stream>>>(
+      KVSERVE_CUDA_LAUNCH(n_tokens, threads, 0, stream, AppendKvKernel<__nv_bfloat16>)(
           L, kv.n_kv_heads, kv.head_dim, token_seq, token_pos, k, k_stride, v, v_stride);
       break;
     case kernels::KvDType::kInt8:
@@ -131,7 +132,7 @@ absl::Status AppendKv(const kernels::PagedKvView& kv, int32_t layer, int32_t n_t
     case kernels::KvDType::kFp8E5M2:
     case kernels::KvDType::kInt4:
     case kernels::KvDType::kInt4G64:
-      AppendKvQuantKernel<<<n_tokens, 128, 0, stream>>>(L, kv.dtype, kv.n_kv_heads, kv.head_dim,
+      KVSERVE_CUDA_LAUNCH(n_tokens, 128, 0, stream, AppendKvQuantKernel)(L, kv.dtype, kv.n_kv_heads, kv.head_dim,
                                                         token_seq, token_pos, k, k_stride, v,
                                                         v_stride);
       break;
@@ -154,9 +155,9 @@ absl::Status CopyBlocks(uint8_t* pool, int64_t block_bytes, const int32_t* src_i
       static_cast<unsigned>(std::min<int64_t>(64, std::max<int64_t>(1, words / (256 * 4))));
   const dim3 grid(chunks, static_cast<unsigned>(n_pairs));
   if (wide) {
-    CopyBlocksKernel<uint4><<<grid, 256, 0, stream>>>(pool, block_bytes, src_ids, dst_ids);
+    KVSERVE_CUDA_LAUNCH(grid, 256, 0, stream, CopyBlocksKernel<uint4>)(pool, block_bytes, src_ids, dst_ids);
   } else {
-    CopyBlocksKernel<uint8_t><<<grid, 256, 0, stream>>>(pool, block_bytes, src_ids, dst_ids);
+    KVSERVE_CUDA_LAUNCH(grid, 256, 0, stream, CopyBlocksKernel<uint8_t>)(pool, block_bytes, src_ids, dst_ids);
   }
   return LaunchStatus("CopyBlocks");
 }

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace kvserve::cuda {
@@ -236,7 +237,7 @@ absl::Status EmbeddingGather(kernels::DType table_type, const void* table, int64
                      kernels::DTypeName(table_type)));
   }
   const int64_t row_bytes = kernels::RowBytes(table_type, dim);
-  EmbeddingKernel<<<static_cast<unsigned>(n_tokens), kThreads, 0, stream>>>(
+  KVSERVE_CUDA_LAUNCH(static_cast<unsigned>(n_tokens), kThreads, 0, stream, EmbeddingKernel)(
       table_type, static_cast<const uint8_t*>(table), vocab, dim, row_bytes, tokens, out);
   return LaunchStatus("EmbeddingGather");
 }
@@ -244,7 +245,7 @@ absl::Status EmbeddingGather(kernels::DType table_type, const void* table, int64
 absl::Status RmsNorm(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
                      float* out, StreamHandle stream) {
   if (n_rows <= 0 || n <= 0) return absl::OkStatus();
-  RmsNormKernel<<<static_cast<unsigned>(n_rows), kThreads, 0, stream>>>(x, weight, n, eps, out);
+  KVSERVE_CUDA_LAUNCH(static_cast<unsigned>(n_rows), kThreads, 0, stream, RmsNormKernel)(x, weight, n, eps, out);
   return LaunchStatus("RmsNorm");
 }
 
@@ -258,7 +259,7 @@ absl::Status Rope(float* x, int64_t n_tokens, int64_t stride, int32_t n_heads,
   const int32_t half = p.rot_dim / 2;
   const float theta_scale = std::pow(p.freq_base, -2.0f / static_cast<float>(p.rot_dim));
   const int64_t total = n_tokens * n_heads * half;
-  RopeKernel<<<static_cast<unsigned>((total + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+  KVSERVE_CUDA_LAUNCH(static_cast<unsigned>((total + kThreads - 1) / kThreads), kThreads, 0, stream, RopeKernel)(
       x, n_tokens, stride, n_heads, positions, p.head_dim, half, theta_scale,
       p.style == kernels::RopeStyle::kNeox);
   return LaunchStatus("Rope");
@@ -267,16 +268,16 @@ absl::Status Rope(float* x, int64_t n_tokens, int64_t stride, int32_t n_heads,
 absl::Status SiluMul(const float* gate, const float* up, int64_t n, float* out,
                      StreamHandle stream) {
   if (n <= 0) return absl::OkStatus();
-  SiluMulKernel<<<GridFor(n, 4), kThreads, 0, stream>>>(gate, up, n, out);
+  KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, SiluMulKernel)(gate, up, n, out);
   return LaunchStatus("SiluMul");
 }
 
 absl::Status AddInPlace(float* x, const float* y, int64_t n, StreamHandle stream) {
   if (n <= 0) return absl::OkStatus();
   if (Aligned16(x) && Aligned16(y)) {
-    AddKernel<<<GridFor(n, 8), kThreads, 0, stream>>>(x, y, n);
+    KVSERVE_CUDA_LAUNCH(GridFor(n, 8), kThreads, 0, stream, AddKernel)(x, y, n);
   } else {
-    AddScalarKernel<<<GridFor(n, 4), kThreads, 0, stream>>>(x, y, n);
+    KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, AddScalarKernel)(x, y, n);
   }
   return LaunchStatus("AddInPlace");
 }
@@ -285,20 +286,20 @@ absl::Status ArgmaxRows(const float* logits, int64_t n_rows, int64_t vocab, int6
                         int32_t* out_ids, StreamHandle stream) {
   if (n_rows <= 0) return absl::OkStatus();
   if (vocab <= 0 || vocab > INT32_MAX - 1) return absl::InvalidArgumentError("ArgmaxRows: vocab");
-  ArgmaxKernel<<<static_cast<unsigned>(n_rows), kThreads, 0, stream>>>(logits, vocab, stride,
+  KVSERVE_CUDA_LAUNCH(static_cast<unsigned>(n_rows), kThreads, 0, stream, ArgmaxKernel)(logits, vocab, stride,
                                                                         out_ids);
   return LaunchStatus("ArgmaxRows");
 }
 
 absl::Status ConvertF32ToF16(const float* in, int64_t n, uint16_t* out, StreamHandle stream) {
   if (n <= 0) return absl::OkStatus();
-  ToHalfKernel<<<GridFor(n, 4), kThreads, 0, stream>>>(in, n, out, false);
+  KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, ToHalfKernel)(in, n, out, false);
   return LaunchStatus("ConvertF32ToF16");
 }
 
 absl::Status ConvertF32ToBF16(const float* in, int64_t n, uint16_t* out, StreamHandle stream) {
   if (n <= 0) return absl::OkStatus();
-  ToHalfKernel<<<GridFor(n, 4), kThreads, 0, stream>>>(in, n, out, true);
+  KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, ToHalfKernel)(in, n, out, true);
   return LaunchStatus("ConvertF32ToBF16");
 }
 
