@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the whole test suite (CTest), then runs the GGUF
-# fuzz test again under AddressSanitizer + UBSan in a separate build.
+# fuzz test and the engine again under AddressSanitizer + UBSan in a separate
+# build, and the CUDA backend on the CPU emulator (kernels/cuda/emu) in a third.
 #   bash deploy/test.sh            # everything
 #   bash deploy/test.sh --no-asan  # skip the sanitizer stage
+#   bash deploy/test.sh --no-emu   # skip the CUDA emulator stage
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ASAN=1
+EMU=1
 for arg in "$@"; do
   case "$arg" in
     --no-asan) ASAN=0 ;;
+    --no-emu) EMU=0 ;;
     *) echo "test.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -41,5 +45,24 @@ if [ "$ASAN" = 1 ]; then
   # eviction, preemption) on the small models; SmolLM2 is too slow unoptimized.
   echo "test.sh: scheduler_test under AddressSanitizer"
   "$ASAN_BUILD/tests/scheduler_test" --gtest_brief=1 --gtest_filter='-*SmolLM2*'
+fi
+if [ "$EMU" = 1 ]; then
+  # No GPU here or in CI: the CUDA kernels, the CUDA forward and the backend
+  # seam run on the CPU emulator, against the same CPU references the GPU
+  # tests use. Needs only the toolkit's headers.
+  if [ -f /usr/local/cuda/include/cuda_runtime.h ] || command -v nvcc >/dev/null 2>&1; then
+    EMU_BUILD="$ROOT/build-emu"
+    cmake -S "$ROOT" -B "$EMU_BUILD" -G Ninja -DKVSERVE_CUDA_EMULATOR=ON \
+      -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    cmake --build "$EMU_BUILD" --target cuda_emu_test cuda_kernels_test llama_cuda_test
+    echo "test.sh: CUDA tests on the CPU emulator"
+    ctest --test-dir "$EMU_BUILD" -R 'Cuda|BackendSelection' --output-on-failure -j "$JOBS" \
+      --timeout 900
+    # The start-up errors of a machine without a GPU, through the emulator.
+    KVSERVE_CUDA_EMU_DEVICES=0 "$EMU_BUILD/tests/llama_cuda_test" --gtest_brief=1 \
+      --gtest_filter='BackendSelection*'
+  else
+    echo "test.sh: no CUDA toolkit headers; CUDA emulator stage skipped"
+  fi
 fi
 echo "test.sh: all tests passed"

@@ -37,7 +37,8 @@ namespace {
 constexpr size_t kAlign = 256;
 
 struct Allocation {
-  size_t bytes = 0;
+  size_t bytes = 0;  // as asked for: copies must stay inside
+  size_t rounded = 0;  // as accounted
   void* map_base = nullptr;  // device memory only
   size_t map_bytes = 0;
   bool pinned = false;
@@ -202,7 +203,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   // Fresh device memory is not zero on a GPU; make reads of it visible.
   std::memset(start, 0xA5, rounded);
   std::lock_guard<std::mutex> lock(g_mem_mu);
-  g_allocs[reinterpret_cast<uintptr_t>(start)] = {rounded, base, map_bytes, false};
+  g_allocs[reinterpret_cast<uintptr_t>(start)] = {bytes, rounded, base, map_bytes, false};
   *p = start;
   return cudaSuccess;
 }
@@ -217,7 +218,7 @@ cudaError_t cudaFree(void* p) {
     if (it == g_allocs.end() || it->second.pinned) return Fail(cudaErrorInvalidValue);
     a = it->second;
     g_allocs.erase(it);
-    g_device_bytes -= a.bytes;
+    g_device_bytes -= a.rounded;
   }
   munmap(a.map_base, a.map_bytes);
   return cudaSuccess;
@@ -229,7 +230,7 @@ cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int /*flags*/) {
   void* mem = std::aligned_alloc(4096, rounded);
   if (mem == nullptr) return Fail(cudaErrorMemoryAllocation);
   std::lock_guard<std::mutex> lock(g_mem_mu);
-  g_allocs[reinterpret_cast<uintptr_t>(mem)] = {bytes, nullptr, 0, true};
+  g_allocs[reinterpret_cast<uintptr_t>(mem)] = {bytes, rounded, nullptr, 0, true};
   *p = mem;
   return cudaSuccess;
 }

@@ -6,6 +6,9 @@
 // runs them on a GPU machine, where a skip counts as a failure.
 #include "model/llama_cuda.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -197,27 +200,6 @@ TEST(BackendSelectionTest, DeviceCudaRejectsQuantizedKvAndOddBlockSizes) {
 using testing::Golden;
 using testing::ReadGolden;
 
-TEST(CudaLlamaTest, Stories260KReproducesGoldenGreedyOutputs) {
-  KVSERVE_SKIP_WITHOUT_GPU();
-  const std::string model_path = testing::Stories260KPath();
-  const std::string golden_path = testing::Stories260KGoldenPath();
-  KVSERVE_SKIP_IF_MISSING(model_path, "stories260K.gguf");
-  KVSERVE_SKIP_IF_MISSING(golden_path, "stories260K golden file");
-  Loaded l = Load(model_path);
-  ASSERT_TRUE(l.model && l.tokenizer);
-  std::shared_ptr<ForwardBackend> gpu = CudaBackend(l);
-  ASSERT_NE(gpu, nullptr);
-  const std::vector<Golden> golden = ReadGolden(golden_path);
-  ASSERT_EQ(golden.size(), 5u);
-  for (const Golden& g : golden) {
-    auto out = Generate(l, gpu, {EngineRequest{g.ids, Greedy(g.max_tokens)}});
-    ASSERT_TRUE(out.ok()) << out.status();
-    const std::vector<int32_t> prompt_no_bos(g.ids.begin() + 1, g.ids.end());
-    EXPECT_EQ(l.tokenizer->Decode(prompt_no_bos) + (*out)[0].text, g.text) << g.prompt;
-    EXPECT_EQ((*out)[0].tokens.size(), static_cast<size_t>(g.max_tokens));
-  }
-}
-
 TEST(CudaKvPoolTest, DeviceBlocksLiveInTheDevicePoolAndCopyOnWrite) {
   KVSERVE_SKIP_WITHOUT_GPU();
   cuda::DeviceMemoryPool memory;
@@ -256,19 +238,161 @@ TEST(CudaKvPoolTest, DeviceBlocksLiveInTheDevicePoolAndCopyOnWrite) {
   EXPECT_EQ(memory.live_buffers(), 0) << "the pool's device storage was not returned";
 }
 
+// ---- GPU against CPU, up to near-ties -------------------------------------
+//
+// The CUDA and CPU forwards compute the same function in different orders
+// (and the CPU's exp is a polynomial), so their logits differ in the last
+// bits and greedy decoding may part at a near-tie: in the stories260K golden
+// 'Tom had a red ball', "and" leads "." by 3e-5 of the logit scale on the CPU
+// and trails it by 8e-5 on the GPU. Exact token equality is therefore the
+// wrong test. These tests ask instead, at every position of the CPU's greedy
+// continuation (teacher-forced, so one flip does not decide the rest):
+//   - the GPU's logits are within kMaxNormErr of the CPU's (normalized by the
+//     row's largest |logit|), and the GPU's logit for the CPU's token is within
+//     `near_tie` of the GPU's maximum;
+// and of the engine's free-running GPU output, alone and batched: it equals
+// the CPU's up to the first difference, and that difference falls where the
+// CPU's own top two are within `near_tie` -- a near-tie, not a bug.
+
+// Logits of one sequence through the CPU and the CUDA forward, prefilled in
+// chunks so later chunks attend to earlier ones through the paged cache.
+struct TeacherForced {
+  int64_t vocab = 0;
+  std::vector<float> cpu, gpu;  // [positions][vocab]
+  const float* Cpu(int32_t pos) const { return &cpu[pos * vocab]; }
+  const float* Gpu(int32_t pos) const { return &gpu[pos * vocab]; }
+};
+
+TeacherForced RunTeacherForced(const Loaded& l, const std::vector<int32_t>& tokens,
+                               int32_t chunk) {
+  TeacherForced r;
+  const LlamaConfig& cfg = l.model->config();
+  const int32_t n = static_cast<int32_t>(tokens.size());
+  constexpr int32_t kBlock = 16;
+  const int32_t n_blocks = (n + kBlock - 1) / kBlock;
+  std::vector<int32_t> block_ids(n_blocks);
+  for (int32_t i = 0; i < n_blocks; ++i) block_ids[i] = i;
+  const int32_t offsets[2] = {0, n_blocks};
+  const int64_t half = kernels::PagedKvView::HalfLayerBytes(kBlock, cfg.n_kv_heads, cfg.head_dim,
+                                                            kernels::KvDType::kF16);
+  kernels::PagedKvView view;
+  view.block_bytes = 2 * half * cfg.n_layers;
+  view.layer_bytes = 2 * half;
+  view.block_size = kBlock;
+  view.n_kv_heads = cfg.n_kv_heads;
+  view.head_dim = cfg.head_dim;
+  view.dtype = kernels::KvDType::kF16;
+  view.block_ids = block_ids.data();
+  view.seq_block_offsets = offsets;
+  view.n_seqs = 1;
+  std::vector<uint8_t> host_kv(static_cast<size_t>(view.block_bytes * n_blocks));
+  kernels::PagedKvView cpu_view = view;
+  cpu_view.pool = host_kv.data();
+
+  auto created = CudaLlama::Create(*l.model);
+  EXPECT_TRUE(created.ok()) << created.status();
+  if (!created.ok()) return r;
+  std::unique_ptr<CudaLlama> gpu = std::move(created).value();
+  auto device_kv = gpu->kv_device_memory()->Allocate(host_kv.size());
+  EXPECT_TRUE(device_kv.ok()) << device_kv.status();
+  if (!device_kv.ok()) return r;
+  kernels::PagedKvView gpu_view = view;
+  gpu_view.pool = static_cast<uint8_t*>(device_kv->data());
+
+  ThreadPool pool(2);
+  r.vocab = cfg.vocab_size;
+  r.cpu.resize(static_cast<size_t>(n * r.vocab));
+  r.gpu.resize(r.cpu.size());
+  for (int32_t start = 0; start < n; start += chunk) {
+    const int32_t m = std::min(chunk, n - start);
+    std::vector<int32_t> seq(m, 0), pos(m), rows(m);
+    for (int32_t i = 0; i < m; ++i) pos[i] = start + i, rows[i] = i;
+    const ForwardBatch batch{absl::MakeConstSpan(tokens.data() + start, m), seq, pos, rows};
+    absl::Status s = l.model->Forward(batch, cpu_view, &r.cpu[start * r.vocab], &pool);
+    EXPECT_TRUE(s.ok()) << s;
+    s = gpu->Forward(batch, gpu_view, &r.gpu[start * r.vocab], &pool);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) return TeacherForced{};
+  }
+  return r;
+}
+
+double Scale(const float* row, int64_t vocab) {
+  double m = 1e-6;
+  for (int64_t v = 0; v < vocab; ++v) m = std::max(m, static_cast<double>(std::fabs(row[v])));
+  return m;
+}
+
+int32_t ArgMax(const float* row, int64_t vocab) {
+  return static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+}
+
+// How far `token`'s logit trails the row's maximum, over the row's scale.
+double Trail(const float* row, int64_t vocab, int32_t token) {
+  return (row[ArgMax(row, vocab)] - row[token]) / Scale(row, vocab);
+}
+
+double NormErr(const float* a, const float* b, int64_t vocab) {
+  double err = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    err = std::max(err, static_cast<double>(std::fabs(a[v] - b[v])));
+  }
+  return err / Scale(a, vocab);
+}
+
+struct Tolerance {
+  double max_norm_err;  // per position, GPU logits vs CPU logits
+  double near_tie;      // what counts as a tie between two tokens
+};
+
+// Checks one prompt's GPU runs against the CPU's greedy continuation.
+void ExpectAgreesUpToNearTies(const Loaded& l, const std::string& label,
+                              const std::vector<int32_t>& prompt, const Output& cpu,
+                              const std::vector<const Output*>& gpu_runs, const Tolerance& tol) {
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), cpu.tokens.begin(), cpu.tokens.end());
+  seq.pop_back();  // the last generated token is never fed back
+  const TeacherForced tf = RunTeacherForced(l, seq, 16);
+  ASSERT_FALSE(tf.cpu.empty()) << label;
+  const int32_t first = static_cast<int32_t>(prompt.size()) - 1;
+  double worst_err = 0, worst_trail = 0;
+  for (size_t i = 0; i < cpu.tokens.size(); ++i) {
+    const int32_t pos = first + static_cast<int32_t>(i);
+    ASSERT_EQ(ArgMax(tf.Cpu(pos), tf.vocab), cpu.tokens[i])
+        << label << ": the CPU forward does not reproduce the engine's CPU token " << i;
+    worst_err = std::max(worst_err, NormErr(tf.Cpu(pos), tf.Gpu(pos), tf.vocab));
+    worst_trail = std::max(worst_trail, Trail(tf.Gpu(pos), tf.vocab, cpu.tokens[i]));
+  }
+  EXPECT_LE(worst_err, tol.max_norm_err) << label << ": GPU logits far from the CPU's";
+  EXPECT_LE(worst_trail, tol.near_tie)
+      << label << ": the GPU's logit for a CPU token trails its maximum by more than a near-tie";
+  for (const Output* run : gpu_runs) {
+    const size_t d = FirstDifference(run->tokens, cpu.tokens);
+    if (d == cpu.tokens.size() && run->tokens.size() == cpu.tokens.size()) continue;
+    ASSERT_LT(d, cpu.tokens.size()) << label << ": the GPU run is longer than the CPU's";
+    ASSERT_LT(d, run->tokens.size()) << label << ": the GPU run stopped early at token " << d;
+    const int32_t pos = first + static_cast<int32_t>(d);
+    const double margin = Trail(tf.Cpu(pos), tf.vocab, run->tokens[d]);
+    EXPECT_LE(margin, tol.near_tie)
+        << label << ": GPU output parts from the CPU's at token " << d
+        << " where the CPU's top two are not a near-tie (CPU: " << cpu.text
+        << " | GPU: " << run->text << ")";
+    std::printf("%s: parts from the CPU at token %zu of %zu, a near-tie of %.2g\n", label.c_str(),
+                d, cpu.tokens.size(), margin);
+  }
+  std::printf("%s: GPU vs CPU max logit error %.2g, worst trail %.2g\n", label.c_str(), worst_err,
+              worst_trail);
+}
+
 // All prompts in one engine (ragged prefill + decode batches, the prefill
-// and decode attention kernels) against the CPU backend, one prompt at a time
-// and all together.
-void ExpectGpuMatchesCpu(const std::string& path, const std::vector<std::string>& prompts,
-                         int max_tokens, const RunOptions& r) {
-  Loaded l = Load(path);
-  ASSERT_TRUE(l.model && l.tokenizer);
+// and decode attention kernels) and each prompt alone, against the CPU.
+void ExpectGpuMatchesCpu(const Loaded& l, const std::vector<std::vector<int32_t>>& prompts,
+                         int max_tokens, const RunOptions& r, const Tolerance& tol,
+                         std::vector<Output>* cpu_out = nullptr) {
   std::shared_ptr<ForwardBackend> gpu = CudaBackend(l);
   ASSERT_NE(gpu, nullptr);
   std::vector<EngineRequest> reqs;
-  for (const std::string& p : prompts) {
-    reqs.push_back({l.tokenizer->Encode(p, /*add_bos=*/true, false), Greedy(max_tokens)});
-  }
+  for (const std::vector<int32_t>& p : prompts) reqs.push_back({p, Greedy(max_tokens)});
   auto cpu = Generate(l, nullptr, reqs, r);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   auto together = Generate(l, gpu, reqs, r);
@@ -276,40 +400,76 @@ void ExpectGpuMatchesCpu(const std::string& path, const std::vector<std::string>
   for (size_t i = 0; i < reqs.size(); ++i) {
     auto alone = Generate(l, gpu, {reqs[i]}, r);
     ASSERT_TRUE(alone.ok()) << alone.status();
-    const std::vector<int32_t>& want = (*cpu)[i].tokens;
-    ASSERT_EQ(want.size(), static_cast<size_t>(max_tokens)) << prompts[i];
-    EXPECT_EQ((*alone)[0].tokens, want)
-        << "prompt '" << prompts[i] << "' alone: first difference at token "
-        << FirstDifference((*alone)[0].tokens, want) << "; cpu: " << (*cpu)[i].text
-        << " | gpu: " << (*alone)[0].text;
-    EXPECT_EQ((*together)[i].tokens, want)
-        << "prompt '" << prompts[i] << "' batched: first difference at token "
-        << FirstDifference((*together)[i].tokens, want);
+    ASSERT_EQ((*cpu)[i].tokens.size(), static_cast<size_t>(max_tokens));
+    ExpectAgreesUpToNearTies(l, "prompt '" + l.tokenizer->Decode(prompts[i]) + "'", prompts[i],
+                             (*cpu)[i], {&(*alone)[0], &(*together)[i]}, tol);
   }
+  if (cpu_out != nullptr) *cpu_out = *std::move(cpu);
 }
 
-TEST(CudaLlamaTest, SmolLM2GreedyMatchesCpuForFirst32Tokens) {
+std::vector<std::vector<int32_t>> EncodeAll(const Loaded& l, const std::vector<std::string>& ps) {
+  std::vector<std::vector<int32_t>> out;
+  for (const std::string& p : ps) out.push_back(l.tokenizer->Encode(p, /*add_bos=*/true, false));
+  return out;
+}
+
+// stories260K has f32 weights: the two forwards differ by ~1e-3 of the logit
+// scale at most (measured 9e-4 on the emulator).
+constexpr Tolerance kStoriesTol{1e-2, 2e-3};
+
+TEST(CudaLlamaTest, Stories260KReproducesGoldenGreedyOutputs) {
   KVSERVE_SKIP_WITHOUT_GPU();
-  const std::string path = testing::SmolLM2Path();
-  KVSERVE_SKIP_IF_MISSING(path, "SmolLM2 (run deploy/setup.sh)");
-  RunOptions r;
-  r.max_batched_tokens = 64;  // several prefill chunks per prompt
-  ExpectGpuMatchesCpu(path,
-                      {"The capital of France is", "def fibonacci(n):", "Water boils at",
-                       "A short poem about the sea:\n",
-                       "Once upon a time, in a small village by the mountains, there lived"},
-                      32, r);
+  const std::string model_path = testing::Stories260KPath();
+  const std::string golden_path = testing::Stories260KGoldenPath();
+  KVSERVE_SKIP_IF_MISSING(model_path, "stories260K.gguf");
+  KVSERVE_SKIP_IF_MISSING(golden_path, "stories260K golden file");
+  Loaded l = Load(model_path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  const std::vector<Golden> golden = ReadGolden(golden_path);
+  ASSERT_EQ(golden.size(), 5u);
+  for (const Golden& g : golden) {
+    std::vector<Output> cpu;
+    ExpectGpuMatchesCpu(l, {g.ids}, g.max_tokens, RunOptions{}, kStoriesTol, &cpu);
+    ASSERT_EQ(cpu.size(), 1u);
+    // The CPU continuation the GPU was held to is the golden one.
+    const std::vector<int32_t> prompt_no_bos(g.ids.begin() + 1, g.ids.end());
+    EXPECT_EQ(l.tokenizer->Decode(prompt_no_bos) + cpu[0].text, g.text) << g.prompt;
+  }
 }
 
 TEST(CudaLlamaTest, Stories260KSmallBlocksMatchCpu) {
   KVSERVE_SKIP_WITHOUT_GPU();
   const std::string path = testing::Stories260KPath();
   KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
   RunOptions r;
   r.block_size = 4;
   r.max_batched_tokens = 7;
-  ExpectGpuMatchesCpu(path, {"Once upon a time", "The little dog", "Sam", "Tom had a red ball"}, 24,
-                      r);
+  ExpectGpuMatchesCpu(
+      l, EncodeAll(l, {"Once upon a time", "The little dog", "Sam", "Tom had a red ball"}), 24, r,
+      kStoriesTol);
+}
+
+// SmolLM2 (Q4_1 weights): the CPU quantizes activations to 8 bits per block
+// (ggml's Q8_1) while f16 cuBLAS does not, so the two forwards sit ~3% of the
+// logit scale apart (max 0.077 measured on the emulator).
+constexpr Tolerance kSmolTol{0.1, 0.1};
+
+TEST(CudaLlamaTest, SmolLM2GreedyMatchesCpuForFirst32Tokens) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const std::string path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(path, "SmolLM2 (run deploy/setup.sh)");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  RunOptions r;
+  r.max_batched_tokens = 64;  // several prefill chunks per prompt
+  ExpectGpuMatchesCpu(l,
+                      EncodeAll(l, {"The capital of France is", "def fibonacci(n):",
+                                    "Water boils at", "A short poem about the sea:\n",
+                                    "Once upon a time, in a small village by the mountains, "
+                                    "there lived"}),
+                      32, r, kSmolTol);
 }
 
 TEST(CudaLlamaTest, EngineRunWithCancellationsLeaksNoDeviceMemory) {
