@@ -33,12 +33,23 @@ absl::StatusOr<DType> ToDType(GgmlType t) {
   return absl::UnimplementedError("tensor type has no device format");
 }
 
-// F32 and BF16 keep their values exactly (the CPU forward reads them as they
-// are); F16 keeps its bits; the block types are dequantized to F16.
+// Every weight keeps what the CPU forward computes with: F32 and BF16 their
+// values, F16 its bits, and Q8_0/Q4_0/Q4_1 their GGUF bytes (kNative), run
+// by the integer kernels that quantize activations as the CPU does. Any
+// other type would be dequantized to F16.
 cuda::WeightFormat FormatFor(DType t) {
-  if (t == DType::kF32) return cuda::WeightFormat::kF32;
-  if (t == DType::kBF16) return cuda::WeightFormat::kBF16;
-  return cuda::WeightFormat::kF16;
+  switch (t) {
+    case DType::kF32:
+      return cuda::WeightFormat::kF32;
+    case DType::kBF16:
+      return cuda::WeightFormat::kBF16;
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+      return cuda::WeightFormat::kNative;
+    default:
+      return cuda::WeightFormat::kF16;
+  }
 }
 
 absl::StatusOr<const GgufTensorInfo*> Tensor(const GgufFile& f, const std::string& name) {

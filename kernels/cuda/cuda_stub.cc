@@ -149,6 +149,14 @@ absl::StatusOr<DeviceWeight> UploadWeight(const kernels::WeightView&, WeightForm
                                           DeviceMemoryPool*, StreamHandle) {
   return NotBuilt();
 }
+absl::Status QuantizeActs(const float*, int64_t, int64_t, int64_t, ActSum, int8_t*, float*,
+                          StreamHandle) {
+  return NotBuilt();
+}
+absl::Status QuantizedMatMul(kernels::DType, const void*, int64_t, int64_t, const int8_t*,
+                             const float*, int64_t, float*, int64_t, StreamHandle) {
+  return NotBuilt();
+}
 absl::StatusOr<std::unique_ptr<CublasMatMul>> CublasMatMul::Create(DeviceMemoryPool*,
                                                                    StreamHandle) {
   return NotBuilt();

@@ -23,6 +23,60 @@ absl::Status FromCublas(cublasStatus_t s, const char* what) {
 
 size_t ElemBytes(WeightFormat f) { return f == WeightFormat::kF32 ? 4 : 2; }
 
+bool IsBlockType(kernels::DType t) {
+  return t == kernels::DType::kQ8_0 || t == kernels::DType::kQ4_0 || t == kernels::DType::kQ4_1;
+}
+
+// kNative (layout in matmul.h): the block's quants and its scales go to two
+// regions of one buffer.
+absl::StatusOr<DeviceWeight> UploadNative(const kernels::WeightView& w, DeviceMemoryPool* pool,
+                                          StreamHandle stream) {
+  const int64_t nb = w.cols / kernels::kQK;
+  const int64_t block_bytes = kernels::BlockBytes(w.type);
+  const int64_t scale_bytes = w.type == kernels::DType::kQ4_1 ? 4 : 2;
+  const int64_t quant_bytes = block_bytes - scale_bytes;  // scales lead a GGUF block
+  const size_t quants_total = static_cast<size_t>(w.rows * nb * quant_bytes);
+  DeviceWeight out;
+  out.format = WeightFormat::kNative;
+  out.type = w.type;
+  out.rows = w.rows;
+  out.cols = w.cols;
+  auto buf = pool->Allocate(static_cast<size_t>(w.rows * nb * block_bytes));
+  if (!buf.ok()) return buf.status();
+  out.data = std::move(buf).value();
+
+  const int64_t row_bytes = nb * block_bytes;
+  const int64_t slab_rows = std::max<int64_t>(1, (int64_t{64} << 20) / row_bytes);
+  auto staging =
+      PinnedHostBuffer::Allocate(static_cast<size_t>(row_bytes * std::min(slab_rows, w.rows)));
+  if (!staging.ok()) return staging.status();
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  for (int64_t r0 = 0; r0 < w.rows; r0 += slab_rows) {
+    const int64_t n = std::min(slab_rows, w.rows - r0);
+    // The previous slab's copies must finish before the staging is rewritten.
+    KVSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "UploadWeight sync");
+    // Staging: the slab's quants, then its scales.
+    uint8_t* q = staging->as<uint8_t>();
+    uint8_t* sc = q + n * nb * quant_bytes;
+    for (int64_t i = 0; i < n * nb; ++i) {
+      const uint8_t* blk = src + (r0 * nb + i) * block_bytes;
+      std::memcpy(sc + i * scale_bytes, blk, static_cast<size_t>(scale_bytes));
+      std::memcpy(q + i * quant_bytes, blk + scale_bytes, static_cast<size_t>(quant_bytes));
+    }
+    uint8_t* dst = out.data.as<uint8_t>();
+    KVSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst + r0 * nb * quant_bytes, q, static_cast<size_t>(n * nb * quant_bytes),
+                        cudaMemcpyHostToDevice, stream),
+        "UploadWeight copy");
+    KVSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst + quants_total + r0 * nb * scale_bytes, sc,
+                        static_cast<size_t>(n * nb * scale_bytes), cudaMemcpyHostToDevice, stream),
+        "UploadWeight copy");
+  }
+  KVSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "UploadWeight sync");
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<DeviceWeight> UploadWeight(const kernels::WeightView& w, WeightFormat format,
@@ -31,8 +85,16 @@ absl::StatusOr<DeviceWeight> UploadWeight(const kernels::WeightView& w, WeightFo
     return absl::InvalidArgumentError(absl::StrCat("UploadWeight: bad shape ", w.rows, "x",
                                                    w.cols, " for ", kernels::DTypeName(w.type)));
   }
+  if (format == WeightFormat::kNative) {
+    if (!IsBlockType(w.type)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "UploadWeight: the native format holds Q8_0/Q4_0/Q4_1, not ", kernels::DTypeName(w.type)));
+    }
+    return UploadNative(w, pool, stream);
+  }
   DeviceWeight out;
   out.format = format;
+  out.type = w.type;
   out.rows = w.rows;
   out.cols = w.cols;
   const size_t row_out = static_cast<size_t>(w.cols) * ElemBytes(format);
@@ -101,6 +163,29 @@ CublasMatMul::~CublasMatMul() {
 absl::Status CublasMatMul::MatMul(const DeviceWeight& w, const float* x, int64_t n_tokens,
                                   int64_t x_stride, float* y, int64_t y_stride) {
   if (n_tokens <= 0) return absl::OkStatus();
+  if (w.format == WeightFormat::kNative) {
+    // Scratch: the quantized values, then the (d, s) pairs (offset rounded
+    // to 16 bytes; the values of each token are 32-byte multiples).
+    const int64_t nb = w.cols / kernels::kQK;
+    const size_t qs_bytes = static_cast<size_t>(n_tokens * w.cols);
+    const size_t ds_offset = (qs_bytes + 15) / 16 * 16;
+    const size_t need = ds_offset + static_cast<size_t>(n_tokens * 2 * nb) * sizeof(float);
+    if (scratch_.size() < need) {
+      scratch_.Reset();
+      auto buf = pool_->Allocate(need);
+      if (!buf.ok()) return buf.status();
+      scratch_ = std::move(buf).value();
+    }
+    int8_t* qs = scratch_.as<int8_t>();
+    auto* ds = reinterpret_cast<float*>(scratch_.as<uint8_t>() + ds_offset);
+    if (absl::Status s =
+            QuantizeActs(x, n_tokens, x_stride, w.cols, ActSumFor(w.type), qs, ds, stream_);
+        !s.ok()) {
+      return s;
+    }
+    return QuantizedMatMul(w.type, w.data.data(), w.rows, w.cols, qs, ds, n_tokens, y, y_stride,
+                           stream_);
+  }
   auto h = static_cast<cublasHandle_t>(handle_);
   // Row-major Y[n][rows] = X[n][cols] * W^T is, column-major,
   // Y^T[rows][n] = W[rows][cols] (stored as W^T col-major, hence OP_T) * X^T.

@@ -1,7 +1,17 @@
-// Dense matmuls on the GPU through cuBLAS. Weights are converted once, at
-// load, from any kernels::DType (F32, F16, BF16 and the GGUF block types,
-// dequantized on the host) to the device format chosen for them; activations
-// are converted to the same format on the fly. Plain C++ header.
+// Dense matmuls on the GPU. Weights are converted once, at load, from any
+// kernels::DType to the device format chosen for them.
+//
+// - kF32/kF16/kBF16: cuBLAS GemmEx; the GGUF block types are dequantized on
+//   the host, and activations are converted to the weights' type on the fly.
+// - kNative: Q8_0/Q4_0/Q4_1 stay quantized on the device and run the integer
+//   kernels of matmul_q.cu, which mirror the CPU backend's numerics
+//   (kernels/cpu/matmul_internal.h): activations are quantized per 32-element
+//   block to 8 bits exactly as QuantizeActsScalar does, each block's int32 dot
+//   product is exact, and its float combination is the same expression as
+//   MatMulRowsScalar's, so the result differs from the CPU's only by the
+//   order of the float sum over blocks.
+//
+// Plain C++ header.
 #pragma once
 
 #include <cstdint>
@@ -15,22 +25,64 @@
 namespace kvserve::cuda {
 
 // Device storage formats of converted weights.
-enum class WeightFormat : uint8_t { kF32, kF16, kBF16 };
+//   kNative: the GGUF bytes of a Q8_0/Q4_0/Q4_1 matrix, split into two
+//     regions of one buffer so that a block's quants are 16-byte aligned:
+//       quants: rows * nb blocks of QB bytes, block (r, b) at (r * nb + b) * QB
+//               (QB = 32 for Q8_0, 16 for Q4_0/Q4_1, the block's qs as in GGUF);
+//       scales: right after the quants (offset rows * nb * QB, a multiple of
+//               16), block (r, b) at (r * nb + b) * SB: fp16 d (SB = 2) for
+//               Q8_0/Q4_0, fp16 d then fp16 m (SB = 4) for Q4_1.
+//     nb = cols / 32. The size is exactly the GGUF tensor's.
+enum class WeightFormat : uint8_t { kF32, kF16, kBF16, kNative };
 
 // A row-major [rows][cols] weight matrix in device memory.
 struct DeviceWeight {
   WeightFormat format = WeightFormat::kF16;
+  // The source type; with kNative, the block type the bytes are in.
+  kernels::DType type = kernels::DType::kF16;
   int64_t rows = 0;
   int64_t cols = 0;
   DeviceBuffer data;
 };
 
 // Dequantizes/converts w on the host and uploads it (synchronously on
-// `stream`). F16 weights keep their bits with kF16, BF16 with kBF16.
+// `stream`). F16 weights keep their bits with kF16, BF16 with kBF16, F32 with
+// kF32. kNative takes Q8_0/Q4_0/Q4_1 only and keeps their bytes (layout
+// above); other types with kNative are InvalidArgument.
 [[nodiscard]] absl::StatusOr<DeviceWeight> UploadWeight(const kernels::WeightView& w,
                                                         WeightFormat format,
                                                         DeviceMemoryPool* pool,
                                                         StreamHandle stream);
+
+// ---- Quantized activations (matmul_q.cu) ----
+
+// The sum term of a quantized activation block (kernels::internal::ActSum):
+//   kExact: s = d16 * sum(q), d16 the fp16-rounded scale (Q8_0, Q4_0);
+//   kQ8_1: s = fp16(d * sum(q)) with the unrounded d (Q4_1, ggml's Q8_1).
+enum class ActSum : uint8_t { kExact, kQ8_1 };
+
+// What the CPU's MatMul uses for a lone weight of type t. (MatMulMany with
+// mixed quantized types uses kExact for all; the CUDA path quantizes per
+// weight, so such a Q4_1 differs in the last bits of its min term.)
+inline ActSum ActSumFor(kernels::DType t) {
+  return t == kernels::DType::kQ4_1 ? ActSum::kQ8_1 : ActSum::kExact;
+}
+
+// Quantizes n_tokens rows of `cols` floats (x rows x_stride floats apart;
+// cols % 32 == 0) bit-identically to kernels::internal::QuantizeActsScalar:
+// token t's values at qs + t * cols, its (d, s) pairs at ds + t * 2 * (cols /
+// 32). All device memory; enqueued on `stream`.
+[[nodiscard]] absl::Status QuantizeActs(const float* x, int64_t n_tokens, int64_t x_stride,
+                                        int64_t cols, ActSum mode, int8_t* qs, float* ds,
+                                        StreamHandle stream);
+
+// y[t][r] = W[r] . x[t] for a kNative weight (`type` Q8_0/Q4_0/Q4_1, `data`
+// in the kNative layout) against activations quantized by QuantizeActs with
+// ActSumFor(type). qs must be 16-byte aligned. Enqueued on `stream`.
+[[nodiscard]] absl::Status QuantizedMatMul(kernels::DType type, const void* data, int64_t rows,
+                                           int64_t cols, const int8_t* qs, const float* ds,
+                                           int64_t n_tokens, float* y, int64_t y_stride,
+                                           StreamHandle stream);
 
 // Owns a cuBLAS handle bound to one stream plus the activation scratch.
 // Not thread-safe: one per engine thread/stream.
@@ -44,7 +96,8 @@ class CublasMatMul {
 
   // y[t][r] = sum_i W[r][i] * x[t][i] for t < n_tokens (x rows x_stride floats
   // apart, y rows y_stride floats apart; all device memory), accumulated in
-  // f32. Same contract as kernels::MatMul.
+  // f32. Same contract as kernels::MatMul. kNative weights run the integer
+  // kernels (QuantizeActs + QuantizedMatMul, scratch from the pool).
   absl::Status MatMul(const DeviceWeight& w, const float* x, int64_t n_tokens, int64_t x_stride,
                       float* y, int64_t y_stride);
 
@@ -53,7 +106,7 @@ class CublasMatMul {
   void* handle_ = nullptr;  // cublasHandle_t
   DeviceMemoryPool* pool_ = nullptr;
   StreamHandle stream_ = nullptr;
-  DeviceBuffer scratch_;  // activations converted to f16/bf16
+  DeviceBuffer scratch_;  // activations converted to f16/bf16, or quantized
 };
 
 }  // namespace kvserve::cuda

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/matmul_internal.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/matmul.h"
@@ -672,7 +673,11 @@ TEST_F(CudaTest, CublasMatMulMatchesReferenceForEveryWeightType) {
                         Case{kernels::DType::kF16, cuda::WeightFormat::kF16, 1e-5},
                         Case{kernels::DType::kBF16, cuda::WeightFormat::kBF16, 1e-4},
                         Case{kernels::DType::kQ8_0, cuda::WeightFormat::kF16, 1e-5},
-                        Case{kernels::DType::kQ4_1, cuda::WeightFormat::kF16, 1e-5}}) {
+                        Case{kernels::DType::kQ4_1, cuda::WeightFormat::kF16, 1e-5},
+                        // Native: activations quantized to 8 bits as on the CPU.
+                        Case{kernels::DType::kQ8_0, cuda::WeightFormat::kNative, 1e-4},
+                        Case{kernels::DType::kQ4_0, cuda::WeightFormat::kNative, 1e-4},
+                        Case{kernels::DType::kQ4_1, cuda::WeightFormat::kNative, 1e-4}}) {
     SCOPED_TRACE(kernels::DTypeName(c.type));
     std::vector<uint8_t> wbytes(rows * kernels::RowBytes(c.type, cols));
     for (int64_t r = 0; r < rows; ++r) {
@@ -692,6 +697,173 @@ TEST_F(CudaTest, CublasMatMulMatchesReferenceForEveryWeightType) {
       EXPECT_LT(Nmse(Download(y, want.size()), want), c.nmse) << n_tokens << " tokens";
     }
   }
+}
+
+// Activations with the awkward cases of 8-bit block quantization, one kind
+// per 32-element block: exact ties of x * 127 / amax (round-half-even),
+// zeros and all-zero blocks, a negative amax, fp16-subnormal and fp16-zero
+// scales, large magnitudes, and plain random blocks at several scales.
+// `large` scales the large blocks (2e5 overflows Q8_1's fp16 sum term, as
+// it does on the CPU).
+std::vector<float> AwkwardActivations(int64_t n_tokens, int64_t x_stride, int64_t cols,
+                                      uint32_t seed, float large = 2e5f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<int> small(-126, 126);
+  std::vector<float> x(static_cast<size_t>(n_tokens * x_stride), 12345.f);  // padding
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    for (int64_t b = 0; b < cols / 32; ++b) {
+      float* xb = x.data() + t * x_stride + b * 32;
+      const int kind = static_cast<int>((b + t) % 9);
+      for (int j = 0; j < 32; ++j) {
+        float v = normal(rng);
+        switch (kind) {
+          case 0:  // amax 127 -> inv 1: halves are exact ties
+            v = j == 0 ? 127.f : static_cast<float>(small(rng)) + 0.5f;
+            break;
+          case 1:  // amax 254 -> inv 0.5: odd integers are ties
+            v = j == 5 ? -254.f : static_cast<float>(2 * small(rng) + 1);
+            break;
+          case 2:  // all zero, with signed zeros
+            v = j % 2 ? 0.f : -0.f;
+            break;
+          case 3:  // some zeros, negative amax
+            v = j % 3 == 0 ? 0.f : (j == 7 ? -40.f : v);
+            break;
+          case 4:  // d is an fp16 subnormal
+            v *= 1e-3f;
+            break;
+          case 5:  // d rounds to fp16 zero
+            v *= 1e-20f;
+            break;
+          case 6:  // large
+            v *= large;
+            break;
+          case 7:
+            v *= 1e-2f;
+            break;
+          default:
+            break;
+        }
+        xb[j] = v;
+      }
+    }
+  }
+  return x;
+}
+
+TEST_F(CudaTest, QuantizeActsIsBitIdenticalToCpu) {
+  const int64_t cols = 32 * 23, n_tokens = 5, x_stride = cols + 7;
+  const int64_t nb = cols / 32;
+  const auto x = AwkwardActivations(n_tokens, x_stride, cols, 11);
+  const float* dx = Upload(x);
+  for (cuda::ActSum mode : {cuda::ActSum::kExact, cuda::ActSum::kQ8_1}) {
+    SCOPED_TRACE(mode == cuda::ActSum::kExact ? "exact sum" : "q8_1 sum");
+    std::vector<int8_t> want_qs(n_tokens * cols);
+    std::vector<float> want_ds(n_tokens * 2 * nb);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      kernels::internal::QuantizeActsScalar(
+          x.data() + t * x_stride, cols,
+          mode == cuda::ActSum::kExact ? kernels::internal::ActSum::kExact
+                                       : kernels::internal::ActSum::kQ8_1,
+          want_qs.data() + t * cols, want_ds.data() + t * 2 * nb);
+    }
+    int8_t* qs = Alloc<int8_t>(want_qs.size());
+    float* ds = Alloc<float>(want_ds.size());
+    ASSERT_TRUE(cuda::QuantizeActs(dx, n_tokens, x_stride, cols, mode, qs, ds, stream()).ok());
+    const auto got_qs = Download(qs, want_qs.size());
+    const auto got_ds = Download(ds, want_ds.size());
+    for (size_t i = 0; i < want_qs.size(); ++i) {
+      ASSERT_EQ(got_qs[i], want_qs[i]) << "value " << i << " (token " << i / cols << ", block "
+                                       << i % cols / 32 << ") x=" << x[i / cols * x_stride + i % cols];
+    }
+    for (size_t i = 0; i < want_ds.size(); ++i) {
+      uint32_t g, w;
+      std::memcpy(&g, &got_ds[i], 4);
+      std::memcpy(&w, &want_ds[i], 4);
+      ASSERT_EQ(g, w) << (i % 2 ? "s" : "d") << " of block " << i / 2 << ": " << got_ds[i]
+                      << " vs " << want_ds[i];
+    }
+  }
+}
+
+TEST_F(CudaTest, QuantizeActsRejectsBadShapes) {
+  EXPECT_EQ(cuda::QuantizeActs(nullptr, 1, 40, 40, cuda::ActSum::kExact, nullptr, nullptr,
+                               stream())
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(cuda::QuantizeActs(nullptr, 0, 64, 64, cuda::ActSum::kExact, nullptr, nullptr,
+                                 stream())
+                  .ok());
+}
+
+// The native path must agree with the CPU's production MatMul up to the
+// order of the float sum over blocks: same activation quantization, exact
+// integer block dots, the same per-block float expression.
+TEST_F(CudaTest, NativeMatMulMatchesCpuMatMul) {
+  auto mm = cuda::CublasMatMul::Create(pool_.get(), stream());
+  ASSERT_TRUE(mm.ok()) << mm.status();
+  // 77 rows: not a multiple of the kernel's rows per block. 4160 columns:
+  // too wide for the shared-memory staging of activations.
+  for (const int64_t cols : {int64_t{320}, int64_t{4160}}) {
+    const int64_t rows = 77;
+    const auto wsrc = RandomFloats(rows * cols, 21, 0.05f);
+    for (kernels::DType type : {kernels::DType::kQ8_0, kernels::DType::kQ4_0,
+                                kernels::DType::kQ4_1}) {
+      SCOPED_TRACE(absl::StrCat(kernels::DTypeName(type), " cols=", cols));
+      const int64_t row_bytes = kernels::RowBytes(type, cols);
+      std::vector<uint8_t> wbytes(rows * row_bytes);
+      for (int64_t r = 0; r < rows; ++r) {
+        kernels::QuantizeRowReference(type, wsrc.data() + r * cols, wbytes.data() + r * row_bytes,
+                                      cols);
+      }
+      const kernels::WeightView wv{type, wbytes.data(), rows, cols};
+      auto dw = cuda::UploadWeight(wv, cuda::WeightFormat::kNative, pool_.get(), stream());
+      ASSERT_TRUE(dw.ok()) << dw.status();
+      EXPECT_EQ(dw->data.size(), wbytes.size());  // the GGUF size
+      EXPECT_EQ(dw->type, type);
+      for (int64_t n_tokens : {1, 3, 17, 64}) {
+        SCOPED_TRACE(absl::StrCat(n_tokens, " tokens"));
+        const int64_t x_stride = cols + 5, y_stride = rows + 3;
+        auto x = RandomFloats(n_tokens * x_stride, 22 + n_tokens);
+        if (n_tokens == 17) x = AwkwardActivations(n_tokens, x_stride, cols, 23, 300.f);
+        std::vector<float> want(n_tokens * y_stride, -7.f);
+        kernels::MatMul(wv, x.data(), n_tokens, x_stride, want.data(), y_stride, nullptr);
+        float* y = Upload(std::vector<float>(want.size(), -7.f));
+        ASSERT_TRUE((*mm)->MatMul(*dw, Upload(x), n_tokens, x_stride, y, y_stride).ok());
+        const auto got = Download(y, want.size());
+        double worst = 0;
+        for (int64_t t = 0; t < n_tokens; ++t) {
+          double scale = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            scale = std::max(scale, std::fabs(static_cast<double>(want[t * y_stride + r])));
+          }
+          for (int64_t r = 0; r < y_stride; ++r) {
+            const size_t i = t * y_stride + r;
+            if (r >= rows) {
+              ASSERT_EQ(got[i], -7.f) << "wrote past the rows at token " << t;
+              continue;
+            }
+            const double err = std::fabs(static_cast<double>(got[i]) - want[i]) / scale;
+            worst = std::max(worst, err);
+            ASSERT_LT(err, 1e-5) << "token " << t << " row " << r << ": " << got[i] << " vs "
+                                 << want[i];
+          }
+        }
+        RecordProperty(absl::StrCat(kernels::DTypeName(type), "_", cols, "_", n_tokens),
+                       absl::StrCat(worst));
+      }
+    }
+  }
+}
+
+TEST_F(CudaTest, NativeWeightFormatTakesBlockTypesOnly) {
+  std::vector<uint16_t> h(64 * 32, 0);
+  const kernels::WeightView wv{kernels::DType::kF16, h.data(), 32, 64};
+  EXPECT_EQ(cuda::UploadWeight(wv, cuda::WeightFormat::kNative, pool_.get(), stream())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(CudaTest, ProbeReportsPositiveBandwidth) {
