@@ -3,7 +3,8 @@
 # this repository, builds the CUDA kernels, runs their unit tests against the
 # CPU reference (a skipped test is a failure here), runs them once more under
 # compute-sanitizer when it is installed, runs the model on the GPU
-# (llama_cuda_test: stories260K goldens, SmolLM2 GPU == CPU greedy, no device
+# (llama_cuda_test: stories260K goldens and SmolLM2 and tiny written models,
+# GPU == CPU greedy up to near-ties, every weight type and KV codec; no device
 # memory left after a run with cancellations; a test skipped for want of a
 # GPU is a failure, one skipped for a missing model is reported) and
 # `kvserve generate --device cuda`, measures the device's copy bandwidth and

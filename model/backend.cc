@@ -48,7 +48,7 @@ absl::StatusOr<std::shared_ptr<ForwardBackend>> CreateBackend(std::string_view d
   // auto never fails for the GPU's sake: a KV codec or model the CUDA
   // kernels do not run stays on the CPU, as it would without a GPU.
   if (device_flag == "auto" && *device == Device::kCuda &&
-      (!CudaLlama::SupportsKvLayout(kv_dtype, block_size).ok() ||
+      (!CudaLlama::SupportsKvLayout(kv_dtype, block_size, model->config().head_dim).ok() ||
        !CudaLlama::SupportsModel(model->config()).ok())) {
     *device = Device::kCpu;
   }
@@ -59,7 +59,11 @@ absl::StatusOr<std::shared_ptr<ForwardBackend>> CreateBackend(std::string_view d
   auto named = [&](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat(flag, ": ", s.message()));
   };
-  if (absl::Status s = CudaLlama::SupportsKvLayout(kv_dtype, block_size); !s.ok()) return s;
+  if (absl::Status s =
+          CudaLlama::SupportsKvLayout(kv_dtype, block_size, model->config().head_dim);
+      !s.ok()) {
+    return s;
+  }
   if (absl::Status s = CudaLlama::SupportsModel(model->config()); !s.ok()) return named(s);
   if (absl::Status usable = cuda::CudaUsable(); !usable.ok()) {
     return absl::Status(usable.code(),

@@ -132,7 +132,7 @@ absl::Status CudaLlama::Upload(const LlamaModel& model) {
 }
 
 absl::Status CudaLlama::CheckKvLayout(kernels::KvDType dtype, int32_t block_size) const {
-  return SupportsKvLayout(dtype, block_size);
+  return SupportsKvLayout(dtype, block_size, config_.head_dim);
 }
 
 absl::Status CudaLlama::SupportsModel(const LlamaConfig& c) {
@@ -145,12 +145,25 @@ absl::Status CudaLlama::SupportsModel(const LlamaConfig& c) {
   return absl::OkStatus();
 }
 
-absl::Status CudaLlama::SupportsKvLayout(kernels::KvDType dtype, int32_t block_size) {
-  if (dtype != kernels::KvDType::kF32 && dtype != kernels::KvDType::kF16 &&
-      dtype != kernels::KvDType::kBF16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device cuda supports --kv-cache-dtype f32, f16 or bf16, not '",
-                     std::string(kernels::KvDTypeName(dtype)), "' (use --device cpu)"));
+absl::Status CudaLlama::SupportsKvLayout(kernels::KvDType dtype, int32_t block_size,
+                                         int32_t head_dim) {
+  using kernels::KvDType;
+  const bool plain = dtype == KvDType::kF32 || dtype == KvDType::kF16 || dtype == KvDType::kBF16;
+  const bool quantized = dtype == KvDType::kInt8 || dtype == KvDType::kFp8E4M3 ||
+                         dtype == KvDType::kFp8E5M2 || dtype == KvDType::kInt4 ||
+                         dtype == KvDType::kInt4G64;
+  if (!plain && !quantized) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device cuda supports --kv-cache-dtype f32, f16, bf16, int8, fp8-e4m3, fp8-e5m2, "
+        "int4 or int4-g64, not '",
+        std::string(kernels::KvDTypeName(dtype)), "' (use --device cpu)"));
+  }
+  // The quantized codecs run in the tuned attention kernels only.
+  if (quantized && head_dim != 0 && head_dim != 64 && head_dim != 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device cuda runs --kv-cache-dtype ", std::string(kernels::KvDTypeName(dtype)),
+        " for head_dim 64 or 128; this model has ", head_dim,
+        " (use f32/f16/bf16 or --device cpu)"));
   }
   if (block_size <= 0 || (block_size & (block_size - 1)) != 0) {
     return absl::InvalidArgumentError(

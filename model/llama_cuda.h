@@ -4,7 +4,9 @@
 // engine's sampler is unchanged.
 //
 // Weights are uploaded once, at Create: matrices through cuda::UploadWeight
-// (F32 stays F32, BF16 stays BF16, F16 and the GGUF block types become F16),
+// (F32, F16 and BF16 stay as they are; Q8_0/Q4_0/Q4_1 stay in their GGUF
+// bytes and run the integer kernels with 8-bit activations, as on the CPU;
+// other block types become F16),
 // the embedding table in its own type (EmbeddingGather dequantizes rows),
 // norms as F32. The per-step host arrays (tokens, positions, block table)
 // go through one pinned staging buffer and one upload.
@@ -44,9 +46,12 @@ class CudaLlama final : public ForwardBackend {
   [[nodiscard]] absl::Status CheckKvLayout(kernels::KvDType dtype,
                                            int32_t block_size) const override;
 
-  // The KV layouts the CUDA kernels run: f32/f16/bf16 codecs and power-of-two
-  // block sizes; InvalidArgument naming the flag otherwise.
-  [[nodiscard]] static absl::Status SupportsKvLayout(kernels::KvDType dtype, int32_t block_size);
+  // The KV layouts the CUDA kernels run: f32/f16/bf16 for any head_dim;
+  // int8, fp8-e4m3/e5m2, int4 and int4-g64 for head_dim 64 and 128 (0: not
+  // known yet); power-of-two block sizes. InvalidArgument naming the flag
+  // otherwise (int4-kivi* has no CUDA kernels).
+  [[nodiscard]] static absl::Status SupportsKvLayout(kernels::KvDType dtype, int32_t block_size,
+                                                     int32_t head_dim);
   // head_dim up to cuda::kGenericMaxHeadDim; Unimplemented otherwise.
   [[nodiscard]] static absl::Status SupportsModel(const LlamaConfig& config);
 

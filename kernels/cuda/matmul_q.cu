@@ -59,18 +59,7 @@ __device__ __forceinline__ float RoundThroughHalf(float v) {
 }
 
 // Four signed byte products summed into c.
-__device__ __forceinline__ int Dp4a(int a, int b, int c) {
-#if defined(KVSERVE_CUDA_EMULATOR)
-  // The emulator's device.h has no __dp4a.
-  for (int i = 0; i < 4; ++i) {
-    c += static_cast<int>(static_cast<int8_t>(a >> (8 * i))) *
-         static_cast<int>(static_cast<int8_t>(b >> (8 * i)));
-  }
-  return c;
-#else
-  return __dp4a(a, b, c);
-#endif
-}
+__device__ __forceinline__ int Dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 
 // One warp per 32-element block (blocks of all tokens numbered t * nb + b).
 template <bool kQ8_1>

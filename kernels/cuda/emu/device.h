@@ -185,6 +185,15 @@ using std::isinf;
 using std::isnan;
 using std::signbit;
 
+// Four signed byte products summed into c.
+inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) {
+    c += static_cast<int>(static_cast<int8_t>(a >> (8 * i))) *
+         static_cast<int>(static_cast<int8_t>(b >> (8 * i)));
+  }
+  return c;
+}
+
 template <typename T>
 inline T __ldcs(const T* p) { return *p; }
 template <typename T>
