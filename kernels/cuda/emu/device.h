@@ -123,44 +123,44 @@ inline To BitCast(From v) {
 
 inline void __syncthreads() { ::kvserve::cuda_emu::SyncThreads(); }
 
+namespace kvserve::cuda_emu {
+// The shuffles below differ only in which lane they read.
+template <typename T>
+inline T ShuffleFrom(unsigned mask, T v, int src_lane) {
+  T out;
+  WarpShuffle(mask, &v, &out, sizeof(T), src_lane);
+  return out;
+}
+inline int Lane() { return static_cast<int>(Coords().thread_idx.x % 32); }
+}  // namespace kvserve::cuda_emu
+
+// A source lane past the caller's group of `width` lanes returns the caller's
+// own value, as in CUDA.
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  int src = lane ^ lane_mask;
-  // A source past the caller's group of `width` lanes returns the caller's own value.
-  if (src >= (lane / width + 1) * width) src = lane;
-  T out;
-  ::kvserve::cuda_emu::WarpShuffle(mask, &v, &out, sizeof(T), src);
-  return out;
+  const int lane = ::kvserve::cuda_emu::Lane();
+  const int src = lane ^ lane_mask;
+  return ::kvserve::cuda_emu::ShuffleFrom(mask, v, src >= (lane / width + 1) * width ? lane : src);
 }
 
 template <typename T>
 inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int src = (lane / width) * width + (src_lane % width);
-  T out;
-  ::kvserve::cuda_emu::WarpShuffle(mask, &v, &out, sizeof(T), src);
-  return out;
+  const int lane = ::kvserve::cuda_emu::Lane();
+  return ::kvserve::cuda_emu::ShuffleFrom(mask, v, (lane / width) * width + (src_lane % width));
 }
 
 template <typename T>
 inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  int src = lane + static_cast<int>(delta);
-  if (src >= (lane / width + 1) * width) src = lane;
-  T out;
-  ::kvserve::cuda_emu::WarpShuffle(mask, &v, &out, sizeof(T), src);
-  return out;
+  const int lane = ::kvserve::cuda_emu::Lane();
+  const int src = lane + static_cast<int>(delta);
+  return ::kvserve::cuda_emu::ShuffleFrom(mask, v, src >= (lane / width + 1) * width ? lane : src);
 }
 
 template <typename T>
 inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  int src = lane - static_cast<int>(delta);
-  if (src < (lane / width) * width) src = lane;
-  T out;
-  ::kvserve::cuda_emu::WarpShuffle(mask, &v, &out, sizeof(T), src);
-  return out;
+  const int lane = ::kvserve::cuda_emu::Lane();
+  const int src = lane - static_cast<int>(delta);
+  return ::kvserve::cuda_emu::ShuffleFrom(mask, v, src < (lane / width) * width ? lane : src);
 }
 
 // Device math. The _rn forms are single IEEE operations; the emulator's
