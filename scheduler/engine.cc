@@ -9,17 +9,6 @@
 
 namespace kvserve {
 
-const char* FinishReasonName(FinishReason r) {
-  switch (r) {
-    case FinishReason::kNone: return "";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kDeadline: return "deadline";
-  }
-  return "";
-}
-
 struct Engine::Group {
   uint64_t id = 0;
   int64_t arrival = 0;
@@ -124,32 +113,19 @@ Engine::~Engine() {
   prefix_cache_.reset();
 }
 
-absl::StatusOr<uint64_t> Engine::Submit(EngineRequest request, EventCallback callback) {
+RequestLimits Engine::limits() const {
   const LlamaConfig& c = model_->config();
-  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
-  for (int32_t t : request.prompt) {
-    if (t < 0 || t >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt token ", t, " is out of range [0, ",
-                                                     c.vocab_size, ")"));
-    }
-  }
-  RETURN_IF_ERROR(ValidateSamplingParams(request.params));
-  if (request.n < 1 || request.n > options_.max_n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("n = ", request.n, " is outside [1, ", options_.max_n, "]"));
-  }
-  const int64_t need = static_cast<int64_t>(request.prompt.size()) + request.params.max_tokens;
-  if (need > c.context_length) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt (", request.prompt.size(), " tokens) + max_tokens (",
-                     request.params.max_tokens, ") exceeds the context length ", c.context_length));
-  }
-  // A sequence that could never fit would wait forever.
-  const int64_t blocks = (need + options_.block_size - 1) / options_.block_size;
-  if (blocks > kv_pool_->num_blocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request needs ", blocks, " KV blocks; the cache has ", kv_pool_->num_blocks()));
-  }
+  RequestLimits l;
+  l.vocab_size = c.vocab_size;
+  l.context_length = c.context_length;
+  l.max_n = options_.max_n;
+  l.block_size = options_.block_size;
+  l.num_blocks = kv_pool_->num_blocks();
+  return l;
+}
+
+absl::StatusOr<uint64_t> Engine::Submit(EngineRequest request, EventCallback callback) {
+  RETURN_IF_ERROR(ValidateEngineRequest(request, limits()));
   auto g = std::make_unique<Group>();
   g->request = std::move(request);
   g->callback = std::move(callback);

@@ -37,6 +37,7 @@
 #include "model/llama.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
+#include "scheduler/request.h"
 
 namespace kvserve {
 
@@ -72,33 +73,6 @@ struct EngineOptions {
 // "fcfs" or "lpm".
 absl::StatusOr<EngineOptions::SchedulePolicy> ParseSchedulePolicy(std::string_view name);
 
-struct EngineRequest {
-  std::vector<int32_t> prompt;
-  SamplingParams params;
-  int32_t n = 1;         // parallel samples sharing the prompt's KV blocks
-  int32_t priority = 0;  // higher runs first; FCFS within a priority
-  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
-  // Prefix-cache namespace: requests share cached blocks only with requests
-  // of the same salt (tenant isolation).
-  std::string cache_salt{};
-};
-
-enum class FinishReason { kNone, kStop, kLength, kCancelled, kDeadline };
-const char* FinishReasonName(FinishReason r);
-
-// One update for one sample of a request.
-struct SeqEvent {
-  uint64_t request_id = 0;
-  int32_t index = 0;               // sample index in [0, n)
-  std::vector<int32_t> token_ids;  // tokens produced by this step
-  std::vector<float> logprobs;
-  std::string text;                // text that became final (whole UTF-8 characters)
-  FinishReason finish = FinishReason::kNone;
-  int32_t prompt_tokens = 0;
-  int32_t completion_tokens = 0;   // so far
-  int32_t cached_tokens = 0;       // prompt tokens served from the prefix cache
-};
-using EventCallback = std::function<void(const SeqEvent&)>;
 
 struct EngineStats {
   int64_t blocks_total = 0;
@@ -143,6 +117,8 @@ class Engine {
                                                                       const EngineOptions& options);
   ~Engine();  // stops the engine thread; unfinished requests are cancelled
 
+  // The limits Submit checks requests against (ValidateEngineRequest).
+  RequestLimits limits() const;
   // Validates (InvalidArgument naming the field) and queues the request.
   // Events for it arrive on `callback`; the last one per sample carries a
   // finish reason.
