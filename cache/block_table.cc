@@ -84,6 +84,21 @@ void BlockTable::Adopt(std::vector<BlockHandle> blocks, int32_t num_tokens) {
   num_tokens_ = num_tokens;
 }
 
+void BlockTable::Truncate(int32_t num_tokens) {
+  if (num_tokens < 0 || num_tokens > num_tokens_) {
+    std::fprintf(stderr, "BlockTable::Truncate: %d tokens in a table of %d\n", num_tokens,
+                 num_tokens_);
+    std::abort();
+  }
+  const int32_t bs = pool_->block_size();
+  const size_t keep = static_cast<size_t>((num_tokens + bs - 1) / bs);
+  if (keep < blocks_.size()) {
+    pool_->Release(absl::MakeConstSpan(blocks_).subspan(keep));
+    blocks_.resize(keep);
+  }
+  num_tokens_ = num_tokens;
+}
+
 BlockTable BlockTable::Fork() const {
   BlockTable fork(pool_);
   for (const BlockHandle& h : blocks_) pool_->AddRef(h);

@@ -47,6 +47,12 @@ class BlockTable {
   // (ceil(num_tokens / block_size) blocks).
   void Adopt(std::vector<BlockHandle> blocks, int32_t num_tokens);
 
+  // Shrinks the table to its first num_tokens slots, releasing the blocks
+  // past ceil(num_tokens / block_size). Rolls back slots reserved for tokens
+  // that will not be kept (rejected drafts, a failed step).
+  // REQUIRES: 0 <= num_tokens <= this->num_tokens().
+  void Truncate(int32_t num_tokens);
+
   // A new table sharing every block of this one (reference counts +1).
   BlockTable Fork() const;
 

@@ -187,12 +187,14 @@ absl::Status LlamaModel::Bind() {
 absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const kernels::PagedKvView& kv) const {
   const size_t n = b.tokens.size();
   if (n == 0) return absl::InvalidArgumentError("empty batch");
-  if (b.token_seq.size() != n || b.positions.size() != n) {
+  if (b.token_seq.size() != n || b.positions.size() != n ||
+      (!b.slots.empty() && b.slots.size() != n)) {
     return absl::InvalidArgumentError("batch arrays differ in length");
   }
   if (kv.n_kv_heads != config_.n_kv_heads || kv.head_dim != config_.head_dim) {
     return absl::InvalidArgumentError("KV view does not match the model's heads");
   }
+  const absl::Span<const int32_t> slots = b.kv_slots();
   for (size_t i = 0; i < n; ++i) {
     if (b.tokens[i] < 0 || b.tokens[i] >= config_.vocab_size) {
       return absl::InvalidArgumentError(
@@ -207,10 +209,18 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const kernels::PagedK
     const int64_t capacity =
         static_cast<int64_t>(kv.seq_block_offsets[s + 1] - kv.seq_block_offsets[s]) *
         kv.block_size;
-    if (b.positions[i] < 0 || b.positions[i] >= capacity) {
-      return absl::InvalidArgumentError(absl::StrCat("position ", b.positions[i], " of sequence ",
-                                                     s, " has no KV slot (capacity ", capacity,
+    if (b.positions[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("position ", b.positions[i], " is negative"));
+    }
+    if (slots[i] < 0 || slots[i] >= capacity) {
+      return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i], " of sequence ", s,
+                                                     " has no KV slot (capacity ", capacity,
                                                      ")"));
+    }
+    if (b.attention_mass != nullptr && slots[i] >= b.attention_mass_stride) {
+      return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i],
+                                                     " is outside the attention-mass row (",
+                                                     b.attention_mass_stride, ")"));
     }
   }
   for (int32_t r : b.logit_rows) {
@@ -258,7 +268,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
   kernels::AttentionBatch attn_batch;
   attn_batch.n_tokens = static_cast<int32_t>(n);
   attn_batch.token_seq = b.token_seq.data();
-  attn_batch.token_pos = b.positions.data();
+  // The kernels address K/V and bound causality by slot; RoPE uses positions.
+  const int32_t* slots = b.kv_slots().data();
+  attn_batch.token_pos = slots;
   attn_batch.n_heads = c.n_heads;
   attn_batch.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
 
@@ -277,9 +289,13 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
       kernels::Rope(q_.data() + i * q_dim, c.n_heads, b.positions[i], rope);
       kernels::Rope(k_.data() + i * kv_dim, c.n_kv_heads, b.positions[i], rope);
     }
-    kernels::AppendKv(kv, l, static_cast<int32_t>(n), b.token_seq.data(), b.positions.data(),
-                      k_.data(), kv_dim, v_.data(), kv_dim);
+    kernels::AppendKv(kv, l, static_cast<int32_t>(n), b.token_seq.data(), slots, k_.data(),
+                      kv_dim, v_.data(), kv_dim);
     kernels::PagedAttention(kv, l, attn_batch, q_.data(), q_dim, attn_.data(), q_dim, pool);
+    if (b.attention_mass != nullptr) {
+      kernels::AccumulateAttentionMass(kv, l, attn_batch, q_.data(), q_dim, b.attention_mass,
+                                       b.attention_mass_stride);
+    }
     kernels::MatMul(L.wo, attn_.data(), n, q_dim, xn, c.dim, pool);
     kernels::AddInPlace(x, xn, n * c.dim);
     // Feed-forward block (SwiGLU).

@@ -53,15 +53,31 @@ struct LlamaConfig {
 };
 
 // One ragged batch. Token i belongs to sequence token_seq[i] (an index into
-// the KV view's block table) at position positions[i]; it attends causally to
-// positions [0, positions[i]] of that sequence, so all earlier positions must
-// already be in the cache or appear earlier in this batch.
+// the KV view's block table) at RoPE position positions[i], and its K/V go to
+// KV slot slots[i] of that sequence; it attends causally to slots [0,
+// slots[i]], so all earlier slots must already be in the cache or appear
+// earlier in this batch. Slots apart from positions let a sequence drop
+// tokens from the middle of its cache (attention sinks, heavy hitters) and
+// keep the survivors' positions: the keys carry their rotation, so only the
+// new token's position matters. Empty `slots` means slot == position (every
+// plain sequence; the kernels then see exactly the positions).
 struct ForwardBatch {
   absl::Span<const int32_t> tokens;
   absl::Span<const int32_t> token_seq;
   absl::Span<const int32_t> positions;
   // Rows of `tokens` whose next-token logits are wanted, in output order.
   absl::Span<const int32_t> logit_rows;
+  absl::Span<const int32_t> slots = {};  // empty, or one per token
+  // Optional (H2O): when not null, for every layer, query token and query
+  // head, the softmax weight each attended slot received is ADDED to
+  // attention_mass[(seq * n_kv_heads + kv_head) * attention_mass_stride +
+  // slot] (query heads summed into their KV head). REQUIRES: stride >= the
+  // largest slot + 1. Null costs nothing.
+  float* attention_mass = nullptr;
+  int64_t attention_mass_stride = 0;
+
+  // The KV slots: `slots` when given, else the positions.
+  absl::Span<const int32_t> kv_slots() const { return slots.empty() ? positions : slots; }
 };
 
 class LlamaModel {

@@ -222,9 +222,16 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   // is validated here, on the host, so no kernel reads out of bounds.
   const size_t n_sz = b.tokens.size();
   if (n_sz == 0) return absl::InvalidArgumentError("empty batch");
-  if (b.token_seq.size() != n_sz || b.positions.size() != n_sz) {
+  if (b.token_seq.size() != n_sz || b.positions.size() != n_sz ||
+      (!b.slots.empty() && b.slots.size() != n_sz)) {
     return absl::InvalidArgumentError("batch arrays differ in length");
   }
+  if (b.attention_mass != nullptr) {
+    return absl::UnimplementedError("attention mass is not reported by the CUDA backend yet");
+  }
+  // K/V are addressed (and causality bounded) by slot; RoPE uses positions.
+  const absl::Span<const int32_t> slots = b.kv_slots();
+  const bool shifted = !b.slots.empty();
   if (kv.n_kv_heads != c.n_kv_heads || kv.head_dim != c.head_dim) {
     return absl::InvalidArgumentError("KV view does not match the model's heads");
   }
@@ -242,9 +249,12 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
     const int32_t s = b.token_seq[i];
     const int64_t capacity =
         static_cast<int64_t>(kv.seq_block_offsets[s + 1] - kv.seq_block_offsets[s]) * kv.block_size;
-    if (b.positions[i] < 0 || b.positions[i] >= capacity) {
-      return absl::InvalidArgumentError(absl::StrCat("position ", b.positions[i], " of sequence ",
-                                                     s, " has no KV slot (capacity ", capacity,
+    if (b.positions[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("position ", b.positions[i], " is negative"));
+    }
+    if (slots[i] < 0 || slots[i] >= capacity) {
+      return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i], " of sequence ", s,
+                                                     " has no KV slot (capacity ", capacity,
                                                      ")"));
     }
   }
@@ -269,10 +279,10 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   bool grouped = true;
   int32_t max_rows = 0, max_context = 0, run = 0;
   for (int32_t i = 0; i < n; ++i) {
-    max_context = std::max(max_context, b.positions[i] + 1);
+    max_context = std::max(max_context, slots[i] + 1);
     const bool continues = i > 0 && b.token_seq[i] == b.token_seq[i - 1];
     if (continues) {
-      if (b.positions[i] != b.positions[i - 1] + 1) grouped = false;
+      if (slots[i] != slots[i - 1] + 1) grouped = false;
       ++run;
     } else {
       if (i > 0 && b.token_seq[i] < b.token_seq[i - 1]) grouped = false;
@@ -281,7 +291,7 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
     }
     max_rows = std::max(max_rows, run);
     ++q_offsets[b.token_seq[i] + 1];
-    seq_lens[b.token_seq[i]] = b.positions[i] + 1;
+    seq_lens[b.token_seq[i]] = slots[i] + 1;
   }
   for (int32_t s = 0; s < n_seqs; ++s) q_offsets[s + 1] += q_offsets[s];
   // Head dims without a tuned kernel (e.g. stories260K's 8) take the
@@ -291,7 +301,8 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   const bool use_decode = tuned && !use_prefill;
 
   // One staging copy of every int array of the step: [tokens][token_seq]
-  // [positions][logit_rows][block_ids][seq_block_offsets][q_offsets][seq_lens].
+  // [positions][logit_rows][block_ids][seq_block_offsets][q_offsets][seq_lens]
+  // [slots, only when they differ from the positions].
   host_ints_.clear();
   auto put = [&](const int32_t* p, size_t count) -> size_t {
     const size_t at = host_ints_.size();
@@ -306,6 +317,7 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   const size_t o_offsets = put(kv.seq_block_offsets, static_cast<size_t>(n_seqs) + 1);
   const size_t o_qoff = put(q_offsets.data(), q_offsets.size());
   const size_t o_lens = put(seq_lens.data(), seq_lens.size());
+  const size_t o_slots = shifted ? put(slots.data(), n_sz) : o_pos;
 
   // The previous step's upload read the staging buffer; it is done once the
   // stream is idle (Forward always ends synchronized, except on an error).
@@ -319,6 +331,7 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   const int32_t* d_tokens = d + o_tokens;
   const int32_t* d_seq = d + o_seq;
   const int32_t* d_pos = d + o_pos;
+  const int32_t* d_slot = d + o_slots;
 
   kernels::PagedKvView dkv = kv;  // kv.pool is already device memory
   dkv.block_ids = d + o_blocks;
@@ -341,7 +354,7 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   cuda::DecodeAttentionBatch decode;
   decode.n_tokens = n;
   decode.token_seq = d_seq;
-  decode.token_pos = d_pos;
+  decode.token_pos = d_slot;
   decode.n_heads = c.n_heads;
   decode.scale = scale;
   decode.max_context = max_context;
@@ -366,7 +379,7 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
     RETURN_IF_ERROR(blas_->MatMul(L.wv, xn, n, c.dim, v, kv_dim));
     RETURN_IF_ERROR(cuda::Rope(q, n, q_dim, c.n_heads, d_pos, rope, st));
     RETURN_IF_ERROR(cuda::Rope(k, n, kv_dim, c.n_kv_heads, d_pos, rope, st));
-    RETURN_IF_ERROR(cuda::AppendKv(dkv, l, n, d_seq, d_pos, k, kv_dim, v, kv_dim, st));
+    RETURN_IF_ERROR(cuda::AppendKv(dkv, l, n, d_seq, d_slot, k, kv_dim, v, kv_dim, st));
     if (use_prefill) {
       RETURN_IF_ERROR(cuda::PagedPrefillAttention(dkv, l, prefill, q, q_dim, attn, q_dim, st));
     } else if (use_decode) {
@@ -374,7 +387,7 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
                                                  workspace_bytes > 0 ? workspace_.data() : nullptr,
                                                  workspace_bytes, st));
     } else {
-      RETURN_IF_ERROR(cuda::PagedAttentionGeneric(dkv, l, n, d_seq, d_pos, c.n_heads, scale, q,
+      RETURN_IF_ERROR(cuda::PagedAttentionGeneric(dkv, l, n, d_seq, d_slot, c.n_heads, scale, q,
                                                   q_dim, attn, q_dim, st));
     }
     RETURN_IF_ERROR(blas_->MatMul(L.wo, attn, n, q_dim, xn, c.dim));

@@ -1,13 +1,20 @@
-// Engine: the continuous-batching scheduler. Requests enter through a
-// thread-safe Submit; one engine thread owns every sequence, the KV block
-// pool and the model, and each Step builds one ragged batch under a token
-// budget and a sequence cap: decode tokens of running sequences first, then
-// prefill chunks, so a long prompt never stalls decoding. A sequence is
-// admitted only when the pool can hold its prompt; when blocks run out mid-
-// decode the lowest-priority, most recently admitted sequence is preempted by
-// recompute: its blocks are freed and it later re-prefills its prompt and
-// generated tokens, continuing with the same sampler, so its output is
-// exactly what it would have been.
+// Engine: the continuous-batching engine. Requests enter through a
+// thread-safe Submit; one engine thread owns every sequence, the KV cache
+// manager (block pool + radix index) and the model. One step is a straight
+// line through four parts, each with one home:
+//
+//   Scheduler::Schedule      who runs, how many tokens each -> BatchPlan
+//   ModelRunner::Run         the plan as one ragged forward (ForwardBackend)
+//   OutputProcessor::Process commit K/V, fork, sample, emit, finish
+//   PublishStats             snapshot for other threads
+//
+// Decode tokens of running sequences go first, then prefill chunks, under a
+// token budget that keeps steps with decoders within --target-itl-ms (see
+// scheduler.h). A sequence is admitted only when the pool can hold its
+// prompt; when blocks run out the lowest-priority, most recently admitted
+// sequence is preempted by recompute: its blocks are freed and it later
+// re-prefills its prompt and generated tokens, continuing with the same
+// sampler, so its output is exactly what it would have been.
 //
 // Thread-safety: Submit, Cancel, Stats, Start, Stop may be called from any
 // thread. Step runs on the engine thread (Start's thread, or the caller's when
@@ -29,7 +36,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "cache/block_table.h"
 #include "cache/kv_pool.h"
 #include "cache/prefix_cache.h"
 #include "common/thread_pool.h"
@@ -37,9 +43,17 @@
 #include "model/llama.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
+#include "scheduler/batch_plan.h"
+#include "scheduler/kv_cache_manager.h"
+#include "scheduler/kv_loader.h"
 #include "scheduler/request.h"
 
 namespace kvserve {
+
+class ModelRunner;
+class OutputProcessor;
+class Scheduler;
+struct SequenceGroup;
 
 struct EngineOptions {
   int32_t max_batched_tokens = 512;  // token budget of one step
@@ -66,8 +80,19 @@ struct EngineOptions {
   KvEventSink* kv_events = nullptr;      // optional: receives the cache's changes
   Clock* clock = nullptr;                // prefix-cache LRU clock (tests)
   // Device seam (model/backend.h): runs the forward and decides where the KV
-  // pool's blocks live. Null: model->Forward over host KV (the CPU path).
+  // pool's blocks live. Null: the CPU backend (model->Forward over host KV).
   std::shared_ptr<ForwardBackend> backend;
+  // Stall-free steps: a step that carries decode tokens is sized so its
+  // predicted time stays within this many milliseconds (0: no limit; every
+  // step may take max_batched_tokens). See scheduler.h.
+  double target_itl_ms = 0;
+  // Prefill tokens a step with decoders gets at least, whatever the target.
+  int32_t min_prefill_tokens = 16;
+  // KV arriving from elsewhere (tiers, a prefill node); null: none.
+  KvLoader* kv_loader = nullptr;
+  // Testing and introspection: sees each step's plan before it runs (engine
+  // thread; must not block or call back into the engine).
+  std::function<void(const BatchPlan&)> plan_observer;
 };
 
 // "fcfs" or "lpm".
@@ -107,6 +132,15 @@ struct EngineStats {
   int64_t prefix_evicted_blocks = 0;
   int64_t prefix_cached_blocks = 0;    // blocks held by the cache now
   int64_t prefix_evictable_blocks = 0; // of those, with no running sequence on them
+  // Stall-free steps.
+  int64_t last_batch_prefill_tokens = 0;
+  int64_t last_token_budget = 0;       // the step's budget after the ITL target
+  double step_fixed_ms = 0;            // fitted step cost: fixed_ms + per_token_ms * tokens
+  double step_per_token_ms = 0;
+  // KV arriving asynchronously (a KvLoader).
+  int32_t kv_arriving = 0;
+  int64_t kv_loads = 0;
+  int64_t kv_load_failures = 0;
 };
 
 class Engine {
@@ -142,61 +176,42 @@ class Engine {
   EngineStats Stats() const;
   const EngineOptions& options() const { return options_; }
   // REQUIRES: called from the engine thread or while it is stopped.
-  const KvPool& kv_pool() const { return *kv_pool_; }
+  const KvPool& kv_pool() const { return kv_->pool(); }
   // nullptr when the prefix cache is off. REQUIRES: as kv_pool().
-  const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
+  const PrefixCache* prefix_cache() const { return kv_->prefix_cache(); }
+  // REQUIRES: as kv_pool().
+  const Scheduler& scheduler() const { return *scheduler_; }
 
  private:
-  struct Group;
-  struct Sequence;
-
   Engine(LlamaModel* model, const Tokenizer* tokenizer, ThreadPool* pool,
          const EngineOptions& options);
-  // Sample `index` of a request, with its own sampler, detokenizer and stop
-  // matcher, holding `tokens` (the prompt, or a parent's tokens at a fork).
-  std::unique_ptr<Sequence> NewSample(Group* g, int32_t index, const std::vector<int32_t>& tokens);
   void TakeInbox();
-  void FinishSequence(Sequence* s, FinishReason reason);
-  void FinishGroup(Group* g, FinishReason reason);
-  void Preempt(Sequence* s);
-  void EmitToken(Sequence* s, int32_t token, float logprob);
-  void PublishStats(int64_t batch_seqs, int64_t batch_tokens);
+  void ExpireDeadlines();
   void RemoveFinished();
-  // Prefix cache: starts a sequence with no blocks from its longest cached
-  // prefix; offers its newly completed full blocks; frees cached blocks
-  // until `blocks` are free (false when it cannot).
-  void MatchPrefix(Sequence* s);
-  void OfferBlocks(Sequence* s);
-  // At finish or preemption: offers the full blocks and the partial last one.
-  void CacheTail(Sequence* s);
-  bool EnsureFree(int32_t blocks);
+  void PublishStats(const BatchPlan* plan);
+  void CheckInvariants() const;
 
   LlamaModel* model_;
   const Tokenizer* tokenizer_;
-  ThreadPool* pool_;
   EngineOptions options_;
-  std::unique_ptr<KvPool> kv_pool_;
-  std::unique_ptr<PrefixCache> prefix_cache_;
+  std::unique_ptr<KvCacheManager> kv_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<OutputProcessor> output_;
 
   // Engine-thread state.
-  std::map<uint64_t, std::unique_ptr<Group>> groups_;
-  std::vector<Sequence*> running_;
-  std::vector<Sequence*> waiting_;  // sorted: priority desc, arrival asc
-  int64_t admit_counter_ = 0;
-  int64_t preemptions_ = 0;
+  std::map<uint64_t, std::unique_ptr<SequenceGroup>> groups_;
   int64_t steps_ = 0;
   double sum_batch_seqs_ = 0, sum_batch_tokens_ = 0, sum_slot_eff_ = 0;
   double sum_contig_request_eff_ = 0, sum_contig_context_eff_ = 0;
-  int64_t prompt_tokens_total_ = 0, generation_tokens_total_ = 0;
-  int64_t finished_ = 0, cancelled_ = 0;
-  int64_t prefix_queries_ = 0, prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0;
-  std::vector<float> logits_;
+  int64_t finished_ = 0;
+  bool last_step_ran_ = false;
 
   // Shared with other threads.
   mutable std::mutex mu_;
   std::condition_variable cv_;
   uint64_t next_id_ = 1;                     // guarded by mu_
-  std::vector<std::unique_ptr<Group>> inbox_;  // guarded by mu_
+  std::vector<std::unique_ptr<SequenceGroup>> inbox_;  // guarded by mu_
   std::vector<uint64_t> cancels_;            // guarded by mu_
   bool cancel_all_ = false;                  // guarded by mu_
   std::vector<std::promise<int32_t>> clear_requests_;  // guarded by mu_

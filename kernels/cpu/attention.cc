@@ -465,11 +465,40 @@ static float QueryElem(float q, KvDType dtype) {
   return dtype == KvDType::kF16 ? Fp16ToFp32(Fp32ToFp16(q)) : q;
 }
 
+namespace {
+
+// Softmax weights of one query head over slots [0, len) of one sequence, in
+// plain loops (double accumulation): probs[p] for every slot, summing to 1.
+void SlotProbabilities(const PagedKvView& kv, int32_t layer, int32_t seq, int32_t len,
+                       const float* qh, int32_t kvh, float scale, std::vector<float>* row,
+                       std::vector<double>* probs) {
+  const int32_t hd = kv.head_dim;
+  probs->assign(len, 0.0);
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int32_t p = 0; p < len; ++p) {
+    ReadKvRow(kv, layer, seq, p, kvh, /*value=*/false, row->data());
+    double s = 0.0;
+    for (int32_t i = 0; i < hd; ++i) {
+      s += static_cast<double>(QueryElem(qh[i], kv.dtype)) * (*row)[i];
+    }
+    (*probs)[p] = s * scale;
+    mx = std::max(mx, (*probs)[p]);
+  }
+  double sum = 0.0;
+  for (int32_t p = 0; p < len; ++p) {
+    (*probs)[p] = std::exp((*probs)[p] - mx);
+    sum += (*probs)[p];
+  }
+  for (int32_t p = 0; p < len; ++p) (*probs)[p] /= sum;
+}
+
+}  // namespace
+
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride) {
   const int32_t group = batch.n_heads / kv.n_kv_heads;
   const int32_t hd = kv.head_dim;
-  std::vector<double> scores;
+  std::vector<double> probs;
   std::vector<double> acc(hd);
   // Every codec is read through the plain-loop ReadKvRow, one row at a time
   // through KeyAt/ValueAt, so the fast path is checked against an
@@ -478,35 +507,40 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
   for (int32_t t = 0; t < batch.n_tokens; ++t) {
     const int32_t seq = batch.token_seq[t];
     const int32_t len = batch.token_pos[t] + 1;
-    scores.assign(len, 0.0);
     for (int32_t h = 0; h < batch.n_heads; ++h) {
       const int32_t kvh = h / group;
       const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
-      double mx = -std::numeric_limits<double>::infinity();
-      for (int32_t p = 0; p < len; ++p) {
-        ReadKvRow(kv, layer, seq, p, kvh, /*value=*/false, row.data());
-        double s = 0.0;
-        for (int32_t i = 0; i < hd; ++i) {
-          s += static_cast<double>(QueryElem(qh[i], kv.dtype)) * row[i];
-        }
-        scores[p] = s * batch.scale;
-        mx = std::max(mx, scores[p]);
-      }
-      double sum = 0.0;
-      for (int32_t p = 0; p < len; ++p) {
-        scores[p] = std::exp(scores[p] - mx);
-        sum += scores[p];
-      }
+      SlotProbabilities(kv, layer, seq, len, qh, kvh, batch.scale, &row, &probs);
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int32_t p = 0; p < len; ++p) {
         ReadKvRow(kv, layer, seq, p, kvh, /*value=*/true, row.data());
         const double w = kv.dtype == KvDType::kF16
-                             ? Fp16ToFp32(Fp32ToFp16(static_cast<float>(scores[p] / sum)))
-                             : scores[p] / sum;
+                             ? Fp16ToFp32(Fp32ToFp16(static_cast<float>(probs[p])))
+                             : probs[p];
         for (int32_t i = 0; i < hd; ++i) acc[i] += w * row[i];
       }
       float* o = out + t * out_stride + static_cast<int64_t>(h) * hd;
       for (int32_t i = 0; i < hd; ++i) o[i] = static_cast<float>(acc[i]);
+    }
+  }
+}
+
+void AccumulateAttentionMass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                             const float* q, int64_t q_stride, float* mass,
+                             int64_t mass_stride) {
+  const int32_t group = batch.n_heads / kv.n_kv_heads;
+  const int32_t hd = kv.head_dim;
+  std::vector<double> probs;
+  std::vector<float> row(hd);
+  for (int32_t t = 0; t < batch.n_tokens; ++t) {
+    const int32_t seq = batch.token_seq[t];
+    const int32_t len = batch.token_pos[t] + 1;
+    for (int32_t h = 0; h < batch.n_heads; ++h) {
+      const int32_t kvh = h / group;
+      const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
+      SlotProbabilities(kv, layer, seq, len, qh, kvh, batch.scale, &row, &probs);
+      float* m = mass + (static_cast<int64_t>(seq) * kv.n_kv_heads + kvh) * mass_stride;
+      for (int32_t p = 0; p < len; ++p) m[p] += static_cast<float>(probs[p]);
     }
   }
 }

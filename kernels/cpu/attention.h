@@ -57,4 +57,14 @@ class ScopedF16SplitForTesting {
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride);
 
+// Heavy-hitter statistics (H2O): for every query token and query head, adds
+// the softmax weight each attended slot [0, token_pos] receives to
+// mass[(token_seq * n_kv_heads + kv_head) * mass_stride + slot], query heads
+// summed into their KV head. Plain loops over the same scores as the
+// reference; it runs beside PagedAttention only when a caller asks for the
+// mass, so attention without it costs nothing extra.
+// REQUIRES: K/V appended as for PagedAttention; mass_stride > every token_pos.
+void AccumulateAttentionMass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                             const float* q, int64_t q_stride, float* mass, int64_t mass_stride);
+
 }  // namespace kvserve::kernels

@@ -1,0 +1,168 @@
+#include "scheduler/kv_cache_manager.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
+
+#include "common/status.h"
+
+namespace kvserve {
+
+namespace {
+
+// A broken KV invariant means the kernels could read or write the wrong
+// slots: stop rather than serve wrong output.
+[[noreturn]] void Die(const char* what, int32_t a, int32_t b) {
+  std::fprintf(stderr, "KvCacheManager: %s (%d, %d)\n", what, a, b);
+  std::abort();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
+    KvCacheManagerOptions options) {
+  std::unique_ptr<KvCacheManager> m(new KvCacheManager());
+  ASSIGN_OR_RETURN(m->pool_, KvPool::Create(options.pool));
+  if (options.prefix_cache) {
+    m->prefix_cache_ = std::make_unique<PrefixCache>(m->pool_.get(), std::move(options.prefix));
+  }
+  return m;
+}
+
+KvCacheManager::~KvCacheManager() {
+  // The index holds pool references: it goes before the pool.
+  prefix_cache_.reset();
+}
+
+int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
+                                    absl::Span<const int32_t> tokens, int32_t max_tokens) {
+  if (kv->table.num_blocks() > 0) Die("MatchPrefix on a sequence with blocks", kv->table.num_blocks(), 0);
+  if (prefix_cache_ == nullptr) return 0;
+  PrefixMatch m = prefix_cache_->Match(salt, tokens, max_tokens);
+  if (m.num_tokens == 0) return 0;  // no blocks either
+  kv->table.Adopt(std::move(m.blocks), m.num_tokens);
+  kv->num_computed = m.num_tokens;
+  kv->num_committed = m.num_tokens;
+  kv->num_offered_blocks = m.num_tokens / block_size();
+  return m.num_tokens;
+}
+
+int32_t KvCacheManager::PeekPrefix(std::string_view salt, absl::Span<const int32_t> tokens,
+                                   int32_t max_tokens) const {
+  return prefix_cache_ ? prefix_cache_->MatchLength(salt, tokens, max_tokens) : 0;
+}
+
+int32_t KvCacheManager::BlocksNeeded(const SeqKv& kv, int32_t num_new, int32_t num_lookahead,
+                                     int32_t num_external) const {
+  const int32_t want = kv.num_computed + num_new + num_lookahead + num_external;
+  return kv.table.BlocksNeeded(std::max(0, want - kv.table.num_tokens()));
+}
+
+absl::Status KvCacheManager::AllocateSlots(SeqKv* kv, int32_t num_new, int32_t num_lookahead,
+                                           int32_t num_external) {
+  if (num_new < 0 || num_lookahead < 0 || num_external < 0) {
+    return absl::InvalidArgumentError("negative slot count");
+  }
+  const int32_t want = kv->num_computed + num_new + num_lookahead + num_external;
+  return kv->table.Reserve(std::max(0, want - kv->table.num_tokens()));
+}
+
+void KvCacheManager::MarkComputed(SeqKv* kv, int32_t m) {
+  if (m < 0 || kv->num_computed + m > kv->table.num_tokens()) {
+    Die("MarkComputed past the reserved slots", kv->num_computed + m, kv->table.num_tokens());
+  }
+  kv->num_computed += m;
+}
+
+void KvCacheManager::Commit(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens,
+                            int32_t m) {
+  if (m < 0 || kv->num_committed + m > kv->num_computed) {
+    Die("Commit past the computed slots", kv->num_committed + m, kv->num_computed);
+  }
+  kv->num_committed += m;
+  Offer(kv, salt, tokens);
+}
+
+void KvCacheManager::Offer(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens) {
+  if (prefix_cache_ == nullptr || kv->lossy) return;
+  const int32_t bs = block_size();
+  const int32_t full = kv->num_committed / bs;
+  if (full <= kv->num_offered_blocks) return;
+  if (static_cast<int64_t>(tokens.size()) < static_cast<int64_t>(full) * bs) {
+    Die("Commit without the committed tokens", static_cast<int32_t>(tokens.size()), full * bs);
+  }
+  // Blocks become shareable as soon as they are full and final, so a request
+  // with the same prefix arriving now reuses them while this one still runs.
+  prefix_cache_->Insert(salt, tokens.first(static_cast<size_t>(full) * bs),
+                        absl::MakeConstSpan(kv->table.blocks()).first(full));
+  kv->num_offered_blocks = full;
+}
+
+void KvCacheManager::Truncate(SeqKv* kv, int32_t num_slots) {
+  if (num_slots < kv->num_committed) Die("Truncate below the committed tokens", num_slots, kv->num_committed);
+  kv->num_computed = std::min(kv->num_computed, num_slots);
+  if (num_slots < kv->table.num_tokens()) kv->table.Truncate(num_slots);
+}
+
+void KvCacheManager::Free(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens) {
+  if (prefix_cache_ != nullptr && !kv->lossy && kv->num_committed > 0) {
+    // The sequence writes no more: its partly filled last block can be
+    // shared too (copied by whoever writes into it next).
+    prefix_cache_->InsertFinished(salt, tokens.first(static_cast<size_t>(kv->num_committed)),
+                                  kv->table.blocks());
+  }
+  Discard(kv);
+}
+
+void KvCacheManager::Discard(SeqKv* kv) {
+  kv->table.Release();  // blocks the index also holds stay cached
+  kv->num_computed = 0;
+  kv->num_committed = 0;
+  kv->num_offered_blocks = 0;
+  kv->position_shift = 0;
+  kv->lossy = false;
+}
+
+SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
+  SeqKv f(pool_.get());
+  f.table = kv.table.Fork();
+  f.num_computed = kv.num_computed;
+  f.num_committed = kv.num_committed;
+  f.num_offered_blocks = kv.num_offered_blocks;
+  f.position_shift = kv.position_shift;
+  f.lossy = kv.lossy;
+  return f;
+}
+
+bool KvCacheManager::EnsureFree(int32_t blocks) {
+  const int32_t short_by = blocks - pool_->num_free_blocks();
+  if (short_by <= 0) return true;
+  if (prefix_cache_ == nullptr) return false;
+  prefix_cache_->Evict(short_by);
+  return pool_->num_free_blocks() >= blocks;
+}
+
+int32_t KvCacheManager::ClearPrefixCache() {
+  return prefix_cache_ ? prefix_cache_->Clear() : -1;
+}
+
+int32_t KvCacheManager::num_evictable_blocks() const {
+  return prefix_cache_ ? prefix_cache_->num_evictable_blocks() : 0;
+}
+
+void KvCacheManager::CheckInvariants(const SeqKv& kv) const {
+  if (kv.num_committed < 0 || kv.num_committed > kv.num_computed) {
+    Die("committed outside [0, computed]", kv.num_committed, kv.num_computed);
+  }
+  if (kv.num_computed > kv.table.num_tokens()) {
+    Die("computed past the reserved slots", kv.num_computed, kv.table.num_tokens());
+  }
+  if (kv.position_shift < 0) Die("negative position shift", kv.position_shift, 0);
+  const int32_t bs = block_size();
+  if (kv.table.num_blocks() != (kv.table.num_tokens() + bs - 1) / bs) {
+    Die("block count does not cover the slots", kv.table.num_blocks(), kv.table.num_tokens());
+  }
+}
+
+}  // namespace kvserve

@@ -1,0 +1,146 @@
+// KvCacheManager: the scheduler's only door to KV memory. It owns the block
+// pool and the radix prefix cache and keeps each sequence's SeqKv (its block
+// table and KV token counters) consistent with them. Everything that touches
+// blocks goes through one of these operations, in the spirit of vLLM v1's
+// KVCacheManager:
+//
+//   MatchPrefix    start an empty sequence from its longest cached prefix
+//   AllocateSlots  slots for n new tokens + k lookahead (draft) tokens + e
+//                  external tokens (KV arriving from a tier or a peer)
+//   MarkComputed   the forward (or a load) wrote K/V into m more slots
+//   Commit         m computed tokens are final; newly full committed blocks
+//                  are offered to the radix index (never drafts, never a
+//                  lossy sequence's blocks)
+//   Truncate       roll back uncommitted slots (rejected drafts, failed load)
+//   Free           finished or preempted: cache what is committed, release
+//   Fork           a new SeqKv sharing every block (copy-on-write)
+//   EnsureFree     evict cached blocks until n are free (before preempting)
+//
+// SeqKv (below) is the interface type between the scheduler and this class:
+// the scheduler reads it, only the manager changes it. The manager sees salts,
+// token ids and blocks, never requests (DESIGN.md: cache/ never sees one, and
+// neither does this facade).
+//
+// Not thread-safe: owned by the engine thread, like the pool and the index.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "cache/block_table.h"
+#include "cache/kv_pool.h"
+#include "cache/prefix_cache.h"
+
+namespace kvserve {
+
+// One sequence's KV. Invariants (KvCacheManager::CheckInvariants):
+//   0 <= num_committed <= num_computed <= table.num_tokens()
+//   num_offered_blocks * block_size <= num_committed, unless the blocks came
+//     from a prefix match (then they are cached already)
+//   lossy => nothing more is offered to the radix index
+//   position_shift >= 0: the RoPE position of the token in slot i is
+//     i + position_shift for every slot written after the shift was taken
+//     (0 for a sequence that never dropped tokens: slot == position)
+struct SeqKv {
+  explicit SeqKv(KvPool* pool) : table(pool) {}
+  BlockTable table;
+  int32_t num_computed = 0;        // slots whose K/V are written
+  int32_t num_committed = 0;       // of those, slots holding final tokens
+  int32_t num_offered_blocks = 0;  // leading full blocks the radix index holds
+  int32_t position_shift = 0;      // tokens dropped from the slots (token eviction)
+  bool lossy = false;              // dropped tokens: never feeds the radix index
+};
+
+struct KvCacheManagerOptions {
+  KvPoolOptions pool;
+  bool prefix_cache = true;
+  PrefixCacheOptions prefix;  // used when prefix_cache
+};
+
+class KvCacheManager {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvCacheManager>> Create(
+      KvCacheManagerOptions options);
+  ~KvCacheManager();  // drops the index's blocks; every SeqKv must be gone
+
+  // Starts an empty sequence (no blocks) from the longest cached prefix of
+  // tokens[0, max_tokens): the matched blocks become its table, pinned, and
+  // count as computed and committed. Returns the tokens matched (0 with the
+  // prefix cache off).
+  // REQUIRES: kv has no blocks.
+  int32_t MatchPrefix(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens,
+                      int32_t max_tokens);
+  // What MatchPrefix would match, without pinning (LPM ordering).
+  int32_t PeekPrefix(std::string_view salt, absl::Span<const int32_t> tokens,
+                     int32_t max_tokens) const;
+
+  // Blocks AllocateSlots(kv, n, k, e) would take from the pool.
+  int32_t BlocksNeeded(const SeqKv& kv, int32_t num_new, int32_t num_lookahead = 0,
+                       int32_t num_external = 0) const;
+  // Makes the table cover num_computed + num_new + num_lookahead +
+  // num_external slots (it never shrinks here). ResourceExhausted when the
+  // pool lacks blocks; then nothing changes (call EnsureFree, or preempt).
+  [[nodiscard]] absl::Status AllocateSlots(SeqKv* kv, int32_t num_new, int32_t num_lookahead = 0,
+                                           int32_t num_external = 0);
+  // K/V of m more slots were written. REQUIRES: num_computed + m <= slots.
+  void MarkComputed(SeqKv* kv, int32_t m);
+  // The first m uncommitted computed tokens are final; `tokens` holds the
+  // sequence's tokens, slot i holding tokens[i] (a non-lossy sequence).
+  // Offers the full blocks this completes to the radix index.
+  // REQUIRES: num_committed + m <= num_computed; tokens covers them.
+  void Commit(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens, int32_t m);
+  // Rolls the sequence back to its first num_slots slots: computed and
+  // reserved slots past them are dropped and whole blocks past them return
+  // to the pool. REQUIRES: num_committed <= num_slots.
+  void Truncate(SeqKv* kv, int32_t num_slots);
+  // The sequence dropped tokens (or will): it never offers blocks again.
+  void MarkLossy(SeqKv* kv) { kv->lossy = true; }
+  // Finished or preempted: its committed full blocks and the partly filled
+  // last one go to the radix index (unless lossy), then every reference is
+  // released; kv is empty afterwards.
+  void Free(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens);
+  // Releases without caching anything (the KV may be wrong).
+  void Discard(SeqKv* kv);
+  // A new SeqKv sharing every block of kv (the fork of an n > 1 request).
+  SeqKv Fork(const SeqKv& kv) const;
+  // Evicts cached blocks nobody holds until `blocks` are free; false when
+  // even that is not enough (the caller preempts or waits).
+  bool EnsureFree(int32_t blocks);
+  // Empties the radix index (blocks sequences hold stay with them). Returns
+  // the blocks dropped; -1 when the prefix cache is off.
+  int32_t ClearPrefixCache();
+
+  // The plain-data view of the given sequences' tables for the kernels.
+  kernels::PagedKvView View(const int32_t* block_ids, const int32_t* seq_block_offsets,
+                            int32_t n_seqs) const {
+    return pool_->View(block_ids, seq_block_offsets, n_seqs);
+  }
+  void CheckInvariants(const SeqKv& kv) const;
+
+  int32_t block_size() const { return pool_->block_size(); }
+  int32_t num_blocks() const { return pool_->num_blocks(); }
+  int32_t num_free_blocks() const { return pool_->num_free_blocks(); }
+  // Cached blocks no sequence holds: free to admission at the cost of an
+  // eviction.
+  int32_t num_evictable_blocks() const;
+  bool prefix_cache_enabled() const { return prefix_cache_ != nullptr; }
+  const KvPool& pool() const { return *pool_; }
+  KvPool* mutable_pool() { return pool_.get(); }
+  // nullptr when the prefix cache is off.
+  const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
+
+ private:
+  KvCacheManager() = default;
+  void Offer(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens);
+
+  std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<PrefixCache> prefix_cache_;
+};
+
+}  // namespace kvserve

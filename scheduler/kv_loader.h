@@ -1,0 +1,61 @@
+// KvLoader: the seam through which KV computed elsewhere (a host or disk
+// tier, a prefill node over UCX) reaches a sequence instead of being
+// recomputed. At admission, after the radix match, the scheduler asks the
+// loader how many of the following tokens it can supply; if any, it
+// allocates their slots, starts the load into the sequence's blocks and
+// parks the sequence in SeqState::kKvArriving. The batch builder skips
+// parked sequences; each step polls their loads, and a finished load's
+// tokens count as computed and committed (a failed one is rolled back and
+// the tokens are recomputed). The engine has no loader unless one is given
+// (EngineOptions::kv_loader); later features plug theirs in here.
+//
+// Thread-safety: Lookup and Start run on the engine thread. KvLoad::Done and
+// status are polled on the engine thread but may be completed by another
+// (a copy thread): implementations synchronize internally.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/kv_view.h"
+
+namespace kvserve {
+
+// Where a load writes: slots [first_slot, first_slot + num_tokens) of one
+// sequence, whose blocks (in slot order) are view.block_ids[0, n) with
+// view.n_seqs == 1. The load holds tokens[first_slot, first_slot +
+// num_tokens) of the sequence's prompt.
+struct KvLoadTarget {
+  std::string_view salt;
+  absl::Span<const int32_t> tokens;  // the whole sequence, valid during Start only
+  int32_t first_slot = 0;
+  int32_t num_tokens = 0;
+  kernels::PagedKvView view;  // valid until the load is Done (blocks stay pinned)
+};
+
+class KvLoad {
+ public:
+  virtual ~KvLoad() = default;
+  // True once the load has finished, successfully or not.
+  virtual bool Done() = 0;
+  // After Done: OK when every slot was written.
+  virtual absl::Status status() = 0;
+};
+
+class KvLoader {
+ public:
+  virtual ~KvLoader() = default;
+  // How many tokens of tokens[from, limit) — from the first — this loader can
+  // supply for this salt (0: none).
+  virtual int32_t Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                         int32_t limit) = 0;
+  // Starts writing the target's slots. The returned load is polled until
+  // Done; the blocks stay pinned until then even if the request is cancelled.
+  virtual std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) = 0;
+};
+
+}  // namespace kvserve

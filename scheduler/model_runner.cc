@@ -1,0 +1,55 @@
+#include "scheduler/model_runner.h"
+
+#include <utility>
+
+#include "scheduler/sequence.h"
+
+namespace kvserve {
+
+ModelRunner::ModelRunner(std::shared_ptr<ForwardBackend> backend, KvCacheManager* kv,
+                         ThreadPool* pool)
+    : backend_(std::move(backend)), kv_(kv), pool_(pool) {}
+
+absl::StatusOr<absl::Span<const float>> ModelRunner::Run(const BatchPlan& plan) {
+  tokens_.clear();
+  token_seq_.clear();
+  positions_.clear();
+  slots_.clear();
+  logit_rows_.clear();
+  block_ids_.clear();
+  block_offsets_.assign(1, 0);
+  // Plain sequences (slot == position) send no slot array: the kernels then
+  // use the positions, and the bytes and speed are exactly the old ones.
+  bool shifted = false;
+  for (const ScheduledChunk& c : plan.chunks) shifted |= c.seq->kv.position_shift != 0;
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const ScheduledChunk& c = plan.chunks[i];
+    const Sequence& s = *c.seq;
+    const int32_t shift = s.kv.position_shift;
+    for (int32_t j = 0; j < c.num_tokens; ++j) {
+      const int32_t slot = c.first_slot + j;
+      tokens_.push_back(s.tokens()[static_cast<size_t>(slot + shift)]);
+      token_seq_.push_back(static_cast<int32_t>(i));
+      positions_.push_back(slot + shift);
+      if (shifted) slots_.push_back(slot);
+    }
+    if (c.sample) logit_rows_.push_back(static_cast<int32_t>(tokens_.size()) - 1);
+    s.kv.table.AppendIds(&block_ids_);
+    block_offsets_.push_back(static_cast<int32_t>(block_ids_.size()));
+  }
+  const int32_t vocab = vocab_size();
+  logits_.resize(logit_rows_.size() * static_cast<size_t>(vocab));
+  const kernels::PagedKvView view = kv_->View(block_ids_.data(), block_offsets_.data(),
+                                              static_cast<int32_t>(plan.chunks.size()));
+  ForwardBatch batch;
+  batch.tokens = tokens_;
+  batch.token_seq = token_seq_;
+  batch.positions = positions_;
+  batch.slots = slots_;
+  batch.logit_rows = logit_rows_;
+  absl::Status st = backend_->Forward(batch, view, logits_.data(), pool_);
+  if (!st.ok()) return st;
+  return absl::MakeConstSpan(logits_);
+}
+
+}  // namespace kvserve

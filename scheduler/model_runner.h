@@ -1,0 +1,48 @@
+// ModelRunner: executes a BatchPlan. It turns the plan into the model's
+// ragged batch (tokens, sequence index, RoPE position and KV slot of every
+// token, logit rows) and the CSR block table of the batch's sequences, and
+// runs one forward through the ForwardBackend — the CPU backend as well as
+// CUDA, so there is one forward path. It decides nothing and changes no
+// sequence: the output processor applies the results.
+//
+// Not thread-safe: the engine thread owns it (the backend reuses scratch).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/thread_pool.h"
+#include "model/backend.h"
+#include "scheduler/batch_plan.h"
+#include "scheduler/kv_cache_manager.h"
+
+namespace kvserve {
+
+class ModelRunner {
+ public:
+  // REQUIRES: backend, kv and pool outlive the runner.
+  ModelRunner(std::shared_ptr<ForwardBackend> backend, KvCacheManager* kv, ThreadPool* pool);
+
+  // Runs the plan's forward. On success: one row of vocab_size logits per
+  // chunk with `sample` set, in plan order. The K/V of every scheduled token
+  // is written; the caller marks them computed. On error nothing may be
+  // treated as computed.
+  [[nodiscard]] absl::StatusOr<absl::Span<const float>> Run(const BatchPlan& plan);
+
+  int32_t vocab_size() const { return backend_->config().vocab_size; }
+  ForwardBackend* backend() const { return backend_.get(); }
+
+ private:
+  std::shared_ptr<ForwardBackend> backend_;
+  KvCacheManager* kv_;
+  ThreadPool* pool_;
+  // Reused across steps.
+  std::vector<int32_t> tokens_, token_seq_, positions_, slots_, logit_rows_;
+  std::vector<int32_t> block_ids_, block_offsets_;
+  std::vector<float> logits_;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,142 @@
+#include "scheduler/output_processor.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+namespace kvserve {
+
+OutputProcessor::OutputProcessor(KvCacheManager* kv, Scheduler* scheduler,
+                                 const Tokenizer* tokenizer)
+    : kv_(kv), scheduler_(scheduler), tokenizer_(tokenizer) {}
+
+std::unique_ptr<Sequence> OutputProcessor::NewSample(SequenceGroup* g, int32_t index,
+                                                     const std::vector<int32_t>& tokens) const {
+  return std::make_unique<Sequence>(g, index, tokens, kv_->mutable_pool(), tokenizer_);
+}
+
+SeqEvent OutputProcessor::Event(const Sequence& s) const {
+  SeqEvent ev;
+  ev.request_id = s.group()->id;
+  ev.index = s.index();
+  ev.prompt_tokens = s.num_prompt();
+  ev.completion_tokens = s.num_generated();
+  ev.cached_tokens = s.num_cached_prompt;
+  return ev;
+}
+
+void OutputProcessor::Process(const BatchPlan& plan, absl::Span<const float> logits,
+                              int32_t vocab_size) {
+  // Every scheduled input token is a committed token (no drafts yet): the
+  // K/V the forward wrote are final, and blocks they complete become
+  // shareable at once — a request with the same prefix arriving now reuses
+  // them even while this one still runs.
+  for (const ScheduledChunk& c : plan.chunks) {
+    Sequence* s = c.seq;
+    kv_->MarkComputed(&s->kv, c.num_tokens);
+    kv_->Commit(&s->kv, s->group()->salt(), s->tokens(), c.num_tokens);
+  }
+  size_t row = 0;
+  for (const ScheduledChunk& c : plan.chunks) {
+    if (!c.sample) continue;
+    Sequence* s = c.seq;
+    const absl::Span<const float> r = logits.subspan(row++ * static_cast<size_t>(vocab_size),
+                                                     static_cast<size_t>(vocab_size));
+    if (s->finished()) continue;  // e.g. cancelled by a callback during this step
+    SequenceGroup* g = s->group();
+    // A request with n > 1 forks when its prompt is in: the samples share
+    // every prompt block and copy only the partial last one.
+    const size_t first_child = g->seqs.size();
+    if (!g->forked && g->request.n > 1) Fork(s);
+    std::vector<Sequence*> targets = {s};
+    for (size_t i = first_child; i < g->seqs.size(); ++i) targets.push_back(g->seqs[i].get());
+    for (Sequence* t : targets) {
+      const SampleResult res = t->sampler().Sample(r, t->prompt(), t->generated());
+      EmitToken(t, res.token, res.logprob);
+    }
+  }
+}
+
+void OutputProcessor::Fork(Sequence* parent) {
+  SequenceGroup* g = parent->group();
+  for (int32_t i = 1; i < g->request.n; ++i) {
+    std::unique_ptr<Sequence> child = NewSample(g, i, parent->tokens());
+    child->kv = kv_->Fork(parent->kv);
+    child->num_cached_prompt = parent->num_cached_prompt;
+    child->ever_admitted = true;
+    child->admit_order = parent->admit_order;
+    child->set_state(SeqState::kRunning);
+    scheduler_->AddRunning(child.get());
+    g->seqs.push_back(std::move(child));
+  }
+  g->forked = true;
+}
+
+void OutputProcessor::EmitToken(Sequence* s, int32_t token, float logprob) {
+  const SamplingParams& p = s->group()->request.params;
+  const bool is_stop_id =
+      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
+  if ((!p.ignore_eos && tokenizer_->IsEndOfGeneration(token)) || is_stop_id) {
+    FinishSequence(s, FinishReason::kStop);
+    return;
+  }
+  s->AppendToken(token);
+  ++generation_tokens_total_;
+  SeqEvent ev = Event(*s);
+  ev.token_ids.push_back(token);
+  if (p.logprobs) ev.logprobs.push_back(logprob);
+  ev.text = s->stops().Push(s->detok().Push(token));
+  s->group()->callback(ev);
+  if (s->stops().stopped()) {
+    FinishSequence(s, FinishReason::kStop);
+  } else if (s->num_generated() >= p.max_tokens) {
+    FinishSequence(s, FinishReason::kLength);
+  }
+}
+
+void OutputProcessor::FinishSequence(Sequence* s, FinishReason reason) {
+  if (s->finished()) return;
+  if (reason == FinishReason::kStop || reason == FinishReason::kLength) {
+    // Release what the detokenizer and the stop matcher held back.
+    if (!s->stops().stopped()) {
+      std::string tail = s->stops().Push(s->detok().Flush());
+      tail += s->stops().Flush();
+      if (!tail.empty()) {
+        SeqEvent ev = Event(*s);
+        ev.text = std::move(tail);
+        s->group()->callback(ev);
+      }
+    }
+  }
+  if (s->state() == SeqState::kKvArriving) {
+    // A load is still writing into its blocks: they stay pinned, with the
+    // scheduler, until it completes.
+    scheduler_->AbandonLoad(s);
+  } else {
+    kv_->Free(&s->kv, s->group()->salt(), s->tokens());
+  }
+  s->set_state(SeqState::kFinished);
+  ++s->group()->num_finished;
+  SeqEvent ev = Event(*s);
+  ev.finish = reason;
+  s->group()->callback(ev);
+}
+
+void OutputProcessor::FinishGroup(SequenceGroup* g, FinishReason reason) {
+  if (g->done) return;
+  g->done = true;
+  if (reason == FinishReason::kCancelled || reason == FinishReason::kDeadline) {
+    ++requests_cancelled_;
+  }
+  // Samples not yet forked finish too: a request reports n results.
+  if (!g->forked && g->request.n > 1 && !g->seqs.empty()) {
+    Sequence* parent = g->seqs[0].get();
+    for (int32_t i = 1; i < g->request.n; ++i) {
+      g->seqs.push_back(NewSample(g, i, parent->tokens()));
+    }
+    g->forked = true;
+  }
+  for (auto& s : g->seqs) FinishSequence(s.get(), reason);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,61 @@
+// OutputProcessor: applies a step's results. For every chunk of the plan it
+// marks the K/V the forward wrote as computed and commits it through the
+// KvCacheManager (which offers completed blocks to the radix index); for
+// every chunk that reached the end of its input it forks an n > 1 request
+// whose prompt is in, samples the next token, emits it (text through the
+// streaming detokenizer and stop-string matcher), and finishes sequences
+// that stop or reach max_tokens. Finishing (also cancel, deadline and
+// errors, which the engine routes here) is the one place a sequence's last
+// event is sent and its blocks are handed back.
+//
+// Not thread-safe: the engine thread owns it. Event callbacks run here and
+// must not block.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "model/tokenizer.h"
+#include "scheduler/batch_plan.h"
+#include "scheduler/kv_cache_manager.h"
+#include "scheduler/scheduler.h"
+#include "scheduler/sequence.h"
+
+namespace kvserve {
+
+class OutputProcessor {
+ public:
+  // REQUIRES: every pointer outlives the processor.
+  OutputProcessor(KvCacheManager* kv, Scheduler* scheduler, const Tokenizer* tokenizer);
+
+  // REQUIRES: the plan's forward succeeded; logits holds one row of
+  // vocab_size per sampling chunk, in plan order.
+  void Process(const BatchPlan& plan, absl::Span<const float> logits, int32_t vocab_size);
+
+  // Sends the sample's last event (with the text still held back, for a
+  // normal finish) and frees its KV. Idempotent.
+  void FinishSequence(Sequence* s, FinishReason reason);
+  // Finishes every sample of a request (an unforked n > 1 request reports n
+  // results: its missing samples are created and finished too). Idempotent.
+  void FinishGroup(SequenceGroup* g, FinishReason reason);
+
+  // A new sample of g holding `tokens`.
+  std::unique_ptr<Sequence> NewSample(SequenceGroup* g, int32_t index,
+                                      const std::vector<int32_t>& tokens) const;
+
+  int64_t generation_tokens_total() const { return generation_tokens_total_; }
+  int64_t requests_cancelled() const { return requests_cancelled_; }
+
+ private:
+  void Fork(Sequence* parent);
+  void EmitToken(Sequence* s, int32_t token, float logprob);
+  SeqEvent Event(const Sequence& s) const;
+
+  KvCacheManager* kv_;
+  Scheduler* scheduler_;
+  const Tokenizer* tokenizer_;
+  int64_t generation_tokens_total_ = 0;
+  int64_t requests_cancelled_ = 0;
+};
+
+}  // namespace kvserve

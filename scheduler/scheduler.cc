@@ -1,0 +1,343 @@
+#include "scheduler/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+namespace kvserve {
+
+// ---- StepCostModel ----
+
+void StepCostModel::Observe(int32_t tokens, double seconds) {
+  if (tokens <= 0 || !(seconds >= 0) || !std::isfinite(seconds)) return;
+  const double x = tokens, y = seconds;
+  w_ = decay_ * w_ + 1;
+  sx_ = decay_ * sx_ + x;
+  sy_ = decay_ * sy_ + y;
+  sxx_ = decay_ * sxx_ + x * x;
+  sxy_ = decay_ * sxy_ + x * y;
+}
+
+void StepCostModel::Fit(double* a, double* b) const {
+  *a = 0;
+  *b = sx_ > 0 ? sy_ / sx_ : 0;  // proportional until sizes differ
+  const double var = sxx_ * w_ - sx_ * sx_;
+  // Only trust a line through points of clearly different sizes (relative
+  // spread, so one odd step does not tilt it), with a non-negative slope and
+  // intercept: time never falls as a step grows.
+  if (w_ >= 2 && var > 1e-3 * sxx_ * w_) {
+    const double slope = (sxy_ * w_ - sx_ * sy_) / var;
+    const double icpt = (sy_ - slope * sx_) / w_;
+    if (slope > 0 && icpt >= 0) {
+      *a = icpt;
+      *b = slope;
+    }
+  }
+}
+
+double StepCostModel::fixed_seconds() const {
+  double a, b;
+  Fit(&a, &b);
+  return a;
+}
+
+double StepCostModel::seconds_per_token() const {
+  double a, b;
+  Fit(&a, &b);
+  return b;
+}
+
+double StepCostModel::Predict(int32_t tokens) const {
+  double a, b;
+  Fit(&a, &b);
+  return a + b * tokens;
+}
+
+int32_t StepCostModel::TokensWithin(double seconds) const {
+  double a, b;
+  Fit(&a, &b);
+  if (b <= 0) return INT32_MAX;
+  const double n = std::floor((seconds - a) / b);
+  if (n <= 0) return 0;
+  return n >= INT32_MAX ? INT32_MAX : static_cast<int32_t>(n);
+}
+
+// ---- Scheduler ----
+
+Scheduler::Scheduler(const SchedulerOptions& options, KvCacheManager* kv, KvLoader* loader)
+    : options_(options), kv_(kv), loader_(loader) {}
+
+void Scheduler::AddWaiting(Sequence* s) { waiting_.push_back(s); }
+
+void Scheduler::AddRunning(Sequence* s) { running_.push_back(s); }
+
+void Scheduler::RemoveFinished() {
+  auto gone = [](Sequence* s) { return s->finished(); };
+  running_.erase(std::remove_if(running_.begin(), running_.end(), gone), running_.end());
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), gone), waiting_.end());
+  arriving_.erase(std::remove_if(arriving_.begin(), arriving_.end(), gone), arriving_.end());
+}
+
+int32_t Scheduler::StepBudget(int32_t num_decoding) const {
+  const int32_t cap = options_.max_batched_tokens;
+  // Nobody to stall, or nothing measured yet: the whole budget.
+  if (options_.target_itl_ms <= 0 || num_decoding == 0 || !cost_.ready()) return cap;
+  const int32_t within = cost_.TokensWithin(options_.target_itl_ms / 1000.0);
+  const int32_t floor = num_decoding + options_.min_prefill_tokens;
+  return std::min(cap, std::max(within, floor));
+}
+
+void Scheduler::AbandonLoad(Sequence* s) {
+  abandoned_.push_back(Abandoned{std::move(s->kv), std::move(s->arriving)});
+  kv_->Discard(&s->kv);  // the moved-from table is empty; reset its counters
+  s->arriving_tokens = 0;
+}
+
+void Scheduler::PollArrivals() {
+  for (auto it = abandoned_.begin(); it != abandoned_.end();) {
+    if (!it->load->Done()) {
+      ++it;
+      continue;
+    }
+    kv_->Discard(&it->kv);  // never cached: nobody checked what arrived
+    it = abandoned_.erase(it);
+  }
+  for (auto it = arriving_.begin(); it != arriving_.end();) {
+    Sequence* s = *it;
+    if (!s->arriving->Done()) {
+      ++it;
+      continue;
+    }
+    const absl::Status st = s->arriving->status();
+    if (st.ok()) {
+      kv_->MarkComputed(&s->kv, s->arriving_tokens);
+      kv_->Commit(&s->kv, s->group()->salt(), s->tokens(), s->arriving_tokens);
+      if (s->num_cached_prompt < s->num_prompt()) {
+        s->num_cached_prompt = std::min(s->num_prompt(), s->kv.num_computed);
+      }
+    } else {
+      // Recompute what did not arrive; its slots are dropped.
+      ++kv_load_failures_;
+      kv_->Truncate(&s->kv, s->kv.num_computed);
+    }
+    s->arriving.reset();
+    s->arriving_tokens = 0;
+    s->set_state(SeqState::kRunning);
+    running_.push_back(s);
+    it = arriving_.erase(it);
+  }
+}
+
+void Scheduler::Schedule(Sequence* s, int32_t take, BatchPlan* plan) {
+  ScheduledChunk c;
+  c.seq = s;
+  c.request_id = s->group()->id;
+  c.sample_index = s->index();
+  c.first_slot = s->kv.num_computed;
+  c.num_tokens = take;
+  c.prefill = !s->decoding();
+  c.sample = take == s->remaining_input();
+  plan->chunks.push_back(c);
+  plan->num_tokens += take;
+  (c.prefill ? plan->num_prefill_tokens : plan->num_decode_tokens) += take;
+  if (s->kv.num_computed < s->num_prompt()) {
+    prompt_tokens_total_ += std::min(take, s->num_prompt() - s->kv.num_computed);
+  }
+}
+
+void Scheduler::Preempt(Sequence* s, BatchPlan* plan) {
+  // Recompute: drop every block (the prefix cache keeps what it can); the
+  // prompt and the tokens generated so far are prefilled again when the
+  // sequence is readmitted, with the same sampler, so its output is exactly
+  // what it would have been.
+  kv_->Free(&s->kv, s->group()->salt(), s->tokens());
+  s->set_state(SeqState::kPreempted);
+  running_.erase(std::find(running_.begin(), running_.end(), s));
+  waiting_.push_back(s);
+  ++preemptions_;
+  plan->preempted.push_back(s->group()->id);
+}
+
+bool Scheduler::Reserve(Sequence* s, int32_t take, const BatchPlan& plan) {
+  for (;;) {
+    const absl::Status st = kv_->AllocateSlots(&s->kv, take);
+    if (st.ok()) return true;
+    if (!absl::IsResourceExhausted(st)) return false;
+    // Cached blocks no running sequence uses go before any preemption.
+    if (kv_->EnsureFree(kv_->BlocksNeeded(s->kv, take))) continue;
+    Sequence* victim = nullptr;
+    for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+      const bool in_batch = std::any_of(plan.chunks.begin(), plan.chunks.end(),
+                                        [&](const ScheduledChunk& c) { return c.seq == *it; });
+      if (!in_batch) {
+        victim = *it;
+        break;
+      }
+    }
+    if (victim == nullptr) return false;
+    Preempt(victim, const_cast<BatchPlan*>(&plan));
+    if (victim == s) return false;
+  }
+}
+
+void Scheduler::OrderWaiting() {
+  std::unordered_map<const Sequence*, int32_t> cached_len;
+  const bool lpm = kv_->prefix_cache_enabled() && options_.policy == SchedulerOptions::Policy::kLpm &&
+                   static_cast<int32_t>(waiting_.size()) <= options_.lpm_max_waiting;
+  if (lpm) {
+    for (const Sequence* w : waiting_) {
+      cached_len[w] = kv_->PeekPrefix(w->group()->salt(), w->tokens(), w->num_tokens() - 1);
+    }
+  }
+  std::stable_sort(waiting_.begin(), waiting_.end(), [&](const Sequence* a, const Sequence* b) {
+    if (a->group()->priority() != b->group()->priority()) {
+      return a->group()->priority() > b->group()->priority();
+    }
+    if (lpm && cached_len[a] != cached_len[b]) return cached_len[a] > cached_len[b];
+    return a->group()->arrival < b->group()->arrival;
+  });
+}
+
+bool Scheduler::StartLoad(Sequence* s) {
+  if (loader_ == nullptr) return false;
+  const int32_t from = s->kv.num_computed;
+  const int32_t limit = s->num_tokens() - 1;  // the last token is computed here: its logits
+  if (from >= limit) return false;
+  const int32_t n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit),
+                             limit - from);
+  if (n <= 0) return false;
+  if (!kv_->AllocateSlots(&s->kv, 0, 0, n).ok()) return false;
+  std::vector<int32_t> ids;
+  s->kv.table.AppendIds(&ids);
+  auto offsets = std::make_shared<std::vector<int32_t>>(
+      std::vector<int32_t>{0, static_cast<int32_t>(ids.size())});
+  auto block_ids = std::make_shared<std::vector<int32_t>>(std::move(ids));
+  KvLoadTarget t;
+  t.salt = s->group()->salt();
+  t.tokens = s->tokens();
+  t.first_slot = from;
+  t.num_tokens = n;
+  t.view = kv_->View(block_ids->data(), offsets->data(), 1);
+  std::shared_ptr<KvLoad> load = loader_->Start(t);
+  if (load == nullptr) {
+    kv_->Truncate(&s->kv, from);
+    return false;
+  }
+  // The view's block table must outlive the load: keep it with the handle.
+  struct Holder : KvLoad {
+    std::shared_ptr<KvLoad> inner;
+    std::shared_ptr<std::vector<int32_t>> ids, offsets;
+    bool Done() override { return inner->Done(); }
+    absl::Status status() override { return inner->status(); }
+  };
+  auto h = std::make_shared<Holder>();
+  h->inner = std::move(load);
+  h->ids = std::move(block_ids);
+  h->offsets = std::move(offsets);
+  s->arriving = std::move(h);
+  s->arriving_tokens = n;
+  ++kv_loads_;
+  return true;
+}
+
+void Scheduler::Admit(BatchPlan* plan) {
+  OrderWaiting();
+  const bool may_admit = !options_.static_batching || (running_.empty() && arriving_.empty());
+  // Blocks that admitted sequences will still claim for input they have not
+  // reserved yet (their remaining prompt chunks).
+  int32_t pending_blocks = 0;
+  for (Sequence* r : running_) {
+    const int32_t unreserved = r->num_tokens() - r->kv.table.num_tokens();
+    if (unreserved > 1) pending_blocks += r->kv.table.BlocksNeeded(unreserved);
+  }
+  size_t admitted = 0;
+  int32_t budget = plan->token_budget - plan->num_tokens;
+  // Continuous batching admits while this step has token budget left; a
+  // static batch is admitted whole (up to max_seqs) and prefills over the
+  // next steps.
+  while (may_admit && (budget > 0 || options_.static_batching) && admitted < waiting_.size() &&
+         static_cast<int32_t>(running_.size() + arriving_.size()) < options_.max_seqs) {
+    Sequence* s = waiting_[admitted];
+    // Start from the longest cached prefix (at least the last token is
+    // computed: its logits pick the next token), then admit only what the
+    // pool can hold in full: the rest of the prompt plus what the sequence
+    // generated before a preemption. FCFS: no overtaking.
+    kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), s->num_tokens() - 1);
+    const int32_t need = kv_->BlocksNeeded(s->kv, s->num_tokens() - s->kv.num_computed);
+    const int32_t free_before = kv_->num_free_blocks();
+    if (!kv_->EnsureFree(need + pending_blocks)) {
+      kv_->Discard(&s->kv);  // unpin the match; it is looked up again next time
+      break;
+    }
+    bool parked = StartLoad(s);
+    const int32_t take = parked ? 0 : std::min(budget, s->remaining_input());
+    if (!parked && !kv_->AllocateSlots(&s->kv, take).ok()) {
+      kv_->Discard(&s->kv);
+      break;
+    }
+    pending_blocks += need - (free_before - kv_->num_free_blocks());
+    if (!s->ever_admitted) {
+      s->ever_admitted = true;
+      s->num_cached_prompt = std::min(s->kv.num_computed, s->num_prompt());
+      if (kv_->prefix_cache_enabled()) {
+        ++prefix_queries_;
+        prefix_query_tokens_ += s->num_prompt();
+        prefix_hit_tokens_ += s->num_cached_prompt;
+      }
+    }
+    s->admit_order = admit_counter_++;
+    ++admitted;
+    ++plan->admitted;
+    if (parked) {
+      s->set_state(SeqState::kKvArriving);
+      arriving_.push_back(s);
+      continue;
+    }
+    s->set_state(SeqState::kRunning);
+    running_.push_back(s);
+    if (take > 0) {
+      Schedule(s, take, plan);
+      budget -= take;
+    }
+  }
+  waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<int64_t>(admitted));
+}
+
+BatchPlan Scheduler::Schedule() {
+  PollArrivals();
+  BatchPlan plan;
+  // Scheduling order: priority first, then the oldest admission. Victims for
+  // preemption come from the back (lowest priority, most recently admitted).
+  std::stable_sort(running_.begin(), running_.end(), [](const Sequence* a, const Sequence* b) {
+    if (a->group()->priority() != b->group()->priority()) {
+      return a->group()->priority() > b->group()->priority();
+    }
+    return a->admit_order < b->admit_order;
+  });
+  int32_t num_decoding = 0;
+  for (const Sequence* s : running_) num_decoding += s->decoding() ? 1 : 0;
+  plan.token_budget = StepBudget(num_decoding);
+
+  // 1. Running sequences: decode tokens first, then prefill chunks.
+  for (int pass = 0; pass < 2 && plan.num_tokens < plan.token_budget; ++pass) {
+    const std::vector<Sequence*> order = running_;
+    for (Sequence* s : order) {
+      const int32_t budget = plan.token_budget - plan.num_tokens;
+      if (budget <= 0) break;
+      if (s->state() != SeqState::kRunning) continue;  // preempted by an earlier reservation
+      const bool one_token = s->remaining_input() == 1;
+      if (one_token != (pass == 0)) continue;
+      const int32_t take = std::min(budget, s->remaining_input());
+      if (Reserve(s, take, plan)) Schedule(s, take, &plan);
+    }
+  }
+  // 2. Admission.
+  Admit(&plan);
+  return plan;
+}
+
+void Scheduler::ObserveStep(const BatchPlan& plan, double seconds) {
+  cost_.Observe(plan.num_tokens, seconds);
+}
+
+}  // namespace kvserve

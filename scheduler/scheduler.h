@@ -1,0 +1,141 @@
+// Scheduler: decides each engine step. It owns the waiting and running
+// queues (of the engine's Sequences), admission (FCFS or longest cached
+// prefix first, static batching for comparison), preemption by recompute
+// when blocks run out, and the step's token budget — and returns the
+// decision as a plain-data BatchPlan. Every block it needs it asks of the
+// KvCacheManager; it never runs the model and never samples.
+//
+// Stall-free steps (Sarathi-Serve's idea, sized by measurement): decode
+// tokens of running sequences are scheduled first, then prefill chunks. While
+// any sequence is decoding, the step's prefill is capped so that the step's
+// predicted time stays within the inter-token-latency target: a StepCostModel
+// fitted online to the steps the engine actually ran (seconds = a + b *
+// tokens) turns the target into a token budget. Without decoders (nobody to
+// stall) a step takes the whole max_batched_tokens.
+//
+// Not thread-safe: the engine thread owns it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "scheduler/batch_plan.h"
+#include "scheduler/kv_cache_manager.h"
+#include "scheduler/kv_loader.h"
+#include "scheduler/sequence.h"
+
+namespace kvserve {
+
+// Seconds one step takes as a function of its token count, fitted by
+// exponentially weighted least squares (recent steps count most: the machine
+// and the batch's context lengths drift). Until the fit has seen two
+// different step sizes it is proportional (a = 0).
+class StepCostModel {
+ public:
+  explicit StepCostModel(double decay = 0.97) : decay_(decay) {}
+  void Observe(int32_t tokens, double seconds);
+  bool ready() const { return w_ > 0; }
+  double Predict(int32_t tokens) const;
+  // The most tokens whose predicted step time is within `seconds` (>= 0).
+  int32_t TokensWithin(double seconds) const;
+  double fixed_seconds() const;      // a
+  double seconds_per_token() const;  // b
+
+ private:
+  void Fit(double* a, double* b) const;
+  double decay_;
+  double w_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;
+};
+
+struct SchedulerOptions {
+  int32_t max_batched_tokens = 512;
+  int32_t max_seqs = 64;
+  bool static_batching = false;
+  enum class Policy { kFcfs, kLpm };
+  Policy policy = Policy::kFcfs;
+  int32_t lpm_max_waiting = 128;
+  // Stall-free steps: a step with decoding sequences is predicted to take at
+  // most this long (0: no limit, every step may use max_batched_tokens).
+  double target_itl_ms = 0;
+  // Prefill tokens a step with decoders still gets, whatever the target, so a
+  // prompt always progresses.
+  int32_t min_prefill_tokens = 16;
+};
+
+class Scheduler {
+ public:
+  // REQUIRES: kv (and loader, if any) outlive the scheduler.
+  Scheduler(const SchedulerOptions& options, KvCacheManager* kv, KvLoader* loader);
+
+  // A new sequence, or one the engine resubmits: joins the waiting queue.
+  void AddWaiting(Sequence* s);
+  // A forked sample: runs from the next step with its parent's blocks.
+  void AddRunning(Sequence* s);
+  // Drops finished sequences from every queue.
+  void RemoveFinished();
+  // s (kKvArriving) is finishing before its load completed: its KV and the
+  // load move here, and the blocks return to the pool only once the load is
+  // done (a late write never lands in a reused block).
+  void AbandonLoad(Sequence* s);
+
+  // Decides the next step: polls KV loads, orders the queues, schedules
+  // decodes, then prefill chunks of running sequences, then admits waiting
+  // ones, preempting (recompute) when blocks run out. Slots for every
+  // scheduled token are allocated when this returns.
+  BatchPlan Schedule();
+  // The step ran in `seconds` (feeds the stall-free budget).
+  void ObserveStep(const BatchPlan& plan, double seconds);
+
+  const std::vector<Sequence*>& running() const { return running_; }
+  const std::vector<Sequence*>& waiting() const { return waiting_; }
+  const std::vector<Sequence*>& arriving() const { return arriving_; }
+  bool idle() const { return running_.empty() && waiting_.empty() && !loads_pending(); }
+  // Loads in flight (parked sequences and abandoned ones): the engine polls.
+  bool loads_pending() const { return !arriving_.empty() || !abandoned_.empty(); }
+  const StepCostModel& cost_model() const { return cost_; }
+
+  int64_t preemptions() const { return preemptions_; }
+  int64_t prefix_queries() const { return prefix_queries_; }
+  int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
+  int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  int64_t prompt_tokens_total() const { return prompt_tokens_total_; }
+  int64_t kv_loads() const { return kv_loads_; }
+  int64_t kv_load_failures() const { return kv_load_failures_; }
+
+ private:
+  int32_t StepBudget(int32_t num_decoding) const;
+  void PollArrivals();
+  void OrderWaiting();
+  // Slots for `take` more tokens of s, preempting later-admitted sequences
+  // (or s itself) while blocks are short. False when s was preempted or
+  // cannot get them.
+  bool Reserve(Sequence* s, int32_t take, const BatchPlan& plan);
+  void Preempt(Sequence* s, BatchPlan* plan);
+  void Schedule(Sequence* s, int32_t take, BatchPlan* plan);
+  // Admission of waiting sequences while budget and blocks allow.
+  void Admit(BatchPlan* plan);
+  // Parks s in kKvArriving when the loader supplies tokens past its match.
+  bool StartLoad(Sequence* s);
+
+  SchedulerOptions options_;
+  KvCacheManager* kv_;
+  KvLoader* loader_;
+  StepCostModel cost_;
+  std::vector<Sequence*> running_;   // sorted: priority desc, admission asc
+  std::vector<Sequence*> waiting_;   // sorted: priority desc, arrival asc (or LPM)
+  std::vector<Sequence*> arriving_;  // kKvArriving, in admission order
+  struct Abandoned {
+    SeqKv kv;
+    std::shared_ptr<KvLoad> load;
+  };
+  std::vector<Abandoned> abandoned_;
+  int64_t admit_counter_ = 0;
+  int64_t preemptions_ = 0;
+  int64_t prefix_queries_ = 0, prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0;
+  int64_t prompt_tokens_total_ = 0;
+  int64_t kv_loads_ = 0, kv_load_failures_ = 0;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,124 @@
+// Sequence: one sample of a request as the engine tracks it, with an explicit
+// lifecycle state and its token counters in one place; SequenceGroup: the
+// request that owns its samples (n > 1 samples share the prompt's blocks and
+// fork when the prompt is in). The engine thread owns both; nothing here is
+// thread-safe.
+//
+// Lifecycle (every transition goes through Sequence::set_state, which checks
+// it):
+//
+//   kWaiting ──admit──> kRunning ──finish──> kFinished
+//      │  ^               │   ^  │
+//      │  └──preempt─ kPreempted │ (recompute: blocks freed, queued again)
+//      │                  │      │
+//      └──admit with KV arriving──> kKvArriving ──KV landed──> kRunning
+//
+// Any state may go to kFinished (cancel, deadline, error). A kKvArriving
+// sequence holds blocks that a tier load or a remote transfer is filling;
+// the scheduler never puts it in a batch until the load completes, then it
+// runs from the loaded tokens on (or, if the load failed, recomputes them).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "model/sampler.h"
+#include "model/tokenizer.h"
+#include "scheduler/kv_cache_manager.h"
+#include "scheduler/request.h"
+
+namespace kvserve {
+
+enum class SeqState { kWaiting, kRunning, kPreempted, kKvArriving, kFinished };
+const char* SeqStateName(SeqState s);
+
+struct SequenceGroup;
+class KvLoad;
+
+class Sequence {
+ public:
+  // `tokens`: the prompt, or a parent's tokens at a fork.
+  Sequence(SequenceGroup* group, int32_t index, std::vector<int32_t> tokens, KvPool* pool,
+           const Tokenizer* tokenizer);
+
+  SequenceGroup* group() const { return group_; }
+  int32_t index() const { return index_; }
+  SeqState state() const { return state_; }
+  // REQUIRES: the transition is one the diagram above allows (CHECKed).
+  void set_state(SeqState next);
+  bool finished() const { return state_ == SeqState::kFinished; }
+  bool waiting() const { return state_ == SeqState::kWaiting || state_ == SeqState::kPreempted; }
+
+  // Token counters. Invariants (CheckInvariants):
+  //   tokens() = prompt, then every committed sampled token;
+  //   0 <= kv.num_committed <= kv.num_computed <= kv.table.num_tokens();
+  //   kv.num_computed <= num_tokens() + num_speculative (the forward writes
+  //     K/V only of tokens it was given);
+  //   num_cached_prompt <= num_prompt (fixed at the first admission);
+  //   a running sequence's uncomputed input is num_tokens() - kv.num_computed.
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  int32_t num_tokens() const { return static_cast<int32_t>(tokens_.size()); }
+  int32_t num_prompt() const { return num_prompt_; }
+  int32_t num_generated() const { return num_tokens() - num_prompt_; }
+  int32_t num_computed() const { return kv.num_computed; }
+  int32_t remaining_input() const { return num_tokens() - kv.num_computed; }
+  bool decoding() const { return remaining_input() == 1 && num_generated() > 0; }
+  absl::Span<const int32_t> prompt() const {
+    return absl::MakeConstSpan(tokens_).first(static_cast<size_t>(num_prompt_));
+  }
+  absl::Span<const int32_t> generated() const {
+    return absl::MakeConstSpan(tokens_).subspan(static_cast<size_t>(num_prompt_));
+  }
+  // Appends one committed sampled token.
+  void AppendToken(int32_t token) { tokens_.push_back(token); }
+  void CheckInvariants() const;
+
+  // The sequence's KV state; only KvCacheManager changes it.
+  SeqKv kv;
+  int32_t num_cached_prompt = 0;  // prompt tokens the first admission found cached
+  int32_t num_speculative = 0;    // draft tokens scheduled past tokens() (none yet)
+  bool ever_admitted = false;
+  int64_t admit_order = 0;        // admission counter: later admitted, preempted first
+  // Set while kKvArriving: the load filling tokens [kv.num_computed,
+  // kv.num_computed + arriving_tokens).
+  std::shared_ptr<KvLoad> arriving;
+  int32_t arriving_tokens = 0;
+
+  Sampler& sampler() { return *sampler_; }
+  StreamingDetokenizer& detok() { return *detok_; }
+  StopStringMatcher& stops() { return *stops_; }
+
+ private:
+  SequenceGroup* group_;
+  int32_t index_;
+  SeqState state_ = SeqState::kWaiting;
+  std::vector<int32_t> tokens_;
+  int32_t num_prompt_;
+  std::unique_ptr<Sampler> sampler_;
+  std::unique_ptr<StreamingDetokenizer> detok_;
+  std::unique_ptr<StopStringMatcher> stops_;
+};
+
+// A request: n samples of one prompt. Until the fork, seqs holds only the
+// parent (sample 0); the fork adds samples 1..n-1 sharing its blocks.
+struct SequenceGroup {
+  uint64_t id = 0;
+  int64_t arrival = 0;
+  EngineRequest request;
+  EventCallback callback;
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  bool forked = false;
+  bool done = false;  // the group was finished as a whole (cancel, deadline, error)
+  int32_t num_finished = 0;
+
+  int32_t priority() const { return request.priority; }
+  const std::string& salt() const { return request.cache_salt; }
+  // Every sample has finished (an unforked n > 1 request has samples to come).
+  bool complete() const {
+    return num_finished >= static_cast<int32_t>(seqs.size()) && (forked || request.n == 1);
+  }
+};
+
+}  // namespace kvserve
