@@ -57,7 +57,8 @@ int32_t StepCostModel::TokensWithin(double seconds) const {
   double a, b;
   Fit(&a, &b);
   if (b <= 0) return INT32_MAX;
-  const double n = std::floor((seconds - a) / b);
+  // The epsilon keeps an exact fit (50 ms at 1 ms a token) from flooring to 49.
+  const double n = std::floor((seconds - a) / b + 1e-9);
   if (n <= 0) return 0;
   return n >= INT32_MAX ? INT32_MAX : static_cast<int32_t>(n);
 }
