@@ -3,6 +3,7 @@
 // delays, so the measurements can be checked against known truth.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -51,6 +52,88 @@ json ReadJson(const std::string& path) {
   return json::parse(f);
 }
 
+// A latency distribution as the summary reports it: `count` samples, and
+// quantiles that can only grow from p50 to max, none negative.
+void ExpectSaneDistribution(const json& d, long count, const std::string& name) {
+  SCOPED_TRACE(name);
+  EXPECT_EQ(d["count"].get<long>(), count);
+  if (count == 0) return;
+  EXPECT_GE(d["p50"].get<double>(), 0);
+  EXPECT_LE(d["p50"].get<double>(), d["p90"].get<double>());
+  EXPECT_LE(d["p90"].get<double>(), d["p95"].get<double>());
+  EXPECT_LE(d["p95"].get<double>(), d["p99"].get<double>());
+  EXPECT_LE(d["p99"].get<double>(), d["max"].get<double>());
+  EXPECT_GE(d["mean"].get<double>(), 0);
+  EXPECT_LE(d["mean"].get<double>(), d["max"].get<double>() * (1 + 1e-12));
+}
+
+// The summary of a run agrees with its measured (non-warm-up) records:
+// counts, token sums, the distributions' sample counts and maxima, and the
+// per-request timing relations (first token before the end; the gaps
+// between tokens fit between them; TPOT from e2e and TTFT).
+void ExpectSummaryMatchesRecords(const json& run) {
+  const json& s = run["summary"];
+  long completed = 0, failed = 0, output_tokens = 0, with_ttft = 0, with_tpot = 0, gaps = 0;
+  double max_e2e = 0, max_ttft = 0;
+  for (const json& r : run["requests"]) {
+    if (r["warmup"].get<bool>()) continue;
+    if (!r["ok"].get<bool>()) {
+      ++failed;
+      EXPECT_FALSE(r["error"].get<std::string>().empty()) << r.dump();
+      continue;
+    }
+    ++completed;
+    output_tokens += r["output_tokens"].get<long>();
+    const double e2e = r["e2e_ms"].get<double>();
+    EXPECT_GE(e2e, 0) << r.dump();
+    max_e2e = std::max(max_e2e, e2e);
+    gaps += static_cast<long>(r["itl_ms"].size());
+    double itl_sum = 0;
+    for (const json& g : r["itl_ms"]) {
+      EXPECT_GE(g.get<double>(), 0) << r.dump();
+      itl_sum += g.get<double>();
+    }
+    if (r["ttft_ms"].is_number()) {
+      ++with_ttft;
+      const double ttft = r["ttft_ms"].get<double>();
+      max_ttft = std::max(max_ttft, ttft);
+      EXPECT_GE(ttft, 0) << r.dump();
+      EXPECT_LE(ttft, e2e) << r.dump();
+      // The gaps run from the first token to the last, inside [ttft, e2e].
+      EXPECT_LE(itl_sum, e2e - ttft + 1e-6) << r.dump();
+    }
+    if (r["tpot_ms"].is_number()) {
+      ++with_tpot;
+      const int out = r["output_tokens"].get<int>();
+      ASSERT_GT(out, 1) << r.dump();
+      EXPECT_NEAR(r["tpot_ms"].get<double>(), (e2e - r["ttft_ms"].get<double>()) / (out - 1), 1e-6)
+          << r.dump();
+    }
+  }
+  EXPECT_EQ(s["completed"].get<long>(), completed);
+  EXPECT_EQ(s["failed"].get<long>(), failed);
+  long errors = 0;
+  for (const auto& [k, v] : s["errors"].items()) errors += v.get<long>();
+  EXPECT_EQ(errors, failed);
+  EXPECT_EQ(s["output_tokens"].get<long>(), output_tokens);
+  EXPECT_LE(s["good_requests"].get<long>(), completed);
+  ExpectSaneDistribution(s["e2e_ms"], completed, "e2e_ms");
+  ExpectSaneDistribution(s["ttft_ms"], with_ttft, "ttft_ms");
+  ExpectSaneDistribution(s["tpot_ms"], with_tpot, "tpot_ms");
+  ExpectSaneDistribution(s["itl_ms"], gaps, "itl_ms");
+  if (completed > 0) EXPECT_DOUBLE_EQ(s["e2e_ms"]["max"].get<double>(), max_e2e);
+  if (with_ttft > 0) EXPECT_DOUBLE_EQ(s["ttft_ms"]["max"].get<double>(), max_ttft);
+  // The run lasts at least as long as its longest request; throughput is
+  // completions over that duration.
+  const double duration_s = s["duration_s"].get<double>();
+  EXPECT_GE(duration_s * 1e3, max_e2e - 1e-6);
+  if (duration_s > 0) {
+    EXPECT_NEAR(s["request_throughput"].get<double>() * duration_s, completed, 1e-6 * (1 + completed));
+    EXPECT_NEAR(s["output_token_throughput"].get<double>() * duration_s, output_tokens,
+                1e-6 * (1 + output_tokens));
+  }
+}
+
 // The schema README "kvserve-bench" documents: required keys and types.
 void ExpectValidSchema(const json& j) {
   ASSERT_TRUE(j.is_object());
@@ -94,6 +177,7 @@ void ExpectValidSchema(const json& j) {
       EXPECT_TRUE(r["tpot_ms"].is_number() || r["tpot_ms"].is_null());
       EXPECT_TRUE(r["itl_ms"].is_array());
     }
+    ExpectSummaryMatchesRecords(run);
   }
 }
 
@@ -168,7 +252,14 @@ TEST_F(BenchTest, HttpSweepCountsMatchServer) {
   const json j = ReadJson(json_path);
   ExpectValidSchema(j);
   ASSERT_EQ(j["runs"].size(), 2u);
-  for (const json& run : j["runs"]) EXPECT_EQ(run["summary"]["completed"], 10);
+  for (const json& run : j["runs"]) {
+    EXPECT_EQ(run["summary"]["completed"], 10);
+    // No SLO given: every completed request is good.
+    EXPECT_EQ(run["summary"]["good_requests"], 10);
+  }
+  // A sweep runs its loads in the order given.
+  EXPECT_EQ(j["runs"][0]["load"]["value"].get<double>(), 1);
+  EXPECT_EQ(j["runs"][1]["load"]["value"].get<double>(), 3);
   // Warm-up records are not in the runs; the server saw them, so add them.
   ExpectMatchesServer(j, after - before - 2 * 8, 20, 8);
 
@@ -290,22 +381,27 @@ TEST_F(BenchTest, JsonlFileWorkload) {
 }
 
 // A fake OpenAI server: every 4th request fails with 500; the others wait
-// kFirstTokenDelay, then stream kTokens chunks kGap apart, then usage.
+// first_token_delay, then stream kTokens chunks kGap apart, then usage.
+// The delays are floors on what a client can measure (the server cannot
+// answer sooner), never ceilings: the machine may add any amount.
 class FakeOpenAiServer {
  public:
   static constexpr auto kFirstTokenDelay = std::chrono::milliseconds(150);
   static constexpr auto kGap = std::chrono::milliseconds(20);
   static constexpr int kTokens = 5;
 
-  FakeOpenAiServer() {
+  explicit FakeOpenAiServer(std::chrono::milliseconds first_token_delay = kFirstTokenDelay)
+      : first_token_delay_(first_token_delay) {
     server_.Post("/v1/completions", [this](const httplib::Request&, httplib::Response& res) {
       if (++requests_ % 4 == 0) {
         res.status = 500;
         res.set_content(R"({"error": {"message": "injected"}})", "application/json");
         return;
       }
-      res.set_chunked_content_provider("text/event-stream", [](size_t, httplib::DataSink& sink) {
-        std::this_thread::sleep_for(kFirstTokenDelay);
+      const auto first_token_delay = first_token_delay_;
+      res.set_chunked_content_provider("text/event-stream", [first_token_delay](
+                                                                size_t, httplib::DataSink& sink) {
+        std::this_thread::sleep_for(first_token_delay);
         for (int i = 0; i < kTokens; ++i) {
           if (i > 0) std::this_thread::sleep_for(kGap);
           const std::string ev = R"(data: {"choices": [{"index": 0, "text": "tok"}]})"
@@ -332,6 +428,7 @@ class FakeOpenAiServer {
   int requests() const { return requests_; }
 
  private:
+  const std::chrono::milliseconds first_token_delay_;
   httplib::Server server_;
   std::atomic<int> requests_{0};
   int port_ = 0;
@@ -342,10 +439,11 @@ class FakeOpenAiServer {
 TEST(BenchFakeServerTest, ErrorsAndDelaysComeOutAsInjected) {
   FakeOpenAiServer fake;
   const std::string json_path = TempPath("fake.json");
+  // An SLO below the injected first-token delay: no request can meet it.
   BenchOutput b =
       RunBench({"--url", "http://127.0.0.1:" + std::to_string(fake.port()), "--num-prompts", "16",
                 "--input-len", "8", "--output-len", "5", "--concurrency", "4", "--slo-ttft-ms",
-                "5000", "--json-out", json_path});
+                "100", "--json-out", json_path});
   ASSERT_EQ(b.exit_code, 0) << b.out;
   EXPECT_EQ(fake.requests(), 16);
   const json j = ReadJson(json_path);
@@ -355,25 +453,44 @@ TEST(BenchFakeServerTest, ErrorsAndDelaysComeOutAsInjected) {
   EXPECT_EQ(s["failed"], 4);
   EXPECT_EQ(s["errors"]["http_500"], 4);
   EXPECT_EQ(s["output_tokens"], 12 * FakeOpenAiServer::kTokens);
-  EXPECT_EQ(s["good_requests"], 12);
-  // Loose bounds: the injected delays are floors; scheduling adds a little.
-  EXPECT_GE(s["ttft_ms"]["p50"].get<double>(), 145);
-  EXPECT_LE(s["ttft_ms"]["p99"].get<double>(), 1000);
-  EXPECT_GE(s["tpot_ms"]["p50"].get<double>(), 18);
-  EXPECT_LE(s["tpot_ms"]["p50"].get<double>(), 200);
-  EXPECT_GE(s["e2e_ms"]["p50"].get<double>(), 145 + 4 * 18);
+  EXPECT_EQ(s["good_requests"], 0) << "a TTFT SLO of 100 ms against a 150 ms first token";
+  EXPECT_EQ(s["goodput"].get<double>(), 0);
+  // Every success has a first token, a TPOT and kTokens - 1 gaps; the
+  // failures have none.
+  EXPECT_EQ(s["ttft_ms"]["count"], 12);
+  EXPECT_EQ(s["tpot_ms"]["count"], 12);
+  EXPECT_EQ(s["e2e_ms"]["count"], 12);
+  EXPECT_EQ(s["itl_ms"]["count"], 12 * (FakeOpenAiServer::kTokens - 1));
+  // The injected delays are floors (the server cannot answer sooner), so
+  // these hold however slow the machine is; no upper bound is asserted.
+  const double first_ms = FakeOpenAiServer::kFirstTokenDelay.count();
+  const double stream_ms = first_ms + (FakeOpenAiServer::kTokens - 1) * FakeOpenAiServer::kGap.count();
+  int ok = 0;
   for (const json& r : j["runs"][0]["requests"]) {
     if (r["ok"].get<bool>()) {
+      ++ok;
       EXPECT_EQ(r["itl_ms"].size(), 4u);
+      EXPECT_EQ(r["output_tokens"], FakeOpenAiServer::kTokens);
+      EXPECT_EQ(r["chunks"], FakeOpenAiServer::kTokens);
+      EXPECT_GE(r["ttft_ms"].get<double>(), first_ms) << r.dump();
+      EXPECT_GE(r["e2e_ms"].get<double>(), stream_ms) << r.dump();
+    } else {
+      EXPECT_EQ(r["error"], "http_500") << r.dump();
+      EXPECT_TRUE(r["ttft_ms"].is_null()) << r.dump();
+      EXPECT_EQ(r["chunks"], 0) << r.dump();
     }
   }
+  EXPECT_EQ(ok, 12);
+  EXPECT_GE(s["ttft_ms"]["p50"].get<double>(), first_ms);
+  EXPECT_GE(s["e2e_ms"]["p50"].get<double>(), stream_ms);
   std::filesystem::remove(json_path);
 }
 
 TEST(BenchFakeServerTest, SlowFirstTokenIsATimeout) {
-  FakeOpenAiServer fake;
+  // The first token comes after 1 s at the earliest; a 50 ms timeout cuts
+  // every stream (the wide gap keeps a busy machine from blurring them).
+  FakeOpenAiServer fake(std::chrono::milliseconds(1000));
   const std::string json_path = TempPath("slow.json");
-  // The first token comes after 150 ms; a 50 ms timeout cuts every stream.
   BenchOutput b = RunBench({"--url", "http://127.0.0.1:" + std::to_string(fake.port()),
                             "--num-prompts", "8", "--input-len", "4", "--output-len", "5",
                             "--concurrency", "2", "--timeout", "0.05", "--json-out", json_path});

@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/daemon.h"
+#include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -358,19 +359,27 @@ TEST_F(HttpTest, LogprobsAreReturnedWhenAsked) {
   for (const json& v : lp["token_logprobs"]) EXPECT_LE(v.get<double>(), 0.0);
 }
 
-// Opens a long stream, hangs up after a few deltas and expects the KV pool
-// back at its starting free count within a second. With `expect_cancel`
-// (a model slow enough to still be generating) it must also have been a
-// cancellation rather than a request that ran to its end.
-void ExpectDisconnectFreesBlocks(int port, const std::string& model, int max_tokens,
-                                 bool expect_cancel) {
+// Opens a stream of n x max_tokens tokens (ignore_eos, so it cannot stop
+// early), hangs up after a few deltas, then waits until nothing runs and
+// expects: the request was cancelled (the cancelled counter rose by n) and
+// stopped well short of its end (the server generated fewer than half of
+// its tokens), and the KV pool is back at its starting free count. The
+// model must be slow enough that the request is certainly still running at
+// the hang-up (see WriteSlowTinyLlama); the wait is bounded by the request's
+// natural end, so a server that ignores the hang-up fails on the counts.
+void ExpectDisconnectCancelsAndFreesBlocks(int port, const std::string& model, int max_tokens) {
+  constexpr int kSamples = 2;
   auto client = ClientFor(port);
   const double free_before = MetricValue(*client, "kvserve:kv_blocks_free");
   ASSERT_GT(free_before, 0);
-  const double cancelled_before = MetricValue(*client, "kvserve:request_success_total",
-                                              {"finished_reason=\"cancelled\""});
+  const auto cancelled = [&] {
+    return MetricValue(*client, "kvserve:request_success_total", {"finished_reason=\"cancelled\""});
+  };
+  const double cancelled_before = cancelled();
+  const double tokens_before = MetricValue(*client, "kvserve:generation_tokens_total");
+  ASSERT_GE(tokens_before, 0);
   json body = {{"model", model}, {"prompt", "Once upon a time"}, {"max_tokens", max_tokens},
-               {"ignore_eos", true}, {"n", 2}, {"temperature", 0.8}, {"stream", true}};
+               {"ignore_eos", true}, {"n", kSamples}, {"temperature", 0.8}, {"stream", true}};
   int received = 0;
   auto stream_client = ClientFor(port);
   HttpResult r = PostStream(*stream_client, "/v1/completions", body.dump(),
@@ -379,26 +388,47 @@ void ExpectDisconnectFreesBlocks(int port, const std::string& model, int max_tok
                               return received < 3;  // hang up after a few deltas
                             });
   stream_client.reset();  // closes the socket
-  ASSERT_GE(received, 3) << r.status << " " << r.body.substr(0, 500);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  double free_now = -1;
-  while (std::chrono::steady_clock::now() < deadline) {
-    free_now = MetricValue(*client, "kvserve:kv_blocks_free");
-    if (free_now == free_before) break;
+  ASSERT_EQ(r.status, 200) << r.body.substr(0, 500);
+  ASSERT_GE(received, 3) << r.body.substr(0, 500);
+  EXPECT_EQ(r.body.find("[DONE]"), std::string::npos) << "the stream ended before the hang-up";
+  // Until the request is gone: cancelled, or (if the hang-up went unnoticed)
+  // run to its end. The bound only keeps a hung server from hanging the test.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < give_up) {
+    if (cancelled() > cancelled_before ||
+        (MetricValue(*client, "kvserve:num_requests_running") == 0 &&
+         MetricValue(*client, "kvserve:num_requests_waiting") == 0)) {
+      break;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  EXPECT_EQ(free_now, free_before) << "blocks did not come back within a second";
-  if (expect_cancel) {
-    EXPECT_GT(MetricValue(*client, "kvserve:request_success_total",
-                          {"finished_reason=\"cancelled\""}),
-              cancelled_before);
+  // Stats are published at the end of a step: wait for the one after the cancel.
+  double free_now = -1;
+  while (std::chrono::steady_clock::now() < give_up) {
+    free_now = MetricValue(*client, "kvserve:kv_blocks_free");
+    if (free_now == free_before && MetricValue(*client, "kvserve:num_requests_running") == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  // The counter counts finished samples.
+  EXPECT_EQ(cancelled(), cancelled_before + kSamples) << "the hang-up did not cancel the request";
+  const double generated = MetricValue(*client, "kvserve:generation_tokens_total") - tokens_before;
+  EXPECT_LT(generated, kSamples * max_tokens / 2.0)
+      << "the request ran on after the hang-up (" << generated << " of " << kSamples * max_tokens
+      << " tokens)";
+  EXPECT_EQ(free_now, free_before) << "KV blocks not returned after the hang-up";
+  EXPECT_EQ(MetricValue(*client, "kvserve:num_requests_running"), 0);
 }
 
-TEST_F(HttpTest, ClientDisconnectMidStreamFreesBlocks) {
-  // stories260K may finish 120 tokens before the hang-up is noticed, so only
-  // the pool is checked here; HttpChatTest checks the cancellation itself.
-  ExpectDisconnectFreesBlocks(port(), "stories260K", 120, /*expect_cancel=*/false);
+// A daemon on a written model (WriteSlowTinyLlama): stories260K would finish
+// its whole context before the hang-up is noticed. Needs no ../shared.
+TEST(HttpDisconnectTest, ClientDisconnectMidStreamFreesBlocks) {
+  const std::string model = testing::TempDir() + "/http-slow.gguf";
+  ASSERT_TRUE(testing::WriteSlowTinyLlama(model).ok());
+  std::string error;
+  auto daemon = StartDaemon(model, {"--served-model-name", "slow", "--max-n", "4"}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  ExpectDisconnectCancelsAndFreesBlocks(daemon->http_port(), "slow", 4000);
+  EXPECT_EQ(daemon->StopWith(SIGTERM, 30), 0) << daemon->Log();
 }
 
 TEST_F(HttpTest, HundredsOfConcurrentStreamsAllComplete) {
@@ -629,7 +659,7 @@ TEST_F(HttpChatTest, ChatCompletionStreamedAndNot) {
 }
 
 TEST_F(HttpChatTest, ClientDisconnectCancelsTheRequestAndFreesBlocks) {
-  ExpectDisconnectFreesBlocks(daemon_->http_port(), "smollm2", 2000, /*expect_cancel=*/true);
+  ExpectDisconnectCancelsAndFreesBlocks(daemon_->http_port(), "smollm2", 2000);
 }
 
 TEST_F(HttpChatTest, ChatValidationNamesTheField) {

@@ -349,4 +349,23 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   return w.Serialize(3);
 }
 
+absl::Status WriteSlowTinyLlama(const std::string& path) {
+  TinyLlamaOptions o;
+  o.n_layers = 4;
+  o.dim = 256;
+  o.n_heads = 4;
+  o.n_kv_heads = 2;
+  o.ffn_dim = 768;
+  o.context_length = 4096;
+  o.weight_type = GgmlType::kF16;
+  o.seed = 11;
+  const std::string bytes = MakeTinyLlamaGguf(o);
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) return absl::UnavailableError(absl::StrCat("cannot create ", path));
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  f.close();
+  if (!f) return absl::DataLossError(absl::StrCat("short write to ", path));
+  return absl::OkStatus();
+}
+
 }  // namespace kvserve::testing

@@ -70,4 +70,11 @@ struct TinyLlamaOptions {
 // merged pieces with scores). Returns the serialized file.
 std::string MakeTinyLlamaGguf(const TinyLlamaOptions& options);
 
+// A written model slow enough to stop in flight: wide enough that a token
+// costs milliseconds on a CPU, with a 4096-token context, so a generation of
+// thousands of tokens (ignore_eos) is certainly still running when a test
+// hangs up, cancels or lets a deadline pass, and one that ran to its end is
+// told apart by its token count, not by a clock. Writes it to `path`.
+[[nodiscard]] absl::Status WriteSlowTinyLlama(const std::string& path);
+
 }  // namespace kvserve::testing

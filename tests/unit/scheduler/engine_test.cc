@@ -273,24 +273,51 @@ TEST(EngineTest, StaticBatchingAdmitsNoOneUntilTheBatchFinishes) {
   EngineOptions o = Opts(256, 512, 4);
   o.static_batching = true;
   auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
-  Collector c;
   SamplingParams p = Greedy(4);
   p.ignore_eos = true;
   SamplingParams longer = Greedy(12);
   longer.ignore_eos = true;
   const auto prompts = Prompts(*m.tokenizer, 6, 9);
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e->Submit({prompts[i], i == 0 ? longer : p}, c.Callback()).ok());
+  // Every event in arrival order: (request id, finished?).
+  std::vector<std::pair<uint64_t, bool>> log;
+  EventCallback cb = [&log](const SeqEvent& ev) {
+    log.emplace_back(ev.request_id, ev.finish != FinishReason::kNone);
+  };
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(e->Submit({prompts[i], i == 0 ? longer : p}, cb).value());
   bool saw_partial_batch = false;
   while (e->Step()) {
     const EngineStats st = e->Stats();
-    // While the long first request runs, the waiting two must not join.
     if (st.running > 0 && st.running < 4) {
       saw_partial_batch = true;
-      EXPECT_EQ(st.waiting, st.requests_finished < 4 ? 2 : st.waiting);
+      if (st.requests_finished < 4) {
+        // The first batch shrinks to the long request; the last two wait.
+        EXPECT_EQ(st.waiting, 2) << "a request joined a static batch that had not finished";
+        EXPECT_EQ(st.running, 4 - st.requests_finished);
+      } else {
+        // The second batch is the last two, admitted together.
+        EXPECT_EQ(st.waiting, 0);
+        EXPECT_EQ(st.running, 6 - st.requests_finished);
+      }
     }
   }
   EXPECT_TRUE(saw_partial_batch);
   EXPECT_EQ(e->Stats().requests_finished, 6);
+  // No event of the second batch before the first batch's last finish.
+  auto first_event = [&](uint64_t id) {
+    return std::find_if(log.begin(), log.end(), [id](const auto& x) { return x.first == id; }) -
+           log.begin();
+  };
+  auto finish_event = [&](uint64_t id) {
+    return std::find(log.begin(), log.end(), std::make_pair(id, true)) - log.begin();
+  };
+  ptrdiff_t first_batch_done = 0;
+  for (int i = 0; i < 4; ++i) first_batch_done = std::max(first_batch_done, finish_event(ids[i]));
+  ASSERT_LT(first_batch_done, static_cast<ptrdiff_t>(log.size()));
+  EXPECT_EQ(first_batch_done, finish_event(ids[0])) << "the long request ends the first batch";
+  for (int i = 4; i < 6; ++i) {
+    EXPECT_GT(first_event(ids[i]), first_batch_done) << "request " << i << " ran before the batch ended";
+  }
 }
 
 TEST(EngineTest, InvalidRequestsAreRejectedWithTheField) {
