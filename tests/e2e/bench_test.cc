@@ -51,7 +51,7 @@ json ReadJson(const std::string& path) {
   return json::parse(f);
 }
 
-// The schema README "kvserve-bench" documents: required keys and types.
+// The schema client/README.md "kvserve-bench" documents: required keys and types.
 void ExpectValidSchema(const json& j) {
   ASSERT_TRUE(j.is_object());
   EXPECT_EQ(j.value("schema", ""), "kvserve-bench/1");
