@@ -50,7 +50,7 @@ struct Run {
 };
 
 nlohmann::json RecordToJson(const RequestRecord& r);
-// The whole result file; see README "kvserve-bench" for the schema.
+// The whole result file; see client/README.md "kvserve-bench" for the schema.
 nlohmann::json ResultsToJson(const nlohmann::json& config, const std::vector<Run>& runs);
 std::string FormatTable(const std::vector<Run>& runs);
 // Ratios B/A for each load point when runs alternate between two targets.

@@ -134,7 +134,7 @@ void ExpectSummaryMatchesRecords(const json& run) {
   }
 }
 
-// The schema README "kvserve-bench" documents: required keys and types.
+// The schema client/README.md "kvserve-bench" documents: required keys and types.
 void ExpectValidSchema(const json& j) {
   ASSERT_TRUE(j.is_object());
   EXPECT_EQ(j.value("schema", ""), "kvserve-bench/1");
