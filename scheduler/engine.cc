@@ -97,7 +97,8 @@ RequestLimits Engine::limits() const {
   RequestLimits l;
   l.vocab_size = c.vocab_size;
   l.context_length = c.context_length;
-  l.max_n = options_.max_n;
+  // All n samples run at once: n above max_seqs could never be admitted.
+  l.max_n = std::min(options_.max_n, options_.max_seqs);
   l.block_size = options_.block_size;
   l.num_blocks = kv_->num_blocks();
   return l;

@@ -251,13 +251,23 @@ void Scheduler::Admit(BatchPlan* plan) {
     const int32_t unreserved = r->num_tokens() - r->kv.table.num_tokens();
     if (unreserved > 1) pending_blocks += r->kv.table.BlocksNeeded(unreserved);
   }
+  // Seats: running sequences count one each, and a request that has not
+  // forked yet also holds seats for the n - 1 samples it forks at its first
+  // token, so max_seqs bounds the samples that ever run together.
+  auto seats_of = [](const Sequence* s) {
+    const SequenceGroup* g = s->group();
+    return !g->forked && g->request.n > 1 ? g->request.n : 1;
+  };
+  int32_t seats = 0;
+  for (const Sequence* r : running_) seats += seats_of(r);
+  for (const Sequence* r : arriving_) seats += seats_of(r);
   size_t admitted = 0;
   int32_t budget = plan->token_budget - plan->num_tokens;
   // Continuous batching admits while this step has token budget left; a
   // static batch is admitted whole (up to max_seqs) and prefills over the
   // next steps.
   while (may_admit && (budget > 0 || options_.static_batching) && admitted < waiting_.size() &&
-         static_cast<int32_t>(running_.size() + arriving_.size()) < options_.max_seqs) {
+         seats + seats_of(waiting_[admitted]) <= options_.max_seqs) {
     Sequence* s = waiting_[admitted];
     // Start from the longest cached prefix (at least the last token is
     // computed: its logits pick the next token), then admit only what the
@@ -287,6 +297,7 @@ void Scheduler::Admit(BatchPlan* plan) {
       }
     }
     s->admit_order = admit_counter_++;
+    seats += seats_of(s);
     ++admitted;
     ++plan->admitted;
     if (parked) {

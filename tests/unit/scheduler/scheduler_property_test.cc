@@ -267,16 +267,8 @@ SeedTotals RunSeed(const Model& m, uint32_t seed, int operations) {
   auto check_step = [&](bool idle_before, bool had_clear) {
     const EngineStats st = e.Stats();
     EXPECT_LE(st.last_batch_tokens, o.max_batched_tokens);
-    if (config.max_request_n == 1) {
-      EXPECT_LE(st.running, o.max_seqs) << "more sequences running than max_seqs";
-    } else {
-      // KNOWN ENGINE BUG: a request with n > 1 counts as one sequence at
-      // admission and forks n - 1 more at its first token without checking
-      // max_seqs, so running can exceed it (see the disabled
-      // ForkedSamplesCountAgainstMaxSeqs below). Until the engine rewrite
-      // fixes that, seeds with n > 1 check only the bound it does keep.
-      EXPECT_LE(st.running, o.max_seqs * config.max_request_n);
-    }
+    // Forked samples count too: admission reserves room for all n.
+    EXPECT_LE(st.running, o.max_seqs) << "more sequences running than max_seqs";
     EXPECT_EQ(st.blocks_free + st.blocks_used, st.blocks_total);
     EXPECT_EQ(st.blocks_total, total);
     EXPECT_GE(st.blocks_free, 0);
@@ -340,7 +332,9 @@ SeedTotals RunSeed(const Model& m, uint32_t seed, int operations) {
       const int shared = rng() % 4 == 0 ? 0 : uniform(0, static_cast<int>(prefix.size()));
       req.prompt.assign(prefix.begin(), prefix.begin() + shared);
       for (int i = uniform(shared == 0 ? 1 : 0, 20); i > 0; --i) req.prompt.push_back(uniform(3, vocab - 1));
-      req.n = config.max_request_n > 1 && rng() % 3 == 0 ? uniform(2, config.max_request_n) : 1;
+      req.n = std::min(config.max_request_n, o.max_seqs) > 1 && rng() % 3 == 0
+                  ? uniform(2, std::min(config.max_request_n, o.max_seqs))
+                  : 1;
       req.priority = uniform(0, 2);
       req.params.max_tokens = uniform(1, 40);
       req.params.ignore_eos = rng() % 2 == 0;
@@ -493,21 +487,24 @@ TEST(SchedulerPropertyTest, RandomOperationsKeepTheInvariants) {
 }
 
 // max_seqs caps running sequences (engine.h); the samples a request forks
-// at its first token are sequences too. Disabled: the engine forks without
-// checking the cap (found by the property test above); enable it with the
-// fix and drop the property test's n > 1 allowance.
-TEST(SchedulerPropertyTest, DISABLED_ForkedSamplesCountAgainstMaxSeqs) {
+// at its first token are sequences too (found by the property test above:
+// the engine once admitted n > 1 requests as one sequence each).
+TEST(SchedulerPropertyTest, ForkedSamplesCountAgainstMaxSeqs) {
   std::string error;
   const Model* m = WrittenModel(&error);
   if (m == nullptr) GTEST_SKIP() << "could not write or load the tiny model: " << error;
   ThreadPool pool(1);
   EngineOptions o;
   o.num_blocks = 64;
-  o.max_seqs = 2;
+  o.max_seqs = 4;
   auto e = Engine::Create(m->model.get(), m->tokenizer.get(), &pool, o).value();
   EngineRequest req;
   req.prompt = {5, 6, 7, 8};
   req.n = 4;
+  EngineRequest too_many = req;
+  too_many.n = 5;
+  EXPECT_TRUE(absl::IsInvalidArgument(e->Submit(too_many, [](const SeqEvent&) {}).status()))
+      << "n above max_seqs could never run";
   req.params.max_tokens = 8;
   req.params.ignore_eos = true;
   ASSERT_TRUE(e->Submit(req, [](const SeqEvent&) {}).ok());
