@@ -845,7 +845,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
           cur.finished = true;
         } else if (cur.response.done()) {
           if (opts.include_usage) {
-            const CompletedResponse done = cur.response.Snapshot();
+            const CompletedResponse done = cur.response.Take();  // the stream ends here
             json u = chunk_json(json::array());
             u["usage"] = Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens);
             out += absl::StrCat("data: ", Dump(u), "\n\n");
