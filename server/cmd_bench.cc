@@ -22,8 +22,8 @@ namespace {
 class BenchCommand final : public Command {
  public:
   BenchCommand(CLI::App* root, EngineFlags* engine_flags)
-      : Command(root->add_subcommand("bench",
-                                     "Prefill and decode throughput at several batch sizes")),
+      : Command(
+            root->add_subcommand("bench", "Prefill and decode throughput at several batch sizes")),
         engine_flags_(engine_flags) {
     app_->add_option("-b,--batch", batches_, "Batch sizes")->delimiter(',')->capture_default_str();
     app_->add_option("--prompt-tokens", prompt_, "Prompt length per sequence")
@@ -39,11 +39,14 @@ class BenchCommand final : public Command {
     ThreadPool* pool = &ThreadPool::Global();
     const LlamaConfig& c = l.model->config();
     if (prompt_ < 1 || gen_ < 2 || prompt_ + gen_ > c.context_length) {
-      Die(absl::InvalidArgumentError("need prompt-tokens >= 1, gen-tokens >= 2 and their sum "
+      Die(
+          absl::InvalidArgumentError("need prompt-tokens >= 1, gen-tokens >= 2 and their sum "
                                      "within the context length"));
     }
-    std::printf("| batch | prompt tok | gen tok | prefill tok/s | decode tok/s | decode ms/step |\n");
-    std::printf("|------:|-----------:|--------:|--------------:|-------------:|---------------:|\n");
+    std::printf(
+        "| batch | prompt tok | gen tok | prefill tok/s | decode tok/s | decode ms/step |\n");
+    std::printf(
+        "|------:|-----------:|--------:|--------------:|-------------:|---------------:|\n");
     for (int batch : batches_) {
       if (batch < 1) continue;
       EngineFlags flags = *engine_flags_;
@@ -59,8 +62,8 @@ class BenchCommand final : public Command {
           EngineRequest r;
           r.prompt.resize(prompt_);
           for (int j = 0; j < prompt_; ++j) {
-            r.prompt[j] = 3 + static_cast<int32_t>((1000003LL * (i + 1) + 7919LL * j) %
-                                                   (c.vocab_size - 3));
+            r.prompt[j] =
+                3 + static_cast<int32_t>((1000003LL * (i + 1) + 7919LL * j) % (c.vocab_size - 3));
           }
           r.params.temperature = 0;
           r.params.max_tokens = gen_;

@@ -41,7 +41,8 @@ struct SamplingFlags {
   bool ignore_eos = false;
 
   void Add(CLI::App* app) {
-    app->add_option("-n,--max-tokens", max_tokens, "Tokens to generate at most")->capture_default_str();
+    app->add_option("-n,--max-tokens", max_tokens, "Tokens to generate at most")
+        ->capture_default_str();
     app->add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
     app->add_option("--top-k", top_k, "0 = off")->capture_default_str();
     app->add_option("--top-p", top_p, "Nucleus probability (1 = off)")->capture_default_str();
@@ -76,11 +77,21 @@ std::string JsonEscape(const std::string& s) {
   std::string out;
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
       default:
         if (c < 0x20) {
           out += absl::StrFormat("\\u%04x", c);
@@ -113,7 +124,8 @@ class GenerateCommand final : public Command {
         engine_flags_(engine_flags) {
     app_->add_option("-p,--prompt", prompt_, "Prompt text (or a user message with --chat)")
         ->required();
-    app_->add_flag("--chat", chat_, "Wrap the prompt as a user turn with the model's chat template");
+    app_->add_flag("--chat", chat_,
+                   "Wrap the prompt as a user turn with the model's chat template");
     app_->add_option("--system", system_prompt_, "System message for --chat");
     app_->add_flag("--no-bos", no_bos_, "Do not prepend BOS even if the model asks for it");
     app_->add_flag("--special", raw_special_,
@@ -152,11 +164,12 @@ class GenerateCommand final : public Command {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const CompletedSample& o = r.samples[0];
     if (json_) {
-      std::printf("{\"text\":\"%s\",\"finish_reason\":\"%s\",\"prompt_tokens\":%lld,"
-                  "\"completion_tokens\":%zu,\"token_ids\":[%s]}\n",
-                  JsonEscape(o.text).c_str(), FinishReasonName(o.finish),
-                  static_cast<long long>(prompt_tokens), o.token_ids.size(),
-                  absl::StrJoin(o.token_ids, ",").c_str());
+      std::printf(
+          "{\"text\":\"%s\",\"finish_reason\":\"%s\",\"prompt_tokens\":%lld,"
+          "\"completion_tokens\":%zu,\"token_ids\":[%s]}\n",
+          JsonEscape(o.text).c_str(), FinishReasonName(o.finish),
+          static_cast<long long>(prompt_tokens), o.token_ids.size(),
+          absl::StrJoin(o.token_ids, ",").c_str());
     } else {
       std::printf("\n");
     }

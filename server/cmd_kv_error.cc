@@ -19,7 +19,8 @@ class KvErrorCommand final : public Command {
  public:
   explicit KvErrorCommand(CLI::App* root)
       : Command(root->add_subcommand(
-            "kv-error", "Error of every KV codec and granularity on K/V captured from a real forward")) {
+            "kv-error",
+            "Error of every KV codec and granularity on K/V captured from a real forward")) {
     app_->add_option("-f,--file", file_, "Plain text file")->required();
     app_->add_option("-c,--context", context_, "Tokens to run")->capture_default_str();
   }
@@ -30,8 +31,9 @@ class KvErrorCommand final : public Command {
     std::vector<int32_t> tokens = l.tokenizer->Encode(text, l.tokenizer->add_bos_default(), false);
     const std::vector<KvErrorRow> rows =
         ValueOrDie(ComputeKvError(*l.model, tokens, context_, &ThreadPool::Global()));
-    std::printf("| codec | granularity | K MSE | K max abs | K cosine | V MSE | V max abs | V cosine |\n"
-                "|---|---|---:|---:|---:|---:|---:|---:|\n");
+    std::printf(
+        "| codec | granularity | K MSE | K max abs | K cosine | V MSE | V max abs | V cosine |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|\n");
     for (const KvErrorRow& r : rows) {
       std::printf("| %s | %s | %.3g | %.3g | %.6f | %.3g | %.3g | %.6f |\n", r.codec.c_str(),
                   r.granularity.c_str(), r.k_mse, r.k_max_abs, r.k_cosine, r.v_mse, r.v_max_abs,

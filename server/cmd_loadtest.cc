@@ -29,7 +29,8 @@ class LoadtestCommand final : public Command {
  public:
   LoadtestCommand(CLI::App* root, EngineFlags* engine_flags)
       : Command(root->add_subcommand(
-            "loadtest", "A mixed-length request workload through the continuous-batching scheduler")),
+            "loadtest",
+            "A mixed-length request workload through the continuous-batching scheduler")),
         engine_flags_(engine_flags) {
     app_->add_option("-c,--concurrency", conc_, "Requests in flight (closed loop); a sweep")
         ->delimiter(',')
@@ -52,11 +53,13 @@ class LoadtestCommand final : public Command {
     const LlamaConfig& c = l.model->config();
     if (pmin_ < 1 || pmax_ < pmin_ || gmin_ < 1 || gmax_ < gmin_ ||
         pmax_ + gmax_ > c.context_length) {
-      Die(absl::InvalidArgumentError("need 1 <= prompt-min <= prompt-max, 1 <= gen-min <= "
+      Die(
+          absl::InvalidArgumentError("need 1 <= prompt-min <= prompt-max, 1 <= gen-min <= "
                                      "gen-max, prompt-max + gen-max within the context"));
     }
-    std::printf("| mode | conc | requests | out tok/s | mean latency s | mean TTFT s | slot eff | "
-                "contig (req max) | contig (ctx) | preempt |\n");
+    std::printf(
+        "| mode | conc | requests | out tok/s | mean latency s | mean TTFT s | slot eff | "
+        "contig (req max) | contig (ctx) | preempt |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int conc : conc_) {
       if (conc < 1) continue;

@@ -24,8 +24,9 @@ class PerplexityCommand final : public Command {
       : Command(root->add_subcommand("perplexity", "Perplexity of the model on a text file")) {
     app_->add_option("-f,--file", file_, "Plain text file")->required();
     app_->add_option("-c,--context", opts_.context, "Tokens per window")->capture_default_str();
-    app_->add_option("--stride", opts_.stride,
-                     "0 = llama.cpp method (score second half of each window); >0 = sliding windows")
+    app_->add_option(
+            "--stride", opts_.stride,
+            "0 = llama.cpp method (score second half of each window); >0 = sliding windows")
         ->capture_default_str();
     app_->add_option("--max-windows", opts_.max_windows, "0 = all")->capture_default_str();
     app_->add_option("--batch", opts_.batch_tokens, "Tokens per forward call")

@@ -39,9 +39,10 @@ LoadedModel LoadModelOrDie(const std::string& path) {
   l.model = ValueOrDie(LlamaModel::Load(path));
   l.tokenizer = ValueOrDie(Tokenizer::FromGguf(l.model->file()));
   const LlamaConfig& c = l.model->config();
-  spdlog::info("model {}: {} layers, dim {}, heads {}/{} (q/kv), head_dim {}, ffn {}, vocab {}, ctx {}",
-               path, c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim,
-               c.vocab_size, c.context_length);
+  spdlog::info(
+      "model {}: {} layers, dim {}, heads {}/{} (q/kv), head_dim {}, ffn {}, vocab {}, ctx {}",
+      path, c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size,
+      c.context_length);
   return l;
 }
 

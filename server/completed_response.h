@@ -26,20 +26,20 @@ namespace kvserve {
 
 // One of a request's n samples.
 struct CompletedSample {
-  int32_t index = 0;               // in [0, n)
-  std::vector<int32_t> token_ids;  // in the order the engine produced them
-  std::vector<float> logprobs;     // one per token when the request asked for them
-  std::string text;                // the concatenated event texts
+  int32_t index = 0;                          // in [0, n)
+  std::vector<int32_t> token_ids;             // in the order the engine produced them
+  std::vector<float> logprobs;                // one per token when the request asked for them
+  std::string text;                           // the concatenated event texts
   FinishReason finish = FinishReason::kNone;  // kNone while the sample is open
-  int32_t completion_tokens = 0;   // the engine's count (the most any event reported)
+  int32_t completion_tokens = 0;              // the engine's count (the most any event reported)
 };
 
 struct CompletedResponse {
-  uint64_t request_id = 0;  // the engine's id (from the events)
+  uint64_t request_id = 0;               // the engine's id (from the events)
   std::vector<CompletedSample> samples;  // samples[i].index == i
   int32_t prompt_tokens = 0;
-  int32_t cached_tokens = 0;       // prompt tokens served from the prefix cache (the most reported)
-  int64_t completion_tokens = 0;   // summed over the samples
+  int32_t cached_tokens = 0;      // prompt tokens served from the prefix cache (the most reported)
+  int64_t completion_tokens = 0;  // summed over the samples
   // The last cancelled or deadline finish of any sample, else kNone: a reply
   // with it set was cut short by the server or the deadline, not the model.
   FinishReason abort_reason = FinishReason::kNone;

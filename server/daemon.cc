@@ -122,14 +122,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   EngineBuilder builder(engine_flags, l.model.get(), l.tokenizer.get());
   ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path)));
   d->metrics_ = std::make_unique<Metrics>(name);
-  d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
-                                               d->engine_.get(), ServiceLimitsFromFlags(f),
-                                               d->metrics_.get());
+  d->service_ =
+      std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat, d->engine_.get(),
+                                     ServiceLimitsFromFlags(f), d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
   d->engine_->Start();
 
-  ASSIGN_OR_RETURN(d->grpc_, GrpcServer::Start(d->service_.get(), GrpcOptionsFromFlags(f, api_key)));
-  ASSIGN_OR_RETURN(d->http_, HttpServer::Start(d->service_.get(), HttpOptionsFromFlags(f, api_key)));
+  ASSIGN_OR_RETURN(d->grpc_,
+                   GrpcServer::Start(d->service_.get(), GrpcOptionsFromFlags(f, api_key)));
+  ASSIGN_OR_RETURN(d->http_,
+                   HttpServer::Start(d->service_.get(), HttpOptionsFromFlags(f, api_key)));
   spdlog::info("serving '{}': gRPC on {} (port {}), HTTP on {}:{}{}", name, f.grpc_address,
                d->grpc_->port(), f.http_host, d->http_->port(),
                api_key.empty() ? "" : ", API key required");
@@ -163,8 +165,9 @@ void Daemon::Drain(const std::string& reason) {
                flags_.drain_timeout);
   // New requests are refused from here on; in-flight ones may finish.
   service_->BeginDrain();
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(flags_.drain_timeout * 1000));
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(flags_.drain_timeout * 1000));
   while (service_->in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

@@ -51,10 +51,11 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
                                                              KvEventSink* kv_events,
                                                              std::string model_identity) {
   ASSIGN_OR_RETURN(const MemoryPlan plan, PlanFromFlags(flags_, model_->config()));
-  spdlog::info("KV cache ({}): {} bytes/token, {} bytes/block of {} tokens, {} blocks, "
-               "{} tokens, {} sequences of the full context",
-               flags_.kv_cache_dtype, plan.kv_bytes_per_token, plan.block_bytes, plan.block_size,
-               plan.num_blocks, plan.token_capacity, plan.full_context_sequences);
+  spdlog::info(
+      "KV cache ({}): {} bytes/token, {} bytes/block of {} tokens, {} blocks, "
+      "{} tokens, {} sequences of the full context",
+      flags_.kv_cache_dtype, plan.kv_bytes_per_token, plan.block_bytes, plan.block_size,
+      plan.num_blocks, plan.token_capacity, plan.full_context_sequences);
   ASSIGN_OR_RETURN(EngineOptions o, EngineOptionsFromFlags(flags_, plan));
   o.kv_events = kv_events;
   o.model_identity = std::move(model_identity);

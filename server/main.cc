@@ -27,7 +27,8 @@ int main(int argc, char** argv) {
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
   spdlog::set_default_logger(spdlog::stderr_color_mt("kvserve"));
 
-  CLI::App app{"kvserve: an LLM inference engine and serving daemon built around KV-cache management"};
+  CLI::App app{
+      "kvserve: an LLM inference engine and serving daemon built around KV-cache management"};
   app.require_subcommand(1);
   GlobalFlags global;
   global.model_path = DefaultModelPath();
