@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -19,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "proto/kvserve.grpc.pb.h"
+#include "server/completed_response.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -136,8 +138,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
         std::min(prepared->engine.deadline, SteadyDeadline(ctx->deadline()));
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
-      shared_->samples = std::max(1, prepared->engine.n);
-      shared_->prompt_tokens = prepared->prompt_tokens;
+      shared_->response.emplace(prepared->engine.n, prepared->prompt_tokens);
     }
     std::shared_ptr<Shared> shared = shared_;
     absl::StatusOr<uint64_t> id = service->Start(
@@ -204,11 +205,9 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     bool writing = false;      // a StartWrite awaits OnWriteDone
     bool finishing = false;    // Finish called (or about to be)
     bool client_cancelled = false;
-    int32_t samples = 1;
-    int32_t samples_done = 0;
-    int32_t prompt_tokens = 0;
-    int32_t cached_tokens = 0;  // the most any event reported
-    int32_t completion_tokens = 0;
+    // The reply as a whole (made before the request starts): its usage
+    // closes the stream, and a cancelled/deadline sample decides the status.
+    std::optional<ResponseAccumulator> response;
     FinishReason worst = FinishReason::kNone;  // cancelled/deadline outrank stop/length
     std::deque<pb::GenerateResponse> pending;
     // gRPC keeps a pointer to the message until OnWriteDone.
@@ -246,22 +245,14 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
       {
         std::lock_guard<std::mutex> lock(self->mu);
         if (self->finishing) return;  // cancelled: late events go nowhere
-        self->cached_tokens = std::max(self->cached_tokens, ev.cached_tokens);
-        if (ev.finish != FinishReason::kNone) {
-          ++self->samples_done;
-          self->completion_tokens += ev.completion_tokens;
-          if (ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kDeadline) {
-            self->worst = ev.finish;
-          }
-          if (self->samples_done >= self->samples) {
-            self->engine_done = true;
-            pb::Usage* usage = chunk.mutable_usage();
-            const int32_t prompt_tokens =
-                ev.prompt_tokens > 0 ? ev.prompt_tokens : self->prompt_tokens;
-            usage->set_prompt_tokens(prompt_tokens);
-            usage->set_cached_prompt_tokens(std::min(self->cached_tokens, prompt_tokens));
-            usage->set_completion_tokens(self->completion_tokens);
-          }
+        if (self->response->Add(ev) && self->response->done()) {
+          self->engine_done = true;
+          const CompletedResponse done = self->response->Take();
+          self->worst = done.abort_reason;
+          pb::Usage* usage = chunk.mutable_usage();
+          usage->set_prompt_tokens(done.prompt_tokens);
+          usage->set_cached_prompt_tokens(std::min(done.cached_tokens, done.prompt_tokens));
+          usage->set_completion_tokens(static_cast<int32_t>(done.completion_tokens));
         }
         self->pending.push_back(std::move(chunk));
         next = self->NextWriteLocked();

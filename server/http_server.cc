@@ -33,6 +33,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "server/completed_response.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -521,16 +522,6 @@ struct RequestState {
   bool stopping = false;        // guarded by mu; the server is shutting down
 };
 
-// Per-choice accumulation for responses.
-struct Choice {
-  std::string text;
-  std::vector<int32_t> tokens;
-  std::vector<float> logprobs;
-  FinishReason finish = FinishReason::kNone;
-  int32_t completion_tokens = 0;
-  bool started = false;  // a stream has emitted its first chunk for it
-};
-
 // OpenAI's finish_reason; null while a choice is still open. A cancelled or
 // timed-out choice is "abort", as vLLM reports it.
 json FinishName(FinishReason r) {
@@ -716,49 +707,29 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   const std::string& model = service->model_name();
 
   if (!opts.stream) {
-    std::vector<Choice> choices(n);
-    int open = n;
-    bool aborted = false;
-    int32_t cached_tokens = 0;
-    while (open > 0) {
+    ResponseAccumulator acc(n, prompt_tokens);
+    while (!acc.done()) {
       std::deque<SeqEvent> events;
       {
         std::unique_lock<std::mutex> lock(state->mu);
         state->cv.wait(lock, [&] { return !state->events.empty(); });
         events.swap(state->events);
       }
-      for (SeqEvent& ev : events) {
-        cached_tokens = std::max(cached_tokens, ev.cached_tokens);
-        if (ev.index < 0 || ev.index >= n) continue;
-        Choice& c = choices[ev.index];
-        c.text += ev.text;
-        c.tokens.insert(c.tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
-        c.logprobs.insert(c.logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
-        c.completion_tokens = std::max(c.completion_tokens, ev.completion_tokens);
-        if (ev.finish != FinishReason::kNone && c.finish == FinishReason::kNone) {
-          c.finish = ev.finish;
-          --open;
-          if (ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kDeadline) {
-            aborted = true;
-          }
-        }
-      }
+      for (const SeqEvent& ev : events) acc.Add(ev);
     }
     Untrack(request_id);
-    if (aborted) {
+    const CompletedResponse done = acc.Take();
+    if (done.aborted()) {
       // Only the server cancels a non-streaming request (drain or Stop):
       // the client should retry elsewhere, which 503 says.
       return SendError(res, {503, "the request was cancelled: the server is shutting down", "",
                              ""});
     }
     json out_choices = json::array();
-    int64_t completion_tokens = 0;
-    for (int i = 0; i < n; ++i) {
-      Choice& c = choices[i];
-      completion_tokens += c.completion_tokens;
-      json lp = opts.logprobs ? LogprobsJson(opts, c.tokens, c.logprobs, echo_text.size())
+    for (const CompletedSample& c : done.samples) {
+      json lp = opts.logprobs ? LogprobsJson(opts, c.token_ids, c.logprobs, echo_text.size())
                               : json(nullptr);
-      json choice = {{"index", i}};
+      json choice = {{"index", c.index}};
       if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", c.text}};
       } else {
@@ -773,7 +744,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
                 {"created", created_at},
                 {"model", model},
                 {"choices", std::move(out_choices)},
-                {"usage", Usage(prompt_tokens, completion_tokens, cached_tokens)}};
+                {"usage", Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)}};
     if (chat) out["system_fingerprint"] = nullptr;
     res.set_content(Dump(out), "application/json");
     return;
@@ -782,16 +753,13 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   // Streaming: the provider runs on this connection's worker once the headers
   // are out, and again after each return until sink.done() or a failure.
   struct StreamCursor {
-    std::vector<Choice> choices;
-    int open = 0;
-    int32_t cached_tokens = 0;
+    StreamCursor(int32_t n, int32_t prompt_tokens) : response(n, prompt_tokens) {}
+    ResponseAccumulator response;  // what has been streamed so far
     bool opened = false;    // role / echo chunks written
     bool finished = false;  // [DONE] written
     SteadyTime::time_point last_write = SteadyTime::now();
   };
-  auto cursor = std::make_shared<StreamCursor>();
-  cursor->choices.resize(n);
-  cursor->open = n;
+  auto cursor = std::make_shared<StreamCursor>(n, prompt_tokens);
   const char* object = chat ? "chat.completion.chunk" : "text_completion";
   auto chunk_json = [id, created_at, model, object](json choices) {
     return json{{"id", id},
@@ -819,8 +787,8 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   res.set_header("X-Accel-Buffering", "no");  // proxies must not hold the stream back
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, state, cursor, request_id, opts, n, chat, prompt_tokens, echo_text, chunk_json,
-       chunk, choice_delta](size_t /*offset*/, httplib::DataSink& sink) -> bool {
+      [this, state, cursor, request_id, opts, n, chat, echo_text, chunk_json, chunk,
+       choice_delta](size_t /*offset*/, httplib::DataSink& sink) -> bool {
         StreamCursor& cur = *cursor;
         std::string out;
         if (!cur.opened) {
@@ -845,23 +813,19 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
           stopping_now = state->stopping;
         }
         std::optional<std::string> abort_message;
-        for (SeqEvent& ev : events) {
-          cur.cached_tokens = std::max(cur.cached_tokens, ev.cached_tokens);
+        for (const SeqEvent& ev : events) {
+          // The sample's text before this event places its log-probabilities.
+          const size_t text_offset = echo_text.size() + cur.response.text_size(ev.index);
+          const bool finished_sample = cur.response.Add(ev);
           if (ev.index < 0 || ev.index >= n) continue;
-          Choice& c = cur.choices[ev.index];
-          c.completion_tokens = std::max(c.completion_tokens, ev.completion_tokens);
           if (!ev.text.empty() || (opts.logprobs && !ev.token_ids.empty())) {
             json d = choice_delta(ev.index, ev.text);
             if (opts.logprobs) {
-              d["logprobs"] = LogprobsJson(opts, ev.token_ids, ev.logprobs,
-                                           echo_text.size() + c.text.size());
+              d["logprobs"] = LogprobsJson(opts, ev.token_ids, ev.logprobs, text_offset);
             }
-            c.text += ev.text;
             out += chunk(json::array({std::move(d)}));
           }
-          if (ev.finish != FinishReason::kNone && c.finish == FinishReason::kNone) {
-            c.finish = ev.finish;
-            --cur.open;
+          if (finished_sample) {
             if (ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kDeadline) {
               abort_message = "the request was cancelled: the server is shutting down";
             } else {
@@ -879,12 +843,11 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
               "data: ", Dump(ErrorJson({503, *abort_message, "", ""})), "\n\ndata: [DONE]\n\n");
           service->Cancel(request_id);  // the other samples, if any
           cur.finished = true;
-        } else if (cur.open == 0) {
+        } else if (cur.response.done()) {
           if (opts.include_usage) {
-            int64_t completion_tokens = 0;
-            for (const Choice& c : cur.choices) completion_tokens += c.completion_tokens;
+            const CompletedResponse done = cur.response.Take();  // the stream ends here
             json u = chunk_json(json::array());
-            u["usage"] = Usage(prompt_tokens, completion_tokens, cur.cached_tokens);
+            u["usage"] = Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens);
             out += absl::StrCat("data: ", Dump(u), "\n\n");
           }
           out += "data: [DONE]\n\n";

@@ -1,5 +1,6 @@
 #include "server/model_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <future>
@@ -21,6 +22,11 @@ ModelService::ModelService(std::string model_name, LlamaModel* model, const Toke
       limits_(limits),
       metrics_(metrics) {}
 
+// Prepare owns only what the protocols add: the model name, the choice of
+// input, chat rendering, and the default max_tokens. Every rule on the engine
+// request itself (prompt ids, n, sampling parameters, stop strings, context
+// length, cache_salt) is ValidateEngineRequest's, with the same messages the
+// engine would give.
 absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p) const {
   if (!p.model.empty() && p.model != model_name_) {
     return absl::NotFoundError(
@@ -30,36 +36,15 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   if (inputs != 1) {
     return absl::InvalidArgumentError("exactly one of prompt or messages must be given");
   }
-  if (p.n < 1 || p.n > limits_.max_n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("n must be between 1 and ", limits_.max_n, " (got ", p.n, ")"));
-  }
-  if (static_cast<int32_t>(p.stop.size()) > limits_.max_stop_strings) {
-    return absl::InvalidArgumentError(absl::StrCat("stop: at most ", limits_.max_stop_strings,
-                                                   " stop strings (got ", p.stop.size(), ")"));
-  }
-  for (const std::string& s : p.stop) {
-    if (s.empty()) return absl::InvalidArgumentError("stop: stop strings must not be empty");
-    if (static_cast<int32_t>(s.size()) > limits_.max_stop_string_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("stop: a stop string is longer than ",
-                                                     limits_.max_stop_string_bytes, " bytes"));
-    }
-  }
   const LlamaConfig& c = model_->config();
   PreparedRequest out;
   EngineRequest& r = out.engine;
   if (p.prompt_text) {
+    // Checked before tokenizing: BOS alone would make an empty text a prompt.
     if (p.prompt_text->empty()) return absl::InvalidArgumentError("prompt is empty");
     r.prompt = tokenizer_->Encode(*p.prompt_text, p.add_special_tokens && tokenizer_->add_bos_default(),
                                   /*parse_special=*/false);
   } else if (p.prompt_ids) {
-    if (p.prompt_ids->empty()) return absl::InvalidArgumentError("prompt is empty");
-    for (int32_t t : *p.prompt_ids) {
-      if (t < 0 || t >= c.vocab_size) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prompt: token id ", t, " is outside the vocabulary [0, ", c.vocab_size, ")"));
-      }
-    }
     r.prompt = *p.prompt_ids;
   } else {
     if (p.messages->empty()) return absl::InvalidArgumentError("messages is empty");
@@ -75,7 +60,6 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
     ASSIGN_OR_RETURN(std::string text, chat_template_->Render(*p.messages, true));
     r.prompt = tokenizer_->Encode(text, /*add_bos=*/false, /*parse_special=*/true);
   }
-  if (r.prompt.empty()) return absl::InvalidArgumentError("prompt is empty after tokenization");
 
   SamplingParams& s = r.params;
   s.temperature = p.temperature;
@@ -93,19 +77,13 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   s.stop_token_ids = p.stop_token_ids;
   s.ignore_eos = p.ignore_eos;
   s.logprobs = p.logprobs;
-  const int64_t room = static_cast<int64_t>(c.context_length) - static_cast<int64_t>(r.prompt.size());
   if (p.max_tokens) {
-    if (*p.max_tokens < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("max_tokens must be at least 1 (got ", *p.max_tokens, ")"));
-    }
-    if (*p.max_tokens > room) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "max_tokens: prompt (", r.prompt.size(), " tokens) + max_tokens (", *p.max_tokens,
-          ") exceeds the context length ", c.context_length));
-    }
     s.max_tokens = *p.max_tokens;
-  } else {
+  } else if (!r.prompt.empty()) {
+    // The default fills the context at most; only a prompt that fills it
+    // already leaves no room.
+    const int64_t room =
+        static_cast<int64_t>(c.context_length) - static_cast<int64_t>(r.prompt.size());
     if (room < 1) {
       return absl::InvalidArgumentError(absl::StrCat("prompt: ", r.prompt.size(),
                                                      " tokens leave no room in the context length ",
@@ -113,14 +91,16 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
     }
     s.max_tokens = static_cast<int32_t>(std::min<int64_t>(limits_.default_max_tokens, room));
   }
-  RETURN_IF_ERROR(ValidateSamplingParams(s));
   r.n = p.n;
   r.priority = p.priority;
-  if (p.cache_salt.size() > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cache_salt: ", p.cache_salt.size(), " bytes; at most 256"));
-  }
   r.cache_salt = p.cache_salt;
+
+  RequestLimits limits = engine_->limits();
+  limits.max_n = std::min(limits.max_n, limits_.max_n);
+  // Whether the KV pool could ever hold the request is admission's call
+  // (Start: ResourceExhausted, counted as rejected), not a malformed request.
+  limits.num_blocks = 0;
+  RETURN_IF_ERROR(ValidateEngineRequest(r, limits));
   out.prompt_tokens = static_cast<int32_t>(r.prompt.size());
   return out;
 }

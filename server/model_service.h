@@ -1,7 +1,9 @@
 // ModelService: what the gRPC and the HTTP front ends share. It validates a
-// request (the same rules and messages for both protocols), turns text or
-// chat messages into tokens, submits to the engine with back-pressure, times
-// each stream for the metrics, and answers tokenize/model-info/stats calls.
+// request (the same rules and messages for both protocols: the protocol's own
+// fields here, the engine request through scheduler/request.h's
+// ValidateEngineRequest, the rules' one home), turns text or chat messages
+// into tokens, submits to the engine with back-pressure, times each stream
+// for the metrics, and answers tokenize/model-info/stats calls.
 // Only server/ knows it; it speaks absl::Status, and each front end maps
 // codes to its protocol (gRPC status / HTTP code).
 //
@@ -29,9 +31,9 @@
 namespace kvserve {
 
 struct ServiceLimits {
-  int32_t max_n = 8;                 // samples per request
-  int32_t max_stop_strings = 8;
-  int32_t max_stop_string_bytes = 256;
+  // Samples per request; the engine's own max_n applies too (the tighter
+  // wins). Stop strings are limited by ValidateSamplingParams.
+  int32_t max_n = 8;
   int32_t max_queued = 1024;         // waiting requests before RESOURCE_EXHAUSTED
   int32_t default_max_tokens = 256;  // when a request names none
 };
@@ -84,7 +86,10 @@ class ModelService {
                std::optional<ChatTemplate> chat_template, Engine* engine, ServiceLimits limits,
                Metrics* metrics);
 
-  // InvalidArgument naming the field (NotFound for an unknown model).
+  // InvalidArgument naming the field (NotFound for an unknown model): the
+  // request as the engine's Submit would judge it, with max_n the tighter of
+  // the engine's and ServiceLimits'. Whether the KV pool can hold it is left
+  // to Start.
   [[nodiscard]] absl::StatusOr<PreparedRequest> Prepare(const CompletionParams& params) const;
 
   // Submits; events arrive on `sink` (the last per sample has a finish

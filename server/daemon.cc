@@ -1,0 +1,191 @@
+#include "server/daemon.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "model/chat_template.h"
+#include "server/engine_builder.h"
+#include "spdlog/spdlog.h"
+
+namespace kvserve {
+namespace {
+
+sigset_t ShutdownSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  return signals;
+}
+
+// Cached blocks are only valid for the weights that computed them. The
+// file's name and size stand for its identity: stable across restarts and
+// across replicas serving the same file, so routers see the same hashes.
+std::string ModelIdentity(const std::string& model_path) {
+  std::string identity = model_path.substr(model_path.find_last_of('/') + 1);
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(model_path, ec);
+  absl::StrAppend(&identity, "/", ec ? 0 : size);
+  return identity;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ApiKeyFromFlags(const ServeFlags& f) {
+  std::string api_key = f.api_key;
+  if (!f.api_key_file.empty()) {
+    ASSIGN_OR_RETURN(api_key, ReadFileToString(f.api_key_file));
+    while (!api_key.empty() && std::isspace(static_cast<unsigned char>(api_key.back()))) {
+      api_key.pop_back();
+    }
+    if (api_key.empty()) return absl::InvalidArgumentError("--api-key-file is empty");
+  }
+  if (f.tls_cert.empty() != f.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  return api_key;
+}
+
+std::string ServedModelName(const ServeFlags& f, const std::string& model_path) {
+  std::string name = f.served_model_name;
+  if (name.empty()) {
+    name = model_path.substr(model_path.find_last_of('/') + 1);
+    if (name.size() > 5 && name.substr(name.size() - 5) == ".gguf") name.resize(name.size() - 5);
+  }
+  return name;
+}
+
+ServiceLimits ServiceLimitsFromFlags(const ServeFlags& f) {
+  ServiceLimits limits;
+  limits.max_queued = f.max_queued;
+  limits.max_n = f.max_n;
+  limits.default_max_tokens = f.default_max_tokens;
+  return limits;
+}
+
+GrpcServerOptions GrpcOptionsFromFlags(const ServeFlags& f, const std::string& api_key) {
+  GrpcServerOptions o;
+  o.address = f.grpc_address;
+  o.api_key = api_key;
+  o.tls_cert = f.tls_cert;
+  o.tls_key = f.tls_key;
+  return o;
+}
+
+HttpServerOptions HttpOptionsFromFlags(const ServeFlags& f, const std::string& api_key) {
+  HttpServerOptions o;
+  o.host = f.http_host;
+  o.port = f.http_port;
+  o.api_key = api_key;
+  o.tls_cert = f.tls_cert;
+  o.tls_key = f.tls_key;
+  o.max_request_bytes = f.max_request_bytes;
+  return o;
+}
+
+void Daemon::BlockShutdownSignals() {
+  const sigset_t signals = ShutdownSignals();
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
+                                                      const std::string& model_path,
+                                                      const ServeFlags& f,
+                                                      const EngineFlags& engine_flags,
+                                                      ThreadPool* pool) {
+  std::unique_ptr<Daemon> d(new Daemon());
+  d->flags_ = f;
+  ASSIGN_OR_RETURN(const std::string api_key, ApiKeyFromFlags(f));
+  const std::string name = ServedModelName(f, model_path);
+  std::optional<ChatTemplate> chat;
+  if (auto t = ChatTemplate::FromGguf(l.model->file()); t.ok()) {
+    chat = *t;
+  } else {
+    spdlog::warn("chat disabled: {}", t.status().ToString());
+  }
+  if (f.kv_events_retain < 0) {
+    return absl::InvalidArgumentError("--kv-events-retain must be >= 0");
+  }
+  if (f.kv_events_retain > 0 && engine_flags.prefix_cache) {
+    d->kv_events_ = std::make_unique<KvEventLog>(static_cast<size_t>(f.kv_events_retain));
+  }
+  EngineBuilder builder(engine_flags, l.model.get(), l.tokenizer.get());
+  ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path)));
+  d->metrics_ = std::make_unique<Metrics>(name);
+  d->service_ =
+      std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat, d->engine_.get(),
+                                     ServiceLimitsFromFlags(f), d->metrics_.get());
+  d->service_->set_kv_events(d->kv_events_.get());
+  d->engine_->Start();
+
+  ASSIGN_OR_RETURN(d->grpc_,
+                   GrpcServer::Start(d->service_.get(), GrpcOptionsFromFlags(f, api_key)));
+  ASSIGN_OR_RETURN(d->http_,
+                   HttpServer::Start(d->service_.get(), HttpOptionsFromFlags(f, api_key)));
+  spdlog::info("serving '{}': gRPC on {} (port {}), HTTP on {}:{}{}", name, f.grpc_address,
+               d->grpc_->port(), f.http_host, d->http_->port(),
+               api_key.empty() ? "" : ", API key required");
+  if (!f.port_file.empty()) {
+    // Written aside and renamed, so a reader never sees half a file.
+    const std::string tmp = f.port_file + ".tmp";
+    std::ofstream(tmp) << "{\"grpc\": " << d->grpc_->port() << ", \"http\": " << d->http_->port()
+                       << "}\n";
+    std::rename(tmp.c_str(), f.port_file.c_str());
+  }
+  return d;
+}
+
+Daemon::~Daemon() {
+  if (stopped_) return;
+  if (kv_events_) kv_events_->Close();
+  if (grpc_) grpc_->Shutdown(std::chrono::system_clock::now());
+  if (http_) http_->Stop();
+  if (engine_) engine_->Stop();
+}
+
+void Daemon::WaitForSignalAndDrain() {
+  const sigset_t signals = ShutdownSignals();
+  int sig = 0;
+  sigwait(&signals, &sig);
+  Drain(sig == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+void Daemon::Drain(const std::string& reason) {
+  spdlog::info("{}: draining ({} in flight, {:.0f} s to finish)", reason, service_->in_flight(),
+               flags_.drain_timeout);
+  // New requests are refused from here on; in-flight ones may finish.
+  service_->BeginDrain();
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(flags_.drain_timeout * 1000));
+  while (service_->in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (service_->in_flight() > 0) {
+    spdlog::warn("drain timeout: cancelling {} requests", service_->in_flight());
+    service_->CancelAll();
+    const auto grace = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (service_->in_flight() > 0 && std::chrono::steady_clock::now() < grace) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  // Subscribers' streams end first so the gRPC shutdown does not wait on them.
+  if (kv_events_) kv_events_->Close();
+  grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  http_->Stop();
+  engine_->Stop();
+  stopped_ = true;
+  spdlog::info("stopped");
+}
+
+}  // namespace kvserve

@@ -1,0 +1,83 @@
+// Daemon: `kvserve serve` as an object. It owns the daemon's start-up (API
+// key, served name, chat template, KV event log, engine, ModelService, the
+// gRPC and HTTP servers, the port file), waits for SIGTERM/SIGINT, and owns
+// the drain: new requests are refused, in-flight ones get --drain-timeout
+// seconds, the rest are cancelled, then the servers and the engine stop.
+// Also here: how ServeFlags become the services' options.
+//
+// Thread-safety: Start, WaitForSignalAndDrain and Drain are called from the
+// main thread; the servers' and the engine's own threads run inside. Signals
+// arrive through sigwait, so BlockShutdownSignals must run before any thread
+// exists.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "cache/kv_event_log.h"
+#include "common/thread_pool.h"
+#include "scheduler/engine.h"
+#include "server/command.h"
+#include "server/grpc_server.h"
+#include "server/http_server.h"
+#include "server/metrics.h"
+#include "server/model_service.h"
+#include "server/serve_flags.h"
+
+namespace kvserve {
+
+// --api-key, or the trimmed contents of --api-key-file (InvalidArgument when
+// it is empty, NotFound when unreadable); InvalidArgument unless --tls-cert
+// and --tls-key come together.
+[[nodiscard]] absl::StatusOr<std::string> ApiKeyFromFlags(const ServeFlags& flags);
+// --served-model-name, or the model's file name without ".gguf".
+std::string ServedModelName(const ServeFlags& flags, const std::string& model_path);
+ServiceLimits ServiceLimitsFromFlags(const ServeFlags& flags);
+GrpcServerOptions GrpcOptionsFromFlags(const ServeFlags& flags, const std::string& api_key);
+HttpServerOptions HttpOptionsFromFlags(const ServeFlags& flags, const std::string& api_key);
+
+class Daemon {
+ public:
+  // Blocks SIGTERM and SIGINT for the calling thread and every thread it
+  // creates later, so that only WaitForSignalAndDrain's sigwait takes them.
+  // REQUIRES: called on the main thread before any other thread exists.
+  static void BlockShutdownSignals();
+
+  // Builds everything and starts serving; on return both ports listen and
+  // the port file (if any) is written. `model` must outlive the daemon.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Daemon>> Start(
+      const LoadedModel& model, const std::string& model_path, const ServeFlags& flags,
+      const EngineFlags& engine_flags, ThreadPool* pool);
+
+  // Stops whatever still runs (without a drain).
+  ~Daemon();
+
+  // Blocks until SIGTERM or SIGINT, then Drain()s.
+  // REQUIRES: BlockShutdownSignals() ran before any thread was created.
+  void WaitForSignalAndDrain();
+
+  // Refuses new requests, waits up to --drain-timeout for the in-flight
+  // ones, cancels the rest, then stops the KV event stream, the servers and
+  // the engine. `reason` starts the log line ("SIGTERM").
+  void Drain(const std::string& reason);
+
+  int grpc_port() const { return grpc_->port(); }
+  int http_port() const { return http_->port(); }
+
+ private:
+  Daemon() = default;
+
+  ServeFlags flags_;
+  // Declared in construction order; destroyed in reverse (servers first).
+  std::unique_ptr<KvEventLog> kv_events_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ModelService> service_;
+  std::unique_ptr<GrpcServer> grpc_;
+  std::unique_ptr<HttpServer> http_;
+  bool stopped_ = false;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,70 @@
+#include "server/engine_builder.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "spdlog/spdlog.h"
+
+namespace kvserve {
+
+absl::StatusOr<kernels::KvDType> KvDTypeFromFlags(const EngineFlags& flags) {
+  kernels::KvDType t;
+  if (kernels::ParseKvDType(flags.kv_cache_dtype, &t)) return t;
+  return absl::InvalidArgumentError(absl::StrCat("--kv-cache-dtype must be one of ",
+                                                 std::string(kernels::KvDTypeList()), "; not '",
+                                                 flags.kv_cache_dtype, "'"));
+}
+
+absl::StatusOr<MemoryPlan> PlanFromFlags(const EngineFlags& flags, const LlamaConfig& c) {
+  ASSIGN_OR_RETURN(const int64_t budget, ParseMemoryBudget(flags.kv_cache_memory));
+  ASSIGN_OR_RETURN(const kernels::KvDType dtype, KvDTypeFromFlags(flags));
+  return PlanKvMemory({c.n_layers, c.n_kv_heads, c.head_dim, c.context_length}, flags.block_size,
+                      dtype, budget);
+}
+
+absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
+                                                     const MemoryPlan& plan) {
+  EngineOptions o;
+  o.block_size = flags.block_size;
+  o.num_blocks = static_cast<int32_t>(std::min<int64_t>(plan.num_blocks, 1 << 30));
+  ASSIGN_OR_RETURN(o.kv_dtype, KvDTypeFromFlags(flags));
+  o.max_batched_tokens = flags.max_batched_tokens;
+  o.max_seqs = flags.max_seqs;
+  o.static_batching = flags.static_batching;
+  o.prefix_cache = flags.prefix_cache;
+  auto policy = ParseSchedulePolicy(flags.schedule_policy);
+  if (!policy.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--schedule-policy: ", policy.status().message()));
+  }
+  o.schedule_policy = *policy;
+  return o;
+}
+
+EngineBuilder::EngineBuilder(const EngineFlags& flags, LlamaModel* model,
+                             const Tokenizer* tokenizer)
+    : flags_(flags), model_(model), tokenizer_(tokenizer) {}
+
+absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
+                                                             KvEventSink* kv_events,
+                                                             std::string model_identity) {
+  ASSIGN_OR_RETURN(const MemoryPlan plan, PlanFromFlags(flags_, model_->config()));
+  spdlog::info(
+      "KV cache ({}): {} bytes/token, {} bytes/block of {} tokens, {} blocks, "
+      "{} tokens, {} sequences of the full context",
+      flags_.kv_cache_dtype, plan.kv_bytes_per_token, plan.block_bytes, plan.block_size,
+      plan.num_blocks, plan.token_capacity, plan.full_context_sequences);
+  ASSIGN_OR_RETURN(EngineOptions o, EngineOptionsFromFlags(flags_, plan));
+  o.kv_events = kv_events;
+  o.model_identity = std::move(model_identity);
+  if (backend_ == nullptr) {
+    ASSIGN_OR_RETURN(backend_, CreateBackend(flags_.device, model_, o.kv_dtype, flags_.block_size));
+    spdlog::info("device: {} (--device {})", backend_->name(), flags_.device);
+  }
+  o.backend = backend_;
+  return Engine::Create(model_, tokenizer_, pool, o);
+}
+
+}  // namespace kvserve

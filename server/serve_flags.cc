@@ -1,0 +1,80 @@
+#include "server/serve_flags.h"
+
+#include <cctype>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "kernels/kv_view.h"
+
+namespace kvserve {
+
+void AddEngineFlags(CLI::App* app, EngineFlags* f) {
+  app->add_option("--device", f->device,
+                  "Where the model and KV cache run: cpu, cuda, or auto (cuda when a GPU is "
+                  "usable and supports the KV dtype, else cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+      ->capture_default_str();
+  app->add_option("--block-size", f->block_size, "Tokens per KV block")->capture_default_str();
+  app->add_option("--kv-cache-memory", f->kv_cache_memory,
+                  "KV cache budget: bytes (512MiB, 2GiB) or a fraction of available memory (0.5)")
+      ->capture_default_str();
+  app->add_option("--kv-cache-dtype", f->kv_cache_dtype,
+                  "KV storage: " + std::string(kernels::KvDTypeList()))
+      ->capture_default_str();
+  app->add_option("--max-batched-tokens", f->max_batched_tokens, "Token budget of one engine step")
+      ->capture_default_str();
+  app->add_option("--max-seqs", f->max_seqs, "Running sequences at most")->capture_default_str();
+  app->add_flag("--static-batching", f->static_batching,
+                "Admit whole batches; no one joins until all finish (for comparison)");
+  app->add_flag("--prefix-cache,!--no-prefix-cache", f->prefix_cache,
+                "Reuse the KV blocks of cached prompt prefixes (radix prefix cache)")
+      ->capture_default_str();
+  app->add_option("--schedule-policy", f->schedule_policy,
+                  "Waiting-queue order: fcfs, or lpm (longest cached prefix first)")
+      ->capture_default_str();
+}
+
+void AddServeFlags(CLI::App* app, ServeFlags* f) {
+  app->add_option("--grpc-address", f->grpc_address, "gRPC listen address (port 0: any free port)")
+      ->capture_default_str();
+  app->add_option("--http-host", f->http_host, "HTTP listen host")->capture_default_str();
+  app->add_option("--http-port", f->http_port, "HTTP listen port (0: any free port)")
+      ->capture_default_str();
+  app->add_option("--port-file", f->port_file,
+                  "Write {\"grpc\": N, \"http\": M} here once listening");
+  app->add_option("--api-key", f->api_key, "Require this key (HTTP Bearer, gRPC metadata)");
+  app->add_option("--api-key-file", f->api_key_file, "Read the API key from a file");
+  app->add_option("--tls-cert", f->tls_cert, "PEM certificate: serve TLS (with --tls-key)");
+  app->add_option("--tls-key", f->tls_key, "PEM private key");
+  app->add_option("--max-queued", f->max_queued, "Waiting requests before RESOURCE_EXHAUSTED / 429")
+      ->capture_default_str();
+  app->add_option("--max-request-bytes", f->max_request_bytes, "Largest HTTP body (413 above)")
+      ->capture_default_str();
+  app->add_option("--drain-timeout", f->drain_timeout,
+                  "Seconds in-flight requests get to finish on SIGTERM/SIGINT")
+      ->capture_default_str();
+  app->add_option("--served-model-name", f->served_model_name,
+                  "Model id clients use (default: the file name without .gguf)");
+  app->add_option("--max-n", f->max_n, "Samples per request at most")->capture_default_str();
+  app->add_option("--default-max-tokens", f->default_max_tokens,
+                  "max_tokens when a request gives none")
+      ->capture_default_str();
+  app->add_option("--kv-events-retain", f->kv_events_retain,
+                  "KV events kept for reconnecting subscribers (0: no event stream)")
+      ->capture_default_str();
+}
+
+void SetEnvNames(CLI::App* app) {
+  for (CLI::Option* opt : app->get_options()) {
+    if (opt->get_lnames().empty() || opt->get_lnames()[0] == "help" ||
+        opt->get_lnames()[0] == "config" || !opt->get_envname().empty()) {
+      continue;
+    }
+    std::string env = "KVSERVE_" + opt->get_lnames()[0];
+    for (char& ch : env) ch = ch == '-' ? '_' : static_cast<char>(std::toupper(ch));
+    opt->envname(env);
+  }
+  for (CLI::App* sub : app->get_subcommands({})) SetEnvNames(sub);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,71 @@
+// The command-line flags of the engine and of the daemon, as plain structs of
+// values plus the functions that register them on a CLI11 (sub)command. This
+// file only defines flags (names, defaults, help texts); turning the values
+// into an engine lives in server/engine_builder.h and into the daemon's
+// services in server/daemon.h, so neither knows CLI11. Every long option can
+// also come from the environment (KVSERVE_<FLAG>, see SetEnvNames) and from
+// the --config file.
+//
+// Thread-safety: plain data; registration happens once, on the main thread,
+// before parsing.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace kvserve {
+
+// KV cache and scheduler settings shared by the subcommands that run the
+// engine (generate, bench, loadtest, plan, serve).
+struct EngineFlags {
+  int32_t block_size = 16;
+  std::string kv_cache_memory = "1GiB";
+  std::string kv_cache_dtype = "f16";
+  int32_t max_batched_tokens = 512;
+  int32_t max_seqs = 64;
+  bool static_batching = false;
+  bool prefix_cache = true;
+  std::string schedule_policy = "fcfs";
+  std::string device = "auto";
+};
+
+// Registers --device, --block-size, --kv-cache-memory, --kv-cache-dtype,
+// --max-batched-tokens, --max-seqs, --static-batching, --[no-]prefix-cache
+// and --schedule-policy on `app`, bound to `flags` (which must outlive it).
+void AddEngineFlags(CLI::App* app, EngineFlags* flags);
+
+// The daemon's own settings (`kvserve serve`).
+struct ServeFlags {
+  std::string grpc_address = "127.0.0.1:50051";
+  std::string http_host = "127.0.0.1";
+  int http_port = 8000;
+  std::string port_file;
+  std::string api_key;
+  std::string api_key_file;
+  std::string tls_cert;
+  std::string tls_key;
+  int32_t max_queued = 1024;
+  int64_t max_request_bytes = 1 << 20;
+  double drain_timeout = 30;
+  std::string served_model_name;
+  int32_t max_n = 8;
+  int32_t default_max_tokens = 256;
+  int64_t kv_events_retain = 65536;
+};
+
+// Registers the daemon's flags on `app`, bound to `flags` (which must outlive
+// it).
+void AddServeFlags(CLI::App* app, ServeFlags* flags);
+
+// Gives every long option of `app` and of its subcommands (recursively) the
+// environment variable KVSERVE_<NAME> (--kv-cache-memory:
+// KVSERVE_KV_CACHE_MEMORY), except --help, --config and options that name
+// their own; command-line flags win over the environment.
+// REQUIRES: every option is registered.
+void SetEnvNames(CLI::App* app);
+
+}  // namespace kvserve
