@@ -19,7 +19,7 @@ struct ScheduledChunk {
   int32_t sample_index = 0;
   int32_t first_slot = 0;   // the sequence's num_computed when scheduled
   int32_t num_tokens = 0;   // input tokens this step (prompt chunk or 1 decode token)
-  bool prefill = false;     // prompt (or recomputed) tokens, not a decode token
+  bool prefill = false;     // not a lone last token (a decode token, or a prompt's last)
   bool sample = false;      // the chunk reaches the end of the input: logits wanted
 };
 

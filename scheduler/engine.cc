@@ -34,6 +34,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   if (o.max_seqs < 1) return absl::InvalidArgumentError("max_seqs must be >= 1");
   if (o.max_n < 1) return absl::InvalidArgumentError("max_n must be >= 1");
   if (!(o.target_itl_ms >= 0)) return absl::InvalidArgumentError("target_itl_ms must be >= 0");
+  if (!(o.max_stall_factor == 0 || o.max_stall_factor >= 1)) {
+    return absl::InvalidArgumentError("max_stall_factor must be 0 (off) or >= 1");
+  }
   if (o.min_prefill_tokens < 1) return absl::InvalidArgumentError("min_prefill_tokens must be >= 1");
   const LlamaConfig& c = model->config();
   // One forward path: without a device backend the CPU backend runs it.
@@ -64,6 +67,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
                   : SchedulerOptions::Policy::kFcfs;
   so.lpm_max_waiting = o.lpm_max_waiting;
   so.target_itl_ms = o.target_itl_ms;
+  so.max_stall_factor = o.max_stall_factor;
   so.min_prefill_tokens = o.min_prefill_tokens;
   e->scheduler_ = std::make_unique<Scheduler>(so, e->kv_.get(), o.kv_loader);
   e->runner_ = std::make_unique<ModelRunner>(std::move(backend), e->kv_.get(), pool);
@@ -313,7 +317,8 @@ void Engine::PublishStats(const BatchPlan* plan) {
   st.last_batch_prefill_tokens = plan ? plan->num_prefill_tokens : 0;
   st.last_token_budget = plan ? plan->token_budget : 0;
   st.step_fixed_ms = scheduler_->cost_model().fixed_seconds() * 1e3;
-  st.step_per_token_ms = scheduler_->cost_model().seconds_per_token() * 1e3;
+  st.step_decode_ms_per_token = scheduler_->cost_model().decode_seconds_per_token() * 1e3;
+  st.step_prefill_ms_per_token = scheduler_->cost_model().prefill_seconds_per_token() * 1e3;
   st.kv_arriving = static_cast<int32_t>(scheduler_->arriving().size());
   st.kv_loads = scheduler_->kv_loads();
   st.kv_load_failures = scheduler_->kv_load_failures();

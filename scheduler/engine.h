@@ -82,10 +82,12 @@ struct EngineOptions {
   // Device seam (model/backend.h): runs the forward and decides where the KV
   // pool's blocks live. Null: the CPU backend (model->Forward over host KV).
   std::shared_ptr<ForwardBackend> backend;
-  // Stall-free steps: a step that carries decode tokens is sized so its
-  // predicted time stays within this many milliseconds (0: no limit; every
-  // step may take max_batched_tokens). See scheduler.h.
+  // Stall-free steps (scheduler.h): a step that carries decode tokens is
+  // sized so its predicted time stays within target_itl_ms, or when that is
+  // 0, within max_stall_factor times what its decode tokens alone take. Both
+  // 0: no limit; every step may take max_batched_tokens.
   double target_itl_ms = 0;
+  double max_stall_factor = 0;
   // Prefill tokens a step with decoders gets at least, whatever the target.
   int32_t min_prefill_tokens = 16;
   // KV arriving from elsewhere (tiers, a prefill node); null: none.
@@ -135,8 +137,10 @@ struct EngineStats {
   // Stall-free steps.
   int64_t last_batch_prefill_tokens = 0;
   int64_t last_token_budget = 0;       // the step's budget after the ITL target
-  double step_fixed_ms = 0;            // fitted step cost: fixed_ms + per_token_ms * tokens
-  double step_per_token_ms = 0;
+  // The fitted step cost: fixed + decode_per_token * d + prefill_per_token * p.
+  double step_fixed_ms = 0;
+  double step_decode_ms_per_token = 0;
+  double step_prefill_ms_per_token = 0;
   // KV arriving asynchronously (a KvLoader).
   int32_t kv_arriving = 0;
   int64_t kv_loads = 0;

@@ -8,24 +8,42 @@ namespace kvserve {
 
 // ---- StepCostModel ----
 
-void StepCostModel::Observe(int32_t tokens, double seconds) {
-  if (tokens <= 0 || !(seconds >= 0) || !std::isfinite(seconds)) return;
-  const double x = tokens, y = seconds;
-  w_ = decay_ * w_ + 1;
-  sx_ = decay_ * sx_ + x;
-  sy_ = decay_ * sy_ + y;
-  sxx_ = decay_ * sxx_ + x * x;
-  sxy_ = decay_ * sxy_ + x * y;
+void StepCostModel::Observe(int32_t decode_tokens, int32_t prefill_tokens, double seconds) {
+  if (decode_tokens < 0 || prefill_tokens < 0 || decode_tokens + prefill_tokens == 0 ||
+      !(seconds >= 0) || !std::isfinite(seconds)) {
+    return;
+  }
+  if (prefill_tokens == 0) {
+    const double x = decode_tokens, y = seconds;
+    w_ = decay_ * w_ + 1;
+    sx_ = decay_ * sx_ + x;
+    sy_ = decay_ * sy_ + y;
+    sxx_ = decay_ * sxx_ + x * x;
+    sxy_ = decay_ * sxy_ + x * y;
+  } else {
+    // What the prefill added: the step minus its decode tokens' share
+    // (priced by the line so far; the fallback price without one). Never
+    // negative: noise must not make prefill look free.
+    const double extra = std::max(0.0, seconds - PredictDecode(decode_tokens));
+    prefill_tokens_ = decay_ * prefill_tokens_ + prefill_tokens;
+    prefill_seconds_ = decay_ * prefill_seconds_ + extra;
+  }
+  all_tokens_ = decay_ * all_tokens_ + decode_tokens + prefill_tokens;
+  all_seconds_ = decay_ * all_seconds_ + seconds;
 }
 
 void StepCostModel::Fit(double* a, double* b) const {
   *a = 0;
+  if (w_ == 0) {
+    *b = all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
+    return;
+  }
   *b = sx_ > 0 ? sy_ / sx_ : 0;  // proportional until sizes differ
   const double var = sxx_ * w_ - sx_ * sx_;
   // Only trust a line through points of clearly different sizes (relative
   // spread, so one odd step does not tilt it), with a non-negative slope and
   // intercept: time never falls as a step grows.
-  if (w_ >= 2 && var > 1e-3 * sxx_ * w_) {
+  if (var > 1e-3 * sxx_ * w_) {
     const double slope = (sxy_ * w_ - sx_ * sy_) / var;
     const double icpt = (sy_ - slope * sx_) / w_;
     if (slope > 0 && icpt >= 0) {
@@ -41,24 +59,28 @@ double StepCostModel::fixed_seconds() const {
   return a;
 }
 
-double StepCostModel::seconds_per_token() const {
+double StepCostModel::decode_seconds_per_token() const {
   double a, b;
   Fit(&a, &b);
   return b;
 }
 
-double StepCostModel::Predict(int32_t tokens) const {
+double StepCostModel::PredictDecode(int32_t d) const {
   double a, b;
   Fit(&a, &b);
-  return a + b * tokens;
+  return a + b * d;
 }
 
-int32_t StepCostModel::TokensWithin(double seconds) const {
-  double a, b;
-  Fit(&a, &b);
-  if (b <= 0) return INT32_MAX;
+double StepCostModel::prefill_seconds_per_token() const {
+  if (prefill_tokens_ > 0 && prefill_seconds_ > 0) return prefill_seconds_ / prefill_tokens_;
+  return all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
+}
+
+int32_t StepCostModel::PrefillTokensWithin(int32_t d, double seconds) const {
+  const double per = prefill_seconds_per_token();
+  if (per <= 0) return INT32_MAX;
   // The epsilon keeps an exact fit (50 ms at 1 ms a token) from flooring to 49.
-  const double n = std::floor((seconds - a) / b + 1e-9);
+  const double n = std::floor((seconds - PredictDecode(d)) / per + 1e-9);
   if (n <= 0) return 0;
   return n >= INT32_MAX ? INT32_MAX : static_cast<int32_t>(n);
 }
@@ -79,13 +101,22 @@ void Scheduler::RemoveFinished() {
   arriving_.erase(std::remove_if(arriving_.begin(), arriving_.end(), gone), arriving_.end());
 }
 
-int32_t Scheduler::StepBudget(int32_t num_decoding) const {
+int32_t Scheduler::StepBudget(int32_t decode_tokens, bool decoders) const {
   const int32_t cap = options_.max_batched_tokens;
-  // Nobody to stall, or nothing measured yet: the whole budget.
-  if (options_.target_itl_ms <= 0 || num_decoding == 0 || !cost_.ready()) return cap;
-  const int32_t within = cost_.TokensWithin(options_.target_itl_ms / 1000.0);
-  const int32_t floor = num_decoding + options_.min_prefill_tokens;
-  return std::min(cap, std::max(within, floor));
+  // Nobody to stall, no limit asked for, or nothing measured yet: the whole
+  // budget.
+  if (!decoders || !cost_.ready()) return cap;
+  double target_s;
+  if (options_.target_itl_ms > 0) {
+    target_s = options_.target_itl_ms / 1000.0;
+  } else if (options_.max_stall_factor > 0) {
+    target_s = options_.max_stall_factor * cost_.PredictDecode(decode_tokens);
+  } else {
+    return cap;
+  }
+  const int64_t prefill = std::max(cost_.PrefillTokensWithin(decode_tokens, target_s),
+                                   options_.min_prefill_tokens);
+  return static_cast<int32_t>(std::min<int64_t>(cap, decode_tokens + prefill));
 }
 
 void Scheduler::AbandonLoad(Sequence* s) {
@@ -136,8 +167,10 @@ void Scheduler::Schedule(Sequence* s, int32_t take, BatchPlan* plan) {
   c.sample_index = s->index();
   c.first_slot = s->kv.num_computed;
   c.num_tokens = take;
-  c.prefill = !s->decoding();
   c.sample = take == s->remaining_input();
+  // A lone last token costs what a decode token costs (an output-head row
+  // and a sample), whether it follows a sampled token or ends a prompt.
+  c.prefill = !(take == 1 && c.sample);
   plan->chunks.push_back(c);
   plan->num_tokens += take;
   (c.prefill ? plan->num_prefill_tokens : plan->num_decode_tokens) += take;
@@ -326,9 +359,16 @@ BatchPlan Scheduler::Schedule() {
     }
     return a->admit_order < b->admit_order;
   });
-  int32_t num_decoding = 0;
-  for (const Sequence* s : running_) num_decoding += s->decoding() ? 1 : 0;
-  plan.token_budget = StepBudget(num_decoding);
+  // Decode tokens go first; a step carries one per running sequence with one
+  // token of input left (streams waiting for their next token, and prompts
+  // whose last token is all that is left).
+  int32_t decode_tokens = 0;
+  bool decoders = false;
+  for (const Sequence* s : running_) {
+    decode_tokens += s->remaining_input() == 1 ? 1 : 0;
+    decoders |= s->decoding();
+  }
+  plan.token_budget = StepBudget(decode_tokens, decoders);
 
   // 1. Running sequences: decode tokens first, then prefill chunks.
   for (int pass = 0; pass < 2 && plan.num_tokens < plan.token_budget; ++pass) {
@@ -349,7 +389,7 @@ BatchPlan Scheduler::Schedule() {
 }
 
 void Scheduler::ObserveStep(const BatchPlan& plan, double seconds) {
-  cost_.Observe(plan.num_tokens, seconds);
+  cost_.Observe(plan.num_decode_tokens, plan.num_prefill_tokens, seconds);
 }
 
 }  // namespace kvserve

@@ -28,25 +28,40 @@
 
 namespace kvserve {
 
-// Seconds one step takes as a function of its token count, fitted by
-// exponentially weighted least squares (recent steps count most: the machine
-// and the batch's context lengths drift). Until the fit has seen two
-// different step sizes it is proportional (a = 0).
+// Seconds one step takes, learned from the steps the engine ran. A step is
+// its decode tokens (one per decoding sequence, each with an output-head row
+// and a sample) plus its prefill tokens:
+//   seconds = decode(d) + p * prefill_seconds_per_token
+// decode(d) = a + b * d is a line fitted by exponentially weighted least
+// squares to the steps without prefill (proportional until it has seen two
+// different d); the prefill rate is the weighted mean of what prefill added
+// to mixed steps beyond decode(d). Recent steps count most (the machine and
+// the batch's context lengths drift). Before any decode-only step, every
+// token is priced at the mean seconds per token seen so far.
 class StepCostModel {
  public:
   explicit StepCostModel(double decay = 0.97) : decay_(decay) {}
-  void Observe(int32_t tokens, double seconds);
-  bool ready() const { return w_ > 0; }
-  double Predict(int32_t tokens) const;
-  // The most tokens whose predicted step time is within `seconds` (>= 0).
-  int32_t TokensWithin(double seconds) const;
-  double fixed_seconds() const;      // a
-  double seconds_per_token() const;  // b
+  void Observe(int32_t decode_tokens, int32_t prefill_tokens, double seconds);
+  bool ready() const { return all_tokens_ > 0; }
+  // Predicted seconds of a step with d decode tokens and no prefill.
+  double PredictDecode(int32_t d) const;
+  double Predict(int32_t d, int32_t p) const { return PredictDecode(d) + p * prefill_seconds_per_token(); }
+  double prefill_seconds_per_token() const;
+  // The most prefill tokens a step with d decode tokens can take within
+  // `seconds` (>= 0).
+  int32_t PrefillTokensWithin(int32_t d, double seconds) const;
+  double fixed_seconds() const;             // a
+  double decode_seconds_per_token() const;  // b
 
  private:
   void Fit(double* a, double* b) const;
   double decay_;
+  // Decode-only steps: weighted sums for the line.
   double w_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;
+  // Mixed steps: prefill tokens and the seconds they added.
+  double prefill_tokens_ = 0, prefill_seconds_ = 0;
+  // Every step: tokens and seconds (the fallback price).
+  double all_tokens_ = 0, all_seconds_ = 0;
 };
 
 struct SchedulerOptions {
@@ -56,9 +71,12 @@ struct SchedulerOptions {
   enum class Policy { kFcfs, kLpm };
   Policy policy = Policy::kFcfs;
   int32_t lpm_max_waiting = 128;
-  // Stall-free steps: a step with decoding sequences is predicted to take at
-  // most this long (0: no limit, every step may use max_batched_tokens).
+  // Stall-free steps: a step that carries decode tokens is predicted to take
+  // at most target_itl_ms, or when that is 0, at most max_stall_factor times
+  // what its decode tokens alone would take (0 and 0: no limit; every step
+  // may use max_batched_tokens).
   double target_itl_ms = 0;
+  double max_stall_factor = 0;
   // Prefill tokens a step with decoders still gets, whatever the target, so a
   // prompt always progresses.
   int32_t min_prefill_tokens = 16;
@@ -105,7 +123,7 @@ class Scheduler {
   int64_t kv_load_failures() const { return kv_load_failures_; }
 
  private:
-  int32_t StepBudget(int32_t num_decoding) const;
+  int32_t StepBudget(int32_t decode_tokens, bool decoders) const;
   void PollArrivals();
   void OrderWaiting();
   // Slots for `take` more tokens of s, preempting later-admitted sequences

@@ -52,6 +52,10 @@ class BenchCommand final : public Command {
       EngineFlags flags = *engine_flags_;
       flags.max_seqs = std::max(flags.max_seqs, batch);
       flags.max_batched_tokens = std::max(flags.max_batched_tokens, prompt_);
+      // The table measures the prefill and decode phases apart; stall-free
+      // steps would mix the first decodes into the later prompts' prefill.
+      flags.max_stall_factor = 0;
+      flags.target_itl_ms = 0;
       // One backend per batch size, shared by its repeats.
       EngineBuilder builder(flags, l.model.get(), l.tokenizer.get());
       double best_prefill = 0, best_decode = 0, best_step = 1e30;

@@ -34,6 +34,9 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
   o.max_seqs = flags.max_seqs;
   o.static_batching = flags.static_batching;
   o.prefix_cache = flags.prefix_cache;
+  o.target_itl_ms = flags.target_itl_ms;
+  o.max_stall_factor = flags.max_stall_factor;
+  o.min_prefill_tokens = flags.min_prefill_tokens;
   auto policy = ParseSchedulePolicy(flags.schedule_policy);
   if (!policy.ok()) {
     return absl::InvalidArgumentError(

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
 #include "kernels/kv_view.h"
 
 namespace kvserve {
@@ -31,6 +32,30 @@ void AddEngineFlags(CLI::App* app, EngineFlags* f) {
       ->capture_default_str();
   app->add_option("--schedule-policy", f->schedule_policy,
                   "Waiting-queue order: fcfs, or lpm (longest cached prefix first)")
+      ->capture_default_str();
+  app->add_option("--target-itl-ms", f->target_itl_ms,
+                  "Stall-free steps: a step that carries decode tokens is sized (from measured "
+                  "step times) to take at most this long; the rest of the prefill waits for "
+                  "later steps (0: use --max-stall-factor)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--max-stall-factor", f->max_stall_factor,
+                  "Without --target-itl-ms: a step that carries decode tokens takes at most this "
+                  "many times what its decode tokens alone take (0: no limit, whole "
+                  "--max-batched-tokens steps)")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            double x = 0;
+            if (!absl::SimpleAtod(v, &x) || !(x == 0 || x >= 1)) {
+              return "must be 0 (off) or a factor >= 1, got " + v;
+            }
+            return "";
+          },
+          "0 or >= 1"))
+      ->capture_default_str();
+  app->add_option("--min-prefill-tokens", f->min_prefill_tokens,
+                  "Prefill tokens a step with decoders still gets, whatever --target-itl-ms says")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
 }
 

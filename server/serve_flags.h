@@ -31,11 +31,15 @@ struct EngineFlags {
   bool prefix_cache = true;
   std::string schedule_policy = "fcfs";
   std::string device = "auto";
+  // Stall-free steps (scheduler/scheduler.h): 0 turns the limit off.
+  double target_itl_ms = 0;
+  double max_stall_factor = 2.5;
+  int32_t min_prefill_tokens = 16;
 };
 
 // Registers --device, --block-size, --kv-cache-memory, --kv-cache-dtype,
 // --max-batched-tokens, --max-seqs, --static-batching, --[no-]prefix-cache
-// and --schedule-policy on `app`, bound to `flags` (which must outlive it).
+// --schedule-policy, --target-itl-ms, --max-stall-factor and --min-prefill-tokens on `app`, bound to `flags` (which must outlive it).
 void AddEngineFlags(CLI::App* app, EngineFlags* flags);
 
 // The daemon's own settings (`kvserve serve`).

@@ -18,42 +18,53 @@
 namespace kvserve {
 namespace {
 
-TEST(StepCostModelTest, FitsALineThroughStepsOfDifferentSizes) {
+TEST(StepCostModelTest, FitsDecodeStepsAndPricesPrefillApart) {
   StepCostModel m;
   EXPECT_FALSE(m.ready());
+  // Decode tokens: 10 ms + 3 ms each; prefill tokens: 2 ms each on top.
   for (int i = 0; i < 20; ++i) {
-    m.Observe(8, 0.010 + 8 * 0.002);
-    m.Observe(200, 0.010 + 200 * 0.002);
+    m.Observe(4, 0, 0.010 + 4 * 0.003);
+    m.Observe(16, 0, 0.010 + 16 * 0.003);
+    m.Observe(8, 100, 0.010 + 8 * 0.003 + 100 * 0.002);
   }
   EXPECT_NEAR(m.fixed_seconds(), 0.010, 1e-6);
-  EXPECT_NEAR(m.seconds_per_token(), 0.002, 1e-8);
-  EXPECT_NEAR(m.Predict(100), 0.210, 1e-6);
-  EXPECT_EQ(m.TokensWithin(0.050), 20);
-  EXPECT_EQ(m.TokensWithin(0.005), 0);
+  EXPECT_NEAR(m.decode_seconds_per_token(), 0.003, 1e-8);
+  EXPECT_NEAR(m.prefill_seconds_per_token(), 0.002, 1e-8);
+  EXPECT_NEAR(m.PredictDecode(8), 0.034, 1e-6);
+  EXPECT_NEAR(m.Predict(8, 50), 0.134, 1e-6);
+  EXPECT_EQ(m.PrefillTokensWithin(8, 0.074), 20);
+  EXPECT_EQ(m.PrefillTokensWithin(8, 0.030), 0) << "the decodes alone take longer";
 }
 
 TEST(StepCostModelTest, IsProportionalUntilSizesDiffer) {
   StepCostModel m;
-  m.Observe(10, 0.030);
-  m.Observe(10, 0.030);
+  m.Observe(10, 0, 0.030);
+  m.Observe(10, 0, 0.030);
   EXPECT_TRUE(m.ready());
   EXPECT_DOUBLE_EQ(m.fixed_seconds(), 0);
-  EXPECT_NEAR(m.seconds_per_token(), 0.003, 1e-12);
-  EXPECT_EQ(m.TokensWithin(0.0301), 10);
+  EXPECT_NEAR(m.decode_seconds_per_token(), 0.003, 1e-12);
+  EXPECT_NEAR(m.prefill_seconds_per_token(), 0.003, 1e-12) << "no mixed step yet: one price";
+}
+
+TEST(StepCostModelTest, PricesEveryTokenAlikeBeforeAnyDecodeStep) {
+  StepCostModel m;
+  m.Observe(0, 100, 0.200);
+  EXPECT_NEAR(m.PredictDecode(10), 0.020, 1e-9);
+  EXPECT_NEAR(m.prefill_seconds_per_token(), 0.002, 1e-9);
 }
 
 TEST(StepCostModelTest, FollowsTheRecentSteps) {
   StepCostModel m(0.9);
-  for (int i = 0; i < 50; ++i) m.Observe(i % 2 ? 10 : 100, (i % 2 ? 10 : 100) * 0.001);
-  for (int i = 0; i < 100; ++i) m.Observe(i % 2 ? 10 : 100, (i % 2 ? 10 : 100) * 0.004);
-  EXPECT_NEAR(m.seconds_per_token(), 0.004, 1e-4);
+  for (int i = 0; i < 50; ++i) m.Observe(i % 2 ? 10 : 100, 0, (i % 2 ? 10 : 100) * 0.001);
+  for (int i = 0; i < 100; ++i) m.Observe(i % 2 ? 10 : 100, 0, (i % 2 ? 10 : 100) * 0.004);
+  EXPECT_NEAR(m.decode_seconds_per_token(), 0.004, 1e-4);
 }
 
 TEST(StepCostModelTest, IgnoresNonsense) {
   StepCostModel m;
-  m.Observe(0, 1.0);
-  m.Observe(10, -1.0);
-  m.Observe(10, std::numeric_limits<double>::quiet_NaN());
+  m.Observe(0, 0, 1.0);
+  m.Observe(10, 0, -1.0);
+  m.Observe(10, 0, std::numeric_limits<double>::quiet_NaN());
   EXPECT_FALSE(m.ready());
 }
 
@@ -115,10 +126,10 @@ TEST_F(StallFreeTest, StepsWithDecodersStayWithinTheTarget) {
   o.target_itl_ms = 50;
   o.min_prefill_tokens = 8;
   Scheduler sched(o, kv_.get(), nullptr);
-  // Measured: 1 ms per token, no fixed cost.
+  // Measured: 1 ms per token, decode or prefill, no fixed cost.
   BatchPlan small, big;
-  small.num_tokens = 10;
-  big.num_tokens = 100;
+  small.num_tokens = small.num_decode_tokens = 10;
+  big.num_tokens = big.num_decode_tokens = 100;
   for (int i = 0; i < 4; ++i) {
     sched.ObserveStep(small, 0.010);
     sched.ObserveStep(big, 0.100);
@@ -164,7 +175,7 @@ TEST_F(StallFreeTest, ATightTargetStillLetsPromptsProgress) {
   o.min_prefill_tokens = 16;
   Scheduler sched(o, kv_.get(), nullptr);
   BatchPlan p10;
-  p10.num_tokens = 10;
+  p10.num_tokens = p10.num_decode_tokens = 10;
   sched.ObserveStep(p10, 0.010);
   Sequence* a = Add(4);
   sched.AddWaiting(a);
@@ -176,12 +187,43 @@ TEST_F(StallFreeTest, ATightTargetStillLetsPromptsProgress) {
   EXPECT_EQ(p.num_prefill_tokens, 16);
 }
 
+TEST_F(StallFreeTest, TheStallFactorBoundsAStepByItsDecodeTime) {
+  SchedulerOptions o;
+  o.max_stall_factor = 3;
+  o.min_prefill_tokens = 4;
+  Scheduler sched(o, kv_.get(), nullptr);
+  // Decode: 2 ms a token; prefill 1 ms a token.
+  BatchPlan d4, d8, mixed;
+  d4.num_tokens = d4.num_decode_tokens = 4;
+  d8.num_tokens = d8.num_decode_tokens = 8;
+  mixed.num_tokens = 58;
+  mixed.num_decode_tokens = 8;
+  mixed.num_prefill_tokens = 50;
+  for (int i = 0; i < 4; ++i) {
+    sched.ObserveStep(d4, 0.008);
+    sched.ObserveStep(d8, 0.016);
+    sched.ObserveStep(mixed, 0.066);
+  }
+  std::vector<Sequence*> decoders;
+  for (int i = 0; i < 5; ++i) {
+    decoders.push_back(Add(3));
+    sched.AddWaiting(decoders.back());
+  }
+  Apply(sched.Schedule());
+  sched.AddWaiting(Add(200));
+  BatchPlan p = sched.Schedule();
+  // 5 decodes take 10 ms; 3x that is 30 ms: 20 ms of prefill at 1 ms.
+  EXPECT_EQ(p.num_decode_tokens, 5);
+  EXPECT_EQ(p.num_prefill_tokens, 20);
+  EXPECT_EQ(p.token_budget, 25);
+}
+
 TEST_F(StallFreeTest, WithoutATargetEveryStepTakesTheWholeBudget) {
   SchedulerOptions o;
   o.max_batched_tokens = 128;
   Scheduler sched(o, kv_.get(), nullptr);
   BatchPlan p10;
-  p10.num_tokens = 10;
+  p10.num_tokens = p10.num_decode_tokens = 10;
   sched.ObserveStep(p10, 1.0);
   Sequence* a = Add(4);
   sched.AddWaiting(a);
