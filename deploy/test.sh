@@ -34,10 +34,10 @@ if [ "$ASAN" = 1 ]; then
   cmake -S "$ROOT" -B "$ASAN_BUILD" -G Ninja -DKVSERVE_SANITIZE=ON -DKVSERVE_WITH_CUDA=OFF \
     -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
   cmake --build "$ASAN_BUILD" --target gguf_fuzz_test gguf_test tokenizer_test cache_test \
-    scheduler_test
+    scheduler_test engine_seams_test
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-  for t in gguf_fuzz_test gguf_test tokenizer_test cache_test; do
+  for t in gguf_fuzz_test gguf_test tokenizer_test cache_test engine_seams_test; do
     echo "test.sh: $t under AddressSanitizer"
     "$ASAN_BUILD/tests/$t" --gtest_brief=1
   done

@@ -494,8 +494,14 @@ void SlotProbabilities(const PagedKvView& kv, int32_t layer, int32_t seq, int32_
 
 }  // namespace
 
-void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
-                             const float* q, int64_t q_stride, float* out, int64_t out_stride) {
+namespace {
+
+// The plain-loop pass both entry points share: per query token and head,
+// the slot probabilities, then (when `out`) the weighted values and (when
+// `mass`) the probabilities added to the KV head's mass row.
+void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                   const float* q, int64_t q_stride, float* out, int64_t out_stride, float* mass,
+                   int64_t mass_stride) {
   const int32_t group = batch.n_heads / kv.n_kv_heads;
   const int32_t hd = kv.head_dim;
   std::vector<double> probs;
@@ -511,6 +517,11 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
       const int32_t kvh = h / group;
       const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
       SlotProbabilities(kv, layer, seq, len, qh, kvh, batch.scale, &row, &probs);
+      if (mass != nullptr) {
+        float* m = mass + (static_cast<int64_t>(seq) * kv.n_kv_heads + kvh) * mass_stride;
+        for (int32_t p = 0; p < len; ++p) m[p] += static_cast<float>(probs[p]);
+      }
+      if (out == nullptr) continue;
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int32_t p = 0; p < len; ++p) {
         ReadKvRow(kv, layer, seq, p, kvh, /*value=*/true, row.data());
@@ -525,24 +536,17 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
   }
 }
 
+}  // namespace
+
+void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                             const float* q, int64_t q_stride, float* out, int64_t out_stride) {
+  ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0);
+}
+
 void AccumulateAttentionMass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* mass,
                              int64_t mass_stride) {
-  const int32_t group = batch.n_heads / kv.n_kv_heads;
-  const int32_t hd = kv.head_dim;
-  std::vector<double> probs;
-  std::vector<float> row(hd);
-  for (int32_t t = 0; t < batch.n_tokens; ++t) {
-    const int32_t seq = batch.token_seq[t];
-    const int32_t len = batch.token_pos[t] + 1;
-    for (int32_t h = 0; h < batch.n_heads; ++h) {
-      const int32_t kvh = h / group;
-      const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
-      SlotProbabilities(kv, layer, seq, len, qh, kvh, batch.scale, &row, &probs);
-      float* m = mass + (static_cast<int64_t>(seq) * kv.n_kv_heads + kvh) * mass_stride;
-      for (int32_t p = 0; p < len; ++p) m[p] += static_cast<float>(probs[p]);
-    }
-  }
+  ReferencePass(kv, layer, batch, q, q_stride, nullptr, 0, mass, mass_stride);
 }
 
 }  // namespace kvserve::kernels

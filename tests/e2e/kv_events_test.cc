@@ -332,12 +332,18 @@ TEST(KvEventsTest, ReplicaFromEventsAloneMatchesTheServerAcrossReconnects) {
   ASSERT_TRUE(InSync(sub, channel));
   EXPECT_GT(sub.replica().removed, removed_before) << "no eviction: is the KV pool small?";
 
-  // The server agrees on what it holds.
+  // The server agrees on what it holds. Stats are a snapshot published at
+  // the end of each engine step, while events go out during it: poll briefly
+  // so a step still finishing (a loaded machine) is not a mismatch.
   auto stub = pb::Kvserve::NewStub(channel);
-  grpc::ClientContext ctx;
-  Authorize(&ctx);
   pb::Stats stats;
-  ASSERT_TRUE(stub->GetStats(&ctx, pb::GetStatsRequest(), &stats).ok());
+  for (int i = 0; i < 100; ++i) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx);
+    ASSERT_TRUE(stub->GetStats(&ctx, pb::GetStatsRequest(), &stats).ok());
+    if (stats.prefix_cached_blocks() == static_cast<int64_t>(sub.replica().blocks.size())) break;
+    std::this_thread::sleep_for(50ms);
+  }
   EXPECT_TRUE(stats.prefix_cache_enabled());
   EXPECT_EQ(stats.prefix_cached_blocks(), static_cast<int64_t>(sub.replica().blocks.size()));
   EXPECT_GT(stats.prefix_hit_tokens(), 0);

@@ -222,14 +222,21 @@ std::string GgufWriter::Serialize(uint32_t version, uint32_t alignment) const {
   return out;
 }
 
-absl::Status GgufWriter::WriteFile(const std::string& path, uint32_t version) const {
-  const std::string bytes = Serialize(version);
+namespace {
+
+absl::Status WriteBytes(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (!f) return absl::UnavailableError(absl::StrCat("cannot create ", path));
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   f.close();
   if (!f) return absl::DataLossError(absl::StrCat("short write to ", path));
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status GgufWriter::WriteFile(const std::string& path, uint32_t version) const {
+  return WriteBytes(path, Serialize(version));
 }
 
 namespace {
@@ -359,13 +366,7 @@ absl::Status WriteSlowTinyLlama(const std::string& path) {
   o.context_length = 4096;
   o.weight_type = GgmlType::kF16;
   o.seed = 11;
-  const std::string bytes = MakeTinyLlamaGguf(o);
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) return absl::UnavailableError(absl::StrCat("cannot create ", path));
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  f.close();
-  if (!f) return absl::DataLossError(absl::StrCat("short write to ", path));
-  return absl::OkStatus();
+  return WriteBytes(path, MakeTinyLlamaGguf(o));
 }
 
 }  // namespace kvserve::testing
