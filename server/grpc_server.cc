@@ -733,6 +733,14 @@ class KvserveService final : public pb::Kvserve::CallbackService {
       response->set_prefix_evicted_blocks(s.prefix_evicted_blocks);
       response->set_prefix_cached_blocks(s.prefix_cached_blocks);
       response->set_prefix_evictable_blocks(s.prefix_evictable_blocks);
+      response->set_last_batch_prefill_tokens(s.last_batch_prefill_tokens);
+      response->set_last_token_budget(s.last_token_budget);
+      response->set_step_fixed_ms(s.step_fixed_ms);
+      response->set_step_decode_ms_per_token(s.step_decode_ms_per_token);
+      response->set_step_prefill_ms_per_token(s.step_prefill_ms_per_token);
+      response->set_kv_arriving(s.kv_arriving);
+      response->set_kv_loads(s.kv_loads);
+      response->set_kv_load_failures(s.kv_load_failures);
       return grpc::Status::OK;
     });
   }

@@ -217,6 +217,25 @@ std::string Metrics::Render(const EngineStats& stats) const {
               static_cast<double>(stats.last_batch_tokens), &out);
   AppendGauge("kvserve:batch_seqs", "Sequences in the last engine step's batch.", l,
               static_cast<double>(stats.last_batch_seqs), &out);
+  AppendGauge("kvserve:batch_prefill_tokens", "Prefill tokens in the last engine step's batch.",
+              l, static_cast<double>(stats.last_batch_prefill_tokens), &out);
+  AppendGauge("kvserve:step_token_budget",
+              "Token budget of the last engine step after the stall-free bound.", l,
+              static_cast<double>(stats.last_token_budget), &out);
+  AppendGauge("kvserve:step_decode_ms_per_token",
+              "Measured cost of a decode token in an engine step (ms).", l,
+              stats.step_decode_ms_per_token, &out);
+  AppendGauge("kvserve:step_prefill_ms_per_token",
+              "Measured cost of a prefill token in an engine step (ms).", l,
+              stats.step_prefill_ms_per_token, &out);
+  AppendGauge("kvserve:kv_arriving_sequences",
+              "Sequences waiting for KV that is being loaded (tiers, prefill nodes).", l,
+              static_cast<double>(stats.kv_arriving), &out);
+  AppendCounter("kvserve:kv_loads_total", "KV loads started instead of recomputing.", l,
+                static_cast<double>(stats.kv_loads), &out);
+  AppendCounter("kvserve:kv_load_failures_total",
+                "KV loads that failed (their tokens were recomputed).", l,
+                static_cast<double>(stats.kv_load_failures), &out);
 
   // The prefix cache (all zero when it is off). vLLM's two counters count
   // tokens; the rest are ours.

@@ -203,6 +203,11 @@ EngineStats SomeStats() {
   s.waiting = 2;
   s.last_batch_tokens = 130;
   s.last_batch_seqs = 5;
+  s.last_batch_prefill_tokens = 125;
+  s.last_token_budget = 140;
+  s.step_prefill_ms_per_token = 2.5;
+  s.kv_arriving = 1;
+  s.kv_loads = 7;
   return s;
 }
 
@@ -264,6 +269,12 @@ TEST(MetricsTest, CountersAndGaugesCarryTheirValues) {
   EXPECT_EQ(Value(p, "kvserve:kv_blocks_free"), 75);
   EXPECT_EQ(Value(p, "kvserve:kv_slot_efficiency"), 0.875);
   EXPECT_EQ(Value(p, "kvserve:batch_tokens"), 130);
+  EXPECT_EQ(Value(p, "kvserve:batch_prefill_tokens"), 125);
+  EXPECT_EQ(Value(p, "kvserve:step_token_budget"), 140);
+  EXPECT_EQ(Value(p, "kvserve:step_prefill_ms_per_token"), 2.5);
+  EXPECT_EQ(Value(p, "kvserve:kv_arriving_sequences"), 1);
+  EXPECT_EQ(Value(p, "kvserve:kv_loads_total"), 7);
+  EXPECT_EQ(p.families.at("kvserve:kv_loads_total").type, "counter");
   EXPECT_EQ(p.families.at("kvserve:num_preemptions_total").type, "counter");
   EXPECT_EQ(p.families.at("kvserve:kv_blocks_free").type, "gauge");
 }
