@@ -16,6 +16,60 @@ const char* FinishReasonName(FinishReason r) {
   return "";
 }
 
+const char* KvPolicyName(KvPolicy::Kind k) {
+  switch (k) {
+    case KvPolicy::Kind::kNone: return "none";
+    case KvPolicy::Kind::kWindow: return "window";
+    case KvPolicy::Kind::kSinks: return "sinks";
+    case KvPolicy::Kind::kH2O: return "h2o";
+  }
+  return "";
+}
+
+absl::Status ParseKvPolicyKind(std::string_view name, KvPolicy::Kind* out) {
+  for (KvPolicy::Kind k : {KvPolicy::Kind::kNone, KvPolicy::Kind::kWindow, KvPolicy::Kind::kSinks,
+                           KvPolicy::Kind::kH2O}) {
+    if (name == KvPolicyName(k)) {
+      *out = k;
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("kv_policy: unknown policy '", std::string(name),
+                                                 "' (expected none, window, sinks or h2o)"));
+}
+
+namespace {
+
+absl::Status ValidateKvPolicy(const KvPolicy& p, const RequestLimits& limits) {
+  if (p.kind == KvPolicy::Kind::kNone) return absl::OkStatus();
+  if (!limits.kv_eviction_unsupported.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_policy: ", KvPolicyName(p.kind), " is not available on this server: ",
+                     limits.kv_eviction_unsupported));
+  }
+  if (p.window < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_policy.window must be >= 1 (got ", p.window, ")"));
+  }
+  if (p.kind != KvPolicy::Kind::kWindow && p.sinks < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_policy.sinks must be >= 0 (got ", p.sinks, ")"));
+  }
+  if (p.kind == KvPolicy::Kind::kH2O && p.budget <= p.sinks + p.window) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_policy.budget (", p.budget, ") must be larger than sinks + window (", p.sinks, " + ",
+        p.window, "): the rest is the heavy hitters' share"));
+  }
+  if (limits.context_length > 0 && p.capacity() > limits.context_length) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_policy keeps up to ", p.capacity(),
+                                                   " tokens, more than the context length ",
+                                                   limits.context_length));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLimits& limits) {
   if (request.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
   for (int32_t t : request.prompt) {
@@ -40,6 +94,7 @@ absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLi
                                                    " bytes; at most ",
                                                    limits.max_cache_salt_bytes));
   }
+  RETURN_IF_ERROR(ValidateKvPolicy(request.kv_policy, limits));
   // A sequence that could never fit would wait forever.
   const int64_t blocks = (need + limits.block_size - 1) / limits.block_size;
   if (limits.num_blocks > 0 && blocks > limits.num_blocks) {

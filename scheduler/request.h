@@ -11,12 +11,46 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "model/sampler.h"
 
 namespace kvserve {
+
+// Token eviction for long contexts: which cached tokens a sequence keeps.
+//   none    every token (default)
+//   window  the `window` most recent tokens
+//   sinks   the first `sinks` tokens (attention sinks, StreamingLLM) + the
+//           `window` most recent
+//   h2o     `sinks` + `window` + heavy hitters (the tokens with the most
+//           accumulated attention, age-normalised) up to `budget` in all
+// A sequence that dropped tokens is lossy: its blocks never enter the prefix
+// cache. Kept tokens keep their RoPE positions. Blocks shared with other
+// sequences (a cached prefix, a fork) are never touched: eviction acts on the
+// sequence's private blocks only.
+struct KvPolicy {
+  enum class Kind { kNone, kWindow, kSinks, kH2O };
+  Kind kind = Kind::kNone;
+  int32_t sinks = 4;
+  int32_t window = 256;
+  int32_t budget = 0;  // h2o only: tokens kept in all (> sinks + window)
+  // The most tokens the policy keeps.
+  int32_t capacity() const {
+    switch (kind) {
+      case Kind::kNone: return 0;
+      case Kind::kWindow: return window;
+      case Kind::kSinks: return sinks + window;
+      case Kind::kH2O: return budget;
+    }
+    return 0;
+  }
+};
+// "none", "window", "sinks", "h2o".
+const char* KvPolicyName(KvPolicy::Kind k);
+// InvalidArgument naming the valid names for anything else.
+[[nodiscard]] absl::Status ParseKvPolicyKind(std::string_view name, KvPolicy::Kind* out);
 
 struct EngineRequest {
   std::vector<int32_t> prompt;
@@ -27,6 +61,7 @@ struct EngineRequest {
   // Prefix-cache namespace: requests share cached blocks only with requests
   // of the same salt (tenant isolation).
   std::string cache_salt{};
+  KvPolicy kv_policy{};
 };
 
 // What a request is checked against: the model's and the engine's limits.
@@ -37,10 +72,14 @@ struct RequestLimits {
   int32_t block_size = 16;
   int64_t num_blocks = 0;  // KV pool size; 0: not checked
   size_t max_cache_salt_bytes = 256;
+  // Empty when token eviction can run on this engine; else why not (e.g. the
+  // KV codec keeps per-block scales), and a kv_policy other than none is
+  // refused with that reason.
+  std::string kv_eviction_unsupported;
 };
 
 // OK, or InvalidArgument naming the first bad field (prompt, n, max_tokens,
-// the sampling parameters, cache_salt), or ResourceExhausted when prompt +
+// the sampling parameters, cache_salt, kv_policy), or ResourceExhausted when prompt +
 // max_tokens needs more KV blocks than the pool has.
 [[nodiscard]] absl::Status ValidateEngineRequest(const EngineRequest& request,
                                                  const RequestLimits& limits);
@@ -59,6 +98,7 @@ struct SeqEvent {
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;   // so far
   int32_t cached_tokens = 0;       // prompt tokens served from the prefix cache
+  int32_t dropped_tokens = 0;      // tokens this sample's KV policy evicted so far
 };
 using EventCallback = std::function<void(const SeqEvent&)>;
 
