@@ -99,6 +99,21 @@ void BlockTable::Truncate(int32_t num_tokens) {
   num_tokens_ = num_tokens;
 }
 
+absl::Status BlockTable::MakePrivate(int32_t index) {
+  if (index < 0 || index >= num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat("no block ", index, " in a table of ",
+                                                   num_blocks()));
+  }
+  if (pool_->ref_count(blocks_[index]) <= 1) return absl::OkStatus();
+  std::vector<BlockHandle> fresh;
+  absl::Status s = pool_->Allocate(1, &fresh);
+  if (!s.ok()) return s;
+  pool_->CopyBlock(blocks_[index], fresh[0]);
+  pool_->Release(blocks_[index]);  // still live: someone else holds it
+  blocks_[index] = fresh[0];
+  return absl::OkStatus();
+}
+
 BlockTable BlockTable::Fork() const {
   BlockTable fork(pool_);
   for (const BlockHandle& h : blocks_) pool_->AddRef(h);

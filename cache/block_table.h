@@ -53,6 +53,12 @@ class BlockTable {
   // REQUIRES: 0 <= num_tokens <= this->num_tokens().
   void Truncate(int32_t num_tokens);
 
+  // Gives the table its own copy of block `index` when another table or the
+  // prefix cache also references it (a no-op for a block it alone holds), so
+  // the caller may write any slot of it. ResourceExhausted when the pool has
+  // no free block; then nothing changes.
+  [[nodiscard]] absl::Status MakePrivate(int32_t index);
+
   // A new table sharing every block of this one (reference counts +1).
   BlockTable Fork() const;
 

@@ -105,6 +105,13 @@ RequestLimits Engine::limits() const {
   l.max_n = std::min(options_.max_n, options_.max_seqs);
   l.block_size = options_.block_size;
   l.num_blocks = kv_->num_blocks();
+  if (kv_->pool().on_device()) {
+    l.kv_eviction_unsupported = "token eviction runs with --device cpu only (for now)";
+  } else if (kernels::KvIsKivi(options_.kv_dtype)) {
+    l.kv_eviction_unsupported = absl::StrCat(
+        "--kv-cache-dtype ", std::string(kernels::KvDTypeName(options_.kv_dtype)),
+        " shares key scales across a block, so slots cannot move; use a per-token codec");
+  }
   return l;
 }
 
@@ -219,13 +226,13 @@ bool Engine::Step() {
   }
   if (options_.plan_observer) options_.plan_observer(plan);
   const auto t0 = std::chrono::steady_clock::now();
-  const absl::StatusOr<absl::Span<const float>> logits = runner_->Run(plan);
-  if (!logits.ok()) {
+  const absl::StatusOr<StepResult> result = runner_->Run(plan);
+  if (!result.ok()) {
     // Inputs were validated at Submit, so this is an engine bug; fail the
     // affected requests rather than the process. This step's K/V were not
     // written: nothing of it may reach the prefix cache (it was never marked
     // computed, so Free caches only what earlier steps committed).
-    std::fprintf(stderr, "engine: forward failed: %s\n", logits.status().ToString().c_str());
+    std::fprintf(stderr, "engine: forward failed: %s\n", result.status().ToString().c_str());
     for (const ScheduledChunk& c : plan.chunks) {
       kv_->Truncate(&c.seq->kv, c.seq->kv.num_computed);
       output_->FinishGroup(c.seq->group(), FinishReason::kCancelled);
@@ -236,7 +243,7 @@ bool Engine::Step() {
   }
   scheduler_->ObserveStep(
       plan, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  output_->Process(plan, *logits, runner_->vocab_size());
+  output_->Process(plan, *result);
   RemoveFinished();
   ++steps_;
   last_step_ran_ = true;
@@ -322,6 +329,8 @@ void Engine::PublishStats(const BatchPlan* plan) {
   st.kv_arriving = static_cast<int32_t>(scheduler_->arriving().size());
   st.kv_loads = scheduler_->kv_loads();
   st.kv_load_failures = scheduler_->kv_load_failures();
+  st.kv_evicted_tokens = output_->evictor().evicted_tokens();
+  st.kv_compactions = output_->evictor().compactions();
   st.mean_batch_seqs = steps_ > 0 ? sum_batch_seqs_ / steps_ : 0;
   st.mean_batch_tokens = steps_ > 0 ? sum_batch_tokens_ / steps_ : 0;
   st.prompt_tokens_total = scheduler_->prompt_tokens_total();

@@ -145,6 +145,9 @@ struct EngineStats {
   int32_t kv_arriving = 0;
   int64_t kv_loads = 0;
   int64_t kv_load_failures = 0;
+  // Token eviction (KV policies): tokens dropped and compactions so far.
+  int64_t kv_evicted_tokens = 0;
+  int64_t kv_compactions = 0;
 };
 
 class Engine {

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/status.h"
+#include "kernels/cpu/kv_codec.h"
 
 namespace kvserve {
 
@@ -133,6 +134,55 @@ SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
   f.position_shift = kv.position_shift;
   f.lossy = kv.lossy;
   return f;
+}
+
+int32_t KvCacheManager::FirstPrivateSlot(const SeqKv& kv) const {
+  const std::vector<BlockHandle>& blocks = kv.table.blocks();
+  size_t i = blocks.size();
+  while (i > 0 && pool_->ref_count(blocks[i - 1]) == 1) --i;
+  return std::min(static_cast<int32_t>(i) * block_size(), kv.table.num_tokens());
+}
+
+bool KvCacheManager::DropSlots(SeqKv* kv, absl::Span<const int32_t> keep) {
+  if (kv->num_committed != kv->num_computed) {
+    Die("DropSlots with uncommitted slots", kv->num_committed, kv->num_computed);
+  }
+  if (pool_->on_device()) Die("DropSlots on device memory", 0, 0);
+  const int32_t n = static_cast<int32_t>(keep.size());
+  const int32_t bs = block_size();
+  std::vector<int32_t> from, to;
+  std::vector<int32_t> written;  // destination blocks, ascending
+  for (int32_t i = 0; i < n; ++i) {
+    if (keep[i] < i || keep[i] >= kv->num_computed || (i > 0 && keep[i] <= keep[i - 1])) {
+      Die("DropSlots: kept slots must ascend within the computed ones", i, keep[i]);
+    }
+    if (keep[i] == i) continue;
+    from.push_back(keep[i]);
+    to.push_back(i);
+    if (written.empty() || written.back() != i / bs) written.push_back(i / bs);
+  }
+  // Copy-on-write for every shared block that receives rows, all or nothing.
+  int32_t copies = 0;
+  for (int32_t b : written) copies += pool_->ref_count(kv->table.blocks()[b]) > 1 ? 1 : 0;
+  if (copies > pool_->num_free_blocks() && !EnsureFree(copies)) return false;
+  for (int32_t b : written) {
+    if (!kv->table.MakePrivate(b).ok()) Die("DropSlots: copy-on-write failed at block", b, copies);
+  }
+  if (!from.empty()) {
+    std::vector<int32_t> ids;
+    kv->table.AppendIds(&ids);
+    const int32_t offsets[2] = {0, static_cast<int32_t>(ids.size())};
+    kernels::MoveKvRows(pool_->View(ids.data(), offsets, 1), pool_->options().n_layers, 0,
+                        from.data(), to.data(), static_cast<int32_t>(from.size()));
+  }
+  const int32_t dropped = kv->num_computed - n;
+  kv->table.Truncate(n);
+  kv->num_computed = n;
+  kv->num_committed = n;
+  kv->num_offered_blocks = std::min(kv->num_offered_blocks, n / bs);
+  kv->position_shift += dropped;
+  kv->lossy = true;
+  return true;
 }
 
 bool KvCacheManager::EnsureFree(int32_t blocks) {

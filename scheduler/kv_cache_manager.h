@@ -15,6 +15,8 @@
 //   Free           finished or preempted: cache what is committed, release
 //   Fork           a new SeqKv sharing every block (copy-on-write)
 //   EnsureFree     evict cached blocks until n are free (before preempting)
+//   DropSlots      token eviction: keep only some slots, compacted to the
+//                  front; whole blocks past them return to the pool
 //
 // SeqKv (below) is the interface type between the scheduler and this class:
 // the scheduler reads it, only the manager changes it. The manager sees salts,
@@ -109,6 +111,21 @@ class KvCacheManager {
   void Discard(SeqKv* kv);
   // A new SeqKv sharing every block of kv (the fork of an n > 1 request).
   SeqKv Fork(const SeqKv& kv) const;
+  // The first slot from which every block is the sequence's own (reference
+  // count 1): slots before it live in blocks shared with the radix index or
+  // a fork and must never be moved or overwritten.
+  int32_t FirstPrivateSlot(const SeqKv& kv) const;
+  // Token eviction: the sequence keeps only the slots `keep` (ascending,
+  // every computed slot committed); kept slot keep[i] moves to slot i, the
+  // table shrinks to keep.size() slots (whole blocks past it are released),
+  // position_shift grows by the slots dropped, and the sequence becomes
+  // lossy. A shared block (the prefix cache's, a fork's) is never written: a
+  // block that receives moved rows is first made the sequence's own copy,
+  // and a shared block the sequence no longer needs only loses this
+  // sequence's reference (the index keeps its exact, full-attention copy).
+  // False when those copies find no free block; then nothing changed.
+  [[nodiscard]] bool DropSlots(SeqKv* kv, absl::Span<const int32_t> keep);
+
   // Evicts cached blocks nobody holds until `blocks` are free; false when
   // even that is not enough (the caller preempts or waits).
   bool EnsureFree(int32_t blocks);

@@ -1,5 +1,6 @@
 #include "scheduler/model_runner.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "scheduler/sequence.h"
@@ -10,7 +11,7 @@ ModelRunner::ModelRunner(std::shared_ptr<ForwardBackend> backend, KvCacheManager
                          ThreadPool* pool)
     : backend_(std::move(backend)), kv_(kv), pool_(pool) {}
 
-absl::StatusOr<absl::Span<const float>> ModelRunner::Run(const BatchPlan& plan) {
+absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
   tokens_.clear();
   token_seq_.clear();
   positions_.clear();
@@ -21,7 +22,13 @@ absl::StatusOr<absl::Span<const float>> ModelRunner::Run(const BatchPlan& plan) 
   // Plain sequences (slot == position) send no slot array: the kernels then
   // use the positions, and the bytes and speed are exactly the old ones.
   bool shifted = false;
-  for (const ScheduledChunk& c : plan.chunks) shifted |= c.seq->kv.position_shift != 0;
+  int64_t mass_stride = 0;  // slots per mass row; 0: nobody needs attention mass
+  for (const ScheduledChunk& c : plan.chunks) {
+    shifted |= c.seq->kv.position_shift != 0;
+    if (c.seq->group()->request.kv_policy.kind == KvPolicy::Kind::kH2O) {
+      mass_stride = std::max<int64_t>(mass_stride, c.seq->kv.table.num_tokens());
+    }
+  }
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& c = plan.chunks[i];
     const Sequence& s = *c.seq;
@@ -47,9 +54,23 @@ absl::StatusOr<absl::Span<const float>> ModelRunner::Run(const BatchPlan& plan) 
   batch.positions = positions_;
   batch.slots = slots_;
   batch.logit_rows = logit_rows_;
+  const int32_t n_kv_heads = backend_->config().n_kv_heads;
+  if (mass_stride > 0) {
+    mass_.assign(plan.chunks.size() * static_cast<size_t>(n_kv_heads * mass_stride), 0.0f);
+    batch.attention_mass = mass_.data();
+    batch.attention_mass_stride = mass_stride;
+  }
   absl::Status st = backend_->Forward(batch, view, logits_.data(), pool_);
   if (!st.ok()) return st;
-  return absl::MakeConstSpan(logits_);
+  StepResult r;
+  r.logits = absl::MakeConstSpan(logits_);
+  r.vocab_size = vocab;
+  if (mass_stride > 0) {
+    r.attention_mass = mass_.data();
+    r.mass_stride = mass_stride;
+    r.n_kv_heads = n_kv_heads;
+  }
+  return r;
 }
 
 }  // namespace kvserve

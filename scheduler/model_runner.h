@@ -21,16 +21,29 @@
 
 namespace kvserve {
 
+// What one forward produced, for the output processor.
+struct StepResult {
+  // One row of vocab_size logits per chunk with `sample` set, in plan order.
+  absl::Span<const float> logits;
+  int32_t vocab_size = 0;
+  // Heavy-hitter statistics (only when a chunk's sequence has an h2o
+  // policy): chunk i's attention mass per (KV head, slot) starts at
+  // attention_mass + i * n_kv_heads * mass_stride. Null otherwise.
+  const float* attention_mass = nullptr;
+  int64_t mass_stride = 0;
+  int32_t n_kv_heads = 0;
+};
+
 class ModelRunner {
  public:
   // REQUIRES: backend, kv and pool outlive the runner.
   ModelRunner(std::shared_ptr<ForwardBackend> backend, KvCacheManager* kv, ThreadPool* pool);
 
-  // Runs the plan's forward. On success: one row of vocab_size logits per
-  // chunk with `sample` set, in plan order. The K/V of every scheduled token
-  // is written; the caller marks them computed. On error nothing may be
-  // treated as computed.
-  [[nodiscard]] absl::StatusOr<absl::Span<const float>> Run(const BatchPlan& plan);
+  // Runs the plan's forward. On success the K/V of every scheduled token is
+  // written (the caller marks them computed) and the result points into the
+  // runner's buffers until the next Run. On error nothing may be treated as
+  // computed.
+  [[nodiscard]] absl::StatusOr<StepResult> Run(const BatchPlan& plan);
 
   int32_t vocab_size() const { return backend_->config().vocab_size; }
   ForwardBackend* backend() const { return backend_.get(); }
@@ -42,7 +55,7 @@ class ModelRunner {
   // Reused across steps.
   std::vector<int32_t> tokens_, token_seq_, positions_, slots_, logit_rows_;
   std::vector<int32_t> block_ids_, block_offsets_;
-  std::vector<float> logits_;
+  std::vector<float> logits_, mass_;
 };
 
 }  // namespace kvserve

@@ -8,7 +8,7 @@ namespace kvserve {
 
 OutputProcessor::OutputProcessor(KvCacheManager* kv, Scheduler* scheduler,
                                  const Tokenizer* tokenizer)
-    : kv_(kv), scheduler_(scheduler), tokenizer_(tokenizer) {}
+    : kv_(kv), scheduler_(scheduler), tokenizer_(tokenizer), evictor_(kv) {}
 
 std::unique_ptr<Sequence> OutputProcessor::NewSample(SequenceGroup* g, int32_t index,
                                                      const std::vector<int32_t>& tokens) const {
@@ -22,19 +22,27 @@ SeqEvent OutputProcessor::Event(const Sequence& s) const {
   ev.prompt_tokens = s.num_prompt();
   ev.completion_tokens = s.num_generated();
   ev.cached_tokens = s.num_cached_prompt;
+  ev.dropped_tokens = s.kv.position_shift;
   return ev;
 }
 
-void OutputProcessor::Process(const BatchPlan& plan, absl::Span<const float> logits,
-                              int32_t vocab_size) {
+void OutputProcessor::Process(const BatchPlan& plan, const StepResult& result) {
+  const absl::Span<const float> logits = result.logits;
+  const int32_t vocab_size = result.vocab_size;
   // Every scheduled input token is a committed token (no drafts yet): the
   // K/V the forward wrote are final, and blocks they complete become
   // shareable at once — a request with the same prefix arriving now reuses
   // them even while this one still runs.
-  for (const ScheduledChunk& c : plan.chunks) {
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const ScheduledChunk& c = plan.chunks[i];
     Sequence* s = c.seq;
     kv_->MarkComputed(&s->kv, c.num_tokens);
     kv_->Commit(&s->kv, s->group()->salt(), s->tokens(), c.num_tokens);
+    if (result.attention_mass != nullptr &&
+        s->group()->request.kv_policy.kind == KvPolicy::Kind::kH2O) {
+      evictor_.AddAttention(s, result.attention_mass + i * result.n_kv_heads * result.mass_stride,
+                            result.n_kv_heads, result.mass_stride, c.first_slot, c.num_tokens);
+    }
   }
   size_t row = 0;
   for (const ScheduledChunk& c : plan.chunks) {
@@ -53,6 +61,13 @@ void OutputProcessor::Process(const BatchPlan& plan, absl::Span<const float> log
     for (Sequence* t : targets) {
       const SampleResult res = t->sampler().Sample(r, t->prompt(), t->generated());
       EmitToken(t, res.token, res.logprob);
+    }
+  }
+  // Token eviction, once this step's K/V are in and its tokens out.
+  for (const ScheduledChunk& c : plan.chunks) {
+    Sequence* s = c.seq;
+    if (!s->finished() && s->group()->request.kv_policy.kind != KvPolicy::Kind::kNone) {
+      evictor_.MaybeCompact(s);
     }
   }
 }

@@ -4,7 +4,8 @@
 // every chunk that reached the end of its input it forks an n > 1 request
 // whose prompt is in, samples the next token, emits it (text through the
 // streaming detokenizer and stop-string matcher), and finishes sequences
-// that stop or reach max_tokens. Finishing (also cancel, deadline and
+// that stop or reach max_tokens; then it lets sequences with a KV policy drop
+// tokens (KvEvictor). Finishing (also cancel, deadline and
 // errors, which the engine routes here) is the one place a sequence's last
 // event is sent and its blocks are handed back.
 //
@@ -18,6 +19,8 @@
 #include "model/tokenizer.h"
 #include "scheduler/batch_plan.h"
 #include "scheduler/kv_cache_manager.h"
+#include "scheduler/kv_eviction.h"
+#include "scheduler/model_runner.h"
 #include "scheduler/scheduler.h"
 #include "scheduler/sequence.h"
 
@@ -28,9 +31,9 @@ class OutputProcessor {
   // REQUIRES: every pointer outlives the processor.
   OutputProcessor(KvCacheManager* kv, Scheduler* scheduler, const Tokenizer* tokenizer);
 
-  // REQUIRES: the plan's forward succeeded; logits holds one row of
-  // vocab_size per sampling chunk, in plan order.
-  void Process(const BatchPlan& plan, absl::Span<const float> logits, int32_t vocab_size);
+  // REQUIRES: the plan's forward succeeded and produced `result`. Last,
+  // sequences with a KV policy are compacted (token eviction).
+  void Process(const BatchPlan& plan, const StepResult& result);
 
   // Sends the sample's last event (with the text still held back, for a
   // normal finish) and frees its KV. Idempotent.
@@ -45,6 +48,7 @@ class OutputProcessor {
 
   int64_t generation_tokens_total() const { return generation_tokens_total_; }
   int64_t requests_cancelled() const { return requests_cancelled_; }
+  const KvEvictor& evictor() const { return evictor_; }
 
  private:
   void Fork(Sequence* parent);
@@ -54,6 +58,7 @@ class OutputProcessor {
   KvCacheManager* kv_;
   Scheduler* scheduler_;
   const Tokenizer* tokenizer_;
+  KvEvictor evictor_;
   int64_t generation_tokens_total_ = 0;
   int64_t requests_cancelled_ = 0;
 };

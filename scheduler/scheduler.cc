@@ -174,8 +174,8 @@ void Scheduler::Schedule(Sequence* s, int32_t take, BatchPlan* plan) {
   plan->chunks.push_back(c);
   plan->num_tokens += take;
   (c.prefill ? plan->num_prefill_tokens : plan->num_decode_tokens) += take;
-  if (s->kv.num_computed < s->num_prompt()) {
-    prompt_tokens_total_ += std::min(take, s->num_prompt() - s->kv.num_computed);
+  if (s->num_computed_tokens() < s->num_prompt()) {
+    prompt_tokens_total_ += std::min(take, s->num_prompt() - s->num_computed_tokens());
   }
 }
 
@@ -185,6 +185,8 @@ void Scheduler::Preempt(Sequence* s, BatchPlan* plan) {
   // sequence is readmitted, with the same sampler, so its output is exactly
   // what it would have been.
   kv_->Free(&s->kv, s->group()->salt(), s->tokens());
+  s->attention_score.clear();  // the eviction state goes with the KV
+  s->attention_age.clear();
   s->set_state(SeqState::kPreempted);
   running_.erase(std::find(running_.begin(), running_.end(), s));
   waiting_.push_back(s);

@@ -54,16 +54,19 @@ class Sequence {
   // Token counters. Invariants (CheckInvariants):
   //   tokens() = prompt, then every committed sampled token;
   //   0 <= kv.num_committed <= kv.num_computed <= kv.table.num_tokens();
-  //   kv.num_computed <= num_tokens() + num_speculative (the forward writes
-  //     K/V only of tokens it was given);
+  //   num_computed_tokens() = kv.num_computed + kv.position_shift: tokens
+  //     whose K/V were computed (slots hold them, less what a KV policy
+  //     dropped) <= num_tokens() + num_speculative (the forward writes K/V
+  //     only of tokens it was given);
   //   num_cached_prompt <= num_prompt (fixed at the first admission);
-  //   a running sequence's uncomputed input is num_tokens() - kv.num_computed.
+  //   a running sequence's uncomputed input is num_tokens() -
+  //     num_computed_tokens().
   const std::vector<int32_t>& tokens() const { return tokens_; }
   int32_t num_tokens() const { return static_cast<int32_t>(tokens_.size()); }
   int32_t num_prompt() const { return num_prompt_; }
   int32_t num_generated() const { return num_tokens() - num_prompt_; }
-  int32_t num_computed() const { return kv.num_computed; }
-  int32_t remaining_input() const { return num_tokens() - kv.num_computed; }
+  int32_t num_computed_tokens() const { return kv.num_computed + kv.position_shift; }
+  int32_t remaining_input() const { return num_tokens() - num_computed_tokens(); }
   bool decoding() const { return remaining_input() == 1 && num_generated() > 0; }
   absl::Span<const int32_t> prompt() const {
     return absl::MakeConstSpan(tokens_).first(static_cast<size_t>(num_prompt_));
@@ -81,6 +84,11 @@ class Sequence {
   int32_t num_speculative = 0;    // draft tokens scheduled past tokens() (none yet)
   bool ever_admitted = false;
   int64_t admit_order = 0;        // admission counter: later admitted, preempted first
+  // Token eviction (group's request kv_policy): per slot, the attention mass
+  // it received (h2o) and the query tokens that could attend it since it was
+  // written (the age that normalises the mass). Reset with the KV.
+  std::vector<float> attention_score;
+  std::vector<int32_t> attention_age;
   // Set while kKvArriving: the load filling tokens [kv.num_computed,
   // kv.num_computed + arriving_tokens).
   std::shared_ptr<KvLoad> arriving;

@@ -233,6 +233,12 @@ std::string Metrics::Render(const EngineStats& stats) const {
               static_cast<double>(stats.kv_arriving), &out);
   AppendCounter("kvserve:kv_loads_total", "KV loads started instead of recomputing.", l,
                 static_cast<double>(stats.kv_loads), &out);
+  AppendCounter("kvserve:kv_evicted_tokens_total",
+                "Cached tokens dropped by KV policies (window, sinks, h2o).", l,
+                static_cast<double>(stats.kv_evicted_tokens), &out);
+  AppendCounter("kvserve:kv_compactions_total",
+                "Compactions by KV policies (each frees at least one block).", l,
+                static_cast<double>(stats.kv_compactions), &out);
   AppendCounter("kvserve:kv_load_failures_total",
                 "KV loads that failed (their tokens were recomputed).", l,
                 static_cast<double>(stats.kv_load_failures), &out);

@@ -435,4 +435,28 @@ std::string_view KvDTypeList() {
   return list;
 }
 
+void MoveKvRows(const PagedKvView& kv, int32_t n_layers, int32_t seq, const int32_t* from,
+                const int32_t* to, int32_t n) {
+  const int64_t row = kv.RowBytes();
+  const int64_t meta = kv.RowMetaBytes();
+  const int64_t half = kv.layer_bytes / 2;
+  for (int32_t i = 0; i < n; ++i) {
+    if (from[i] == to[i]) continue;
+    for (int32_t l = 0; l < n_layers; ++l) {
+      for (int32_t h = 0; h < kv.n_kv_heads; ++h) {
+        uint8_t* kd = kv.KeyAt(l, seq, to[i], h);
+        const uint8_t* ks = kv.KeyAt(l, seq, from[i], h);
+        std::memmove(kd, ks, static_cast<size_t>(row));
+        std::memmove(kd + half, ks + half, static_cast<size_t>(row));
+        if (meta > 0) {
+          uint8_t* md = kv.KeyMetaAt(l, seq, to[i], h);
+          const uint8_t* ms = kv.KeyMetaAt(l, seq, from[i], h);
+          std::memmove(md, ms, static_cast<size_t>(meta));
+          std::memmove(md + half, ms + half, static_cast<size_t>(meta));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace kvserve::kernels

@@ -34,6 +34,16 @@ void DequantizeKiviKeyRow(const uint8_t* codes, const float* scale, const float*
 
 // Decodes the stored key (value: value == true) of one (layer, seq, pos,
 // head) with plain loops, whatever the codec: the reference read path.
+// Token eviction's compaction: for every layer, K and V and KV head, copies
+// the row (data and scale-area metadata) of slot from[i] of sequence `seq`
+// to slot to[i], in order i = 0, 1, ... A slot's bytes move as they are (no
+// re-encoding), so kept tokens read back bit-identical.
+// REQUIRES: a per-row codec (not int4-kivi*, whose keys share per-block
+// scales); to[i] <= from[i] and both ascending (a compaction moves down, so
+// no row is overwritten before it is read); host memory.
+void MoveKvRows(const PagedKvView& kv, int32_t n_layers, int32_t seq, const int32_t* from,
+                const int32_t* to, int32_t n);
+
 void ReadKvRow(const PagedKvView& kv, int32_t layer, int32_t seq, int32_t pos, int32_t head,
                bool value, float* dst);
 

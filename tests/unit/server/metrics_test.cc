@@ -208,6 +208,7 @@ EngineStats SomeStats() {
   s.step_prefill_ms_per_token = 2.5;
   s.kv_arriving = 1;
   s.kv_loads = 7;
+  s.kv_evicted_tokens = 96;
   return s;
 }
 
@@ -274,6 +275,7 @@ TEST(MetricsTest, CountersAndGaugesCarryTheirValues) {
   EXPECT_EQ(Value(p, "kvserve:step_prefill_ms_per_token"), 2.5);
   EXPECT_EQ(Value(p, "kvserve:kv_arriving_sequences"), 1);
   EXPECT_EQ(Value(p, "kvserve:kv_loads_total"), 7);
+  EXPECT_EQ(Value(p, "kvserve:kv_evicted_tokens_total"), 96);
   EXPECT_EQ(p.families.at("kvserve:kv_loads_total").type, "counter");
   EXPECT_EQ(p.families.at("kvserve:num_preemptions_total").type, "counter");
   EXPECT_EQ(p.families.at("kvserve:kv_blocks_free").type, "gauge");

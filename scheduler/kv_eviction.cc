@@ -1,0 +1,98 @@
+#include "scheduler/kv_eviction.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace kvserve {
+
+std::vector<int32_t> ChooseKeptSlots(const KvPolicy& policy, int32_t n_slots, int32_t protect_end,
+                                     const float* score) {
+  std::vector<int32_t> keep;
+  if (policy.kind == KvPolicy::Kind::kNone || n_slots <= policy.capacity()) {
+    keep.resize(static_cast<size_t>(n_slots));
+    std::iota(keep.begin(), keep.end(), 0);
+    return keep;
+  }
+  const int32_t sinks = policy.kind == KvPolicy::Kind::kWindow ? 0 : policy.sinks;
+  // Kept in place: the shared prefix and the sinks.
+  const int32_t head = std::min(n_slots, std::max(protect_end, sinks));
+  // The recent window (never reaching into the head).
+  const int32_t tail_from = std::max(head, n_slots - policy.window);
+  // Heavy hitters fill what the budget leaves between them.
+  int32_t heavy = 0;
+  if (policy.kind == KvPolicy::Kind::kH2O) {
+    heavy = std::max(0, policy.budget - head - (n_slots - tail_from));
+    heavy = std::min(heavy, tail_from - head);
+  }
+  for (int32_t i = 0; i < head; ++i) keep.push_back(i);
+  if (heavy > 0) {
+    std::vector<int32_t> cand(static_cast<size_t>(tail_from - head));
+    std::iota(cand.begin(), cand.end(), head);
+    std::stable_sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) {
+      const float sa = score ? score[a] : 0, sb = score ? score[b] : 0;
+      return sa > sb;
+    });
+    cand.resize(static_cast<size_t>(heavy));
+    std::sort(cand.begin(), cand.end());
+    keep.insert(keep.end(), cand.begin(), cand.end());
+  }
+  for (int32_t i = tail_from; i < n_slots; ++i) keep.push_back(i);
+  return keep;
+}
+
+void KvEvictor::AddAttention(Sequence* s, const float* mass, int32_t n_kv_heads, int64_t stride,
+                             int32_t first, int32_t n) const {
+  const int32_t slots = first + n;
+  if (static_cast<int32_t>(s->attention_score.size()) < slots) {
+    s->attention_score.resize(static_cast<size_t>(slots), 0.0f);
+    s->attention_age.resize(static_cast<size_t>(slots), 0);
+  }
+  for (int32_t j = 0; j < slots; ++j) {
+    float m = 0;
+    for (int32_t h = 0; h < n_kv_heads; ++h) m += mass[h * stride + j];
+    s->attention_score[static_cast<size_t>(j)] += m;
+    // Query q (slot first + i) attends slots [0, q].
+    s->attention_age[static_cast<size_t>(j)] += j < first ? n : first + n - j;
+  }
+}
+
+int32_t KvEvictor::MaybeCompact(Sequence* s) {
+  const KvPolicy& policy = s->group()->request.kv_policy;
+  if (policy.kind == KvPolicy::Kind::kNone) return 0;
+  const int32_t n = s->kv.num_computed;
+  if (n - policy.capacity() < kv_->block_size()) return 0;  // a block at a time
+  if (s->kv.num_committed != n) return 0;  // drafts in flight: after they settle
+  std::vector<float> mean;
+  const float* score = nullptr;
+  if (policy.kind == KvPolicy::Kind::kH2O) {
+    mean.assign(static_cast<size_t>(n), 0.0f);
+    for (int32_t i = 0; i < n && i < static_cast<int32_t>(s->attention_score.size()); ++i) {
+      const int32_t age = s->attention_age[static_cast<size_t>(i)];
+      mean[static_cast<size_t>(i)] = age > 0 ? s->attention_score[static_cast<size_t>(i)] / age : 0;
+    }
+    score = mean.data();
+  }
+  // Shared blocks may be dropped too (DropSlots never writes them; the
+  // sequence only lets go of its reference), so nothing is protected here.
+  const std::vector<int32_t> keep = ChooseKeptSlots(policy, n, /*protect_end=*/0, score);
+  const int32_t dropped = n - static_cast<int32_t>(keep.size());
+  if (dropped < kv_->block_size()) return 0;
+  // No block for a copy-on-write: try again after the next step.
+  if (!kv_->DropSlots(&s->kv, keep)) return 0;
+  if (!s->attention_score.empty()) {
+    std::vector<float> sc;
+    std::vector<int32_t> ag;
+    for (int32_t k : keep) {
+      const size_t i = static_cast<size_t>(k);
+      sc.push_back(i < s->attention_score.size() ? s->attention_score[i] : 0);
+      ag.push_back(i < s->attention_age.size() ? s->attention_age[i] : 0);
+    }
+    s->attention_score = std::move(sc);
+    s->attention_age = std::move(ag);
+  }
+  evicted_tokens_ += dropped;
+  ++compactions_;
+  return dropped;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,60 @@
+// Token eviction: which cached tokens a sequence keeps under its request's
+// KvPolicy (scheduler/request.h), and the compaction that drops the rest.
+// After every step the output processor hands each sequence with a policy to
+// MaybeCompact: when at least a block's worth of slots could go, the kept
+// slots (sinks, heavy hitters, the recent window) move to the front of the
+// sequence's blocks through KvCacheManager::DropSlots, the emptied blocks are
+// released, and the sequence becomes lossy (never cached again). Blocks
+// shared with the prefix cache or a fork are immutable: DropSlots copies a
+// shared block before moving rows into it and otherwise only drops the
+// sequence's reference, so a sibling sharing the prefix sees no change.
+// Compacting a block at a time bounds the copying: a sequence holds between
+// capacity() and capacity() + block_size - 1 slots once it has filled them.
+//
+// Heavy hitters (h2o): the runner asks the forward for each sequence's
+// attention mass per slot (ForwardBatch::attention_mass); AddAttention adds it
+// to the sequence's scores, with the number of query tokens that could attend
+// each slot, so the score is the mean attention a slot received since it was
+// written (age-normalised: a young token is not evicted for being young).
+//
+// Not thread-safe: the engine thread owns it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "scheduler/kv_cache_manager.h"
+#include "scheduler/request.h"
+#include "scheduler/sequence.h"
+
+namespace kvserve {
+
+// The slots a sequence of n_slots keeps under `policy` when slots before
+// `protect_end` (shared blocks) must stay; ascending. `score` (h2o, n_slots
+// values; may be null otherwise) ranks the heavy-hitter candidates, higher
+// kept first, earlier slot on ties.
+std::vector<int32_t> ChooseKeptSlots(const KvPolicy& policy, int32_t n_slots, int32_t protect_end,
+                                     const float* score);
+
+class KvEvictor {
+ public:
+  explicit KvEvictor(KvCacheManager* kv) : kv_(kv) {}
+
+  // Adds one step's attention mass for s: `mass` holds n_kv_heads rows of
+  // `stride` slots; the chunk's query tokens were slots [first, first + n).
+  void AddAttention(Sequence* s, const float* mass, int32_t n_kv_heads, int64_t stride,
+                    int32_t first, int32_t n) const;
+  // Compacts s when its policy lets at least a block's worth of slots go.
+  // Returns the slots dropped (0: nothing done).
+  int32_t MaybeCompact(Sequence* s);
+
+  int64_t evicted_tokens() const { return evicted_tokens_; }
+  int64_t compactions() const { return compactions_; }
+
+ private:
+  KvCacheManager* kv_;
+  int64_t evicted_tokens_ = 0;
+  int64_t compactions_ = 0;
+};
+
+}  // namespace kvserve
