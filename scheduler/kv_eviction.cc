@@ -40,55 +40,56 @@ std::vector<int32_t> ChooseKeptSlots(const KvPolicy& policy, int32_t n_slots, in
   return keep;
 }
 
-void KvEvictor::AddAttention(Sequence* s, const float* mass, int32_t n_kv_heads, int64_t stride,
-                             int32_t first, int32_t n) const {
+void KvEvictor::AddAttention(std::vector<float>* score, std::vector<int32_t>* age,
+                             const float* mass, int32_t n_kv_heads, int64_t stride, int32_t first,
+                             int32_t n) {
   const int32_t slots = first + n;
-  if (static_cast<int32_t>(s->attention_score.size()) < slots) {
-    s->attention_score.resize(static_cast<size_t>(slots), 0.0f);
-    s->attention_age.resize(static_cast<size_t>(slots), 0);
+  if (static_cast<int32_t>(score->size()) < slots) {
+    score->resize(static_cast<size_t>(slots), 0.0f);
+    age->resize(static_cast<size_t>(slots), 0);
   }
   for (int32_t j = 0; j < slots; ++j) {
     float m = 0;
     for (int32_t h = 0; h < n_kv_heads; ++h) m += mass[h * stride + j];
-    s->attention_score[static_cast<size_t>(j)] += m;
+    (*score)[static_cast<size_t>(j)] += m;
     // Query q (slot first + i) attends slots [0, q].
-    s->attention_age[static_cast<size_t>(j)] += j < first ? n : first + n - j;
+    (*age)[static_cast<size_t>(j)] += j < first ? n : first + n - j;
   }
 }
 
-int32_t KvEvictor::MaybeCompact(Sequence* s) {
-  const KvPolicy& policy = s->group()->request.kv_policy;
+int32_t KvEvictor::MaybeCompact(const KvPolicy& policy, SeqKv* kv, std::vector<float>* score,
+                                std::vector<int32_t>* age) {
   if (policy.kind == KvPolicy::Kind::kNone) return 0;
-  const int32_t n = s->kv.num_computed;
+  const int32_t n = kv->num_computed;
   if (n - policy.capacity() < kv_->block_size()) return 0;  // a block at a time
-  if (s->kv.num_committed != n) return 0;  // drafts in flight: after they settle
+  if (kv->num_committed != n) return 0;  // drafts in flight: after they settle
   std::vector<float> mean;
-  const float* score = nullptr;
+  const float* ranked = nullptr;
   if (policy.kind == KvPolicy::Kind::kH2O) {
     mean.assign(static_cast<size_t>(n), 0.0f);
-    for (int32_t i = 0; i < n && i < static_cast<int32_t>(s->attention_score.size()); ++i) {
-      const int32_t age = s->attention_age[static_cast<size_t>(i)];
-      mean[static_cast<size_t>(i)] = age > 0 ? s->attention_score[static_cast<size_t>(i)] / age : 0;
+    for (int32_t i = 0; i < n && i < static_cast<int32_t>(score->size()); ++i) {
+      const int32_t a = (*age)[static_cast<size_t>(i)];
+      mean[static_cast<size_t>(i)] = a > 0 ? (*score)[static_cast<size_t>(i)] / a : 0;
     }
-    score = mean.data();
+    ranked = mean.data();
   }
   // Shared blocks may be dropped too (DropSlots never writes them; the
   // sequence only lets go of its reference), so nothing is protected here.
-  const std::vector<int32_t> keep = ChooseKeptSlots(policy, n, /*protect_end=*/0, score);
+  const std::vector<int32_t> keep = ChooseKeptSlots(policy, n, /*protect_end=*/0, ranked);
   const int32_t dropped = n - static_cast<int32_t>(keep.size());
   if (dropped < kv_->block_size()) return 0;
   // No block for a copy-on-write: try again after the next step.
-  if (!kv_->DropSlots(&s->kv, keep)) return 0;
-  if (!s->attention_score.empty()) {
+  if (!kv_->DropSlots(kv, keep)) return 0;
+  if (!score->empty()) {
     std::vector<float> sc;
     std::vector<int32_t> ag;
     for (int32_t k : keep) {
       const size_t i = static_cast<size_t>(k);
-      sc.push_back(i < s->attention_score.size() ? s->attention_score[i] : 0);
-      ag.push_back(i < s->attention_age.size() ? s->attention_age[i] : 0);
+      sc.push_back(i < score->size() ? (*score)[i] : 0);
+      ag.push_back(i < age->size() ? (*age)[i] : 0);
     }
-    s->attention_score = std::move(sc);
-    s->attention_age = std::move(ag);
+    *score = std::move(sc);
+    *age = std::move(ag);
   }
   evicted_tokens_ += dropped;
   ++compactions_;

@@ -43,10 +43,21 @@ class KvEvictor {
   // Adds one step's attention mass for s: `mass` holds n_kv_heads rows of
   // `stride` slots; the chunk's query tokens were slots [first, first + n).
   void AddAttention(Sequence* s, const float* mass, int32_t n_kv_heads, int64_t stride,
-                    int32_t first, int32_t n) const;
+                    int32_t first, int32_t n) const {
+    AddAttention(&s->attention_score, &s->attention_age, mass, n_kv_heads, stride, first, n);
+  }
+  static void AddAttention(std::vector<float>* score, std::vector<int32_t>* age,
+                           const float* mass, int32_t n_kv_heads, int64_t stride, int32_t first,
+                           int32_t n);
   // Compacts s when its policy lets at least a block's worth of slots go.
   // Returns the slots dropped (0: nothing done).
-  int32_t MaybeCompact(Sequence* s);
+  int32_t MaybeCompact(Sequence* s) {
+    return MaybeCompact(s->group()->request.kv_policy, &s->kv, &s->attention_score,
+                        &s->attention_age);
+  }
+  // The same on bare KV state (the policy evaluator drives it directly).
+  int32_t MaybeCompact(const KvPolicy& policy, SeqKv* kv, std::vector<float>* score,
+                       std::vector<int32_t>* age);
 
   int64_t evicted_tokens() const { return evicted_tokens_; }
   int64_t compactions() const { return compactions_; }

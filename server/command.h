@@ -62,6 +62,7 @@ class Command {
 std::unique_ptr<Command> NewGenerateCommand(CLI::App* root, EngineFlags* engine_flags);
 std::unique_ptr<Command> NewPerplexityCommand(CLI::App* root);
 std::unique_ptr<Command> NewKvErrorCommand(CLI::App* root);
+std::unique_ptr<Command> NewKvEvalCommand(CLI::App* root);
 std::unique_ptr<Command> NewBenchCommand(CLI::App* root, EngineFlags* engine_flags);
 std::unique_ptr<Command> NewLoadtestCommand(CLI::App* root, EngineFlags* engine_flags);
 std::unique_ptr<Command> NewPlanCommand(CLI::App* root, EngineFlags* engine_flags);

@@ -4,6 +4,7 @@
 // chosen one:
 //   generate    complete a prompt (or a chat turn) and stream the text
 //   perplexity  perplexity of the model on a text file (any KV dtype)
+//   kv-eval     quality of a KV policy (token eviction) on a text
 //   kv-error    error of every KV codec on K/V captured from a real forward
 //   bench       prefill and decode throughput at several batch sizes
 //   loadtest    a request workload through the continuous-batching scheduler
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
   commands.push_back(NewGenerateCommand(&app, &engine_flags));
   commands.push_back(NewPerplexityCommand(&app));
   commands.push_back(NewKvErrorCommand(&app));
+  commands.push_back(NewKvEvalCommand(&app));
   commands.push_back(NewBenchCommand(&app, &engine_flags));
   commands.push_back(NewLoadtestCommand(&app, &engine_flags));
   commands.push_back(NewPlanCommand(&app, &engine_flags));

@@ -15,6 +15,7 @@
 #include "kernels/cpu/kv_codec.h"
 #include "scheduler/engine.h"
 #include "scheduler/kv_eviction.h"
+#include "scheduler/kv_policy_eval.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
@@ -363,6 +364,30 @@ TEST(KvEvictionEngineTest, UnsupportedCodecsAreRefusedWithTheReason) {
                 [](const SeqEvent&) {})
           .status();
   EXPECT_TRUE(absl::IsInvalidArgument(small));
+}
+
+TEST(KvPolicyEvalTest, FullKvAgreesWithItselfAndAWindowCostsSomething) {
+  const Model& m = Tiny();
+  const std::vector<int32_t> text = Prompt(300, 6);
+  KvPolicyEvalOptions o;
+  o.kv_dtype = kernels::KvDType::kF32;
+  const KvPolicyEvalResult none = EvaluateKvPolicy(m.model.get(), text, o, Pool()).value();
+  EXPECT_EQ(none.scored_tokens, 299);
+  EXPECT_DOUBLE_EQ(none.perplexity_policy, none.perplexity_full);
+  EXPECT_EQ(none.same_top1, 1.0);
+  EXPECT_EQ(none.mean_kl, 0.0);
+  for (const KvPolicy& p : {Policy(KvPolicy::Kind::kWindow, 0, 48),
+                            Policy(KvPolicy::Kind::kH2O, 4, 24, 48)}) {
+    o.policy = p;
+    const KvPolicyEvalResult r = EvaluateKvPolicy(m.model.get(), text, o, Pool()).value();
+    EXPECT_DOUBLE_EQ(r.perplexity_full, none.perplexity_full) << "the reference stream is the same";
+    EXPECT_NE(r.perplexity_policy, r.perplexity_full) << KvPolicyName(p.kind);
+    EXPECT_GT(r.mean_kl, 0.0);
+    EXPECT_LE(r.max_slots, 48 + 16 + o.chunk) << "capacity + a block of slack + a chunk";
+    EXPECT_GT(r.dropped_tokens, 200);
+  }
+  o.policy = Policy(KvPolicy::Kind::kH2O, 4, 24, 20);
+  EXPECT_TRUE(absl::IsInvalidArgument(EvaluateKvPolicy(m.model.get(), text, o, Pool()).status()));
 }
 
 }  // namespace
