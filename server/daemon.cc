@@ -132,9 +132,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                  limits.kv_policy.window, limits.kv_policy.budget);
   }
   d->metrics_ = std::make_unique<Metrics>(name);
-  d->service_ =
-      std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat, d->engine_.get(),
-                                     limits, d->metrics_.get());
+  d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
+                                               d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
   d->engine_->Start();
 

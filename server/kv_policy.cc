@@ -65,9 +65,9 @@ absl::StatusOr<KvPolicyDefaults> KvPolicyDefaultsFromFlags(const KvPolicyFlags& 
   // when the default policy is not h2o: a request that names h2o alone
   // would get it.
   if (f.budget > 0 && static_cast<int64_t>(f.budget) <= static_cast<int64_t>(f.sinks) + f.window) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv-budget (", f.budget,
-                                                   ") must be larger than --kv-sinks + --kv-window (",
-                                                   f.sinks, " + ", f.window, "), or 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-budget (", f.budget, ") must be larger than --kv-sinks + --kv-window (",
+                     f.sinks, " + ", f.window, "), or 0"));
   }
   d.sinks = f.sinks;
   d.window = f.window;
@@ -89,9 +89,9 @@ absl::Status CheckKvPolicyDefaults(const KvPolicyDefaults& defaults, const Reque
   l.num_blocks = 0;
   absl::Status s = ValidateEngineRequest(probe, l);
   if (s.ok()) return s;
-  return absl::InvalidArgumentError(absl::StrCat("--kv-policy ", KvPolicyName(defaults.kind),
-                                                 " (with --kv-sinks, --kv-window, --kv-budget): ",
-                                                 s.message()));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-policy ", KvPolicyName(defaults.kind),
+                   " (with --kv-sinks, --kv-window, --kv-budget): ", s.message()));
 }
 
 }  // namespace kvserve

@@ -154,9 +154,9 @@ TEST(DaemonTest, BadKvPolicyDefaultsStopStartUpNamingTheFlag) {
     EXPECT_THAT(std::string(d.status().message()), HasSubstr(c.message));
   }
   // The exit status, seen directly.
-  const testing::CommandResult run = testing::RunCommand(
-      std::string(KVSERVE_BINARY) + " --log-level warn -m " + model +
-      " serve --grpc-address 127.0.0.1:0 --http-port 0 --kv-policy bogus 2>&1");
+  const testing::CommandResult run =
+      testing::RunCommand(std::string(KVSERVE_BINARY) + " --log-level warn -m " + model +
+                          " serve --grpc-address 127.0.0.1:0 --http-port 0 --kv-policy bogus 2>&1");
   EXPECT_NE(run.exit_code, 0);
   EXPECT_THAT(run.out, HasSubstr("--kv-policy"));
   // A default that fits serves.

@@ -941,7 +941,8 @@ TEST_P(GrpcTest, CliGeneratePrintsTheGoldenText) {
   EXPECT_EQ(j["usage"]["completion_tokens"], 16);
   ASSERT_TRUE(j["usage"].contains("dropped_tokens")) << r.out;
   EXPECT_GE(j["usage"]["dropped_tokens"].get<int>(), 0);
-  r = RunCli("--address " + address_ + " --api-key k3y generate -p hi --kv-policy h2o "
+  r = RunCli("--address " + address_ +
+             " --api-key k3y generate -p hi --kv-policy h2o "
              "--kv-window 8 --kv-budget 9");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.out, HasSubstr("kv_policy.budget"));

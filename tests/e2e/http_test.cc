@@ -577,8 +577,9 @@ TEST_F(HttpTest, KvPolicyIsValidatedAndUsageReportsDroppedTokens) {
        "context length"},
       {"zero window", "/v1/completions", body({{"policy", "sinks"}, {"window", 0}}), 400,
        "kv_policy", "kv_policy.window"},
-      {"negative sinks", "/v1/completions", body({{"policy", "sinks"}, {"sinks", -1}, {"window", 8}}),
-       400, "kv_policy", "kv_policy.sinks"},
+      {"negative sinks", "/v1/completions",
+       body({{"policy", "sinks"}, {"sinks", -1}, {"window", 8}}), 400, "kv_policy",
+       "kv_policy.sinks"},
       {"wrong type", "/v1/completions", body(7), 400, "kv_policy", "kv_policy must be"},
       {"array", "/v1/completions", body(json::array({"sinks"})), 400, "kv_policy",
        "kv_policy must be"},
@@ -648,7 +649,8 @@ TEST_F(HttpTest, KvPolicyIsValidatedAndUsageReportsDroppedTokens) {
     EXPECT_GE(sum.usage.value("kv_dropped_tokens", -1), 0) << sum.usage.dump();
   }
   // Streamed without a policy: usage as before.
-  HttpResult s = PostStream(*client_, "/v1/completions", CompletionBody("Once upon a time", 8, true));
+  HttpResult s =
+      PostStream(*client_, "/v1/completions", CompletionBody("Once upon a time", 8, true));
   ASSERT_EQ(s.status, 200) << s.body;
   StreamSummary sum = Summarize(s.body, /*chat=*/false);
   ASSERT_FALSE(sum.usage.is_null()) << s.body;
