@@ -3,6 +3,7 @@
 //   kvserve-cli generate -p "Once upon a time" --max-tokens 48 --temperature 0
 //   kvserve-cli chat --system "You are terse."       (interactive)
 //   kvserve-cli chat -p "Hello"                      (one turn)
+//   kvserve-cli generate -p "..." --kv-policy sinks --kv-window 128
 //   kvserve-cli tokenize "some text"
 //   kvserve-cli stats | info | health
 //   kvserve-cli kv-events [--summary]                (follow the prefix cache)
@@ -112,6 +113,40 @@ struct SamplingFlags {
     s->set_logprobs(logprobs);
     s->set_ignore_eos(ignore_eos);
     s->set_priority(priority);
+  }
+};
+
+// Token eviction (KvPolicy) for generate and chat. As with sampling, only the
+// flags given are sent; the daemon's --kv-* defaults fill the rest, and with
+// none given the request carries no kv_policy at all.
+struct KvPolicyFlags {
+  std::string policy;
+  int32_t sinks = 0;
+  int32_t window = 0;
+  int32_t budget = 0;
+  CLI::Option* sinks_opt = nullptr;
+  CLI::Option* window_opt = nullptr;
+  CLI::Option* budget_opt = nullptr;
+
+  void Add(CLI::App* app) {
+    app->add_option("--kv-policy", policy,
+                    "Token eviction: none, window, sinks or h2o (default: the daemon's)");
+    sinks_opt = app->add_option("--kv-sinks", sinks, "Tokens kept from the start (sinks, h2o)");
+    window_opt = app->add_option("--kv-window", window, "Most recent tokens kept");
+    budget_opt = app->add_option("--kv-budget", budget, "h2o: tokens kept in all");
+  }
+
+  // A GenerateRequest or a ChatRequest.
+  template <typename Request>
+  void Fill(Request* request) const {
+    const bool any = !policy.empty() || sinks_opt->count() > 0 || window_opt->count() > 0 ||
+                     budget_opt->count() > 0;
+    if (!any) return;
+    pb::KvPolicy* k = request->mutable_kv_policy();
+    k->set_policy(policy);
+    if (sinks_opt->count() > 0) k->set_sinks(sinks);
+    if (window_opt->count() > 0) k->set_window(window);
+    if (budget_opt->count() > 0) k->set_budget(budget);
   }
 };
 
@@ -238,11 +273,13 @@ grpc::Status PrintStream(Reader* reader, bool json, int32_t samples,
   return status;
 }
 
-int RunGenerate(Client* client, const std::string& prompt, const SamplingFlags& flags) {
+int RunGenerate(Client* client, const std::string& prompt, const SamplingFlags& flags,
+                const KvPolicyFlags& kv) {
   pb::GenerateRequest request;
   request.set_model(client->options().model);
   request.set_prompt(prompt);
   flags.Fill(request.mutable_sampling());
+  kv.Fill(&request);
   auto ctx = client->Context();
   auto reader = client->stub()->Generate(ctx.get(), request);
   std::map<int32_t, std::string> texts;
@@ -266,10 +303,11 @@ grpc::Status ChatTurn(Client* client, pb::ChatRequest* request) {
 }
 
 int RunChat(Client* client, const std::string& system, const std::string& prompt,
-            const SamplingFlags& flags) {
+            const SamplingFlags& flags, const KvPolicyFlags& kv) {
   pb::ChatRequest request;
   request.set_model(client->options().model);
   flags.Fill(request.mutable_sampling());
+  kv.Fill(&request);
   if (flags.Given("n") && flags.n != 1) return Fail("--samples: chat keeps one conversation");
   if (!system.empty()) {
     pb::ChatMessage* m = request.add_messages();
@@ -710,6 +748,8 @@ int main(int argc, char** argv) {
   generate->add_option("-p,--prompt", prompt, "Prompt text")->required();
   SamplingFlags generate_flags;
   generate_flags.Add(generate);
+  KvPolicyFlags generate_kv;
+  generate_kv.Add(generate);
 
   CLI::App* chat = app.add_subcommand("chat", "Chat interactively (or one turn with -p)");
   std::string chat_prompt, system;
@@ -717,6 +757,8 @@ int main(int argc, char** argv) {
   chat->add_option("--system", system, "System message opening the conversation");
   SamplingFlags chat_flags;
   chat_flags.Add(chat);
+  KvPolicyFlags chat_kv;
+  chat_kv.Add(chat);
 
   CLI::App* tokenize = app.add_subcommand("tokenize", "Print the token ids of TEXT");
   std::string text;
@@ -761,8 +803,8 @@ int main(int argc, char** argv) {
   Client client(g);
   std::string error;
   if (!client.Connect(&error)) return Fail(error);
-  if (*generate) return RunGenerate(&client, prompt, generate_flags);
-  if (*chat) return RunChat(&client, system, chat_prompt, chat_flags);
+  if (*generate) return RunGenerate(&client, prompt, generate_flags, generate_kv);
+  if (*chat) return RunChat(&client, system, chat_prompt, chat_flags, chat_kv);
   if (*tokenize) return RunTokenize(&client, text, no_special, parse_special);
   if (*detokenize) return RunDetokenize(&client, ids);
   if (*stats) return RunStats(&client);

@@ -1,6 +1,7 @@
 // `kvserve generate`: completes one prompt (or one chat turn with the model's
 // template) on an engine driven by hand on the main thread, streaming the text
-// to stdout as it becomes final, or printing one JSON object (--json). The
+// to stdout as it becomes final, or printing one JSON object (--json); the
+// --kv-* flags (the daemon's kv-policy defaults) choose its token eviction. The
 // events are gathered by the same ResponseAccumulator the daemon's front ends
 // use (server/completed_response.h).
 //
@@ -22,6 +23,8 @@
 #include "server/command.h"
 #include "server/completed_response.h"
 #include "server/engine_builder.h"
+#include "server/kv_policy.h"
+#include "server/serve_flags.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -132,10 +135,14 @@ class GenerateCommand final : public Command {
                    "Parse special-token text (e.g. <|im_start|>) in the prompt");
     app_->add_flag("--json", json_, "Print one JSON object instead of streaming text");
     sampling_.Add(app_);
+    AddKvPolicyFlags(app_, &kv_policy_flags_);
     AddEngineFlags(app_, engine_flags_);
   }
 
   int Run(const GlobalFlags& global) override {
+    // The --kv-* flags are this request's policy, checked as the daemon
+    // checks its defaults.
+    const KvPolicyDefaults kv_defaults = ValueOrDie(KvPolicyDefaultsFromFlags(kv_policy_flags_));
     LoadedModel l = LoadModelOrDie(global.model_path);
     std::string text = prompt_;
     bool parse_special = raw_special_;
@@ -151,9 +158,12 @@ class GenerateCommand final : public Command {
     req.prompt =
         l.tokenizer->Encode(text, l.tokenizer->add_bos_default() && !no_bos_, parse_special);
     req.params = sampling_.ToParams();
+    req.kv_policy = ValueOrDie(ResolveKvPolicy(std::nullopt, kv_defaults));
+    const bool kv_policy = req.kv_policy.kind != KvPolicy::Kind::kNone;
     const int64_t prompt_tokens = static_cast<int64_t>(req.prompt.size());
     EngineBuilder builder(*engine_flags_, l.model.get(), l.tokenizer.get());
     std::unique_ptr<Engine> engine = ValueOrDie(builder.Build(&ThreadPool::Global()));
+    if (absl::Status s = CheckKvPolicyDefaults(kv_defaults, engine->limits()); !s.ok()) Die(s);
     const auto t0 = std::chrono::steady_clock::now();
     const CompletedResponse r = RunOne(*engine, std::move(req), [&](const std::string& delta) {
       if (json_) return;
@@ -164,12 +174,15 @@ class GenerateCommand final : public Command {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const CompletedSample& o = r.samples[0];
     if (json_) {
+      // dropped_tokens only under a kv policy, so plain output stays as it was.
+      const std::string dropped =
+          kv_policy ? absl::StrFormat(",\"dropped_tokens\":%d", o.dropped_tokens) : "";
       std::printf(
           "{\"text\":\"%s\",\"finish_reason\":\"%s\",\"prompt_tokens\":%lld,"
-          "\"completion_tokens\":%zu,\"token_ids\":[%s]}\n",
+          "\"completion_tokens\":%zu,\"token_ids\":[%s]%s}\n",
           JsonEscape(o.text).c_str(), FinishReasonName(o.finish),
           static_cast<long long>(prompt_tokens), o.token_ids.size(),
-          absl::StrJoin(o.token_ids, ",").c_str());
+          absl::StrJoin(o.token_ids, ",").c_str(), dropped.c_str());
     } else {
       std::printf("\n");
     }
@@ -186,6 +199,7 @@ class GenerateCommand final : public Command {
   bool raw_special_ = false;
   std::string system_prompt_;
   SamplingFlags sampling_;
+  KvPolicyFlags kv_policy_flags_;
   EngineFlags* engine_flags_;
 };
 

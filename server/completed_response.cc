@@ -28,6 +28,11 @@ bool ResponseAccumulator::Add(const SeqEvent& ev) {
     response_.completion_tokens += ev.completion_tokens - s.completion_tokens;
     s.completion_tokens = ev.completion_tokens;
   }
+  // Like completion_tokens, a running count: the newest is the largest.
+  if (ev.dropped_tokens > s.dropped_tokens) {
+    response_.dropped_tokens += ev.dropped_tokens - s.dropped_tokens;
+    s.dropped_tokens = ev.dropped_tokens;
+  }
   if (ev.finish == FinishReason::kNone || s.finish != FinishReason::kNone) return false;
   s.finish = ev.finish;
   --open_samples_;

@@ -1,7 +1,7 @@
 // CompletedResponse: everything a finished completion is made of, as both
 // front ends build it from the engine's SeqEvents: per sample the token ids,
-// log-probabilities, text and finish reason, and for the request the token
-// counts a usage block reports. The gRPC stream, the HTTP non-streaming and
+// log-probabilities, text, finish reason and tokens evicted, and for the
+// request the token counts a usage block reports. The gRPC stream, the HTTP non-streaming and
 // streaming replies and `kvserve generate` all aggregate events through one
 // ResponseAccumulator, so they cannot disagree on what a reply contains, and
 // a response cache can store a CompletedResponse and replay it. The reply's
@@ -32,6 +32,7 @@ struct CompletedSample {
   std::string text;                           // the concatenated event texts
   FinishReason finish = FinishReason::kNone;  // kNone while the sample is open
   int32_t completion_tokens = 0;              // the engine's count (the most any event reported)
+  int32_t dropped_tokens = 0;                 // evicted by the kv_policy (the most reported)
 };
 
 struct CompletedResponse {
@@ -40,6 +41,7 @@ struct CompletedResponse {
   int32_t prompt_tokens = 0;
   int32_t cached_tokens = 0;      // prompt tokens served from the prefix cache (the most reported)
   int64_t completion_tokens = 0;  // summed over the samples
+  int64_t dropped_tokens = 0;     // evicted by the kv_policy, summed over the samples
   // The last cancelled or deadline finish of any sample, else kNone: a reply
   // with it set was cut short by the server or the deadline, not the model.
   FinishReason abort_reason = FinishReason::kNone;

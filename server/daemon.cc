@@ -65,11 +65,12 @@ std::string ServedModelName(const ServeFlags& f, const std::string& model_path) 
   return name;
 }
 
-ServiceLimits ServiceLimitsFromFlags(const ServeFlags& f) {
+absl::StatusOr<ServiceLimits> ServiceLimitsFromFlags(const ServeFlags& f) {
   ServiceLimits limits;
   limits.max_queued = f.max_queued;
   limits.max_n = f.max_n;
   limits.default_max_tokens = f.default_max_tokens;
+  ASSIGN_OR_RETURN(limits.kv_policy, KvPolicyDefaultsFromFlags(f.kv_policy));
   return limits;
 }
 
@@ -119,12 +120,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   if (f.kv_events_retain > 0 && engine_flags.prefix_cache) {
     d->kv_events_ = std::make_unique<KvEventLog>(static_cast<size_t>(f.kv_events_retain));
   }
+  // Checked before the engine is built (a typo should not wait for the KV
+  // plan), and against the engine once it is.
+  ASSIGN_OR_RETURN(const ServiceLimits limits, ServiceLimitsFromFlags(f));
   EngineBuilder builder(engine_flags, l.model.get(), l.tokenizer.get());
   ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path)));
+  RETURN_IF_ERROR(CheckKvPolicyDefaults(limits.kv_policy, d->engine_->limits()));
+  if (limits.kv_policy.kind != KvPolicy::Kind::kNone) {
+    spdlog::info("token eviction by default: --kv-policy {} (sinks {}, window {}, budget {})",
+                 KvPolicyName(limits.kv_policy.kind), limits.kv_policy.sinks,
+                 limits.kv_policy.window, limits.kv_policy.budget);
+  }
   d->metrics_ = std::make_unique<Metrics>(name);
-  d->service_ =
-      std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat, d->engine_.get(),
-                                     ServiceLimitsFromFlags(f), d->metrics_.get());
+  d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
+                                               d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
   d->engine_->Start();
 

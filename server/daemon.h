@@ -34,7 +34,9 @@ namespace kvserve {
 [[nodiscard]] absl::StatusOr<std::string> ApiKeyFromFlags(const ServeFlags& flags);
 // --served-model-name, or the model's file name without ".gguf".
 std::string ServedModelName(const ServeFlags& flags, const std::string& model_path);
-ServiceLimits ServiceLimitsFromFlags(const ServeFlags& flags);
+// --max-queued, --max-n, --default-max-tokens and the --kv-* defaults;
+// InvalidArgument naming the flag for a bad kv-policy default.
+[[nodiscard]] absl::StatusOr<ServiceLimits> ServiceLimitsFromFlags(const ServeFlags& flags);
 GrpcServerOptions GrpcOptionsFromFlags(const ServeFlags& flags, const std::string& api_key);
 HttpServerOptions HttpOptionsFromFlags(const ServeFlags& flags, const std::string& api_key);
 

@@ -75,6 +75,17 @@ void ApplySampling(const pb::SamplingParams& s, CompletionParams* p) {
   p->priority = s.priority();
 }
 
+// Unset fields stay unset, so the server's defaults fill them (Prepare).
+std::optional<KvPolicyParams> ToKvPolicy(bool has, const pb::KvPolicy& k) {
+  if (!has) return std::nullopt;
+  KvPolicyParams p;
+  if (!k.policy().empty()) p.policy = k.policy();
+  if (k.has_sinks()) p.sinks = k.sinks();
+  if (k.has_window()) p.window = k.window();
+  if (k.has_budget()) p.budget = k.budget();
+  return p;
+}
+
 absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   CompletionParams p;
   p.model = r.model();
@@ -88,6 +99,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   }
   if (r.has_add_special_tokens()) p.add_special_tokens = r.add_special_tokens();
   p.cache_salt = r.cache_salt();
+  p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
   ApplySampling(r.sampling(), &p);
   return p;
 }
@@ -100,6 +112,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
   for (const pb::ChatMessage& m : r.messages()) messages.push_back({m.role(), m.content()});
   p.messages = std::move(messages);
   p.cache_salt = r.cache_salt();
+  p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
   ApplySampling(r.sampling(), &p);
   return p;
 }
@@ -253,6 +266,8 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
           usage->set_prompt_tokens(done.prompt_tokens);
           usage->set_cached_prompt_tokens(std::min(done.cached_tokens, done.prompt_tokens));
           usage->set_completion_tokens(static_cast<int32_t>(done.completion_tokens));
+          usage->set_dropped_tokens(static_cast<int32_t>(
+              std::min<int64_t>(done.dropped_tokens, std::numeric_limits<int32_t>::max())));
         }
         self->pending.push_back(std::move(chunk));
         next = self->NextWriteLocked();

@@ -200,7 +200,7 @@ const std::set<std::string>& KnownParams() {
       "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
       "stop_token_ids", "ignore_eos",  "stream",            "stream_options",
       "echo",      "max_completion_tokens", "priority",     "tools",
-      "cache_salt"};
+      "cache_salt", "kv_policy"};
   return kParams;
 }
 
@@ -406,6 +406,44 @@ void ReadStop(FieldReader& r, CompletionParams* p) {
   }
 }
 
+// Parses `kv_policy` (our extension): a policy name ("sinks"), or an object
+// {"policy": "h2o", "sinks": 4, "window": 256, "budget": 1024} whose fields
+// may each be left out (or null) for the server's default.
+void ReadKvPolicy(FieldReader& r, CompletionParams* p) {
+  const json* v = r.Get("kv_policy");
+  if (v == nullptr) return;
+  KvPolicyParams kv;
+  if (v->is_string()) {
+    kv.policy = v->get<std::string>();
+  } else if (v->is_object()) {
+    for (const auto& [key, value] : v->items()) {
+      if (value.is_null()) continue;
+      if (key == "policy") {
+        if (!value.is_string()) return r.Fail("kv_policy", "kv_policy.policy must be a string");
+        kv.policy = value.get<std::string>();
+        continue;
+      }
+      std::optional<int32_t>* number = key == "sinks"    ? &kv.sinks
+                                       : key == "window" ? &kv.window
+                                       : key == "budget" ? &kv.budget
+                                                         : nullptr;
+      if (number == nullptr) {
+        return r.Fail("kv_policy", absl::StrCat("kv_policy: unknown field '", key,
+                                                "' (expected policy, sinks, window, budget)"));
+      }
+      *number = FieldReader::AsInteger<int32_t>(value);
+      if (!*number) {
+        return r.Fail("kv_policy", absl::StrCat("kv_policy.", key, " must be an integer"));
+      }
+    }
+  } else {
+    return r.Fail("kv_policy",
+                  "kv_policy must be a policy name (none, window, sinks, h2o) or an object "
+                  "{\"policy\", \"sinks\", \"window\", \"budget\"}");
+  }
+  p->kv_policy = std::move(kv);
+}
+
 // Parses an OpenAI completion or chat body into the shared parameters.
 std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams* p,
                                   HttpRequestOptions* o) {
@@ -481,6 +519,7 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
       p->cache_salt = salt->get<std::string>();
     }
   }
+  ReadKvPolicy(r, p);
   r.Bool("stream", &o->stream);
   ReadStop(r, p);
   if (const json* ids = r.Get("stop_token_ids")) {
@@ -588,7 +627,8 @@ struct HttpServer::Impl {
   void Untrack(uint64_t id);
 
   // Builds the JSON objects of a response.
-  json Usage(int32_t prompt_tokens, int64_t completion_tokens, int32_t cached_tokens) const;
+  // kv_dropped_tokens joins OpenAI's fields only when `kv_policy` is on.
+  json Usage(const CompletedResponse& done, bool kv_policy) const;
   json LogprobsJson(const HttpRequestOptions& o, const std::vector<int32_t>& tokens,
                     const std::vector<float>& logprobs, size_t text_offset) const;
 };
@@ -606,14 +646,18 @@ bool HttpServer::Impl::Authorized(const httplib::Request& req) const {
   return ConstantTimeEquals(auth.substr(kBearer.size()), options.api_key);
 }
 
-json HttpServer::Impl::Usage(int32_t prompt_tokens, int64_t completion_tokens,
-                             int32_t cached_tokens) const {
+json HttpServer::Impl::Usage(const CompletedResponse& done, bool kv_policy) const {
+  const int32_t prompt_tokens = done.prompt_tokens;
+  const int64_t completion_tokens = done.completion_tokens;
   // cached_tokens: prompt tokens served from the prefix cache (OpenAI's field).
-  return json{{"prompt_tokens", prompt_tokens},
-              {"completion_tokens", completion_tokens},
-              {"total_tokens", prompt_tokens + completion_tokens},
-              {"prompt_tokens_details",
-               {{"cached_tokens", std::clamp(cached_tokens, 0, prompt_tokens)}}}};
+  json usage = {{"prompt_tokens", prompt_tokens},
+                {"completion_tokens", completion_tokens},
+                {"total_tokens", prompt_tokens + completion_tokens},
+                {"prompt_tokens_details",
+                 {{"cached_tokens", std::clamp(done.cached_tokens, 0, prompt_tokens)}}}};
+  // Our extension, kept out of plain requests so their usage stays OpenAI's.
+  if (kv_policy) usage["kv_dropped_tokens"] = done.dropped_tokens;
+  return usage;
 }
 
 json HttpServer::Impl::LogprobsJson(const HttpRequestOptions& o,
@@ -673,6 +717,8 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   }
   const int32_t prompt_tokens = prepared->prompt_tokens;
   const int32_t n = prepared->engine.n;
+  // The policy the request runs with (its own or the server's default).
+  const bool kv_policy = prepared->engine.kv_policy.kind != KvPolicy::Kind::kNone;
   std::string echo_text;
   if (opts.echo) {
     if (params.prompt_text) {
@@ -744,7 +790,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
                 {"created", created_at},
                 {"model", model},
                 {"choices", std::move(out_choices)},
-                {"usage", Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)}};
+                {"usage", Usage(done, kv_policy)}};
     if (chat) out["system_fingerprint"] = nullptr;
     res.set_content(Dump(out), "application/json");
     return;
@@ -787,7 +833,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   res.set_header("X-Accel-Buffering", "no");  // proxies must not hold the stream back
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, state, cursor, request_id, opts, n, chat, echo_text, chunk_json, chunk,
+      [this, state, cursor, request_id, opts, n, chat, kv_policy, echo_text, chunk_json, chunk,
        choice_delta](size_t /*offset*/, httplib::DataSink& sink) -> bool {
         StreamCursor& cur = *cursor;
         std::string out;
@@ -847,7 +893,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
           if (opts.include_usage) {
             const CompletedResponse done = cur.response.Take();  // the stream ends here
             json u = chunk_json(json::array());
-            u["usage"] = Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens);
+            u["usage"] = Usage(done, kv_policy);
             out += absl::StrCat("data: ", Dump(u), "\n\n");
           }
           out += "data: [DONE]\n\n";

@@ -23,10 +23,11 @@ ModelService::ModelService(std::string model_name, LlamaModel* model, const Toke
       metrics_(metrics) {}
 
 // Prepare owns only what the protocols add: the model name, the choice of
-// input, chat rendering, and the default max_tokens. Every rule on the engine
-// request itself (prompt ids, n, sampling parameters, stop strings, context
-// length, cache_salt) is ValidateEngineRequest's, with the same messages the
-// engine would give.
+// input, chat rendering, the default max_tokens and the kv_policy defaults
+// (with the policy's name parsed). Every rule on the engine request itself
+// (prompt ids, n, sampling parameters, stop strings, context length,
+// cache_salt, kv_policy's numbers) is ValidateEngineRequest's, with the same
+// messages the engine would give.
 absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p) const {
   if (!p.model.empty() && p.model != model_name_) {
     return absl::NotFoundError(
@@ -94,6 +95,7 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   r.n = p.n;
   r.priority = p.priority;
   r.cache_salt = p.cache_salt;
+  ASSIGN_OR_RETURN(r.kv_policy, ResolveKvPolicy(p.kv_policy, limits_.kv_policy));
 
   RequestLimits limits = engine_->limits();
   limits.max_n = std::min(limits.max_n, limits_.max_n);

@@ -26,6 +26,7 @@
 #include "model/llama.h"
 #include "model/tokenizer.h"
 #include "scheduler/engine.h"
+#include "server/kv_policy.h"
 #include "server/metrics.h"
 
 namespace kvserve {
@@ -36,6 +37,7 @@ struct ServiceLimits {
   int32_t max_n = 8;
   int32_t max_queued = 1024;         // waiting requests before RESOURCE_EXHAUSTED
   int32_t default_max_tokens = 256;  // when a request names none
+  KvPolicyDefaults kv_policy;        // what a request's kv_policy leaves unset
 };
 
 // A request as both protocols express it. Exactly one of prompt_text,
@@ -62,6 +64,8 @@ struct CompletionParams {
   int32_t priority = 0;
   bool add_special_tokens = true;  // BOS for text prompts, as the model asks
   std::string cache_salt;          // prefix-cache namespace (tenant isolation)
+  // Token eviction; unset (or any field of it unset): ServiceLimits::kv_policy.
+  std::optional<KvPolicyParams> kv_policy;
 };
 
 struct PreparedRequest {

@@ -59,6 +59,27 @@ void AddEngineFlags(CLI::App* app, EngineFlags* f) {
       ->capture_default_str();
 }
 
+void AddKvPolicyFlags(CLI::App* app, KvPolicyFlags* f) {
+  app->add_option("--kv-policy", f->policy,
+                  "Token eviction when a request names no kv_policy: which cached tokens a "
+                  "sequence keeps (window: the --kv-window most recent; sinks: also the first "
+                  "--kv-sinks; h2o: also heavy hitters, up to --kv-budget in all): none, window, "
+                  "sinks, h2o")
+      ->capture_default_str();
+  app->add_option("--kv-sinks", f->sinks,
+                  "Attention-sink tokens kept from the start (sinks, h2o), when a request's "
+                  "kv_policy gives none")
+      ->capture_default_str();
+  app->add_option("--kv-window", f->window,
+                  "Most recent tokens kept (window, sinks, h2o), when a request's kv_policy gives "
+                  "none")
+      ->capture_default_str();
+  app->add_option("--kv-budget", f->budget,
+                  "h2o: tokens kept in all, above sinks + window, when a request's kv_policy "
+                  "gives none (0: 2 x (sinks + window))")
+      ->capture_default_str();
+}
+
 void AddServeFlags(CLI::App* app, ServeFlags* f) {
   app->add_option("--grpc-address", f->grpc_address, "gRPC listen address (port 0: any free port)")
       ->capture_default_str();
@@ -87,6 +108,7 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
   app->add_option("--kv-events-retain", f->kv_events_retain,
                   "KV events kept for reconnecting subscribers (0: no event stream)")
       ->capture_default_str();
+  AddKvPolicyFlags(app, &f->kv_policy);
 }
 
 void SetEnvNames(CLI::App* app) {

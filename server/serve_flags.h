@@ -42,6 +42,20 @@ struct EngineFlags {
 // --schedule-policy, --target-itl-ms, --max-stall-factor and --min-prefill-tokens on `app`, bound to `flags` (which must outlive it).
 void AddEngineFlags(CLI::App* app, EngineFlags* flags);
 
+// The default token-eviction policy (`serve` and `generate`): what a request
+// that names no kv_policy, or leaves some of its fields out, runs with.
+// Interpreted and checked by server/kv_policy.h.
+struct KvPolicyFlags {
+  std::string policy = "none";
+  int32_t sinks = 4;
+  int32_t window = 256;
+  int32_t budget = 0;  // h2o; 0: 2 x (sinks + window)
+};
+
+// Registers --kv-policy, --kv-sinks, --kv-window and --kv-budget on `app`,
+// bound to `flags` (which must outlive it).
+void AddKvPolicyFlags(CLI::App* app, KvPolicyFlags* flags);
+
 // The daemon's own settings (`kvserve serve`).
 struct ServeFlags {
   std::string grpc_address = "127.0.0.1:50051";
@@ -59,10 +73,11 @@ struct ServeFlags {
   int32_t max_n = 8;
   int32_t default_max_tokens = 256;
   int64_t kv_events_retain = 65536;
+  KvPolicyFlags kv_policy;
 };
 
-// Registers the daemon's flags on `app`, bound to `flags` (which must outlive
-// it).
+// Registers the daemon's flags (the kv-policy ones included) on `app`, bound
+// to `flags` (which must outlive it).
 void AddServeFlags(CLI::App* app, ServeFlags* flags);
 
 // Gives every long option of `app` and of its subcommands (recursively) the

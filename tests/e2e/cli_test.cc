@@ -90,5 +90,32 @@ TEST(CliTest, InvalidSamplingIsNamed) {
   EXPECT_THAT(r.out, HasSubstr("top_p"));
 }
 
+TEST(CliTest, GenerateTakesTheKvPolicyFlags) {
+  const std::string model = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(model, "stories260K.gguf");
+  const std::string base = "--log-level off -t 2 -m " + model + " generate -p 'Once upon a time' ";
+  RunResult r = RunKvserve(base + "-n 48 --json --kv-policy sinks --kv-sinks 2 --kv-window 16");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(LastLine(r.out));
+  EXPECT_EQ(j["completion_tokens"].get<int>(), 48);
+  EXPECT_EQ(j["finish_reason"].get<std::string>(), "length");
+  ASSERT_TRUE(j.contains("dropped_tokens")) << r.out;
+  EXPECT_GE(j["dropped_tokens"].get<int>(), 0);
+  // Without a policy the JSON is as it always was.
+  r = RunKvserve(base + "-n 4 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_FALSE(nlohmann::json::parse(LastLine(r.out)).contains("dropped_tokens")) << r.out;
+
+  r = RunKvserve(base + "--kv-policy bogus");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("--kv-policy"));
+  r = RunKvserve(base + "--kv-policy h2o --kv-window 16 --kv-budget 10");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("--kv-budget"));
+  r = RunKvserve(base + "--kv-policy window");  // 256 > stories260K's 128
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("context length"));
+}
+
 }  // namespace
 }  // namespace kvserve

@@ -5,7 +5,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -127,6 +129,41 @@ TEST(DaemonTest, HelpListsTheSubcommandsAndBadFlagsFailClearly) {
   auto d = testing::Daemon::Start(KVSERVE_BINARY, {"-m", "/nonexistent.gguf"}, {});
   ASSERT_FALSE(d.ok());
   EXPECT_THAT(std::string(d.status().message()), HasSubstr("/nonexistent.gguf"));
+}
+
+// The --kv-* defaults are checked before the daemon serves: a bad one stops
+// start-up with a message naming the flag (and a non-zero exit).
+TEST(DaemonTest, BadKvPolicyDefaultsStopStartUpNamingTheFlag) {
+  const std::string model = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(model, "stories260K.gguf");
+  struct Case {
+    std::vector<std::string> flags;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {{"--kv-policy", "bogus"}, "--kv-policy: unknown policy 'bogus'"},
+      {{"--kv-policy", "h2o", "--kv-window", "16", "--kv-budget", "8"}, "--kv-budget"},
+      {{"--kv-window", "0"}, "--kv-window"},
+      // stories260K keeps 128 tokens: 4 sinks + 256 recent cannot fit.
+      {{"--kv-policy", "sinks"}, "--kv-policy sinks"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flags[0] + " " + c.flags[1]);
+    auto d = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "warn", "-m", model}, c.flags);
+    ASSERT_FALSE(d.ok());
+    EXPECT_THAT(std::string(d.status().message()), HasSubstr(c.message));
+  }
+  // The exit status, seen directly.
+  const testing::CommandResult run =
+      testing::RunCommand(std::string(KVSERVE_BINARY) + " --log-level warn -m " + model +
+                          " serve --grpc-address 127.0.0.1:0 --http-port 0 --kv-policy bogus 2>&1");
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_THAT(run.out, HasSubstr("--kv-policy"));
+  // A default that fits serves.
+  auto ok = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "warn", "-m", model},
+                                   {"--kv-policy", "sinks", "--kv-window", "32"});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->StopWith(SIGTERM, 30), 0) << (*ok)->Log();
 }
 
 // Past --max-queued waiting requests, new ones are refused at once (429 over

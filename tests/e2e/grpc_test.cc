@@ -717,6 +717,122 @@ TEST_P(GrpcTest, ChatIsServedOrRejectedNamingMessages) {
   EXPECT_THAT(s.error_message(), HasSubstr("messages"));
 }
 
+// GenerateRequest.kv_policy: a bad value is INVALID_ARGUMENT naming the
+// field; a good one runs, and the last chunk's usage says what it dropped
+// (the engine may not evict yet: only the field and the finish are checked).
+// stories260K's context is 128 tokens, so the windows are small.
+TEST_P(GrpcTest, KvPolicyIsValidatedAndUsageCarriesDroppedTokens) {
+  ASSERT_TRUE(StartServer());
+  const std::vector<InvalidCase> cases = {
+      {"unknown policy", [](pb::GenerateRequest* r) { r->mutable_kv_policy()->set_policy("lru"); },
+       grpc::StatusCode::INVALID_ARGUMENT, "kv_policy: unknown policy 'lru'"},
+      {"budget too small",
+       [](pb::GenerateRequest* r) {
+         pb::KvPolicy* k = r->mutable_kv_policy();
+         k->set_policy("h2o");
+         k->set_window(16);
+         k->set_budget(20);  // not above 4 + 16
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "kv_policy.budget"},
+      {"zero window",
+       [](pb::GenerateRequest* r) {
+         r->mutable_kv_policy()->set_policy("window");
+         r->mutable_kv_policy()->set_window(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "kv_policy.window"},
+      {"negative sinks",
+       [](pb::GenerateRequest* r) {
+         r->mutable_kv_policy()->set_policy("sinks");
+         r->mutable_kv_policy()->set_sinks(-2);
+         r->mutable_kv_policy()->set_window(8);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "kv_policy.sinks"},
+      {"default window past the context",
+       [](pb::GenerateRequest* r) { r->mutable_kv_policy()->set_policy("sinks"); },
+       grpc::StatusCode::INVALID_ARGUMENT, "context length"},
+  };
+  for (const InvalidCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    pb::GenerateRequest r = Greedy(golden_[0].prompt, 8);
+    c.mutate(&r);
+    StreamResult out = Generate(r);
+    EXPECT_EQ(out.status.error_code(), c.code) << out.status.error_message();
+    EXPECT_THAT(out.status.error_message(), HasSubstr(c.field));
+    EXPECT_EQ(out.chunks, 0);
+  }
+
+  std::vector<pb::KvPolicy> policies(5);
+  policies[0].set_policy("window");
+  policies[0].set_window(16);
+  policies[1].set_policy("sinks");
+  policies[1].set_sinks(0);  // set, not defaulted
+  policies[1].set_window(16);
+  policies[2].set_policy("h2o");
+  policies[2].set_window(16);  // budget: 2 x (4 + 16)
+  policies[3].set_policy("h2o");
+  policies[3].set_sinks(2);
+  policies[3].set_window(8);
+  policies[3].set_budget(40);
+  policies[4].set_policy("none");
+  for (const pb::KvPolicy& k : policies) {
+    SCOPED_TRACE(k.ShortDebugString());
+    pb::GenerateRequest r = Greedy(golden_[0].prompt, 48);
+    r.mutable_sampling()->set_n(2);
+    *r.mutable_kv_policy() = k;
+    StreamResult out = Generate(r);
+    ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+    EXPECT_EQ(out.finish_reason, "length");
+    EXPECT_EQ(out.chunks_with_usage, 1);
+    EXPECT_EQ(out.usage.completion_tokens(), 96);
+    EXPECT_GE(out.usage.dropped_tokens(), 0);
+    if (k.policy() == "none") EXPECT_EQ(out.usage.dropped_tokens(), 0);
+  }
+  // The field is part of Usage (proto3 leaves a 0 off the wire, so its
+  // presence can only be seen in the schema and in the CLI's JSON).
+  EXPECT_NE(pb::Usage::descriptor()->FindFieldByName("dropped_tokens"), nullptr);
+  EXPECT_EQ(WaitForNoBlocksUsed().blocks_used(), 0);
+}
+
+// ChatRequest.kv_policy on a model with a chat template.
+TEST_P(GrpcTest, ChatTakesAKvPolicy) {
+  ServerConfig config;
+  config.model_path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(config.model_path, "SmolLM2-135M-Instruct.Q4_1.gguf");
+  ASSERT_TRUE(StartServer(config));
+  auto chat = [this](const pb::KvPolicy& k, std::string* error) {
+    pb::ChatRequest req;
+    pb::ChatMessage* m = req.add_messages();
+    m->set_role("user");
+    m->set_content("Name three colors.");
+    req.mutable_sampling()->set_max_tokens(8);
+    req.mutable_sampling()->set_temperature(0);
+    *req.mutable_kv_policy() = k;
+    auto ctx = Context();
+    auto reader = stub_->Chat(ctx.get(), req);
+    pb::GenerateResponse chunk;
+    pb::Usage usage;
+    bool finished = false;
+    while (reader->Read(&chunk)) {
+      if (chunk.has_usage()) usage = chunk.usage();
+      finished = finished || !chunk.finish_reason().empty();
+    }
+    grpc::Status s = reader->Finish();
+    *error = s.error_message();
+    EXPECT_TRUE(s.ok() ? finished : s.error_code() == grpc::StatusCode::INVALID_ARGUMENT)
+        << s.error_message();
+    return s.ok() ? usage.dropped_tokens() : -1;
+  };
+  pb::KvPolicy sinks;
+  sinks.set_policy("sinks");  // the defaults: 4 + 256
+  std::string error;
+  EXPECT_GE(chat(sinks, &error), 0) << error;
+  pb::KvPolicy bad;
+  bad.set_policy("h2o");
+  bad.set_budget(100);
+  EXPECT_EQ(chat(bad, &error), -1);
+  EXPECT_THAT(error, HasSubstr("kv_policy.budget"));
+}
+
 // grpc.health.v1.Health/Check with an empty request, through the generic
 // stub (the test needs no generated health code). Returns the status enum.
 int HealthCheck(const std::shared_ptr<grpc::Channel>& channel, grpc::Status* status) {
@@ -815,6 +931,22 @@ TEST_P(GrpcTest, CliGeneratePrintsTheGoldenText) {
   EXPECT_EQ(j["finish_reason"], "length");
   EXPECT_EQ(j["usage"]["completion_tokens"], 4);
 
+  EXPECT_EQ(j["usage"]["dropped_tokens"], 0);  // no policy: nothing dropped
+
+  // --kv-* fill the request's kv_policy; --json shows what was dropped.
+  r = RunCli("--address " + address_ + " --api-key k3y --json generate -p '" + c.prompt +
+             "' --max-tokens 16 --kv-policy h2o --kv-sinks 2 --kv-window 8 --kv-budget 24");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  EXPECT_EQ(j["usage"]["completion_tokens"], 16);
+  ASSERT_TRUE(j["usage"].contains("dropped_tokens")) << r.out;
+  EXPECT_GE(j["usage"]["dropped_tokens"].get<int>(), 0);
+  r = RunCli("--address " + address_ +
+             " --api-key k3y generate -p hi --kv-policy h2o "
+             "--kv-window 8 --kv-budget 9");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("kv_policy.budget"));
+
   r = RunCli("--address " + address_ + " --api-key k3y tokenize '" + c.prompt + "'");
   EXPECT_EQ(r.exit_code, 0) << r.out;
   std::string ids;
@@ -838,6 +970,22 @@ TEST_P(GrpcTest, CliGeneratePrintsTheGoldenText) {
   r = RunCli("--address " + address_ + " --api-key k3y generate -p hi --top-p 2");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.out, HasSubstr("top_p"));
+}
+
+TEST_P(GrpcTest, CliChatSendsTheKvPolicy) {
+  ServerConfig config;
+  config.model_path = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(config.model_path, "SmolLM2-135M-Instruct.Q4_1.gguf");
+  ASSERT_TRUE(StartServer(config));
+  CliResult r = RunCli("--address " + address_ +
+                       " --json chat -p 'Say hi.' --max-tokens 4 --temperature 0 --kv-policy "
+                       "window --kv-window 64");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
+  EXPECT_GE(j["usage"]["dropped_tokens"].get<int>(), 0) << r.out;
+  r = RunCli("--address " + address_ + " chat -p hi --max-tokens 4 --kv-policy lru");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("kv_policy: unknown policy 'lru'"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Servers, GrpcTest, ::testing::Values(Mode::kInProcess, Mode::kDaemon),

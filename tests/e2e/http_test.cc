@@ -552,6 +552,111 @@ TEST_F(HttpTest, InvalidInputsGetTheirCodeAndNameTheField) {
   EXPECT_EQ(json::parse(ok.body)["choices"][0]["text"], golden[0].continuation);
 }
 
+// kv_policy (our extension): a name or an object; bad values answer 400 with
+// param kv_policy; a request under a policy gets usage.kv_dropped_tokens,
+// one without keeps OpenAI's usage. Whether the engine evicted anything is
+// the engine's tests' business: only the field and the finished request are
+// checked. stories260K's context is 128 tokens, so the windows are small.
+TEST_F(HttpTest, KvPolicyIsValidatedAndUsageReportsDroppedTokens) {
+  auto body = [](json kv_policy, json extra = json::object()) {
+    json b = {{"prompt", "Once upon a time"}, {"max_tokens", 8}, {"temperature", 0}};
+    if (!kv_policy.is_null()) b["kv_policy"] = std::move(kv_policy);
+    b.update(extra);
+    return b.dump();
+  };
+  const std::vector<BadInput> cases = {
+      {"unknown policy", "/v1/completions", body("bogus"), 400, "kv_policy", "unknown policy"},
+      {"unknown policy in the object", "/v1/completions", body({{"policy", "lru"}}), 400,
+       "kv_policy", "h2o"},
+      {"budget too small", "/v1/completions",
+       body({{"policy", "h2o"}, {"sinks", 4}, {"window", 16}, {"budget", 10}}), 400, "kv_policy",
+       "kv_policy.budget"},
+      {"window past the context", "/v1/completions", body({{"policy", "window"}, {"window", 4096}}),
+       400, "kv_policy", "context length"},
+      {"default window past the context", "/v1/completions", body("sinks"), 400, "kv_policy",
+       "context length"},
+      {"zero window", "/v1/completions", body({{"policy", "sinks"}, {"window", 0}}), 400,
+       "kv_policy", "kv_policy.window"},
+      {"negative sinks", "/v1/completions",
+       body({{"policy", "sinks"}, {"sinks", -1}, {"window", 8}}), 400, "kv_policy",
+       "kv_policy.sinks"},
+      {"wrong type", "/v1/completions", body(7), 400, "kv_policy", "kv_policy must be"},
+      {"array", "/v1/completions", body(json::array({"sinks"})), 400, "kv_policy",
+       "kv_policy must be"},
+      {"policy type", "/v1/completions", body({{"policy", 3}}), 400, "kv_policy",
+       "kv_policy.policy must be a string"},
+      {"number type", "/v1/completions", body({{"policy", "window"}, {"window", "wide"}}), 400,
+       "kv_policy", "kv_policy.window must be an integer"},
+      {"fractional number", "/v1/completions", body({{"policy", "window"}, {"window", 8.5}}), 400,
+       "kv_policy", "kv_policy.window must be an integer"},
+      {"unknown field", "/v1/completions", body({{"policy", "window"}, {"windw", 8}}), 400,
+       "kv_policy", "windw"},
+  };
+  for (const BadInput& c : cases) {
+    SCOPED_TRACE(c.name);
+    HttpResult r = PostJson(*client_, c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << r.body;
+    json j = json::parse(r.body, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << r.body;
+    ASSERT_TRUE(j.contains("error")) << r.body;
+    EXPECT_EQ(j["error"]["param"], c.param) << r.body;
+    EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(c.message_part));
+  }
+
+  // Without kv_policy, or with none, or null: OpenAI's usage, nothing added.
+  for (const json& kv : {json(nullptr), json("none"), json{{"policy", "none"}}}) {
+    SCOPED_TRACE(kv.dump());
+    json b = json::parse(body(nullptr));
+    b["kv_policy"] = kv;
+    HttpResult r = PostJson(*client_, "/v1/completions", b.dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    json usage = json::parse(r.body)["usage"];
+    EXPECT_FALSE(usage.contains("kv_dropped_tokens")) << r.body;
+    EXPECT_EQ(usage["completion_tokens"], 8);
+  }
+
+  // Under a policy (name with the numbers elsewhere defaulted, or an object
+  // with some fields): the request finishes and usage says what it dropped.
+  const std::vector<json> policies = {
+      json{{"policy", "window"}, {"window", 16}},
+      json{{"policy", "sinks"}, {"sinks", 2}, {"window", 16}},
+      json{{"policy", "h2o"}, {"window", 16}},  // budget 2 x (4 + 16)
+      json{{"policy", "h2o"}, {"sinks", 0}, {"window", 8}, {"budget", 32}},
+      json{{"policy", "sinks"}, {"sinks", nullptr}, {"window", 16}},  // null: the default
+  };
+  for (const json& kv : policies) {
+    SCOPED_TRACE(kv.dump());
+    json b = json::parse(body(kv, {{"max_tokens", 48}, {"n", 2}}));
+    HttpResult r = PostJson(*client_, "/v1/completions", b.dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    json j = json::parse(r.body);
+    ASSERT_EQ(j["choices"].size(), 2u);
+    for (const json& c : j["choices"]) EXPECT_EQ(c["finish_reason"], "length");
+    EXPECT_EQ(j["usage"]["completion_tokens"], 96);
+    ASSERT_TRUE(j["usage"].contains("kv_dropped_tokens")) << r.body;
+    EXPECT_TRUE(j["usage"]["kv_dropped_tokens"].is_number_integer()) << r.body;
+    EXPECT_GE(j["usage"]["kv_dropped_tokens"].get<int64_t>(), 0);
+
+    // Streamed: the include_usage chunk carries it too.
+    b["stream"] = true;
+    b["stream_options"] = {{"include_usage", true}};
+    HttpResult s = PostStream(*client_, "/v1/completions", b.dump());
+    ASSERT_EQ(s.status, 200) << s.body;
+    StreamSummary sum = Summarize(s.body, /*chat=*/false);
+    EXPECT_TRUE(sum.done);
+    EXPECT_TRUE(sum.error.empty()) << sum.error;
+    ASSERT_FALSE(sum.usage.is_null()) << s.body;
+    EXPECT_GE(sum.usage.value("kv_dropped_tokens", -1), 0) << sum.usage.dump();
+  }
+  // Streamed without a policy: usage as before.
+  HttpResult s =
+      PostStream(*client_, "/v1/completions", CompletionBody("Once upon a time", 8, true));
+  ASSERT_EQ(s.status, 200) << s.body;
+  StreamSummary sum = Summarize(s.body, /*chat=*/false);
+  ASSERT_FALSE(sum.usage.is_null()) << s.body;
+  EXPECT_FALSE(sum.usage.contains("kv_dropped_tokens")) << sum.usage.dump();
+}
+
 TEST(HttpApiKeyTest, KeyIsRequiredExceptForHealth) {
   const std::string model = testing::Stories260KPath();
   KVSERVE_SKIP_IF_MISSING(model, "stories260K.gguf");
@@ -656,6 +761,23 @@ TEST_F(HttpChatTest, ChatCompletionStreamedAndNot) {
   json first = json::parse(SseData(s.body)[0]);
   EXPECT_EQ(first["object"], "chat.completion.chunk");
   EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+}
+
+TEST_F(HttpChatTest, ChatTakesAKvPolicy) {
+  json body = {{"model", "smollm2"},
+               {"messages", {{{"role", "user"}, {"content", "Name three colors."}}}},
+               {"max_completion_tokens", 12},
+               {"temperature", 0},
+               {"kv_policy", "sinks"}};  // the defaults: 4 sinks + 256 recent
+  HttpResult r = PostJson(*client_, "/v1/chat/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  EXPECT_FALSE(j["choices"][0]["finish_reason"].is_null());
+  EXPECT_GE(j["usage"].value("kv_dropped_tokens", -1), 0) << r.body;
+  body["kv_policy"] = {{"policy", "h2o"}, {"budget", 100}};  // not above 4 + 256
+  r = PostJson(*client_, "/v1/chat/completions", body.dump());
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "kv_policy") << r.body;
 }
 
 TEST_F(HttpChatTest, ClientDisconnectCancelsTheRequestAndFreesBlocks) {

@@ -217,6 +217,27 @@ TEST(ResponseAccumulatorTest, UsageTakesTheLatestCountsAndTheMostCached) {
   EXPECT_EQ(r.completion_tokens, 3);
 }
 
+TEST(ResponseAccumulatorTest, DroppedTokensAreEachSamplesMostAndTheirSum) {
+  ResponseAccumulator acc(2, /*prompt_tokens=*/5);
+  auto with_dropped = [](SeqEvent ev, int32_t dropped) {
+    ev.dropped_tokens = dropped;
+    return ev;
+  };
+  acc.Add(with_dropped(TokenEvent(0, 0), 3));
+  acc.Add(with_dropped(TokenEvent(1, 0), 10));
+  acc.Add(with_dropped(TokenEvent(0, 1), 7));
+  // An event that reports no count (0) or an older one lowers nothing.
+  acc.Add(with_dropped(TokenEvent(1, 1), 0));
+  acc.Add(with_dropped(FinishEvent(0, 2, FinishReason::kStop), 5));
+  acc.Add(with_dropped(FinishEvent(1, 2, FinishReason::kLength), 12));
+  // A stray index counts nowhere: it has no sample to be the most of.
+  acc.Add(with_dropped(TokenEvent(4, 0), 100));
+  const CompletedResponse r = acc.Take();
+  EXPECT_EQ(r.samples[0].dropped_tokens, 7);
+  EXPECT_EQ(r.samples[1].dropped_tokens, 12);
+  EXPECT_EQ(r.dropped_tokens, 19);
+}
+
 TEST(ResponseAccumulatorTest, CancelAndDeadlineMarkTheResponseAborted) {
   ResponseAccumulator acc(3, 5);
   acc.Add(FinishEvent(0, 0, FinishReason::kStop));
