@@ -1,8 +1,35 @@
 #include "tests/testing/generate.h"
 
+#include <fstream>
 #include <map>
+#include <mutex>
+
+#include "tests/testing/gguf_writer.h"
+#include "tests/testing/test_models.h"
 
 namespace kvserve::testing {
+
+const WrittenModel& TinyWrittenModel(const std::string& name, int32_t context_length) {
+  static std::mutex mu;
+  static auto* models = new std::map<std::string, std::unique_ptr<WrittenModel>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = (*models)[name];
+  if (slot == nullptr) {
+    TinyLlamaOptions o;
+    o.context_length = context_length;
+    const std::string path = TempDir() + "/" + name + ".gguf";
+    std::ofstream(path, std::ios::binary) << MakeTinyLlamaGguf(o);
+    slot = std::make_unique<WrittenModel>();
+    slot->model = LlamaModel::Load(path).value();
+    slot->tokenizer = Tokenizer::FromGguf(slot->model->file()).value();
+  }
+  return *slot;
+}
+
+ThreadPool* TestPool() {
+  static ThreadPool pool(2);
+  return &pool;
+}
 
 absl::StatusOr<std::vector<GenOutput>> GenerateAll(LlamaModel* model, const Tokenizer* tokenizer,
                                                    ThreadPool* pool,

@@ -2,6 +2,7 @@
 // collects each one's output: the one-call form tests want.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,17 @@
 #include "scheduler/engine.h"
 
 namespace kvserve::testing {
+
+// A tiny Llama written by gguf_writer (default TinyLlamaOptions, the given
+// context length) into TempDir() under `name` and loaded once per process;
+// no ../shared needed. Never freed (tests share it).
+struct WrittenModel {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+const WrittenModel& TinyWrittenModel(const std::string& name, int32_t context_length);
+// A process-wide 2-thread pool for engine tests.
+ThreadPool* TestPool();
 
 struct GenOutput {
   std::vector<int32_t> tokens;

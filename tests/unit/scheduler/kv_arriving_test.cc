@@ -12,35 +12,16 @@
 
 #include "gtest/gtest.h"
 #include "scheduler/engine.h"
+#include "tests/testing/generate.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
 namespace {
 
-struct Model {
-  std::unique_ptr<LlamaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-
-const Model& Tiny() {
-  static const Model* m = [] {
-    testing::TinyLlamaOptions o;
-    o.context_length = 512;
-    const std::string path = testing::TempDir() + "/kv-arriving-tiny.gguf";
-    std::ofstream(path, std::ios::binary) << testing::MakeTinyLlamaGguf(o);
-    auto* out = new Model;
-    out->model = LlamaModel::Load(path).value();
-    out->tokenizer = Tokenizer::FromGguf(out->model->file()).value();
-    return out;
-  }();
-  return *m;
-}
-
-ThreadPool* Pool() {
-  static ThreadPool pool(2);
-  return &pool;
-}
+using Model = testing::WrittenModel;
+const Model& Tiny() { return testing::TinyWrittenModel("kv-arriving-tiny", 512); }
+ThreadPool* Pool() { return testing::TestPool(); }
 
 // A "remote prefill node" in-process: it computes the requested tokens' K/V
 // with the model itself, straight into the target blocks, and reports Done

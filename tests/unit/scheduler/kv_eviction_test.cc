@@ -16,6 +16,7 @@
 #include "scheduler/engine.h"
 #include "scheduler/kv_eviction.h"
 #include "scheduler/kv_policy_eval.h"
+#include "tests/testing/generate.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
@@ -196,29 +197,9 @@ TEST(DropSlotsTest, SharedBlocksAreCopiedNeverWritten) {
 
 // ---- The engine under a policy ----
 
-struct Model {
-  std::unique_ptr<LlamaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-
-const Model& Tiny() {
-  static const Model* m = [] {
-    testing::TinyLlamaOptions o;
-    o.context_length = 1024;
-    const std::string path = testing::TempDir() + "/kv-eviction-tiny.gguf";
-    std::ofstream(path, std::ios::binary) << testing::MakeTinyLlamaGguf(o);
-    auto* out = new Model;
-    out->model = LlamaModel::Load(path).value();
-    out->tokenizer = Tokenizer::FromGguf(out->model->file()).value();
-    return out;
-  }();
-  return *m;
-}
-
-ThreadPool* Pool() {
-  static ThreadPool pool(2);
-  return &pool;
-}
+using Model = testing::WrittenModel;
+const Model& Tiny() { return testing::TinyWrittenModel("kv-eviction-tiny", 1024); }
+ThreadPool* Pool() { return testing::TestPool(); }
 
 struct Result {
   std::vector<int32_t> tokens;
