@@ -188,7 +188,9 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const kernels::PagedK
   const size_t n = b.tokens.size();
   if (n == 0) return absl::InvalidArgumentError("empty batch");
   if (b.token_seq.size() != n || b.positions.size() != n ||
-      (!b.slots.empty() && b.slots.size() != n)) {
+      (!b.slots.empty() && b.slots.size() != n) ||
+      (!b.attention_mass_seqs.empty() &&
+       b.attention_mass_seqs.size() != static_cast<size_t>(kv.n_seqs))) {
     return absl::InvalidArgumentError("batch arrays differ in length");
   }
   if (kv.n_kv_heads != config_.n_kv_heads || kv.head_dim != config_.head_dim) {
@@ -293,8 +295,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
                       kv_dim, v_.data(), kv_dim);
     kernels::PagedAttention(kv, l, attn_batch, q_.data(), q_dim, attn_.data(), q_dim, pool);
     if (b.attention_mass != nullptr) {
-      kernels::AccumulateAttentionMass(kv, l, attn_batch, q_.data(), q_dim, b.attention_mass,
-                                       b.attention_mass_stride);
+      kernels::AccumulateAttentionMass(
+          kv, l, attn_batch, q_.data(), q_dim, b.attention_mass, b.attention_mass_stride,
+          b.attention_mass_seqs.empty() ? nullptr : b.attention_mass_seqs.data());
     }
     kernels::MatMul(L.wo, attn_.data(), n, q_dim, xn, c.dim, pool);
     kernels::AddInPlace(x, xn, n * c.dim);

@@ -75,6 +75,10 @@ struct ForwardBatch {
   // largest slot + 1. Null costs nothing.
   float* attention_mass = nullptr;
   int64_t attention_mass_stride = 0;
+  // With attention_mass: the sequences whose mass is wanted (one flag per
+  // view sequence; empty: every sequence). The others' rows are left alone
+  // and cost nothing.
+  absl::Span<const uint8_t> attention_mass_seqs = {};
 
   // The KV slots: `slots` when given, else the positions.
   absl::Span<const int32_t> kv_slots() const { return slots.empty() ? positions : slots; }

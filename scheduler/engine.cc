@@ -15,15 +15,14 @@
 
 namespace kvserve {
 
-absl::StatusOr<EngineOptions::SchedulePolicy> ParseSchedulePolicy(std::string_view name) {
-  if (name == "fcfs") return EngineOptions::SchedulePolicy::kFcfs;
-  if (name == "lpm") return EngineOptions::SchedulePolicy::kLpm;
+absl::StatusOr<SchedulePolicy> ParseSchedulePolicy(std::string_view name) {
+  if (name == "fcfs") return SchedulePolicy::kFcfs;
+  if (name == "lpm") return SchedulePolicy::kLpm;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown schedule policy '", std::string(name), "' (expected fcfs or lpm)"));
 }
 
-Engine::Engine(LlamaModel* model, const Tokenizer* tokenizer, ThreadPool* /*pool*/,
-               const EngineOptions& options)
+Engine::Engine(LlamaModel* model, const Tokenizer* tokenizer, const EngineOptions& options)
     : model_(model), tokenizer_(tokenizer), options_(options) {}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
@@ -56,15 +55,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   ko.prefix.model_identity = o.model_identity;
   ko.prefix.clock = o.clock;
   ko.prefix.events = o.kv_events;
-  std::unique_ptr<Engine> e(new Engine(model, tokenizer, pool, o));
+  std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
   ASSIGN_OR_RETURN(e->kv_, KvCacheManager::Create(std::move(ko)));
   SchedulerOptions so;
   so.max_batched_tokens = o.max_batched_tokens;
   so.max_seqs = o.max_seqs;
   so.static_batching = o.static_batching;
-  so.policy = o.schedule_policy == EngineOptions::SchedulePolicy::kLpm
-                  ? SchedulerOptions::Policy::kLpm
-                  : SchedulerOptions::Policy::kFcfs;
+  so.policy = o.schedule_policy;
   so.lpm_max_waiting = o.lpm_max_waiting;
   so.target_itl_ms = o.target_itl_ms;
   so.max_stall_factor = o.max_stall_factor;

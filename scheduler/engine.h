@@ -47,12 +47,12 @@
 #include "scheduler/kv_cache_manager.h"
 #include "scheduler/kv_loader.h"
 #include "scheduler/request.h"
+#include "scheduler/scheduler.h"
 
 namespace kvserve {
 
 class ModelRunner;
 class OutputProcessor;
-class Scheduler;
 struct SequenceGroup;
 
 struct EngineOptions {
@@ -73,7 +73,7 @@ struct EngineOptions {
   // Waiting-queue order within a priority: kFcfs (arrival) or kLpm (longest
   // cached prefix first, SGLang's policy; falls back to FCFS past
   // lpm_max_waiting waiting sequences, where matching each costs too much).
-  enum class SchedulePolicy { kFcfs, kLpm };
+  using SchedulePolicy = kvserve::SchedulePolicy;  // scheduler/scheduler.h
   SchedulePolicy schedule_policy = SchedulePolicy::kFcfs;
   int32_t lpm_max_waiting = 128;
   std::string model_identity;            // seeds the prefix cache's hashes
@@ -98,7 +98,7 @@ struct EngineOptions {
 };
 
 // "fcfs" or "lpm".
-absl::StatusOr<EngineOptions::SchedulePolicy> ParseSchedulePolicy(std::string_view name);
+absl::StatusOr<SchedulePolicy> ParseSchedulePolicy(std::string_view name);
 
 
 struct EngineStats {
@@ -190,8 +190,7 @@ class Engine {
   const Scheduler& scheduler() const { return *scheduler_; }
 
  private:
-  Engine(LlamaModel* model, const Tokenizer* tokenizer, ThreadPool* pool,
-         const EngineOptions& options);
+  Engine(LlamaModel* model, const Tokenizer* tokenizer, const EngineOptions& options);
   void TakeInbox();
   void ExpireDeadlines();
   void RemoveFinished();

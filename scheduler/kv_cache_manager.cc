@@ -164,7 +164,7 @@ bool KvCacheManager::DropSlots(SeqKv* kv, absl::Span<const int32_t> keep) {
   // Copy-on-write for every shared block that receives rows, all or nothing.
   int32_t copies = 0;
   for (int32_t b : written) copies += pool_->ref_count(kv->table.blocks()[b]) > 1 ? 1 : 0;
-  if (copies > pool_->num_free_blocks() && !EnsureFree(copies)) return false;
+  if (!EnsureFree(copies)) return false;
   for (int32_t b : written) {
     if (!kv->table.MakePrivate(b).ok()) Die("DropSlots: copy-on-write failed at block", b, copies);
   }

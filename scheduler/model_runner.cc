@@ -23,10 +23,13 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
   // use the positions, and the bytes and speed are exactly the old ones.
   bool shifted = false;
   int64_t mass_stride = 0;  // slots per mass row; 0: nobody needs attention mass
-  for (const ScheduledChunk& c : plan.chunks) {
+  mass_wanted_.assign(plan.chunks.size(), 0);
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const ScheduledChunk& c = plan.chunks[i];
     shifted |= c.seq->kv.position_shift != 0;
     if (c.seq->group()->request.kv_policy.kind == KvPolicy::Kind::kH2O) {
       mass_stride = std::max<int64_t>(mass_stride, c.seq->kv.table.num_tokens());
+      mass_wanted_[i] = 1;
     }
   }
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
@@ -59,6 +62,7 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
     mass_.assign(plan.chunks.size() * static_cast<size_t>(n_kv_heads * mass_stride), 0.0f);
     batch.attention_mass = mass_.data();
     batch.attention_mass_stride = mass_stride;
+    batch.attention_mass_seqs = mass_wanted_;  // only the h2o sequences pay
   }
   absl::Status st = backend_->Forward(batch, view, logits_.data(), pool_);
   if (!st.ok()) return st;

@@ -56,6 +56,7 @@ class ModelRunner {
   std::vector<int32_t> tokens_, token_seq_, positions_, slots_, logit_rows_;
   std::vector<int32_t> block_ids_, block_offsets_;
   std::vector<float> logits_, mass_;
+  std::vector<uint8_t> mass_wanted_;  // per chunk: an h2o sequence
 };
 
 }  // namespace kvserve

@@ -30,15 +30,16 @@ void StepCostModel::Observe(int32_t decode_tokens, int32_t prefill_tokens, doubl
   }
   all_tokens_ = decay_ * all_tokens_ + decode_tokens + prefill_tokens;
   all_seconds_ = decay_ * all_seconds_ + seconds;
+  Fit();
 }
 
-void StepCostModel::Fit(double* a, double* b) const {
-  *a = 0;
+void StepCostModel::Fit() {
+  a_ = 0;
   if (w_ == 0) {
-    *b = all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
+    b_ = all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
     return;
   }
-  *b = sx_ > 0 ? sy_ / sx_ : 0;  // proportional until sizes differ
+  b_ = sx_ > 0 ? sy_ / sx_ : 0;  // proportional until sizes differ
   const double var = sxx_ * w_ - sx_ * sx_;
   // Only trust a line through points of clearly different sizes (relative
   // spread, so one odd step does not tilt it), with a non-negative slope and
@@ -47,29 +48,13 @@ void StepCostModel::Fit(double* a, double* b) const {
     const double slope = (sxy_ * w_ - sx_ * sy_) / var;
     const double icpt = (sy_ - slope * sx_) / w_;
     if (slope > 0 && icpt >= 0) {
-      *a = icpt;
-      *b = slope;
+      a_ = icpt;
+      b_ = slope;
     }
   }
 }
 
-double StepCostModel::fixed_seconds() const {
-  double a, b;
-  Fit(&a, &b);
-  return a;
-}
-
-double StepCostModel::decode_seconds_per_token() const {
-  double a, b;
-  Fit(&a, &b);
-  return b;
-}
-
-double StepCostModel::PredictDecode(int32_t d) const {
-  double a, b;
-  Fit(&a, &b);
-  return a + b * d;
-}
+double StepCostModel::PredictDecode(int32_t d) const { return a_ + b_ * d; }
 
 double StepCostModel::prefill_seconds_per_token() const {
   if (prefill_tokens_ > 0 && prefill_seconds_ > 0) return prefill_seconds_ / prefill_tokens_;
@@ -194,7 +179,7 @@ void Scheduler::Preempt(Sequence* s, BatchPlan* plan) {
   plan->preempted.push_back(s->group()->id);
 }
 
-bool Scheduler::Reserve(Sequence* s, int32_t take, const BatchPlan& plan) {
+bool Scheduler::Reserve(Sequence* s, int32_t take, BatchPlan* plan) {
   for (;;) {
     const absl::Status st = kv_->AllocateSlots(&s->kv, take);
     if (st.ok()) return true;
@@ -203,7 +188,7 @@ bool Scheduler::Reserve(Sequence* s, int32_t take, const BatchPlan& plan) {
     if (kv_->EnsureFree(kv_->BlocksNeeded(s->kv, take))) continue;
     Sequence* victim = nullptr;
     for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
-      const bool in_batch = std::any_of(plan.chunks.begin(), plan.chunks.end(),
+      const bool in_batch = std::any_of(plan->chunks.begin(), plan->chunks.end(),
                                         [&](const ScheduledChunk& c) { return c.seq == *it; });
       if (!in_batch) {
         victim = *it;
@@ -211,14 +196,14 @@ bool Scheduler::Reserve(Sequence* s, int32_t take, const BatchPlan& plan) {
       }
     }
     if (victim == nullptr) return false;
-    Preempt(victim, const_cast<BatchPlan*>(&plan));
+    Preempt(victim, plan);
     if (victim == s) return false;
   }
 }
 
 void Scheduler::OrderWaiting() {
   std::unordered_map<const Sequence*, int32_t> cached_len;
-  const bool lpm = kv_->prefix_cache_enabled() && options_.policy == SchedulerOptions::Policy::kLpm &&
+  const bool lpm = kv_->prefix_cache_enabled() && options_.policy == SchedulePolicy::kLpm &&
                    static_cast<int32_t>(waiting_.size()) <= options_.lpm_max_waiting;
   if (lpm) {
     for (const Sequence* w : waiting_) {
@@ -382,7 +367,7 @@ BatchPlan Scheduler::Schedule() {
       const bool one_token = s->remaining_input() == 1;
       if (one_token != (pass == 0)) continue;
       const int32_t take = std::min(budget, s->remaining_input());
-      if (Reserve(s, take, plan)) Schedule(s, take, &plan);
+      if (Reserve(s, take, &plan)) Schedule(s, take, &plan);
     }
   }
   // 2. Admission.

@@ -50,12 +50,14 @@ class StepCostModel {
   // The most prefill tokens a step with d decode tokens can take within
   // `seconds` (>= 0).
   int32_t PrefillTokensWithin(int32_t d, double seconds) const;
-  double fixed_seconds() const;             // a
-  double decode_seconds_per_token() const;  // b
+  double fixed_seconds() const { return a_; }
+  double decode_seconds_per_token() const { return b_; }
 
  private:
-  void Fit(double* a, double* b) const;
+  // Refits a_ and b_ from the sums (once per observation, not per query).
+  void Fit();
   double decay_;
+  double a_ = 0, b_ = 0;
   // Decode-only steps: weighted sums for the line.
   double w_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;
   // Mixed steps: prefill tokens and the seconds they added.
@@ -64,12 +66,15 @@ class StepCostModel {
   double all_tokens_ = 0, all_seconds_ = 0;
 };
 
+// Waiting-queue order within a priority: kFcfs (arrival) or kLpm (longest
+// cached prefix first, SGLang's policy).
+enum class SchedulePolicy { kFcfs, kLpm };
+
 struct SchedulerOptions {
   int32_t max_batched_tokens = 512;
   int32_t max_seqs = 64;
   bool static_batching = false;
-  enum class Policy { kFcfs, kLpm };
-  Policy policy = Policy::kFcfs;
+  SchedulePolicy policy = SchedulePolicy::kFcfs;
   int32_t lpm_max_waiting = 128;
   // Stall-free steps: a step that carries decode tokens is predicted to take
   // at most target_itl_ms, or when that is 0, at most max_stall_factor times
@@ -129,7 +134,7 @@ class Scheduler {
   // Slots for `take` more tokens of s, preempting later-admitted sequences
   // (or s itself) while blocks are short. False when s was preempted or
   // cannot get them.
-  bool Reserve(Sequence* s, int32_t take, const BatchPlan& plan);
+  bool Reserve(Sequence* s, int32_t take, BatchPlan* plan);
   void Preempt(Sequence* s, BatchPlan* plan);
   void Schedule(Sequence* s, int32_t take, BatchPlan* plan);
   // Admission of waiting sequences while budget and blocks allow.

@@ -75,8 +75,7 @@ void Sequence::CheckInvariants() const {
                  num_tokens(), kv.num_computed, kv.num_committed);
     std::abort();
   };
-  if (kv.num_committed < 0 || kv.num_committed > kv.num_computed) fail("committed > computed");
-  if (kv.num_computed > kv.table.num_tokens()) fail("computed past the slots");
+  // The KV counters' own invariants are KvCacheManager::CheckInvariants'.
   if (num_computed_tokens() > num_tokens() + num_speculative) fail("computed past the tokens");
   if (num_cached_prompt > num_prompt_) fail("cached more than the prompt");
   if (waiting() && kv.table.num_blocks() > 0) fail("waiting with blocks");

@@ -76,6 +76,8 @@ class Sequence {
   }
   // Appends one committed sampled token.
   void AppendToken(int32_t token) { tokens_.push_back(token); }
+  // The sequence-level invariants above (the KV counters' own are
+  // KvCacheManager::CheckInvariants'); aborts naming the broken one.
   void CheckInvariants() const;
 
   // The sequence's KV state; only KvCacheManager changes it.

@@ -17,6 +17,8 @@
 #include "kernels/kv_view.h"
 #include "scheduler/kv_policy_eval.h"
 #include "server/command.h"
+#include "server/kv_policy.h"
+#include "server/serve_flags.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -28,14 +30,10 @@ class KvEvalCommand final : public Command {
       : Command(root->add_subcommand(
             "kv-eval", "Quality of a KV policy (token eviction) on a text, teacher-forced")) {
     app_->add_option("-f,--file", file_, "Plain text file")->required();
-    app_->add_option("--kv-policy", policy_, "none, window, sinks or h2o")->capture_default_str();
-    app_->add_option("--kv-sinks", opts_.policy.sinks, "Attention sinks kept (sinks, h2o)")
-        ->capture_default_str();
-    app_->add_option("--kv-window", opts_.policy.window, "Recent tokens kept")
-        ->capture_default_str();
-    app_->add_option("--kv-budget", opts_.policy.budget,
-                     "h2o: tokens kept in all (0: 2 x (sinks + window))")
-        ->capture_default_str();
+    // The daemon's --kv-* flags, read the same way (server/kv_policy.h);
+    // evaluating the sinks policy is the default here.
+    kv_flags_.policy = "sinks";
+    AddKvPolicyFlags(app_, &kv_flags_);
     app_->add_option("--max-tokens", max_tokens_, "Score at most this many tokens (0: the text, "
                                                   "up to the context length)")
         ->capture_default_str();
@@ -54,10 +52,8 @@ class KvEvalCommand final : public Command {
     const int32_t limit = max_tokens_ > 0 ? std::min(max_tokens_, l.model->config().context_length)
                                           : l.model->config().context_length;
     if (static_cast<int32_t>(tokens.size()) > limit) tokens.resize(static_cast<size_t>(limit));
-    if (const absl::Status st = ParseKvPolicyKind(policy_, &opts_.policy.kind); !st.ok()) Die(st);
-    if (opts_.policy.kind == KvPolicy::Kind::kH2O && opts_.policy.budget == 0) {
-      opts_.policy.budget = 2 * (opts_.policy.sinks + opts_.policy.window);
-    }
+    opts_.policy =
+        ValueOrDie(ResolveKvPolicy(std::nullopt, ValueOrDie(KvPolicyDefaultsFromFlags(kv_flags_))));
     if (!kernels::ParseKvDType(kv_dtype_, &opts_.kv_dtype)) {
       Die(absl::InvalidArgumentError(
           absl::StrCat("--kv-cache-dtype: unknown KV dtype '", kv_dtype_, "'")));
@@ -68,7 +64,7 @@ class KvEvalCommand final : public Command {
     std::printf(
         "policy %s (sinks %d, window %d, budget %d): perplexity %.4f vs %.4f with every token "
         "(%+.2f%%), mean KL %.5f nats, same top-1 %.2f%%, KV slots <= %d of %lld, %lld dropped\n",
-        policy_.c_str(), opts_.policy.sinks, opts_.policy.window, opts_.policy.budget,
+        KvPolicyName(opts_.policy.kind), opts_.policy.sinks, opts_.policy.window, opts_.policy.budget,
         r.perplexity_policy, r.perplexity_full,
         100.0 * (r.perplexity_policy / r.perplexity_full - 1.0), r.mean_kl, 100.0 * r.same_top1,
         r.max_slots, static_cast<long long>(r.scored_tokens + 1),
@@ -78,7 +74,7 @@ class KvEvalCommand final : public Command {
 
  private:
   std::string file_;
-  std::string policy_ = "sinks";
+  KvPolicyFlags kv_flags_;
   KvPolicyEvalOptions opts_;
   int32_t max_tokens_ = 0;
   std::string kv_dtype_ = "f16";

@@ -38,8 +38,9 @@ struct EngineFlags {
 };
 
 // Registers --device, --block-size, --kv-cache-memory, --kv-cache-dtype,
-// --max-batched-tokens, --max-seqs, --static-batching, --[no-]prefix-cache
-// --schedule-policy, --target-itl-ms, --max-stall-factor and --min-prefill-tokens on `app`, bound to `flags` (which must outlive it).
+// --max-batched-tokens, --max-seqs, --static-batching, --[no-]prefix-cache,
+// --schedule-policy, --target-itl-ms, --max-stall-factor and
+// --min-prefill-tokens on `app`, bound to `flags` (which must outlive it).
 void AddEngineFlags(CLI::App* app, EngineFlags* flags);
 
 // The default token-eviction policy (`serve` and `generate`): what a request

@@ -501,7 +501,7 @@ namespace {
 // `mass`) the probabilities added to the KV head's mass row.
 void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                    const float* q, int64_t q_stride, float* out, int64_t out_stride, float* mass,
-                   int64_t mass_stride) {
+                   int64_t mass_stride, const uint8_t* seq_wanted) {
   const int32_t group = batch.n_heads / kv.n_kv_heads;
   const int32_t hd = kv.head_dim;
   std::vector<double> probs;
@@ -512,6 +512,7 @@ void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& b
   std::vector<float> row(hd);
   for (int32_t t = 0; t < batch.n_tokens; ++t) {
     const int32_t seq = batch.token_seq[t];
+    if (out == nullptr && seq_wanted != nullptr && !seq_wanted[seq]) continue;
     const int32_t len = batch.token_pos[t] + 1;
     for (int32_t h = 0; h < batch.n_heads; ++h) {
       const int32_t kvh = h / group;
@@ -540,13 +541,13 @@ void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& b
 
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride) {
-  ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0);
+  ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0, nullptr);
 }
 
 void AccumulateAttentionMass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
-                             const float* q, int64_t q_stride, float* mass,
-                             int64_t mass_stride) {
-  ReferencePass(kv, layer, batch, q, q_stride, nullptr, 0, mass, mass_stride);
+                             const float* q, int64_t q_stride, float* mass, int64_t mass_stride,
+                             const uint8_t* seq_wanted) {
+  ReferencePass(kv, layer, batch, q, q_stride, nullptr, 0, mass, mass_stride, seq_wanted);
 }
 
 }  // namespace kvserve::kernels

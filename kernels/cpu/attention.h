@@ -62,9 +62,11 @@ void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const Attenti
 // mass[(token_seq * n_kv_heads + kv_head) * mass_stride + slot], query heads
 // summed into their KV head. Plain loops over the same scores as the
 // reference; it runs beside PagedAttention only when a caller asks for the
-// mass, so attention without it costs nothing extra.
+// mass, so attention without it costs nothing extra. With `seq_wanted` (one
+// flag per view sequence), only the flagged sequences' tokens are scored.
 // REQUIRES: K/V appended as for PagedAttention; mass_stride > every token_pos.
 void AccumulateAttentionMass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
-                             const float* q, int64_t q_stride, float* mass, int64_t mass_stride);
+                             const float* q, int64_t q_stride, float* mass, int64_t mass_stride,
+                             const uint8_t* seq_wanted = nullptr);
 
 }  // namespace kvserve::kernels

@@ -785,7 +785,9 @@ TEST_P(GrpcTest, KvPolicyIsValidatedAndUsageCarriesDroppedTokens) {
     EXPECT_EQ(out.chunks_with_usage, 1);
     EXPECT_EQ(out.usage.completion_tokens(), 96);
     EXPECT_GE(out.usage.dropped_tokens(), 0);
-    if (k.policy() == "none") EXPECT_EQ(out.usage.dropped_tokens(), 0);
+    if (k.policy() == "none") {
+      EXPECT_EQ(out.usage.dropped_tokens(), 0);
+    }
   }
   // The field is part of Usage (proto3 leaves a 0 off the wire, so its
   // presence can only be seen in the schema and in the CLI's JSON).

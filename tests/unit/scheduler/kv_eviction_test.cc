@@ -122,7 +122,7 @@ TEST_P(DropSlotsTest, KeptRowsMoveBitForBitAndBlocksGoBack) {
     }
   }
   const int32_t free_before = m->num_free_blocks();
-  m->DropSlots(&kv, keep);
+  ASSERT_TRUE(m->DropSlots(&kv, keep));
   EXPECT_EQ(kv.num_computed, 9);
   EXPECT_EQ(kv.position_shift, 11);
   EXPECT_TRUE(kv.lossy);
