@@ -4,8 +4,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/cpu/kv_codec.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace kvserve {
 namespace {
@@ -149,6 +153,45 @@ void KvPool::CopyBlock(BlockHandle src, BlockHandle dst) {
   std::memcpy(storage_ + static_cast<int64_t>(dst.id) * block_bytes_,
               storage_ + static_cast<int64_t>(src.id) * block_bytes_,
               static_cast<size_t>(block_bytes_));
+}
+
+void KvPool::MoveRows(absl::Span<const int32_t> block_ids, absl::Span<const int32_t> from,
+                      absl::Span<const int32_t> to) {
+  if (from.size() != to.size()) {
+    std::fprintf(stderr, "KvPool::MoveRows: %zu sources, %zu destinations\n", from.size(), to.size());
+    std::abort();
+  }
+  if (from.empty()) return;
+  const int32_t n = static_cast<int32_t>(from.size());
+  const int32_t n_ids = static_cast<int32_t>(block_ids.size());
+  if (!on_device()) {
+    const int32_t offsets[2] = {0, n_ids};
+    kernels::MoveKvRows(View(block_ids.data(), offsets, 1), options_.n_layers, 0, from.data(),
+                        to.data(), n);
+    return;
+  }
+  // [block_ids][offsets][from][to] in one device array.
+  std::vector<int32_t> ints(block_ids.begin(), block_ids.end());
+  ints.push_back(0);
+  ints.push_back(n_ids);
+  ints.insert(ints.end(), from.begin(), from.end());
+  ints.insert(ints.end(), to.begin(), to.end());
+  absl::Status s = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(cuda::DeviceBuffer d, options_.device_memory->Allocate(sizeof(int32_t) * ints.size()));
+    const int32_t* di = d.as<int32_t>();
+    RETURN_IF_ERROR(cuda::CopyToDeviceAsync(d.data(), ints.data(), sizeof(int32_t) * ints.size(),
+                                            options_.device_stream));
+    RETURN_IF_ERROR(cuda::MoveKvRows(View(di, di + n_ids, 1), options_.n_layers, 0,
+                                     di + n_ids + 2, di + n_ids + 2 + n, n,
+                                     options_.device_stream));
+    // d and ints must outlive the copy and the kernel.
+    return cuda::DeviceSynchronize();
+  }();
+  if (!s.ok()) {
+    // As CopyBlock: the device is gone; a half-compacted sequence cannot go on.
+    std::fprintf(stderr, "KvPool::MoveRows: device compaction failed: %s\n", s.ToString().c_str());
+    std::abort();
+  }
 }
 
 kernels::PagedKvView KvPool::View(const int32_t* block_ids, const int32_t* seq_block_offsets,

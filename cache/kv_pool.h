@@ -84,6 +84,13 @@ class KvPool {
   // Copies every layer's K and V of src into dst (copy-on-write).
   // REQUIRES: both live, src != dst.
   void CopyBlock(BlockHandle src, BlockHandle dst);
+  // Token eviction's compaction over one sequence's blocks (block_ids, in
+  // table order): moves the rows of slots from[i] to slots to[i], in order,
+  // in every layer (kernels::MoveKvRows; on the device its CUDA twin on
+  // device_stream, waited for, since compaction is rare and the host arrays
+  // are the caller's). REQUIRES: as kernels::MoveKvRows.
+  void MoveRows(absl::Span<const int32_t> block_ids, absl::Span<const int32_t> from,
+                absl::Span<const int32_t> to);
 
   // Registers or removes an observer. REQUIRES: a registered observer stays
   // alive until removed.

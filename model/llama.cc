@@ -219,7 +219,9 @@ absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const kernels::PagedK
                                                      " has no KV slot (capacity ", capacity,
                                                      ")"));
     }
-    if (b.attention_mass != nullptr && slots[i] >= b.attention_mass_stride) {
+    // Only the sequences whose mass is wanted need room in a mass row.
+    if (b.attention_mass != nullptr && slots[i] >= b.attention_mass_stride &&
+        (b.attention_mass_seqs.empty() || b.attention_mass_seqs[s] != 0)) {
       return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i],
                                                      " is outside the attention-mass row (",
                                                      b.attention_mass_stride, ")"));

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kernels/cuda/attention_generic.h"
+#include "kernels/cuda/attention_mass.h"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace kvserve {
@@ -226,8 +227,12 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
       (!b.slots.empty() && b.slots.size() != n_sz)) {
     return absl::InvalidArgumentError("batch arrays differ in length");
   }
-  if (b.attention_mass != nullptr) {
-    return absl::UnimplementedError("attention mass is not reported by the CUDA backend yet");
+  const bool want_mass = b.attention_mass != nullptr;
+  if (want_mass && (b.attention_mass_stride <= 0 ||
+                    (!b.attention_mass_seqs.empty() &&
+                     b.attention_mass_seqs.size() != static_cast<size_t>(kv.n_seqs)))) {
+    return absl::InvalidArgumentError(
+        "attention mass needs a positive stride and one flag per KV sequence");
   }
   // K/V are addressed (and causality bounded) by slot; RoPE uses positions.
   const absl::Span<const int32_t> slots = b.kv_slots();
@@ -251,6 +256,13 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
         static_cast<int64_t>(kv.seq_block_offsets[s + 1] - kv.seq_block_offsets[s]) * kv.block_size;
     if (b.positions[i] < 0) {
       return absl::InvalidArgumentError(absl::StrCat("position ", b.positions[i], " is negative"));
+    }
+    // Only the sequences whose mass is wanted need room in a mass row.
+    if (want_mass && slots[i] >= b.attention_mass_stride &&
+        (b.attention_mass_seqs.empty() || b.attention_mass_seqs[s] != 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i],
+                                                     " is past the attention mass rows (stride ",
+                                                     b.attention_mass_stride, ")"));
     }
     if (slots[i] < 0 || slots[i] >= capacity) {
       return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i], " of sequence ", s,
@@ -318,6 +330,15 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   const size_t o_qoff = put(q_offsets.data(), q_offsets.size());
   const size_t o_lens = put(seq_lens.data(), seq_lens.size());
   const size_t o_slots = shifted ? put(slots.data(), n_sz) : o_pos;
+  // H2O: which sequences' mass rows the step fills (1: wanted).
+  size_t o_wanted = 0;
+  if (want_mass) {
+    std::vector<int32_t> wanted(static_cast<size_t>(n_seqs), 1);
+    for (size_t i = 0; i < b.attention_mass_seqs.size(); ++i) {
+      wanted[i] = b.attention_mass_seqs[i] != 0 ? 1 : 0;
+    }
+    o_wanted = put(wanted.data(), wanted.size());
+  }
 
   // The previous step's upload read the staging buffer; it is done once the
   // stream is idle (Forward always ends synchronized, except on an error).
@@ -364,6 +385,14 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   prefill.max_q_per_seq = max_rows;
   prefill.n_heads = c.n_heads;
   prefill.scale = scale;
+  // The step's mass starts at zero on the device and is added to the
+  // caller's rows at the end (the CPU forward adds into them directly).
+  const size_t mass_floats =
+      want_mass ? static_cast<size_t>(n_seqs) * kv.n_kv_heads * b.attention_mass_stride : 0;
+  if (want_mass) {
+    RETURN_IF_ERROR(Grow(&mass_, sizeof(float) * mass_floats));
+    RETURN_IF_ERROR(cuda::MemsetAsync(mass_.data(), 0, sizeof(float) * mass_floats, st));
+  }
   size_t workspace_bytes = 0;
   if (use_decode) {
     workspace_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(dkv, decode);
@@ -380,6 +409,11 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
     RETURN_IF_ERROR(cuda::Rope(q, n, q_dim, c.n_heads, d_pos, rope, st));
     RETURN_IF_ERROR(cuda::Rope(k, n, kv_dim, c.n_kv_heads, d_pos, rope, st));
     RETURN_IF_ERROR(cuda::AppendKv(dkv, l, n, d_seq, d_slot, k, kv_dim, v, kv_dim, st));
+    if (want_mass) {
+      RETURN_IF_ERROR(cuda::AccumulateAttentionMass(dkv, l, n, d_seq, d_slot, c.n_heads, scale, q,
+                                                    q_dim, d + o_wanted, mass_.as<float>(),
+                                                    b.attention_mass_stride, st));
+    }
     if (use_prefill) {
       RETURN_IF_ERROR(cuda::PagedPrefillAttention(dkv, l, prefill, q, q_dim, attn, q_dim, st));
     } else if (use_decode) {
@@ -413,9 +447,16 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
     RETURN_IF_ERROR(
         cuda::CopyToHostAsync(logits, logits_.data(), sizeof(float) * n_logits * c.vocab_size, st));
   }
+  if (want_mass) {
+    host_mass_.resize(mass_floats);
+    RETURN_IF_ERROR(
+        cuda::CopyToHostAsync(host_mass_.data(), mass_.data(), sizeof(float) * mass_floats, st));
+  }
   // Synchronous like the CPU forward: a kernel fault surfaces in this step's
   // Status, and the engine may reuse blocks and read logits at once.
-  return stream_.Synchronize();
+  RETURN_IF_ERROR(stream_.Synchronize());
+  for (size_t i = 0; i < mass_floats; ++i) b.attention_mass[i] += host_mass_[i];
+  return absl::OkStatus();
 }
 
 }  // namespace kvserve

@@ -90,6 +90,8 @@ class CudaLlama final : public ForwardBackend {
   // Scratch, grown to the largest batch seen.
   cuda::DeviceBuffer x_, xn_, q_, k_, v_, attn_, gate_, up_, final_, logits_, workspace_;
   cuda::DeviceBuffer ints_;         // the step's int32 arrays (device)
+  cuda::DeviceBuffer mass_;         // the step's attention mass rows (H2O), when asked
+  std::vector<float> host_mass_;    // mass_ copied back, then added to the caller's rows
   cuda::PinnedHostBuffer staging_;  // the same arrays, staged on the host
   std::vector<int32_t> host_ints_;  // built here, then copied to staging_
 };

@@ -102,9 +102,7 @@ RequestLimits Engine::limits() const {
   l.max_n = std::min(options_.max_n, options_.max_seqs);
   l.block_size = options_.block_size;
   l.num_blocks = kv_->num_blocks();
-  if (kv_->pool().on_device()) {
-    l.kv_eviction_unsupported = "token eviction runs with --device cpu only (for now)";
-  } else if (kernels::KvIsKivi(options_.kv_dtype)) {
+  if (kernels::KvIsKivi(options_.kv_dtype)) {
     l.kv_eviction_unsupported = absl::StrCat(
         "--kv-cache-dtype ", std::string(kernels::KvDTypeName(options_.kv_dtype)),
         " shares key scales across a block, so slots cannot move; use a per-token codec");

@@ -147,7 +147,6 @@ bool KvCacheManager::DropSlots(SeqKv* kv, absl::Span<const int32_t> keep) {
   if (kv->num_committed != kv->num_computed) {
     Die("DropSlots with uncommitted slots", kv->num_committed, kv->num_computed);
   }
-  if (pool_->on_device()) Die("DropSlots on device memory", 0, 0);
   const int32_t n = static_cast<int32_t>(keep.size());
   const int32_t bs = block_size();
   std::vector<int32_t> from, to;
@@ -171,9 +170,7 @@ bool KvCacheManager::DropSlots(SeqKv* kv, absl::Span<const int32_t> keep) {
   if (!from.empty()) {
     std::vector<int32_t> ids;
     kv->table.AppendIds(&ids);
-    const int32_t offsets[2] = {0, static_cast<int32_t>(ids.size())};
-    kernels::MoveKvRows(pool_->View(ids.data(), offsets, 1), pool_->options().n_layers, 0,
-                        from.data(), to.data(), static_cast<int32_t>(from.size()));
+    pool_->MoveRows(ids, from, to);
   }
   const int32_t dropped = kv->num_computed - n;
   kv->table.Truncate(n);

@@ -133,6 +133,14 @@ absl::Status PagedPrefillAttention(const kernels::PagedKvView& kv, int32_t layer
 absl::Status CopyBlocks(uint8_t* pool, int64_t block_bytes, const int32_t* src_ids,
                         const int32_t* dst_ids, int32_t n_pairs, StreamHandle stream);
 
+// Token eviction's compaction on the device: for every layer, K and V and
+// KV head, copies the row (data and metadata) of slot from[i] of sequence
+// `seq` to slot to[i], in order (from/to are device arrays). The view is
+// device memory. REQUIRES: as kernels::MoveKvRows (its CPU twin): a per-row
+// codec, to[i] <= from[i], both ascending.
+absl::Status MoveKvRows(const kernels::PagedKvView& kv, int32_t n_layers, int32_t seq,
+                        const int32_t* from, const int32_t* to, int32_t n, StreamHandle stream);
+
 // Tier copies between the device pool and pinned host staging memory.
 // block_ids are HOST arrays (the tier manager knows them); host holds n_blocks
 // blocks back to back. Runs of consecutive ids become one copy.

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "kernels/cuda/attention_generic.h"
+#include "kernels/cuda/attention_mass.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/probe.h"
@@ -172,6 +173,17 @@ absl::StatusOr<BandwidthReport> ProbeBandwidth(size_t, int) { return NotBuilt();
 absl::Status PagedAttentionGeneric(const kernels::PagedKvView&, int32_t, int32_t, const int32_t*,
                                    const int32_t*, int32_t, float, const float*, int64_t, float*,
                                    int64_t, StreamHandle) {
+  return NotBuilt();
+}
+
+absl::Status MoveKvRows(const kernels::PagedKvView&, int32_t, int32_t, const int32_t*,
+                        const int32_t*, int32_t, StreamHandle) {
+  return NotBuilt();
+}
+
+absl::Status AccumulateAttentionMass(const kernels::PagedKvView&, int32_t, int32_t, const int32_t*,
+                                     const int32_t*, int32_t, float, const float*, int64_t,
+                                     const int32_t*, float*, int64_t, StreamHandle) {
   return NotBuilt();
 }
 

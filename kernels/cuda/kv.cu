@@ -9,6 +9,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/kv_device.cuh"
 
@@ -92,6 +93,38 @@ __global__ void CopyBlocksKernel(uint8_t* pool, int64_t block_bytes,
   }
 }
 
+// Token eviction's compaction: CTA (layer, K/V half, KV head) moves that
+// region's rows (data and scale-area metadata) from slot from[i] to slot
+// to[i] of the sequence, in order i = 0, 1, ...: a compaction moves rows
+// down, and a later move may read a row an earlier one has not yet
+// overwritten only because the moves run in order, so each CTA finishes a
+// move before it starts the next. Different CTAs touch disjoint bytes.
+__global__ void MoveKvRowsKernel(KvLayout L, int64_t layer_bytes, int32_t seq,
+                                 const int32_t* __restrict__ from, const int32_t* __restrict__ to,
+                                 int32_t n) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * layer_bytes + blockIdx.y * L.v_offset;
+  const int32_t head = blockIdx.z;
+  const int32_t mask = L.block_size - 1;
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t f = from[i], t = to[i];
+    if (f == t) continue;  // uniform across the CTA
+    const int32_t fb = L.BlockOf(seq, f), tb = L.BlockOf(seq, t);
+    const uint8_t* src = L.pool + fb * L.block_bytes + base +
+                         (static_cast<int64_t>(head) * L.block_size + (f & mask)) * L.row_bytes;
+    uint8_t* dst = L.pool + tb * L.block_bytes + base +
+                   (static_cast<int64_t>(head) * L.block_size + (t & mask)) * L.row_bytes;
+    for (int64_t b = threadIdx.x; b < L.row_bytes; b += blockDim.x) dst[b] = src[b];
+    if (L.row_meta_bytes > 0) {
+      const uint8_t* ms = L.pool + fb * L.block_bytes + base + L.meta_offset +
+                          head * L.head_meta_bytes + (f & mask) * L.row_meta_bytes;
+      uint8_t* md = L.pool + tb * L.block_bytes + base + L.meta_offset +
+                    head * L.head_meta_bytes + (t & mask) * L.row_meta_bytes;
+      for (int64_t b = threadIdx.x; b < L.row_meta_bytes; b += blockDim.x) md[b] = ms[b];
+    }
+    __syncthreads();  // this move is complete before the next reads
+  }
+}
+
 // Copies runs of consecutive block ids as one cudaMemcpyAsync each.
 template <typename CopyRun>
 absl::Status ForEachRun(const int32_t* block_ids, int32_t n_blocks, CopyRun copy_run) {
@@ -160,6 +193,21 @@ absl::Status CopyBlocks(uint8_t* pool, int64_t block_bytes, const int32_t* src_i
     KVSERVE_CUDA_LAUNCH(grid, 256, 0, stream, CopyBlocksKernel<uint8_t>)(pool, block_bytes, src_ids, dst_ids);
   }
   return LaunchStatus("CopyBlocks");
+}
+
+absl::Status MoveKvRows(const kernels::PagedKvView& kv, int32_t n_layers, int32_t seq,
+                        const int32_t* from, const int32_t* to, int32_t n, StreamHandle stream) {
+  if (n <= 0) return absl::OkStatus();
+  KvLayout L;
+  if (absl::Status s = internal::MakeKvLayout(kv, 0, &L); !s.ok()) return s;
+  if (n_layers <= 0 || static_cast<int64_t>(n_layers) * kv.layer_bytes > kv.block_bytes ||
+      seq < 0 || seq >= kv.n_seqs || kv.n_kv_heads > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("MoveKvRows: ", n_layers, " layers, sequence ",
+                                                   seq, " of ", kv.n_seqs));
+  }
+  const dim3 grid(static_cast<unsigned>(n_layers), 2u, static_cast<unsigned>(kv.n_kv_heads));
+  KVSERVE_CUDA_LAUNCH(grid, 64, 0, stream, MoveKvRowsKernel)(L, kv.layer_bytes, seq, from, to, n);
+  return LaunchStatus("MoveKvRows");
 }
 
 absl::Status GatherBlocksToHost(const uint8_t* pool, int64_t block_bytes,

@@ -16,9 +16,11 @@
 #include "common/half.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/kv_codec.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/matmul_internal.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/attention_mass.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/probe.h"
@@ -524,6 +526,120 @@ TEST_P(CudaPagedKvTest, PrefillAttentionMatchesReference) {
   const auto got = Download(out, want.size());
   EXPECT_LT(Nmse(got, want), Threshold());
   ExpectQuantizedBound(got, want);
+}
+
+// H2O statistics: the device mass equals the plain-loop reference's, for
+// a ragged batch with several query rows per sequence (prefill and decode
+// rows mixed), added on top of what the rows already hold, with one
+// sequence not asked for (its row must stay untouched).
+TEST_P(CudaPagedKvTest, AttentionMassMatchesReference) {
+  SetUpKv({1, 40, 300, 90}, 51);
+  f_.FillOnCpu(6);
+  const int32_t n_heads = f_.n_kv_heads * group_;
+  const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
+  const int32_t n_seqs = static_cast<int32_t>(f_.lens.size());
+  std::vector<int32_t> seq, pos;
+  for (int32_t s = 0; s < n_seqs; ++s) {
+    const int32_t rows = std::min(f_.lens[s], s == 1 ? 9 : 2);
+    for (int32_t j = 0; j < rows; ++j) {
+      seq.push_back(s);
+      pos.push_back(f_.lens[s] - rows + j);
+    }
+  }
+  seq.push_back(0);  // a second, separate run of sequence 0
+  pos.push_back(0);
+  const int32_t n = static_cast<int32_t>(seq.size());
+  const auto q = RandomFloats(n * q_dim, 19);
+  const int64_t stride = 301;  // > every position
+  const std::vector<uint8_t> wanted = {1, 1, 1, 0};
+  const std::vector<int32_t> wanted_ints(wanted.begin(), wanted.end());
+  std::vector<float> want(static_cast<size_t>(n_seqs) * f_.n_kv_heads * stride);
+  for (size_t i = 0; i < want.size(); ++i) want[i] = 0.25f * static_cast<float>(i % 7);
+  const std::vector<float> before = want;
+  kernels::AttentionBatch cb;
+  cb.n_tokens = n;
+  cb.token_seq = seq.data();
+  cb.token_pos = pos.data();
+  cb.n_heads = n_heads;
+  cb.scale = 1.f / std::sqrt(static_cast<float>(f_.head_dim));
+  kernels::AccumulateAttentionMass(f_.HostView(), 1, cb, q.data(), q_dim, want.data(), stride,
+                                   wanted.data());
+
+  float* mass = Upload(before);
+  ASSERT_TRUE(cuda::AccumulateAttentionMass(DeviceView(Upload(f_.host)), 1, n, Upload(seq),
+                                            Upload(pos), n_heads, cb.scale, Upload(q), q_dim,
+                                            Upload(wanted_ints), mass, stride, stream())
+                  .ok());
+  const auto got = Download(mass, want.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) /
+                                (1.0 + std::abs(static_cast<double>(want[i]))));
+  }
+  // f32 scores and exponentials against double ones; f16 and the quantized
+  // codecs read the same dequantized K as the reference.
+  EXPECT_LT(worst, 2e-5);
+  // The unwanted sequence's rows are exactly what they were.
+  const int64_t row0 = int64_t{3} * f_.n_kv_heads * stride;
+  for (int64_t i = row0; i < static_cast<int64_t>(want.size()); ++i) {
+    ASSERT_EQ(got[i], before[i]) << "slot " << i - row0 << " of an unwanted sequence";
+  }
+  // Every (token, head) adds one distribution: a wanted row gains exactly
+  // its sequence's token count times the group size.
+  for (int32_t s = 0; s < 3; ++s) {
+    const int32_t tokens = static_cast<int32_t>(std::count(seq.begin(), seq.end(), s));
+    double gained = 0.0;
+    for (int32_t h = 0; h < f_.n_kv_heads; ++h) {
+      for (int64_t p = 0; p < stride; ++p) {
+        const size_t i = (static_cast<size_t>(s) * f_.n_kv_heads + h) * stride + p;
+        gained += static_cast<double>(got[i]) - before[i];
+      }
+    }
+    EXPECT_NEAR(gained, static_cast<double>(tokens) * n_heads, 1e-3) << "sequence " << s;
+  }
+}
+
+// Compaction: the device moves the same bytes as the CPU twin, including
+// moves whose source an earlier move's destination precedes within a block.
+TEST_P(CudaPagedKvTest, MoveKvRowsIsByteIdenticalToCpu) {
+  SetUpKv({70, 53}, 61);
+  f_.FillOnCpu(9);
+  // Keep 4 sinks, every third slot of the middle, and the last 10: a kept
+  // slot list as the h2o evictor makes it (ascending, keep[i] >= i).
+  std::vector<int32_t> keep;
+  for (int32_t p = 0; p < 53; ++p) {
+    if (p < 4 || p % 3 == 0 || p >= 43) keep.push_back(p);
+  }
+  std::vector<int32_t> from, to;
+  for (int32_t i = 0; i < static_cast<int32_t>(keep.size()); ++i) {
+    if (keep[i] != i) {
+      from.push_back(keep[i]);
+      to.push_back(i);
+    }
+  }
+  ASSERT_FALSE(from.empty());
+  uint8_t* dpool = Upload(f_.host);
+  kernels::MoveKvRows(f_.HostView(), f_.n_layers, 1, from.data(), to.data(),
+                      static_cast<int32_t>(from.size()));
+  ASSERT_TRUE(cuda::MoveKvRows(DeviceView(dpool), f_.n_layers, 1, Upload(from), Upload(to),
+                               static_cast<int32_t>(from.size()), stream())
+                  .ok());
+  EXPECT_TRUE(Download(dpool, f_.host.size()) == f_.host);
+}
+
+TEST_F(CudaTest, AttentionMassRejectsBadShapes) {
+  PagedKvFixture f;
+  f.head_dim = 12;  // not a multiple of 8
+  f.lens = {4};
+  f.Build(1);
+  const auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
+  std::vector<int32_t> seq = {0}, pos = {3};
+  float* mass = Alloc<float>(64);
+  const auto q = RandomFloats(4 * 12, 2);
+  const absl::Status s = cuda::AccumulateAttentionMass(
+      view, 0, 1, Upload(seq), Upload(pos), 4, 1.f, Upload(q), 48, nullptr, mass, 16, stream());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("head_dim 12"), std::string::npos) << s;
 }
 
 TEST_P(CudaPagedKvTest, BlockCopyGatherAndScatterMoveBytesExactly) {

@@ -550,6 +550,155 @@ INSTANTIATE_TEST_SUITE_P(
                       TinyCase{GgmlType::kQ4_1, kernels::KvDType::kInt4G64}),
     TinyCaseName);
 
+// ---- Token eviction (H2O) on the device ----------------------------------
+
+Loaded TinyGqaModel(const std::string& name) {
+  testing::TinyLlamaOptions o;
+  o.dim = 128;
+  o.n_heads = 2;
+  o.n_kv_heads = 1;  // head_dim 64, GQA 2: the tuned attention kernels
+  o.ffn_dim = 256;
+  o.n_layers = 2;
+  const std::string path = testing::TempDir() + "/" + name + ".gguf";
+  std::ofstream(path, std::ios::binary) << testing::MakeTinyLlamaGguf(o);
+  return Load(path);
+}
+
+// One forward of two sequences (a prefill chunk and a decode row) asking
+// for the attention mass: the CUDA backend's rows equal the CPU forward's
+// (the same K/V, f32 scores against the reference's double ones), and the
+// sequence not asked for keeps its rows untouched.
+TEST(CudaLlamaTest, AttentionMassMatchesCpuForward) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  Loaded l = TinyGqaModel("cuda-mass");
+  ASSERT_TRUE(l.model && l.tokenizer);
+  const LlamaConfig& cfg = l.model->config();
+  for (kernels::KvDType dtype : {kernels::KvDType::kF32, kernels::KvDType::kF16,
+                                 kernels::KvDType::kInt8, kernels::KvDType::kInt4}) {
+    SCOPED_TRACE(std::string(kernels::KvDTypeName(dtype)));
+    constexpr int32_t kBlock = 16;
+    const std::vector<int32_t> block_ids = {3, 0, 2, 1};  // seq 0: 3, 0, 2; seq 1: 1
+    const int32_t offsets[3] = {0, 3, 4};
+    const int64_t half =
+        kernels::PagedKvView::HalfLayerBytes(kBlock, cfg.n_kv_heads, cfg.head_dim, dtype);
+    kernels::PagedKvView view;
+    view.block_bytes = 2 * half * cfg.n_layers;
+    view.layer_bytes = 2 * half;
+    view.block_size = kBlock;
+    view.n_kv_heads = cfg.n_kv_heads;
+    view.head_dim = cfg.head_dim;
+    view.dtype = dtype;
+    view.block_ids = block_ids.data();
+    view.seq_block_offsets = offsets;
+    view.n_seqs = 2;
+    std::vector<uint8_t> host_kv(static_cast<size_t>(view.block_bytes * 4));
+    kernels::PagedKvView cpu_view = view;
+    cpu_view.pool = host_kv.data();
+    auto created = CudaLlama::Create(*l.model);
+    ASSERT_TRUE(created.ok()) << created.status();
+    std::unique_ptr<CudaLlama> gpu = std::move(created).value();
+    auto device_kv = gpu->kv_device_memory()->Allocate(host_kv.size());
+    ASSERT_TRUE(device_kv.ok()) << device_kv.status();
+    kernels::PagedKvView gpu_view = view;
+    gpu_view.pool = static_cast<uint8_t*>(device_kv->data());
+
+    // Step 1: both sequences prefill (seq 0: 40 tokens, seq 1: 9); step 2:
+    // one decode row each. Mass over both steps, seq 1 wanted in step 1 only.
+    const std::vector<int32_t> prompt =
+        l.tokenizer->Encode("the quick brown fox jumps over the lazy dog, twice over again", true,
+                            false);
+    ASSERT_GE(prompt.size(), 40u);
+    constexpr int64_t kStride = 48;
+    std::vector<float> cpu_mass(2 * cfg.n_kv_heads * kStride, 0.5f), gpu_mass = cpu_mass;
+    ThreadPool pool(2);
+    std::vector<float> logits_cpu(2 * cfg.vocab_size), logits_gpu = logits_cpu;
+    auto step = [&](const std::vector<int32_t>& tokens, const std::vector<int32_t>& seq,
+                    const std::vector<int32_t>& pos, const std::vector<uint8_t>& wanted) {
+      std::vector<int32_t> rows = {static_cast<int32_t>(tokens.size()) - 1};
+      ForwardBatch b{tokens, seq, pos, rows};
+      b.attention_mass_stride = kStride;
+      b.attention_mass_seqs = wanted;
+      b.attention_mass = cpu_mass.data();
+      ASSERT_TRUE(l.model->Forward(b, cpu_view, logits_cpu.data(), &pool).ok());
+      b.attention_mass = gpu_mass.data();
+      const absl::Status s = gpu->Forward(b, gpu_view, logits_gpu.data(), &pool);
+      ASSERT_TRUE(s.ok()) << s;
+    };
+    std::vector<int32_t> tokens, seq, pos;
+    for (int32_t i = 0; i < 40; ++i) tokens.push_back(prompt[i]), seq.push_back(0), pos.push_back(i);
+    for (int32_t i = 0; i < 9; ++i) tokens.push_back(prompt[i]), seq.push_back(1), pos.push_back(i);
+    step(tokens, seq, pos, {1, 1});
+    step({prompt[40 % prompt.size()], prompt[9]}, {0, 1}, {40, 9}, {1, 0});
+    double worst = 0.0;
+    for (size_t i = 0; i < cpu_mass.size(); ++i) {
+      worst = std::max(worst, std::abs(static_cast<double>(gpu_mass[i]) - cpu_mass[i]) /
+                                  (1.0 + std::abs(static_cast<double>(cpu_mass[i]))));
+    }
+    EXPECT_LT(worst, 1e-4);
+    // seq 1's slot 9 was written only in step 2, where seq 1 was not wanted.
+    for (int32_t h = 0; h < cfg.n_kv_heads; ++h) {
+      EXPECT_EQ(gpu_mass[(1 * cfg.n_kv_heads + h) * kStride + 9], 0.5f);
+      EXPECT_GT(gpu_mass[(0 * cfg.n_kv_heads + h) * kStride + 40], 0.5f);
+    }
+  }
+}
+
+// An h2o request through the engine on the CUDA backend: it generates to its
+// length, evicts tokens (compaction on the device), reports them, and leaves
+// every block free; a request without a policy beside it is unaffected
+// (equal to its run alone).
+TEST(CudaLlamaTest, H2OPolicyRunsOnTheDevice) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  Loaded l = TinyGqaModel("cuda-h2o");
+  ASSERT_TRUE(l.model && l.tokenizer);
+  std::shared_ptr<ForwardBackend> gpu = CudaBackend(l, kernels::KvDType::kF16, 16);
+  ASSERT_NE(gpu, nullptr);
+  EngineOptions o;
+  o.num_blocks = 128;
+  o.block_size = 16;
+  o.max_batched_tokens = 32;
+  o.kv_dtype = kernels::KvDType::kF16;
+  o.backend = gpu;
+  ThreadPool pool(2);
+  auto engine = Engine::Create(l.model.get(), l.tokenizer.get(), &pool, o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  const std::vector<int32_t> prompt =
+      l.tokenizer->Encode("a long prompt about foxes and dogs and the lazy afternoon sun", true,
+                          false);
+  EngineRequest h2o{prompt, Greedy(60)};
+  h2o.params.ignore_eos = true;
+  h2o.kv_policy.kind = KvPolicy::Kind::kH2O;
+  h2o.kv_policy.sinks = 4;
+  h2o.kv_policy.window = 16;
+  h2o.kv_policy.budget = 40;
+  EngineRequest plain{prompt, Greedy(30)};
+  plain.params.ignore_eos = true;
+  int32_t h2o_tokens = 0, h2o_dropped = 0;
+  std::vector<int32_t> plain_tokens;
+  FinishReason h2o_finish = FinishReason::kNone;
+  auto a = e.Submit(h2o, [&](const SeqEvent& ev) {
+    h2o_tokens += static_cast<int32_t>(ev.token_ids.size());
+    h2o_dropped = std::max(h2o_dropped, ev.dropped_tokens);
+    if (ev.finish != FinishReason::kNone) h2o_finish = ev.finish;
+  });
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = e.Submit(plain, [&](const SeqEvent& ev) {
+    plain_tokens.insert(plain_tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
+  });
+  ASSERT_TRUE(b.ok()) << b.status();
+  while (e.Step()) {
+  }
+  EXPECT_EQ(h2o_finish, FinishReason::kLength);
+  EXPECT_EQ(h2o_tokens, 60);
+  EXPECT_GT(h2o_dropped, 0) << "the policy never evicted";
+  auto alone = Generate(l, gpu, {plain});
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ(plain_tokens, (*alone)[0].tokens);
+  const EngineStats stats = e.Stats();
+  EXPECT_EQ(stats.blocks_free, stats.blocks_total) << "KV blocks leaked";
+}
+
 TEST(CudaLlamaTest, EngineRunWithCancellationsLeaksNoDeviceMemory) {
   KVSERVE_SKIP_WITHOUT_GPU();
   std::string path = testing::SmolLM2Path();

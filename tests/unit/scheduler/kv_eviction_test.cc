@@ -329,6 +329,25 @@ TEST(KvEvictionEngineTest, ASiblingSharingThePrefixIsUnaffected) {
   EXPECT_EQ(both[1].dropped, 0);
 }
 
+// An h2o sequence batched with a longer plain one: the attention-mass rows
+// are sized for the h2o sequences only, and the plain sequence (slots past
+// that size) must neither fail the step nor change its output.
+TEST(KvEvictionEngineTest, AnH2OSequenceBesideALongerPlainOneRunsBoth) {
+  const Model& m = Tiny();
+  auto alone = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(false)).value();
+  const Result long_alone = RunAll(*alone, {Request(Prompt(150, 6), 40)})[0];
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(false)).value();
+  const auto both = RunAll(*e, {Request(Prompt(10, 5), 120, Policy(KvPolicy::Kind::kH2O, 4, 16, 40)),
+                                Request(Prompt(150, 6), 40)});
+  EXPECT_EQ(both[0].finish, FinishReason::kLength);
+  EXPECT_EQ(both[0].tokens.size(), 120u);
+  EXPECT_GT(both[0].dropped, 0);
+  EXPECT_EQ(both[1].finish, FinishReason::kLength);
+  EXPECT_EQ(both[1].tokens, long_alone.tokens);
+  EXPECT_EQ(both[1].logprobs, long_alone.logprobs);
+  EXPECT_EQ(e->kv_pool().num_free_blocks(), 256) << "blocks leaked";
+}
+
 TEST(KvEvictionEngineTest, UnsupportedCodecsAreRefusedWithTheReason) {
   const Model& m = Tiny();
   EngineOptions o = Opts(false);
