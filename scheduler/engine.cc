@@ -68,7 +68,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   so.min_prefill_tokens = o.min_prefill_tokens;
   e->scheduler_ = std::make_unique<Scheduler>(so, e->kv_.get(), o.kv_loader);
   e->runner_ = std::make_unique<ModelRunner>(std::move(backend), e->kv_.get(), pool);
-  e->output_ = std::make_unique<OutputProcessor>(e->kv_.get(), e->scheduler_.get(), tokenizer);
+  e->output_ = std::make_unique<OutputProcessor>(e->kv_.get(), e->scheduler_.get(), tokenizer,
+                                                 e->EvictorOptions());
   e->PublishStats(nullptr);
   return e;
 }
@@ -93,6 +94,19 @@ Engine::~Engine() {
   kv_.reset();  // the radix index's blocks, then the pool
 }
 
+KvEvictorOptions Engine::EvictorOptions() const {
+  const LlamaConfig& c = model_->config();
+  KvEvictorOptions eo;
+  eo.rope = kernels::RopeParams{c.head_dim, c.rope_dim, c.rope_freq_base, c.rope_style};
+  eo.context_length = c.context_length;
+  // A step adds at most max_batched_tokens to a sequence, and a compaction
+  // waits for a block's worth of droppable slots.
+  eo.switch_margin = options_.max_batched_tokens + options_.block_size;
+  eo.can_rotate = (kv_ == nullptr || !kv_->pool().on_device()) &&
+                  !kernels::KvIsKivi(options_.kv_dtype);
+  return eo;
+}
+
 RequestLimits Engine::limits() const {
   const LlamaConfig& c = model_->config();
   RequestLimits l;
@@ -102,6 +116,9 @@ RequestLimits Engine::limits() const {
   l.max_n = std::min(options_.max_n, options_.max_seqs);
   l.block_size = options_.block_size;
   l.num_blocks = kv_->num_blocks();
+  // StreamingLLM past the trained context needs keys re-rotated on the host.
+  l.kv_past_context = !kv_->pool().on_device() && !kernels::KvIsKivi(options_.kv_dtype);
+  l.kv_switch_margin = EvictorOptions().switch_margin;
   if (kernels::KvIsKivi(options_.kv_dtype)) {
     l.kv_eviction_unsupported = absl::StrCat(
         "--kv-cache-dtype ", std::string(kernels::KvDTypeName(options_.kv_dtype)),
@@ -326,6 +343,7 @@ void Engine::PublishStats(const BatchPlan* plan) {
   st.kv_load_failures = scheduler_->kv_load_failures();
   st.kv_evicted_tokens = output_->evictor().evicted_tokens();
   st.kv_compactions = output_->evictor().compactions();
+  st.kv_rotated_keys = output_->evictor().rotated_keys();
   st.mean_batch_seqs = steps_ > 0 ? sum_batch_seqs_ / steps_ : 0;
   st.mean_batch_tokens = steps_ > 0 ? sum_batch_tokens_ / steps_ : 0;
   st.prompt_tokens_total = scheduler_->prompt_tokens_total();

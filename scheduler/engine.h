@@ -43,6 +43,7 @@
 #include "model/llama.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
+#include "scheduler/kv_eviction.h"
 #include "scheduler/batch_plan.h"
 #include "scheduler/kv_cache_manager.h"
 #include "scheduler/kv_loader.h"
@@ -148,6 +149,7 @@ struct EngineStats {
   // Token eviction (KV policies): tokens dropped and compactions so far.
   int64_t kv_evicted_tokens = 0;
   int64_t kv_compactions = 0;
+  int64_t kv_rotated_keys = 0;  // slots re-rotated to positions within the cache (sinks)
 };
 
 class Engine {
@@ -160,6 +162,9 @@ class Engine {
 
   // The limits Submit checks requests against (ValidateEngineRequest).
   RequestLimits limits() const;
+  // What token eviction needs of the model and the pool (RoPE, the trained
+  // context, whether keys can be re-rotated).
+  KvEvictorOptions EvictorOptions() const;
   // Validates (InvalidArgument naming the field) and queues the request.
   // Events for it arrive on `callback`; the last one per sample carries a
   // finish reason.

@@ -122,6 +122,7 @@ void KvCacheManager::Discard(SeqKv* kv) {
   kv->num_committed = 0;
   kv->num_offered_blocks = 0;
   kv->position_shift = 0;
+  kv->cache_positions = false;
   kv->lossy = false;
 }
 
@@ -132,6 +133,7 @@ SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
   f.num_committed = kv.num_committed;
   f.num_offered_blocks = kv.num_offered_blocks;
   f.position_shift = kv.position_shift;
+  f.cache_positions = kv.cache_positions;
   f.lossy = kv.lossy;
   return f;
 }
@@ -179,6 +181,33 @@ bool KvCacheManager::DropSlots(SeqKv* kv, absl::Span<const int32_t> keep) {
   kv->num_offered_blocks = std::min(kv->num_offered_blocks, n / bs);
   kv->position_shift += dropped;
   kv->lossy = true;
+  return true;
+}
+
+bool KvCacheManager::RotateKeys(SeqKv* kv, absl::Span<const int32_t> slots,
+                                absl::Span<const int32_t> deltas,
+                                const kernels::RopeParams& rope) {
+  if (slots.size() != deltas.size()) Die("RotateKeys: slots and deltas differ", 0, 0);
+  if (pool_->on_device()) Die("RotateKeys on device memory", 0, 0);
+  const int32_t bs = block_size();
+  std::vector<int32_t> written;  // blocks receiving rotated keys, ascending
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (deltas[i] == 0) continue;
+    if (slots[i] < 0 || slots[i] >= kv->num_computed) Die("RotateKeys: slot", slots[i], 0);
+    if (written.empty() || written.back() != slots[i] / bs) written.push_back(slots[i] / bs);
+  }
+  if (written.empty()) return true;
+  int32_t copies = 0;
+  for (int32_t b : written) copies += pool_->ref_count(kv->table.blocks()[b]) > 1 ? 1 : 0;
+  if (!EnsureFree(copies)) return false;
+  for (int32_t b : written) {
+    if (!kv->table.MakePrivate(b).ok()) Die("RotateKeys: copy-on-write failed at block", b, copies);
+  }
+  std::vector<int32_t> ids;
+  kv->table.AppendIds(&ids);
+  const int32_t offsets[2] = {0, static_cast<int32_t>(ids.size())};
+  kernels::RotateKvKeys(pool_->View(ids.data(), offsets, 1), pool_->options().n_layers, 0,
+                        slots.data(), deltas.data(), static_cast<int32_t>(slots.size()), rope);
   return true;
 }
 

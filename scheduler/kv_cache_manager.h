@@ -37,6 +37,7 @@
 #include "absl/types/span.h"
 #include "cache/block_table.h"
 #include "cache/kv_pool.h"
+#include "kernels/cpu/ops.h"
 #include "cache/prefix_cache.h"
 
 namespace kvserve {
@@ -57,6 +58,15 @@ struct SeqKv {
   int32_t num_offered_blocks = 0;  // leading full blocks the radix index holds
   int32_t position_shift = 0;      // tokens dropped from the slots (token eviction)
   bool lossy = false;              // dropped tokens: never feeds the radix index
+  // StreamingLLM past the trained context (sinks policy): every slot's key
+  // was re-rotated to the slot's own index, and new tokens take their slot
+  // as RoPE position (KvEvictor switches a sequence over once).
+  bool cache_positions = false;
+
+  // The RoPE position a token written now at `slot` takes.
+  int32_t rope_position(int32_t slot) const {
+    return cache_positions ? slot : slot + position_shift;
+  }
 };
 
 struct KvCacheManagerOptions {
@@ -125,6 +135,12 @@ class KvCacheManager {
   // sequence's reference (the index keeps its exact, full-attention copy).
   // False when those copies find no free block; then nothing changed.
   [[nodiscard]] bool DropSlots(SeqKv* kv, absl::Span<const int32_t> keep);
+  // Rotates the stored keys at slots[i] by deltas[i] RoPE positions
+  // (kernels::RotateKvKeys), first making any shared block among them the
+  // sequence's own copy. False when those copies find no free block (nothing
+  // changed). REQUIRES: a host pool with a per-row codec.
+  [[nodiscard]] bool RotateKeys(SeqKv* kv, absl::Span<const int32_t> slots,
+                                absl::Span<const int32_t> deltas, const kernels::RopeParams& rope);
 
   // Evicts cached blocks nobody holds until `blocks` are free; false when
   // even that is not enough (the caller preempts or waits).

@@ -1,6 +1,8 @@
 #include "scheduler/kv_eviction.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
 namespace kvserve {
@@ -62,7 +64,7 @@ int32_t KvEvictor::MaybeCompact(const KvPolicy& policy, SeqKv* kv, std::vector<f
   if (policy.kind == KvPolicy::Kind::kNone) return 0;
   const int32_t n = kv->num_computed;
   if (n - policy.capacity() < kv_->block_size()) return 0;  // a block at a time
-  if (kv->num_committed != n) return 0;  // drafts in flight: after they settle
+  if (kv->num_committed != n) return 0;                     // drafts in flight: after they settle
   std::vector<float> mean;
   const float* ranked = nullptr;
   if (policy.kind == KvPolicy::Kind::kH2O) {
@@ -79,7 +81,12 @@ int32_t KvEvictor::MaybeCompact(const KvPolicy& policy, SeqKv* kv, std::vector<f
   const int32_t dropped = n - static_cast<int32_t>(keep.size());
   if (dropped < kv_->block_size()) return 0;
   // No block for a copy-on-write: try again after the next step.
+  const int32_t old_shift = kv->position_shift;
+  const bool was_cache_positions = kv->cache_positions;
   if (!kv_->DropSlots(kv, keep)) return 0;
+  if (policy.kind == KvPolicy::Kind::kSinks || policy.kind == KvPolicy::Kind::kWindow) {
+    Reposition(policy, kv, keep, old_shift, was_cache_positions);
+  }
   if (!score->empty()) {
     std::vector<float> sc;
     std::vector<int32_t> ag;
@@ -94,6 +101,42 @@ int32_t KvEvictor::MaybeCompact(const KvPolicy& policy, SeqKv* kv, std::vector<f
   evicted_tokens_ += dropped;
   ++compactions_;
   return dropped;
+}
+
+void KvEvictor::Reposition(const KvPolicy& policy, SeqKv* kv, const std::vector<int32_t>& keep,
+                           int32_t old_shift, bool was_cache_positions) {
+  if (!options_.can_rotate || options_.context_length <= 0) return;
+  const int32_t n = static_cast<int32_t>(keep.size());
+  if (!was_cache_positions &&
+      n + kv->position_shift + options_.switch_margin < options_.context_length) {
+    return;  // original positions still fit
+  }
+  // The kept row now at slot i was written at position: its old slot in
+  // cache positions, else (sinks and window: the sinks never move, the rest
+  // is one contiguous run) its old slot, plus the old shift past the sinks.
+  const int32_t sinks = policy.kind == KvPolicy::Kind::kWindow ? 0 : policy.sinks;
+  std::vector<int32_t> slots, deltas;
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t from = keep[static_cast<size_t>(i)];
+    const int32_t old_pos = was_cache_positions || from < sinks ? from : from + old_shift;
+    if (old_pos == i) continue;
+    slots.push_back(i);
+    deltas.push_back(i - old_pos);
+  }
+  // A shared block among them needs a copy; without a free block the
+  // sequence keeps its positions (mode unchanged) until a later compaction.
+  if (!kv_->RotateKeys(kv, slots, deltas, options_.rope)) {
+    if (was_cache_positions) {
+      // Rows already moved; their keys must match their slots. No block for
+      // a copy cannot happen here: moved rows sit in blocks DropSlots made
+      // private.
+      std::fprintf(stderr, "KvEvictor: re-rotation of moved rows found a shared block\n");
+      std::abort();
+    }
+    return;
+  }
+  kv->cache_positions = true;
+  rotated_keys_ += static_cast<int64_t>(slots.size());
 }
 
 }  // namespace kvserve

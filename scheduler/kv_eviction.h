@@ -17,6 +17,19 @@
 // each slot, so the score is the mean attention a slot received since it was
 // written (age-normalised: a young token is not evicted for being young).
 //
+// Positions (sinks and window): kept tokens keep their original RoPE positions
+// while the sequence stays within the trained context. At the first
+// compaction after which the next tokens could reach it (the kept slots +
+// the shift + a step's worth of tokens >= the context length), the sequence
+// switches to positions within the cache, as StreamingLLM does: every kept
+// key is re-rotated to its slot (a delta rotation) and new tokens take their
+// slot as position; from then on each compaction rotates the rows it moves
+// by the distance they moved. A window is the same without sinks (the
+// StreamingLLM paper's failing baseline once the first tokens are gone).
+// H2O keeps original positions always (its kept tokens are not one run)
+// and so stays within the context. Re-rotation needs a host pool
+// (KvEvictorOptions::can_rotate).
+//
 // Not thread-safe: the engine thread owns it.
 #pragma once
 
@@ -36,9 +49,19 @@ namespace kvserve {
 std::vector<int32_t> ChooseKeptSlots(const KvPolicy& policy, int32_t n_slots, int32_t protect_end,
                                      const float* score);
 
+struct KvEvictorOptions {
+  kernels::RopeParams rope{};
+  int32_t context_length = 0;  // 0: never switch to positions within the cache
+  // The most tokens a sequence may gain between two compactions (a step's
+  // tokens plus a block): the switch happens this far ahead of the context.
+  int32_t switch_margin = 0;
+  bool can_rotate = false;     // a host pool with a per-row codec
+};
+
 class KvEvictor {
  public:
-  explicit KvEvictor(KvCacheManager* kv) : kv_(kv) {}
+  explicit KvEvictor(KvCacheManager* kv, KvEvictorOptions options = {})
+      : kv_(kv), options_(options) {}
 
   // Adds one step's attention mass for s: `mass` holds n_kv_heads rows of
   // `stride` slots; the chunk's query tokens were slots [first, first + n).
@@ -61,9 +84,17 @@ class KvEvictor {
 
   int64_t evicted_tokens() const { return evicted_tokens_; }
   int64_t compactions() const { return compactions_; }
+  int64_t rotated_keys() const { return rotated_keys_; }  // slots re-rotated
 
  private:
+  // Sinks policy after a compaction from `keep` with the sequence's earlier
+  // shift and positions mode: re-rotates what needs it (see the header).
+  void Reposition(const KvPolicy& policy, SeqKv* kv, const std::vector<int32_t>& keep,
+                  int32_t old_shift, bool was_cache_positions);
+
   KvCacheManager* kv_;
+  KvEvictorOptions options_;
+  int64_t rotated_keys_ = 0;
   int64_t evicted_tokens_ = 0;
   int64_t compactions_ = 0;
 };

@@ -3,14 +3,21 @@
 // every token's KV and once under the policy — compacted by the same
 // KvEvictor the engine uses, with the same attention-mass scores — and every
 // position's next-token distribution is compared: perplexity of each, mean
-// KL(full || policy) and how often the top-1 token agrees. Positions are the
-// tokens' own (no re-rotation), so the text must fit the context length.
+// KL(full || policy) and how often the top-1 token agrees. Positions are
+// the engine's (SeqKv::rope_position): the tokens' own, except that a sinks
+// policy switches to positions within the cache before the context length
+// (StreamingLLM). A text longer than the context streams under the sinks
+// policy alone (every-token KV past the context is not a reference), and
+// the result gives its perplexity per segment: bounded for sinks, rising
+// for a window with original positions (which is refused past the context,
+// since its positions would leave the trained range).
 //
 // Thread-safety: a call is self-contained (its own KV pools); the model's
 // forward is not re-entrant, so one call at a time per model.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -26,6 +33,7 @@ struct KvPolicyEvalOptions {
   int32_t chunk = 16;  // tokens per forward (eviction runs between chunks)
   int32_t block_size = 16;
   kernels::KvDType kv_dtype = kernels::KvDType::kF16;
+  int32_t segment = 0;  // > 0: also the policy's perplexity per this many scored tokens
 };
 
 struct KvPolicyEvalResult {
@@ -36,9 +44,13 @@ struct KvPolicyEvalResult {
   double same_top1 = 0;  // fraction of positions whose argmax agrees
   int32_t max_slots = 0;  // most KV slots the policy sequence held
   int64_t dropped_tokens = 0;
+  bool reference = true;  // false past the context: only the policy ran (full/KL/top-1 unset)
+  std::vector<double> segment_perplexity;  // the policy's, per options.segment tokens
+  int64_t rotated_keys = 0;                // keys re-rotated (sinks past the context)
 };
 
-// REQUIRES: tokens.size() <= the model's context length.
+// InvalidArgument for a text past the context length under any policy but
+// sinks, or a sinks policy too large to leave a chunk of room below it.
 [[nodiscard]] absl::StatusOr<KvPolicyEvalResult> EvaluateKvPolicy(
     LlamaModel* model, absl::Span<const int32_t> tokens, const KvPolicyEvalOptions& options,
     ThreadPool* pool);

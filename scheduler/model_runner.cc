@@ -40,7 +40,7 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
       const int32_t slot = c.first_slot + j;
       tokens_.push_back(s.tokens()[static_cast<size_t>(slot + shift)]);
       token_seq_.push_back(static_cast<int32_t>(i));
-      positions_.push_back(slot + shift);
+      positions_.push_back(s.kv.rope_position(slot));
       if (shifted) slots_.push_back(slot);
     }
     if (c.sample) logit_rows_.push_back(static_cast<int32_t>(tokens_.size()) - 1);

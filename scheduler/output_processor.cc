@@ -7,8 +7,8 @@
 namespace kvserve {
 
 OutputProcessor::OutputProcessor(KvCacheManager* kv, Scheduler* scheduler,
-                                 const Tokenizer* tokenizer)
-    : kv_(kv), scheduler_(scheduler), tokenizer_(tokenizer), evictor_(kv) {}
+                                 const Tokenizer* tokenizer, KvEvictorOptions eviction)
+    : kv_(kv), scheduler_(scheduler), tokenizer_(tokenizer), evictor_(kv, eviction) {}
 
 std::unique_ptr<Sequence> OutputProcessor::NewSample(SequenceGroup* g, int32_t index,
                                                      const std::vector<int32_t>& tokens) const {

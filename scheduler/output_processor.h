@@ -29,7 +29,8 @@ namespace kvserve {
 class OutputProcessor {
  public:
   // REQUIRES: every pointer outlives the processor.
-  OutputProcessor(KvCacheManager* kv, Scheduler* scheduler, const Tokenizer* tokenizer);
+  OutputProcessor(KvCacheManager* kv, Scheduler* scheduler, const Tokenizer* tokenizer,
+                  KvEvictorOptions eviction = {});
 
   // REQUIRES: the plan's forward succeeded and produced `result`. Last,
   // sequences with a KV policy are compacted (token eviction).

@@ -84,7 +84,10 @@ absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLi
   }
   RETURN_IF_ERROR(ValidateSamplingParams(request.params));
   const int64_t need = static_cast<int64_t>(request.prompt.size()) + request.params.max_tokens;
-  if (need > limits.context_length) {
+  const bool streaming = (request.kv_policy.kind == KvPolicy::Kind::kSinks ||
+                         request.kv_policy.kind == KvPolicy::Kind::kWindow) &&
+                        limits.kv_past_context;
+  if (need > limits.context_length && !streaming) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_tokens: prompt (", request.prompt.size(), " tokens) + max_tokens (",
         request.params.max_tokens, ") exceeds the context length ", limits.context_length));
@@ -95,8 +98,21 @@ absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLi
                                                    limits.max_cache_salt_bytes));
   }
   RETURN_IF_ERROR(ValidateKvPolicy(request.kv_policy, limits));
+  // Past the trained context the kept tokens and a step's worth must fit in
+  // it: positions within the cache never reach the context length.
+  int64_t held = need;
+  if (streaming && need > limits.context_length) {
+    const int64_t most = int64_t{request.kv_policy.capacity()} + limits.kv_switch_margin;
+    if (most >= limits.context_length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_policy keeps ", request.kv_policy.capacity(), " tokens; they plus a step (",
+          limits.kv_switch_margin, " tokens) must stay below the context length ",
+          limits.context_length, " to generate past it"));
+    }
+    held = most;
+  }
   // A sequence that could never fit would wait forever.
-  const int64_t blocks = (need + limits.block_size - 1) / limits.block_size;
+  const int64_t blocks = (held + limits.block_size - 1) / limits.block_size;
   if (limits.num_blocks > 0 && blocks > limits.num_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("request needs ", blocks,
                                                      " KV blocks; the cache has ",

@@ -72,6 +72,13 @@ struct RequestLimits {
   int32_t block_size = 16;
   int64_t num_blocks = 0;  // KV pool size; 0: not checked
   size_t max_cache_salt_bytes = 256;
+  // A sinks or window policy may run past the trained context (positions within the
+  // cache, keys re-rotated): prompt + max_tokens is then bounded by the KV
+  // the policy keeps, not by the context length. kv_switch_margin: how far
+  // ahead of the context a sequence switches (the kept tokens plus it must
+  // fit in the context).
+  bool kv_past_context = false;
+  int32_t kv_switch_margin = 0;
   // Empty when token eviction can run on this engine; else why not (e.g. the
   // KV codec keeps per-block scales), and a kv_policy other than none is
   // refused with that reason.

@@ -8,6 +8,7 @@
 // Thread-safety: runs on the main thread; the forward uses the global pool.
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -34,12 +35,22 @@ class KvEvalCommand final : public Command {
     // evaluating the sinks policy is the default here.
     kv_flags_.policy = "sinks";
     AddKvPolicyFlags(app_, &kv_flags_);
-    app_->add_option("--max-tokens", max_tokens_, "Score at most this many tokens (0: the text, "
-                                                  "up to the context length)")
+    app_->add_option("--max-tokens", max_tokens_,
+                     "Score at most this many tokens (0: the whole text, up to the context "
+                     "length unless --past-context)")
+        ->capture_default_str();
+    app_->add_flag("--past-context", past_context_,
+                   "Stream the whole text even past the context length (sinks policy only: "
+                   "positions within the cache; no every-token reference past the context)");
+    app_->add_option("--repeat", repeat_, "Repeat the text this many times (long streams)")
+        ->capture_default_str();
+    app_->add_option("--segment", opts_.segment,
+                     "Also print the policy's perplexity per this many scored tokens (0: off)")
         ->capture_default_str();
     app_->add_option("--chunk", opts_.chunk, "Tokens per forward; eviction runs between chunks")
         ->capture_default_str();
-    app_->add_option("--block-size", opts_.block_size, "Tokens per KV block")->capture_default_str();
+    app_->add_option("--block-size", opts_.block_size, "Tokens per KV block")
+        ->capture_default_str();
     app_->add_option("--kv-cache-dtype", kv_dtype_,
                      "KV storage: " + std::string(kernels::KvDTypeList()))
         ->capture_default_str();
@@ -49,8 +60,13 @@ class KvEvalCommand final : public Command {
     LoadedModel l = LoadModelOrDie(global.model_path);
     const std::string text = ValueOrDie(ReadFileToString(file_));
     std::vector<int32_t> tokens = l.tokenizer->Encode(text, l.tokenizer->add_bos_default(), false);
-    const int32_t limit = max_tokens_ > 0 ? std::min(max_tokens_, l.model->config().context_length)
-                                          : l.model->config().context_length;
+    if (repeat_ > 1) {
+      const std::vector<int32_t> body = l.tokenizer->Encode(text, false, false);
+      for (int32_t i = 1; i < repeat_; ++i) tokens.insert(tokens.end(), body.begin(), body.end());
+    }
+    const int32_t ctx = l.model->config().context_length;
+    int32_t limit = past_context_ ? std::numeric_limits<int32_t>::max() : ctx;
+    if (max_tokens_ > 0) limit = std::min(limit, max_tokens_);
     if (static_cast<int32_t>(tokens.size()) > limit) tokens.resize(static_cast<size_t>(limit));
     opts_.policy =
         ValueOrDie(ResolveKvPolicy(std::nullopt, ValueOrDie(KvPolicyDefaultsFromFlags(kv_flags_))));
@@ -61,14 +77,28 @@ class KvEvalCommand final : public Command {
     spdlog::info("{}: {} tokens", file_, tokens.size());
     const KvPolicyEvalResult r =
         ValueOrDie(EvaluateKvPolicy(l.model.get(), tokens, opts_, &ThreadPool::Global()));
-    std::printf(
-        "policy %s (sinks %d, window %d, budget %d): perplexity %.4f vs %.4f with every token "
-        "(%+.2f%%), mean KL %.5f nats, same top-1 %.2f%%, KV slots <= %d of %lld, %lld dropped\n",
-        KvPolicyName(opts_.policy.kind), opts_.policy.sinks, opts_.policy.window, opts_.policy.budget,
-        r.perplexity_policy, r.perplexity_full,
-        100.0 * (r.perplexity_policy / r.perplexity_full - 1.0), r.mean_kl, 100.0 * r.same_top1,
-        r.max_slots, static_cast<long long>(r.scored_tokens + 1),
-        static_cast<long long>(r.dropped_tokens));
+    if (!r.reference) {
+      std::printf(
+          "policy %s (sinks %d, window %d) past the context length %d: perplexity %.4f over %lld "
+          "tokens, KV slots <= %d, %lld dropped, %lld keys re-rotated\n",
+          KvPolicyName(opts_.policy.kind), opts_.policy.sinks, opts_.policy.window, ctx,
+          r.perplexity_policy, static_cast<long long>(r.scored_tokens), r.max_slots,
+          static_cast<long long>(r.dropped_tokens), static_cast<long long>(r.rotated_keys));
+    } else {
+      std::printf(
+          "policy %s (sinks %d, window %d, budget %d): perplexity %.4f vs %.4f with every token "
+          "(%+.2f%%), mean KL %.5f nats, same top-1 %.2f%%, KV slots <= %d of %lld, %lld dropped\n",
+          KvPolicyName(opts_.policy.kind), opts_.policy.sinks, opts_.policy.window,
+          opts_.policy.budget, r.perplexity_policy, r.perplexity_full,
+          100.0 * (r.perplexity_policy / r.perplexity_full - 1.0), r.mean_kl, 100.0 * r.same_top1,
+          r.max_slots, static_cast<long long>(r.scored_tokens + 1),
+          static_cast<long long>(r.dropped_tokens));
+    }
+    for (size_t i = 0; i < r.segment_perplexity.size(); ++i) {
+      std::printf("segment %zu (tokens %lld-%lld): perplexity %.4f\n", i,
+                  static_cast<long long>(i) * opts_.segment + 1,
+                  static_cast<long long>(i + 1) * opts_.segment, r.segment_perplexity[i]);
+    }
     return 0;
   }
 
@@ -77,6 +107,8 @@ class KvEvalCommand final : public Command {
   KvPolicyFlags kv_flags_;
   KvPolicyEvalOptions opts_;
   int32_t max_tokens_ = 0;
+  bool past_context_ = false;
+  int32_t repeat_ = 1;
   std::string kv_dtype_ = "f16";
 };
 

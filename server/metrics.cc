@@ -239,6 +239,9 @@ std::string Metrics::Render(const EngineStats& stats) const {
   AppendCounter("kvserve:kv_compactions_total",
                 "Compactions by KV policies (each frees at least one block).", l,
                 static_cast<double>(stats.kv_compactions), &out);
+  AppendCounter("kvserve:kv_rotated_keys_total",
+                "Cached keys re-rotated to positions within the cache (sinks past the context).", l,
+                static_cast<double>(stats.kv_rotated_keys), &out);
   AppendCounter("kvserve:kv_load_failures_total",
                 "KV loads that failed (their tokens were recomputed).", l,
                 static_cast<double>(stats.kv_load_failures), &out);

@@ -435,6 +435,22 @@ std::string_view KvDTypeList() {
   return list;
 }
 
+void RotateKvKeys(const PagedKvView& kv, int32_t n_layers, int32_t seq, const int32_t* slots,
+                  const int32_t* deltas, int32_t n, const RopeParams& rope) {
+  std::vector<float> row(static_cast<size_t>(kv.head_dim));
+  for (int32_t i = 0; i < n; ++i) {
+    if (deltas[i] == 0) continue;
+    for (int32_t l = 0; l < n_layers; ++l) {
+      for (int32_t h = 0; h < kv.n_kv_heads; ++h) {
+        ReadKvRow(kv, l, seq, slots[i], h, /*value=*/false, row.data());
+        RopeReference(row.data(), 1, deltas[i], rope);
+        QuantizeRow(kv.dtype, row.data(), kv.head_dim, kv.KeyAt(l, seq, slots[i], h),
+                    kv.RowMetaBytes() > 0 ? kv.KeyMetaAt(l, seq, slots[i], h) : nullptr);
+      }
+    }
+  }
+}
+
 void MoveKvRows(const PagedKvView& kv, int32_t n_layers, int32_t seq, const int32_t* from,
                 const int32_t* to, int32_t n) {
   const int64_t row = kv.RowBytes();

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/ops.h"
 #include "kernels/kv_view.h"
 
 namespace kvserve::kernels {
@@ -43,6 +44,17 @@ void DequantizeKiviKeyRow(const uint8_t* codes, const float* scale, const float*
 // no row is overwritten before it is read); host memory.
 void MoveKvRows(const PagedKvView& kv, int32_t n_layers, int32_t seq, const int32_t* from,
                 const int32_t* to, int32_t n);
+
+// StreamingLLM positions within the cache: rotates the stored key of every
+// layer and KV head at slot slots[i] of sequence `seq` by deltas[i] RoPE
+// positions (a rotation by p followed by one by d is a rotation by p + d),
+// decoding and re-encoding the row through its codec: exact in f32 up to
+// float rounding, one more rounding in f16/bf16, a re-quantization for the
+// byte and int4 codecs. Values are position-free and stay as they are.
+// REQUIRES: a per-row codec (not int4-kivi*); host memory; the slots'
+// blocks private to the sequence.
+void RotateKvKeys(const PagedKvView& kv, int32_t n_layers, int32_t seq, const int32_t* slots,
+                  const int32_t* deltas, int32_t n, const RopeParams& rope);
 
 void ReadKvRow(const PagedKvView& kv, int32_t layer, int32_t seq, int32_t pos, int32_t head,
                bool value, float* dst);

@@ -76,10 +76,10 @@ __global__ void __launch_bounds__(kThreads) AttentionMassKernel(MassArgs a) {
       const typename C::Raw raw = C::LoadPlain(row + li * C::kRawBytes);
       internal::RowMeta meta{1.0f, 0.0f};
       if constexpr (C::kHasMeta) {
-        meta = C::LoadMeta(a.kv,
-                           internal::HeadMeta(a.kv, block, kvh) +
-                               static_cast<int64_t>(slot) * a.kv.row_meta_bytes,
-                           li);
+        meta = C::LoadMeta(
+            a.kv,
+            internal::HeadMeta(a.kv, block, kvh) + static_cast<int64_t>(slot) * a.kv.row_meta_bytes,
+            li);
       }
       float f[C::kElems];
       C::ToFloat(raw, meta, a.kv, f);
@@ -116,13 +116,12 @@ absl::Status AccumulateAttentionMass(const kernels::PagedKvView& kv, int32_t lay
                                      const float* q, int64_t q_stride, const int32_t* seq_wanted,
                                      float* mass, int64_t mass_stride, StreamHandle stream) {
   if (n_tokens <= 0) return absl::OkStatus();
-  if (kv.head_dim <= 0 || kv.head_dim > kMaxHeadDim || kv.head_dim % 8 != 0 ||
-      kv.n_kv_heads <= 0 || kv.n_kv_heads > 65535 || n_heads <= 0 ||
-      n_heads % kv.n_kv_heads != 0 || kv.n_seqs <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AccumulateAttentionMass: head_dim ", kv.head_dim, " (a multiple of 8 up to ",
-        kMaxHeadDim, "), ", n_heads, " query heads for ", kv.n_kv_heads, " KV heads, ",
-        kv.n_seqs, " sequences"));
+  if (kv.head_dim <= 0 || kv.head_dim > kMaxHeadDim || kv.head_dim % 8 != 0 || kv.n_kv_heads <= 0 ||
+      kv.n_kv_heads > 65535 || n_heads <= 0 || n_heads % kv.n_kv_heads != 0 || kv.n_seqs <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AccumulateAttentionMass: head_dim ", kv.head_dim, " (a multiple of 8 up to ",
+                     kMaxHeadDim, "), ", n_heads, " query heads for ", kv.n_kv_heads, " KV heads, ",
+                     kv.n_seqs, " sequences"));
   }
   if (mass == nullptr || mass_stride <= 0) {
     return absl::InvalidArgumentError("AccumulateAttentionMass: no mass rows");

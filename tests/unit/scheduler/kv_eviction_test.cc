@@ -3,6 +3,7 @@
 // policy: a budget the sequence never exceeds changes nothing, a window
 // bounds the blocks a sequence holds, a lossy sequence never feeds the
 // prefix cache, and a sibling sharing its prefix is unaffected.
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -12,6 +13,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/kv_codec.h"
 #include "scheduler/engine.h"
 #include "scheduler/kv_eviction.h"
@@ -147,6 +149,147 @@ INSTANTIATE_TEST_SUITE_P(PerRowCodecs, DropSlotsTest,
                          ::testing::Values(kernels::KvDType::kF32, kernels::KvDType::kF16,
                                            kernels::KvDType::kInt8, kernels::KvDType::kFp8E4M3,
                                            kernels::KvDType::kInt4),
+                         [](const auto& info) {
+                           std::string n(kernels::KvDTypeName(info.param));
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+// StreamingLLM positions within the cache: a sinks sequence streamed far
+// past a 40-token "trained context". Each token's key is written rotated to
+// the position the sequence gives it (SeqKv::rope_position), as the forward
+// does; after every compaction every kept key must equal its raw vector
+// rotated afresh to that slot's position (original positions before the
+// switch, the slot itself after it), and no position ever reaches the
+// context. Rotation composition against a fresh rotation, per codec.
+class SinksPositionsTest : public ::testing::TestWithParam<kernels::KvDType> {};
+
+TEST_P(SinksPositionsTest, KeysFollowTheirSlotsPastTheContext) {
+  constexpr int32_t kLayers = 2, kHeads = 2, kDim = 16, kContext = 40;
+  KvCacheManagerOptions o;
+  o.pool.n_layers = kLayers;
+  o.pool.n_kv_heads = kHeads;
+  o.pool.head_dim = kDim;
+  o.pool.block_size = 4;
+  o.pool.n_blocks = 16;
+  o.pool.dtype = GetParam();
+  o.prefix_cache = false;
+  auto m = KvCacheManager::Create(std::move(o)).value();
+  KvEvictorOptions eo;
+  eo.rope = kernels::RopeParams{kDim, kDim, 10000.0f, kernels::RopeStyle::kNorm};
+  eo.context_length = kContext;
+  eo.switch_margin = 4;
+  eo.can_rotate = true;
+  KvEvictor evictor(m.get(), eo);
+  const KvPolicy policy = Policy(KvPolicy::Kind::kSinks, 2, 8);
+  auto raw = [](int32_t token, int32_t l, int32_t h) {
+    std::vector<float> v(kDim);
+    std::mt19937 rng(static_cast<uint32_t>(token * 131 + l * 17 + h));
+    std::uniform_real_distribution<float> d(-1.f, 1.f);
+    for (float& x : v) x = d(rng);
+    return v;
+  };
+  // Tolerance: the codec's rounding of a unit-range row, plus re-encodings.
+  const double tol = GetParam() == kernels::KvDType::kF32   ? 1e-5
+                     : GetParam() == kernels::KvDType::kF16 ? 5e-3
+                                                            : 0.1;
+  SeqKv kv(m->mutable_pool());
+  std::vector<float> score;
+  std::vector<int32_t> age;
+  std::vector<int32_t> ids;
+  bool switched = false;
+  for (int32_t t = 0; t < 200; ++t) {
+    ASSERT_TRUE(m->AllocateSlots(&kv, 1).ok());
+    const int32_t slot = kv.num_computed;
+    ASSERT_LT(kv.rope_position(slot), kContext) << "token " << t;
+    ids.clear();
+    kv.table.AppendIds(&ids);
+    const int32_t offsets[2] = {0, static_cast<int32_t>(ids.size())};
+    const kernels::PagedKvView view = m->pool().View(ids.data(), offsets, 1);
+    for (int32_t l = 0; l < kLayers; ++l) {
+      std::vector<float> k(kHeads * kDim), v(kHeads * kDim, 0.5f);
+      for (int32_t h = 0; h < kHeads; ++h) {
+        std::vector<float> r = raw(t, l, h);
+        kernels::RopeReference(r.data(), 1, kv.rope_position(slot), eo.rope);
+        std::copy(r.begin(), r.end(), k.begin() + h * kDim);
+      }
+      const int32_t seq = 0;
+      kernels::AppendKv(view, l, 1, &seq, &slot, k.data(), kHeads * kDim, v.data(), kHeads * kDim);
+    }
+    m->MarkComputed(&kv, 1);
+    m->Commit(&kv, "", {}, 1);
+    evictor.MaybeCompact(policy, &kv, &score, &age);
+    switched |= kv.cache_positions;
+    // Every kept key against a fresh rotation of its raw vector.
+    ids.clear();
+    kv.table.AppendIds(&ids);
+    const int32_t offs[2] = {0, static_cast<int32_t>(ids.size())};
+    const kernels::PagedKvView after = m->pool().View(ids.data(), offs, 1);
+    std::vector<float> got(kDim);
+    for (int32_t i = 0; i < kv.num_computed; ++i) {
+      const int32_t token = i < policy.sinks ? i : i + kv.position_shift;
+      const int32_t pos = kv.cache_positions ? i : token;
+      for (int32_t l = 0; l < kLayers; ++l) {
+        for (int32_t h = 0; h < kHeads; ++h) {
+          std::vector<float> want = raw(token, l, h);
+          kernels::RopeReference(want.data(), 1, pos, eo.rope);
+          kernels::ReadKvRow(after, l, 0, i, h, /*value=*/false, got.data());
+          double err = 0;
+          for (int32_t e = 0; e < kDim; ++e) err = std::max(err, double{std::abs(got[e] - want[e])});
+          ASSERT_LT(err, tol) << "token " << t << ": slot " << i << " (token " << token
+                              << ", position " << pos << ") layer " << l << " head " << h;
+          kernels::ReadKvRow(after, l, 0, i, h, /*value=*/true, got.data());
+          ASSERT_NEAR(got[0], 0.5f, 1e-2) << "values are not rotated";
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(switched) << "200 tokens through a 40-token context never switched";
+  EXPECT_GT(evictor.rotated_keys(), 0);
+  EXPECT_GT(kv.position_shift, 150);
+  m->Discard(&kv);
+  EXPECT_EQ(m->num_free_blocks(), 16);
+}
+
+// H2O keeps original positions (its kept tokens are no single run); a sinks
+// sequence that stays inside the context never switches.
+TEST(SinksPositionsTest, H2OAndShortSinksKeepOriginalPositions) {
+  KvCacheManagerOptions o;
+  o.pool.n_layers = 1;
+  o.pool.n_kv_heads = 1;
+  o.pool.head_dim = 8;
+  o.pool.block_size = 4;
+  o.pool.n_blocks = 16;
+  o.prefix_cache = false;
+  auto m = KvCacheManager::Create(std::move(o)).value();
+  KvEvictorOptions eo;
+  eo.rope = kernels::RopeParams{8, 8, 10000.0f, kernels::RopeStyle::kNorm};
+  eo.context_length = 40;
+  eo.switch_margin = 4;
+  eo.can_rotate = true;
+  KvEvictor evictor(m.get(), eo);
+  for (const auto& [policy, tokens] :
+       std::vector<std::pair<KvPolicy, int>>{{Policy(KvPolicy::Kind::kH2O, 2, 4, 12), 100},
+                                             {Policy(KvPolicy::Kind::kSinks, 2, 8), 30}}) {
+    SeqKv kv(m->mutable_pool());
+    std::vector<float> score;
+    std::vector<int32_t> age;
+    for (int32_t t = 0; t < tokens; ++t) {
+      ASSERT_TRUE(m->AllocateSlots(&kv, 1).ok());
+      m->MarkComputed(&kv, 1);
+      m->Commit(&kv, "", {}, 1);
+      evictor.MaybeCompact(policy, &kv, &score, &age);
+    }
+    EXPECT_GT(kv.position_shift, 0) << KvPolicyName(policy.kind);
+    EXPECT_FALSE(kv.cache_positions) << KvPolicyName(policy.kind);
+    m->Discard(&kv);
+  }
+  EXPECT_EQ(evictor.rotated_keys(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(PerRowCodecs, SinksPositionsTest,
+                         ::testing::Values(kernels::KvDType::kF32, kernels::KvDType::kF16,
+                                           kernels::KvDType::kInt8),
                          [](const auto& info) {
                            std::string n(kernels::KvDTypeName(info.param));
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -348,6 +491,34 @@ TEST(KvEvictionEngineTest, AnH2OSequenceBesideALongerPlainOneRunsBoth) {
   EXPECT_EQ(e->kv_pool().num_free_blocks(), 256) << "blocks leaked";
 }
 
+// Generation past the trained context (128 tokens here): sinks and window
+// requests run to their length with positions within the cache; plain and
+// h2o requests that long are refused, and so is a sinks policy too large to
+// leave room for a step below the context.
+TEST(KvEvictionEngineTest, SinksGeneratesPastTheTrainedContext) {
+  const Model& m = testing::TinyWrittenModel("kv-eviction-ctx128", 128);
+  EngineOptions o = Opts(false, 64);
+  o.max_batched_tokens = 32;
+  auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+  const Result r = RunAll(*e, {Request(Prompt(20, 7), 400, Policy(KvPolicy::Kind::kSinks, 4, 32))})[0];
+  EXPECT_EQ(r.finish, FinishReason::kLength);
+  EXPECT_EQ(r.tokens.size(), 400u);
+  EXPECT_GT(r.dropped, 300);
+  EXPECT_GT(e->Stats().kv_rotated_keys, 0) << "never switched to positions within the cache";
+  EXPECT_EQ(e->kv_pool().num_free_blocks(), 64) << "blocks leaked";
+  const Result w = RunAll(*e, {Request(Prompt(20, 7), 300, Policy(KvPolicy::Kind::kWindow, 0, 32))})[0];
+  EXPECT_EQ(w.tokens.size(), 300u);
+  for (const KvPolicy& p : {KvPolicy{}, Policy(KvPolicy::Kind::kH2O, 4, 16, 40)}) {
+    auto s = e->Submit(Request(Prompt(20, 7), 400, p), [](const SeqEvent&) {});
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << KvPolicyName(p.kind);
+    EXPECT_THAT(s.status().message(), ::testing::HasSubstr("exceeds the context length"));
+  }
+  auto big = e->Submit(Request(Prompt(20, 7), 400, Policy(KvPolicy::Kind::kSinks, 4, 100)),
+                       [](const SeqEvent&) {});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(big.status().message(), ::testing::HasSubstr("must stay below the context length"));
+}
+
 TEST(KvEvictionEngineTest, UnsupportedCodecsAreRefusedWithTheReason) {
   const Model& m = Tiny();
   EngineOptions o = Opts(false);
@@ -364,6 +535,28 @@ TEST(KvEvictionEngineTest, UnsupportedCodecsAreRefusedWithTheReason) {
                 [](const SeqEvent&) {})
           .status();
   EXPECT_TRUE(absl::IsInvalidArgument(small));
+}
+
+// Past the context the policy streams alone: sinks and window run with
+// positions within the cache and report per-segment perplexity; h2o is
+// refused there.
+TEST(KvPolicyEvalTest, StreamsPastTheContextUnderSinks) {
+  const Model& m = testing::TinyWrittenModel("kv-eviction-ctx128", 128);
+  std::vector<int32_t> text = Prompt(400, 9);
+  KvPolicyEvalOptions o;
+  o.policy = Policy(KvPolicy::Kind::kSinks, 4, 32);
+  o.segment = 100;
+  auto r = EvaluateKvPolicy(m.model.get(), text, o, Pool());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->reference);
+  EXPECT_EQ(r->scored_tokens, 399);
+  EXPECT_EQ(r->segment_perplexity.size(), 3u);
+  EXPECT_GT(r->rotated_keys, 0);
+  EXPECT_LE(r->max_slots, 32 + 4 + 16 + 16);
+  EXPECT_TRUE(std::isfinite(r->perplexity_policy));
+  o.policy = Policy(KvPolicy::Kind::kH2O, 4, 16, 40);
+  EXPECT_EQ(EvaluateKvPolicy(m.model.get(), text, o, Pool()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(KvPolicyEvalTest, FullKvAgreesWithItselfAndAWindowCostsSomething) {
