@@ -2,11 +2,13 @@
 #include "embed/bert_encoder.h"
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/half.h"
 #include "common/status.h"
 #include "embed/safetensors.h"
 #include "kernels/cpu/matmul.h"
@@ -47,9 +49,6 @@ void Gelu(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
 }
 
-WeightView F32View(const std::vector<float>& w, int64_t rows, int64_t cols) {
-  return WeightView{DType::kF32, w.data(), rows, cols};
-}
 
 }  // namespace
 
@@ -97,7 +96,12 @@ absl::StatusOr<BertConfig> BertConfig::FromFile(const std::string& path) {
   return c;
 }
 
-absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config, const SafetensorsFile& weights) {
+absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config, const SafetensorsFile& weights,
+                                              DType weight_type) {
+  if (weight_type != DType::kF32 && weight_type != DType::kF16) {
+    return absl::InvalidArgumentError(absl::StrCat("BertEncoder: weight type ", kernels::DTypeName(weight_type),
+                                                   " is not supported (F32 or F16)"));
+  }
   BertEncoder e;
   e.config_ = config;
   const int64_t h = config.hidden, inter = config.intermediate;
@@ -108,6 +112,24 @@ absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config, const Sa
   auto read = [&](const std::string& name, std::vector<int64_t> shape) {
     return weights.ReadF32(prefix + name, shape);
   };
+  auto read_matrix = [&](const std::string& name, int64_t rows, int64_t cols) -> absl::StatusOr<Matrix> {
+    ASSIGN_OR_RETURN(std::vector<float> f, read(name, {rows, cols}));
+    Matrix m;
+    m.type = weight_type;
+    m.rows = rows;
+    m.cols = cols;
+    if (weight_type == DType::kF32) {
+      m.bytes.resize(f.size() * 4);
+      std::memcpy(m.bytes.data(), f.data(), m.bytes.size());
+    } else {
+      m.bytes.resize(f.size() * 2);
+      for (size_t i = 0; i < f.size(); ++i) {
+        const uint16_t h = Fp32ToFp16(f[i]);
+        std::memcpy(m.bytes.data() + 2 * i, &h, 2);
+      }
+    }
+    return m;
+  };
   ASSIGN_OR_RETURN(e.word_, read("embeddings.word_embeddings.weight", {config.vocab_size, h}));
   ASSIGN_OR_RETURN(e.position_, read("embeddings.position_embeddings.weight", {config.max_positions, h}));
   ASSIGN_OR_RETURN(e.token_type_,
@@ -117,25 +139,29 @@ absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config, const Sa
   for (int l = 0; l < config.layers; ++l) {
     const std::string p = absl::StrCat("encoder.layer.", l, ".");
     Layer L;
-    ASSIGN_OR_RETURN(L.wq, read(p + "attention.self.query.weight", {h, h}));
+    ASSIGN_OR_RETURN(L.wq, read_matrix(p + "attention.self.query.weight", h, h));
     ASSIGN_OR_RETURN(L.bq, read(p + "attention.self.query.bias", {h}));
-    ASSIGN_OR_RETURN(L.wk, read(p + "attention.self.key.weight", {h, h}));
+    ASSIGN_OR_RETURN(L.wk, read_matrix(p + "attention.self.key.weight", h, h));
     ASSIGN_OR_RETURN(L.bk, read(p + "attention.self.key.bias", {h}));
-    ASSIGN_OR_RETURN(L.wv, read(p + "attention.self.value.weight", {h, h}));
+    ASSIGN_OR_RETURN(L.wv, read_matrix(p + "attention.self.value.weight", h, h));
     ASSIGN_OR_RETURN(L.bv, read(p + "attention.self.value.bias", {h}));
-    ASSIGN_OR_RETURN(L.wo, read(p + "attention.output.dense.weight", {h, h}));
+    ASSIGN_OR_RETURN(L.wo, read_matrix(p + "attention.output.dense.weight", h, h));
     ASSIGN_OR_RETURN(L.bo, read(p + "attention.output.dense.bias", {h}));
     ASSIGN_OR_RETURN(L.ln1_g, read(p + "attention.output.LayerNorm.weight", {h}));
     ASSIGN_OR_RETURN(L.ln1_b, read(p + "attention.output.LayerNorm.bias", {h}));
-    ASSIGN_OR_RETURN(L.w1, read(p + "intermediate.dense.weight", {inter, h}));
+    ASSIGN_OR_RETURN(L.w1, read_matrix(p + "intermediate.dense.weight", inter, h));
     ASSIGN_OR_RETURN(L.b1, read(p + "intermediate.dense.bias", {inter}));
-    ASSIGN_OR_RETURN(L.w2, read(p + "output.dense.weight", {h, inter}));
+    ASSIGN_OR_RETURN(L.w2, read_matrix(p + "output.dense.weight", h, inter));
     ASSIGN_OR_RETURN(L.b2, read(p + "output.dense.bias", {h}));
     ASSIGN_OR_RETURN(L.ln2_g, read(p + "output.LayerNorm.weight", {h}));
     ASSIGN_OR_RETURN(L.ln2_b, read(p + "output.LayerNorm.bias", {h}));
     e.layers_.push_back(std::move(L));
   }
   return e;
+}
+
+kernels::WeightView BertEncoder::View(const Matrix& m) {
+  return WeightView{m.type, m.bytes.data(), m.rows, m.cols};
 }
 
 absl::StatusOr<std::vector<float>> BertEncoder::Forward(const std::vector<int32_t>& ids) const {
@@ -169,7 +195,7 @@ absl::StatusOr<std::vector<float>> BertEncoder::Forward(const std::vector<int32_
   LayerNorm(x.data(), emb_ln_g_.data(), emb_ln_b_.data(), n, h, eps, x.data());
 
   for (const Layer& L : layers_) {
-    const WeightView qkv[3] = {F32View(L.wq, h, h), F32View(L.wk, h, h), F32View(L.wv, h, h)};
+    const WeightView qkv[3] = {View(L.wq), View(L.wk), View(L.wv)};
     float* const outs[3] = {q.data(), k.data(), v.data()};
     const int64_t strides[3] = {h, h, h};
     kernels::MatMulMany(qkv, 3, x.data(), n, h, outs, strides, nullptr);
@@ -193,15 +219,15 @@ absl::StatusOr<std::vector<float>> BertEncoder::Forward(const std::vector<int32_
       kernels::MatMul(WeightView{DType::kF32, vt.data(), hd, n}, scores.data(), n, n,
                       ctx.data() + head * hd, h, nullptr);
     }
-    kernels::MatMul(F32View(L.wo, h, h), ctx.data(), n, h, tmp.data(), h, nullptr);
+    kernels::MatMul(View(L.wo), ctx.data(), n, h, tmp.data(), h, nullptr);
     AddBias(tmp.data(), L.bo.data(), n, h);
     kernels::AddInPlace(x.data(), tmp.data(), n * h);
     LayerNorm(x.data(), L.ln1_g.data(), L.ln1_b.data(), n, h, eps, x.data());
 
-    kernels::MatMul(F32View(L.w1, inter, h), x.data(), n, h, ff.data(), inter, nullptr);
+    kernels::MatMul(View(L.w1), x.data(), n, h, ff.data(), inter, nullptr);
     AddBias(ff.data(), L.b1.data(), n, inter);
     Gelu(ff.data(), n * inter);
-    kernels::MatMul(F32View(L.w2, h, inter), ff.data(), n, inter, tmp.data(), h, nullptr);
+    kernels::MatMul(View(L.w2), ff.data(), n, inter, tmp.data(), h, nullptr);
     AddBias(tmp.data(), L.b2.data(), n, h);
     kernels::AddInPlace(x.data(), tmp.data(), n * h);
     LayerNorm(x.data(), L.ln2_g.data(), L.ln2_b.data(), n, h, eps, x.data());

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/dtype.h"
 
 namespace kvserve::embed {
 
@@ -37,8 +39,12 @@ struct BertConfig {
 
 class BertEncoder {
  public:
+  // weight_type: how the layers' matrices are held and multiplied, kF32
+  // (as stored; the default) or kF16 (half the memory traffic; embeddings,
+  // biases, norms and activations stay F32).
   [[nodiscard]] static absl::StatusOr<BertEncoder> Load(const BertConfig& config,
-                                                        const SafetensorsFile& weights);
+                                                        const SafetensorsFile& weights,
+                                                        kernels::DType weight_type = kernels::DType::kF32);
 
   const BertConfig& config() const { return config_; }
 
@@ -48,12 +54,22 @@ class BertEncoder {
   [[nodiscard]] absl::StatusOr<std::vector<float>> Forward(const std::vector<int32_t>& ids) const;
 
  private:
+  // A row-major [rows, cols] weight matrix in F32 or F16.
+  struct Matrix {
+    kernels::DType type = kernels::DType::kF32;
+    std::vector<uint8_t> bytes;
+    int64_t rows = 0;
+    int64_t cols = 0;
+  };
   struct Layer {
-    std::vector<float> wq, bq, wk, bk, wv, bv, wo, bo;
+    Matrix wq, wk, wv, wo, w1, w2;
+    std::vector<float> bq, bk, bv, bo;
     std::vector<float> ln1_g, ln1_b;
-    std::vector<float> w1, b1, w2, b2;
+    std::vector<float> b1, b2;
     std::vector<float> ln2_g, ln2_b;
   };
+
+  static kernels::WeightView View(const Matrix& m);
 
   BertConfig config_;
   std::vector<float> word_, position_, token_type_, emb_ln_g_, emb_ln_b_;

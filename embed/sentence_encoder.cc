@@ -40,7 +40,8 @@ absl::StatusOr<nlohmann::json> ReadJson(const std::string& path, const std::stri
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(
+    const std::string& dir, const SentenceEncoderOptions& options) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
@@ -105,7 +106,7 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(const std
   }
 
   ASSIGN_OR_RETURN(SafetensorsFile weights, SafetensorsFile::Open(weights_path));
-  ASSIGN_OR_RETURN(BertEncoder encoder, BertEncoder::Load(config, weights));
+  ASSIGN_OR_RETURN(BertEncoder encoder, BertEncoder::Load(config, weights, options.weight_type));
 
   // Content fingerprint: every file that changes the vectors.
   XXH3_state_t* state = XXH3_createState();
@@ -120,7 +121,8 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(const std
   const XXH128_hash_t hash = XXH3_128bits_digest(state);
   XXH3_freeState(state);
   std::string fingerprint =
-      absl::StrFormat("%s:%016x%016x:seq%d", kFingerprintVersion, hash.high64, hash.low64, max_seq);
+      absl::StrFormat("%s:%016x%016x:seq%d:%s", kFingerprintVersion, hash.high64, hash.low64, max_seq,
+                      options.weight_type == kernels::DType::kF16 ? "f16" : "f32");
 
   return std::unique_ptr<SentenceEncoder>(
       new SentenceEncoder(std::move(tokenizer), std::move(encoder), max_seq, std::move(fingerprint)));
@@ -141,8 +143,9 @@ absl::StatusOr<std::vector<float>> SentenceEncoder::Embed(std::string_view text)
   return v;
 }
 
-absl::StatusOr<std::unique_ptr<TextEmbedder>> LoadSentenceEncoder(const std::string& dir) {
-  ASSIGN_OR_RETURN(std::unique_ptr<SentenceEncoder> e, SentenceEncoder::Load(dir));
+absl::StatusOr<std::unique_ptr<TextEmbedder>> LoadSentenceEncoder(const std::string& dir,
+                                                                  const SentenceEncoderOptions& options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SentenceEncoder> e, SentenceEncoder::Load(dir, options));
   return std::unique_ptr<TextEmbedder>(std::move(e));
 }
 

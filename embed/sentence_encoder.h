@@ -23,15 +23,23 @@
 
 namespace kvserve::embed {
 
+struct SentenceEncoderOptions {
+  // Layer weights in F32 (as stored, matches sentence-transformers to
+  // ~1e-12 in cosine) or F16 (half the weight traffic; see
+  // docs/semantic-cache-encoder.md for its measured accuracy and speed).
+  kernels::DType weight_type = kernels::DType::kF32;
+};
+
 class SentenceEncoder final : public TextEmbedder {
  public:
   // Loads `dir`. NotFound naming the missing file when the directory or one
   // of its files is absent; InvalidArgument for files that do not parse or
   // a model this encoder does not run (not BERT, pooling other than mean).
-  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SentenceEncoder>> Load(const std::string& dir);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SentenceEncoder>> Load(
+      const std::string& dir, const SentenceEncoderOptions& options = {});
 
   int32_t dim() const override { return encoder_.config().hidden; }
-  // "kvserve-bert-mean-v1:<xxh3 of the model files, hex>".
+  // "kvserve-bert-mean-v1:<xxh3-128 of the model files>:seq<N>:<f32|f16>".
   std::string fingerprint() const override { return fingerprint_; }
   absl::StatusOr<std::vector<float>> Embed(std::string_view text) const override;
 
@@ -54,6 +62,7 @@ class SentenceEncoder final : public TextEmbedder {
 };
 
 // The factory the daemon's --semantic-cache-model flag uses.
-[[nodiscard]] absl::StatusOr<std::unique_ptr<TextEmbedder>> LoadSentenceEncoder(const std::string& dir);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<TextEmbedder>> LoadSentenceEncoder(
+    const std::string& dir, const SentenceEncoderOptions& options = {});
 
 }  // namespace kvserve::embed

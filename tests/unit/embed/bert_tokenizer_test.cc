@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 #include <vector>
 
@@ -142,6 +143,51 @@ TEST_F(BertTokenizerTest, InvalidUtf8IsInvalidArgument) {
     EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(ids.status().message().find("not valid UTF-8"), std::string::npos) << ids.status();
   }
+}
+
+// Random byte strings (mostly invalid UTF-8) and random valid codepoints:
+// never a crash; invalid text is InvalidArgument, valid text always encodes
+// to [CLS] ... [SEP] with in-vocabulary ids.
+TEST_F(BertTokenizerTest, RandomInputNeverCrashes) {
+  std::mt19937 rng(19);
+  int invalid = 0;
+  for (int iter = 0; iter < 2000; ++iter) {
+    std::string text;
+    const int n = static_cast<int>(rng() % 24);
+    for (int i = 0; i < n; ++i) {
+      if (iter % 2 == 0) {
+        text.push_back(static_cast<char>(rng()));
+      } else {
+        uint32_t cp = rng() % 0x110000;
+        if (cp >= 0xD800 && cp <= 0xDFFF) cp = 'a';
+        // UTF-8 encode.
+        if (cp < 0x80) {
+          text.push_back(static_cast<char>(cp));
+        } else if (cp < 0x800) {
+          text += {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
+        } else if (cp < 0x10000) {
+          text += {static_cast<char>(0xE0 | (cp >> 12)), static_cast<char>(0x80 | ((cp >> 6) & 0x3F)),
+                   static_cast<char>(0x80 | (cp & 0x3F))};
+        } else {
+          text += {static_cast<char>(0xF0 | (cp >> 18)), static_cast<char>(0x80 | ((cp >> 12) & 0x3F)),
+                   static_cast<char>(0x80 | ((cp >> 6) & 0x3F)), static_cast<char>(0x80 | (cp & 0x3F))};
+        }
+      }
+    }
+    auto ids = tok_->Encode(text, 16);
+    if (!ids.ok()) {
+      EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(iter % 2, 0) << "valid UTF-8 rejected: " << ids.status();
+      ++invalid;
+      continue;
+    }
+    ASSERT_GE(ids->size(), 2u);
+    ASSERT_LE(ids->size(), 16u);
+    EXPECT_EQ(ids->front(), tok_->cls_id());
+    EXPECT_EQ(ids->back(), tok_->sep_id());
+    for (int32_t id : *ids) EXPECT_LT(id, tok_->vocab_size());
+  }
+  EXPECT_GT(invalid, 500);
 }
 
 TEST(BertTokenizerLoadTest, MalformedTokenizerJsonIsInvalidArgument) {

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -28,6 +29,8 @@ namespace fs = std::filesystem;
 // sentence-transformers' float32 PyTorch embedding. Measured: 1 - 5e-13 at worst;
 // 1e-6 still catches e.g. the tanh GELU approximation (1 - 6e-6).
 constexpr double kMinCosine = 0.999999;
+// With F16 layer weights (SentenceEncoderOptions::weight_type).
+constexpr double kMinCosineF16 = 0.99999;  // measured 1 - 4.5e-7
 
 std::string ModelDir() {
   const char* env = std::getenv("KVSERVE_MODEL_DIR");
@@ -129,6 +132,23 @@ TEST_F(SentenceEncoderTest, EmbeddingsMatchSentenceTransformers) {
               1.0 - worst, worst_text.c_str());
 }
 
+TEST_F(SentenceEncoderTest, F16WeightsStayCloseToTheReference) {
+  SentenceEncoderOptions options;
+  options.weight_type = kernels::DType::kF16;
+  auto f16 = SentenceEncoder::Load(ModelDir(), options);
+  ASSERT_TRUE(f16.ok()) << f16.status();
+  EXPECT_NE((*f16)->fingerprint(), encoder_->fingerprint());
+  double worst = 2.0;
+  for (const auto& r : ReadReference()) {
+    auto v = (*f16)->Embed(r.text);
+    ASSERT_TRUE(v.ok()) << v.status();
+    const double c = Cosine(*v, r.embedding);
+    EXPECT_GE(c, kMinCosineF16) << "text: " << r.text;
+    worst = std::min(worst, c);
+  }
+  std::printf("[ info ] F16 weights: lowest cosine vs sentence-transformers: 1 - %.3g\n", 1.0 - worst);
+}
+
 TEST_F(SentenceEncoderTest, SimilarSentencesScoreHigherThanUnrelated) {
   auto a = encoder_->Embed("What is the capital of France?");
   auto b = encoder_->Embed("Tell me the capital city of France.");
@@ -145,7 +165,7 @@ TEST_F(SentenceEncoderTest, ConcurrentCallsAgreeWithSerial) {
   std::vector<int> mismatches(4, 0);
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      for (int round = 0; round < 3; ++round) {
+      for (int round = 0; round < 2; ++round) {
         for (size_t i = 0; i < serial.size(); ++i) {
           auto v = encoder_->Embed(ref[i].text);
           if (!v.ok() || *v != serial[i]) ++mismatches[t];
