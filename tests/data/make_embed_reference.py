@@ -13,9 +13,15 @@ Each JSONL line: {"text", "ids" (what sentence-transformers feeds the model,
 [CLS] ... [SEP], truncated to max_seq_length), "embedding" (384 floats,
 L2-normalised, 7 significant digits)}. A first line {"meta": ...} records
 the versions.
+
+It also writes tests/data/embed_tokenizer_fuzz.jsonl: random strings drawn
+from many scripts, combining marks, controls, spaces, emoji, special-token
+text and arbitrary codepoints (fixed seed), with the Hugging Face ids, for
+a differential test of the tokenizer ({"text", "ids"} per line).
 """
 
 import json
+import random
 import sys
 
 import sentence_transformers
@@ -89,6 +95,46 @@ SENTENCES = [
 ]
 
 
+# Pools the random strings draw from: (weight, list of codepoint ranges).
+FUZZ_POOLS = [
+    (30, [(0x61, 0x7A), (0x41, 0x5A), (0x30, 0x39)]),
+    (10, [(0x20, 0x20)]),
+    (8, [(0x21, 0x2F), (0x3A, 0x40), (0x5B, 0x60), (0x7B, 0x7E)]),
+    (6, [(0xC0, 0x24F)]),                      # Latin-1 supplement, Latin extended
+    (5, [(0x300, 0x36F), (0x1AB0, 0x1AFF)]),   # combining marks
+    (4, [(0x0, 0x1F), (0x7F, 0x9F), (0xAD, 0xAD), (0x200B, 0x200F), (0xFEFF, 0xFEFF), (0xFFFD, 0xFFFD)]),
+    (4, [(0x9, 0xD), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+         (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0x85, 0x85)]),
+    (4, [(0x370, 0x3FF), (0x400, 0x4FF)]),     # Greek, Cyrillic
+    (4, [(0x4E00, 0x9FFF), (0x3040, 0x30FF), (0xF900, 0xFAFF), (0x20000, 0x2A6DF)]),  # CJK, kana
+    (3, [(0xAC00, 0xD7A3), (0x1100, 0x11FF)]),  # Hangul syllables, jamo
+    (3, [(0x600, 0x6FF), (0x900, 0x97F), (0x590, 0x5FF), (0xE00, 0xE7F)]),
+    (3, [(0x1F300, 0x1FAFF), (0x2600, 0x27BF), (0x1F3FB, 0x1F3FF)]),  # emoji, modifiers
+    (3, [(0x2000, 0x2BFF), (0xFF00, 0xFFEF), (0xFB00, 0xFB4F)]),  # symbols, fullwidth, ligatures
+    (3, [(0x0, 0xD7FF), (0xE000, 0x10FFFF)]),  # anything
+]
+FUZZ_SPECIALS = ["[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]", "[cls]", "[SEP", "##", "##ing"]
+
+
+def fuzz_strings(n, seed=19):
+    rng = random.Random(seed)
+    weights = [w for w, _ in FUZZ_POOLS]
+    out = []
+    for i in range(n):
+        parts = []
+        for _ in range(rng.randint(0, 40)):
+            if rng.random() < 0.03:
+                parts.append(rng.choice(FUZZ_SPECIALS))
+                continue
+            ranges = rng.choices(FUZZ_POOLS, weights)[0][1]
+            a, b = rng.choice(ranges)
+            parts.append(chr(rng.randint(a, b)))
+        if i % 25 == 0:
+            parts.append(" " + "ab" * rng.randint(45, 55))  # around max_input_chars_per_word
+        out.append("".join(parts))
+    return out
+
+
 def main():
     model_dir = sys.argv[1]
     out_path = sys.argv[2] if len(sys.argv) > 2 else "tests/data/embed_reference.jsonl"
@@ -111,6 +157,13 @@ def main():
                                   "embedding": [float("%.7g" % x) for x in vec]},
                                  ensure_ascii=True) + "\n")
     print("wrote %d sentences to %s" % (len(SENTENCES), out_path))
+    fuzz_path = out_path.replace("embed_reference.jsonl", "embed_tokenizer_fuzz.jsonl")
+    texts = fuzz_strings(400)
+    with open(fuzz_path, "w", encoding="utf-8") as out:
+        for text in texts:
+            ids = model.tokenize([text])["input_ids"][0].tolist()
+            out.write(json.dumps({"text": text, "ids": ids}, ensure_ascii=True) + "\n")
+    print("wrote %d random strings to %s" % (len(texts), fuzz_path))
 
 
 if __name__ == "__main__":

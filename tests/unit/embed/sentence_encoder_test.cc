@@ -51,15 +51,15 @@ struct Reference {
   std::vector<float> embedding;
 };
 
-std::vector<Reference> ReadReference() {
-  std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/embed_reference.jsonl");
+std::vector<Reference> ReadReference(const std::string& name = "embed_reference.jsonl") {
+  std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/" + name);
   std::vector<Reference> out;
   std::string line;
   while (std::getline(in, line)) {
     const auto j = nlohmann::json::parse(line);
     if (j.contains("meta")) continue;
     out.push_back({j.at("text").get<std::string>(), j.at("ids").get<std::vector<int32_t>>(),
-                   j.at("embedding").get<std::vector<float>>()});
+                   j.value("embedding", std::vector<float>{})});
   }
   return out;
 }
@@ -112,6 +112,23 @@ TEST_F(SentenceEncoderTest, TokenIdsMatchHuggingFace) {
     ASSERT_TRUE(ids.ok()) << ids.status();
     EXPECT_EQ(*ids, r.ids) << "text: " << r.text;
   }
+}
+
+// 400 random strings over many scripts, combining marks, controls, spaces,
+// emoji, special-token text and arbitrary codepoints
+// (tests/data/embed_tokenizer_fuzz.jsonl, same generator script).
+TEST_F(SentenceEncoderTest, TokenIdsMatchHuggingFaceOnRandomText) {
+  const auto fuzz = ReadReference("embed_tokenizer_fuzz.jsonl");
+  ASSERT_GE(fuzz.size(), 400u);
+  int mismatches = 0;
+  for (const auto& r : fuzz) {
+    auto ids = encoder_->Tokenize(r.text);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    if (*ids != r.ids && ++mismatches <= 5) {
+      ADD_FAILURE() << "ids differ from Hugging Face for text (JSON): " << nlohmann::json(r.text).dump();
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
 }
 
 TEST_F(SentenceEncoderTest, EmbeddingsMatchSentenceTransformers) {
