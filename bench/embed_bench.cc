@@ -62,7 +62,8 @@ std::string Text(int which) {
 void BM_Embed(benchmark::State& state) {
   const SentenceEncoder* e = Encoder(state.range(1) != 0);
   const std::string text = Text(static_cast<int>(state.range(0)));
-  state.counters["tokens"] = static_cast<double>(e->Tokenize(text)->size());
+  state.counters["tokens"] =
+      benchmark::Counter(static_cast<double>(e->Tokenize(text)->size()), benchmark::Counter::kAvgThreads);
   for (auto _ : state) {
     auto v = e->Embed(text);
     benchmark::DoNotOptimize(v);
