@@ -1,8 +1,8 @@
 // Sentence encoder throughput (embed/, issue 19): sentences/s of
 // SentenceEncoder::Embed on all-MiniLM-L6-v2 for a short, a medium and a
 // truncated (256-token) input, one thread per benchmark thread; and the
-// tokenizer alone; F32 vs F16 layer weights side by side. Needs models/all-MiniLM-L6-v2 (deploy/setup.sh) or
-// $KVSERVE_MODEL_DIR/all-MiniLM-L6-v2.
+// tokenizer alone; F32 vs F16 layer weights side by side. Needs models/all-MiniLM-L6-v2
+// (deploy/setup.sh) or $KVSERVE_MODEL_DIR/all-MiniLM-L6-v2.
 //
 //   build/bench/embed_bench --benchmark_filter=Embed
 #include <benchmark/benchmark.h>
@@ -62,8 +62,8 @@ std::string Text(int which) {
 void BM_Embed(benchmark::State& state) {
   const SentenceEncoder* e = Encoder(state.range(1) != 0);
   const std::string text = Text(static_cast<int>(state.range(0)));
-  state.counters["tokens"] =
-      benchmark::Counter(static_cast<double>(e->Tokenize(text)->size()), benchmark::Counter::kAvgThreads);
+  state.counters["tokens"] = benchmark::Counter(static_cast<double>(e->Tokenize(text)->size()),
+                                                benchmark::Counter::kAvgThreads);
   for (auto _ : state) {
     auto v = e->Embed(text);
     benchmark::DoNotOptimize(v);

@@ -49,7 +49,6 @@ void Gelu(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
 }
 
-
 }  // namespace
 
 absl::StatusOr<BertConfig> BertConfig::FromFile(const std::string& path) {
@@ -72,7 +71,8 @@ absl::StatusOr<BertConfig> BertConfig::FromFile(const std::string& path) {
       return bad(absl::StrCat("model_type is '", j.value("model_type", ""), "', expected bert"));
     }
     if (j.value("hidden_act", "gelu") != "gelu") {
-      return bad(absl::StrCat("hidden_act '", j.value("hidden_act", ""), "' is not supported (gelu only)"));
+      return bad(absl::StrCat("hidden_act '", j.value("hidden_act", ""),
+                              "' is not supported (gelu only)"));
     }
     if (j.value("position_embedding_type", "absolute") != "absolute") {
       return bad("only absolute position embeddings are supported");
@@ -89,17 +89,18 @@ absl::StatusOr<BertConfig> BertConfig::FromFile(const std::string& path) {
     return bad(absl::StrCat("unexpected config layout (", e.what(), ")"));
   }
   if (c.vocab_size <= 0 || c.hidden <= 0 || c.layers <= 0 || c.heads <= 0 || c.intermediate <= 0 ||
-      c.max_positions <= 0 || c.type_vocab_size <= 0 || c.hidden % c.heads != 0 || c.hidden > 16384 ||
-      c.intermediate > 65536 || c.layers > 256) {
+      c.max_positions <= 0 || c.type_vocab_size <= 0 || c.hidden % c.heads != 0 ||
+      c.hidden > 16384 || c.intermediate > 65536 || c.layers > 256) {
     return bad("sizes are out of range (hidden must divide by heads)");
   }
   return c;
 }
 
-absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config, const SafetensorsFile& weights,
-                                              DType weight_type) {
+absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config,
+                                              const SafetensorsFile& weights, DType weight_type) {
   if (weight_type != DType::kF32 && weight_type != DType::kF16) {
-    return absl::InvalidArgumentError(absl::StrCat("BertEncoder: weight type ", kernels::DTypeName(weight_type),
+    return absl::InvalidArgumentError(absl::StrCat("BertEncoder: weight type ",
+                                                   kernels::DTypeName(weight_type),
                                                    " is not supported (F32 or F16)"));
   }
   BertEncoder e;
@@ -112,7 +113,8 @@ absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config, const Sa
   auto read = [&](const std::string& name, std::vector<int64_t> shape) {
     return weights.ReadF32(prefix + name, shape);
   };
-  auto read_matrix = [&](const std::string& name, int64_t rows, int64_t cols) -> absl::StatusOr<Matrix> {
+  auto read_matrix = [&](const std::string& name, int64_t rows,
+                         int64_t cols) -> absl::StatusOr<Matrix> {
     ASSIGN_OR_RETURN(std::vector<float> f, read(name, {rows, cols}));
     Matrix m;
     m.type = weight_type;
@@ -131,7 +133,8 @@ absl::StatusOr<BertEncoder> BertEncoder::Load(const BertConfig& config, const Sa
     return m;
   };
   ASSIGN_OR_RETURN(e.word_, read("embeddings.word_embeddings.weight", {config.vocab_size, h}));
-  ASSIGN_OR_RETURN(e.position_, read("embeddings.position_embeddings.weight", {config.max_positions, h}));
+  ASSIGN_OR_RETURN(e.position_,
+                   read("embeddings.position_embeddings.weight", {config.max_positions, h}));
   ASSIGN_OR_RETURN(e.token_type_,
                    read("embeddings.token_type_embeddings.weight", {config.type_vocab_size, h}));
   ASSIGN_OR_RETURN(e.emb_ln_g_, read("embeddings.LayerNorm.weight", {h}));
@@ -168,13 +171,14 @@ absl::StatusOr<std::vector<float>> BertEncoder::Forward(const std::vector<int32_
   const int64_t n = static_cast<int64_t>(ids.size());
   if (n == 0) return absl::InvalidArgumentError("BertEncoder: empty token sequence");
   if (n > config_.max_positions) {
-    return absl::InvalidArgumentError(absl::StrCat("BertEncoder: ", n, " tokens exceed the model's ",
-                                                   config_.max_positions, " positions"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BertEncoder: ", n, " tokens exceed the model's ", config_.max_positions, " positions"));
   }
   for (int32_t id : ids) {
     if (id < 0 || id >= config_.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("BertEncoder: token id ", id, " is outside the ",
-                                                     config_.vocab_size, "-entry vocabulary"));
+      return absl::InvalidArgumentError(absl::StrCat("BertEncoder: token id ", id,
+                                                     " is outside the ", config_.vocab_size,
+                                                     "-entry vocabulary"));
     }
   }
   const int64_t h = config_.hidden, inter = config_.intermediate, nh = config_.heads;

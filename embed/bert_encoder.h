@@ -42,9 +42,9 @@ class BertEncoder {
   // weight_type: how the layers' matrices are held and multiplied, kF32
   // (as stored; the default) or kF16 (half the memory traffic; embeddings,
   // biases, norms and activations stay F32).
-  [[nodiscard]] static absl::StatusOr<BertEncoder> Load(const BertConfig& config,
-                                                        const SafetensorsFile& weights,
-                                                        kernels::DType weight_type = kernels::DType::kF32);
+  [[nodiscard]] static absl::StatusOr<BertEncoder> Load(
+      const BertConfig& config, const SafetensorsFile& weights,
+      kernels::DType weight_type = kernels::DType::kF32);
 
   const BertConfig& config() const { return config_; }
 

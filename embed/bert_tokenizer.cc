@@ -21,11 +21,11 @@ namespace {
 // Character flags, from the `tokenizers` library's own behaviour (see
 // embed/make_bert_unicode_tables.py).
 enum BertCharFlag : uint8_t {
-  kCleanDrop = 1,    // clean_text removes it (control, format, unassigned, U+0000, U+FFFD)
-  kCleanSpace = 2,   // clean_text turns it into ' '
-  kPunct = 4,        // BertPreTokenizer isolates it
-  kSplitSpace = 8,   // BertPreTokenizer splits on it and drops it
-  kMn = 16,          // strip_accents drops it after NFD
+  kCleanDrop = 1,   // clean_text removes it (control, format, unassigned, U+0000, U+FFFD)
+  kCleanSpace = 2,  // clean_text turns it into ' '
+  kPunct = 4,       // BertPreTokenizer isolates it
+  kSplitSpace = 8,  // BertPreTokenizer splits on it and drops it
+  kMn = 16,         // strip_accents drops it after NFD
 };
 struct BertFlagRange {
   uint32_t first;
@@ -104,9 +104,9 @@ absl::Status DecodeUtf8(std::string_view s, std::vector<uint32_t>* out) {
     } else if ((b & 0xF8) == 0xF0) {
       n = 4, cp = b & 0x07, min = 0x10000;
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("text is not valid UTF-8: byte 0x", absl::Hex(b), " at offset ", i,
-                       " cannot start a character"));
+      return absl::InvalidArgumentError(absl::StrCat("text is not valid UTF-8: byte 0x",
+                                                     absl::Hex(b), " at offset ", i,
+                                                     " cannot start a character"));
     }
     if (i + n > s.size()) {
       return absl::InvalidArgumentError(
@@ -234,8 +234,8 @@ absl::StatusOr<BertTokenizer> BertTokenizer::FromJson(std::string_view json,
       for (const auto& a : *added) {
         const std::string content = a.at("content").get<std::string>();
         if (content.empty()) continue;
-        if (!a.value("normalized", false) && !a.value("lstrip", false) && !a.value("rstrip", false) &&
-            !a.value("single_word", false)) {
+        if (!a.value("normalized", false) && !a.value("lstrip", false) &&
+            !a.value("rstrip", false) && !a.value("single_word", false)) {
           t.specials_.emplace_back(content, a.at("id").get<int32_t>());
         } else {
           return bad(absl::StrCat("added token '", content,
@@ -341,11 +341,13 @@ void BertTokenizer::WordPiece(const std::vector<uint32_t>& word, std::vector<int
   }
 }
 
-void BertTokenizer::EncodeSegment(const std::vector<uint32_t>& cps, std::vector<int32_t>* out) const {
+void BertTokenizer::EncodeSegment(const std::vector<uint32_t>& cps,
+                                  std::vector<int32_t>* out) const {
   for (const auto& w : NormalizeAndSplit(cps)) WordPiece(w, out);
 }
 
-absl::StatusOr<std::vector<int32_t>> BertTokenizer::Encode(std::string_view text, int max_length) const {
+absl::StatusOr<std::vector<int32_t>> BertTokenizer::Encode(std::string_view text,
+                                                           int max_length) const {
   std::vector<int32_t> pieces;
   std::vector<uint32_t> cps;
   // Special tokens are matched on the raw text, leftmost and longest first.

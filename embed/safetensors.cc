@@ -70,15 +70,18 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
 absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::string bytes,
                                                            const std::string& origin) {
   auto bad = [&](const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(origin, ": not a valid safetensors file: ", what));
+    return absl::InvalidArgumentError(
+        absl::StrCat(origin, ": not a valid safetensors file: ", what));
   };
   if (bytes.size() < 8) {
-    return bad(absl::StrCat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
+    return bad(
+        absl::StrCat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
   }
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[i]);
   if (header_len > kMaxHeaderBytes) {
-    return bad(absl::StrCat("header length ", header_len, " exceeds the ", kMaxHeaderBytes, "-byte limit"));
+    return bad(absl::StrCat("header length ", header_len, " exceeds the ", kMaxHeaderBytes,
+                            "-byte limit"));
   }
   if (header_len > bytes.size() - 8) {
     return bad(absl::StrCat("header length ", header_len, " runs past the end of the file (",
@@ -122,7 +125,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::string bytes,
     t.dtype = ParseDType(t.dtype_name);
     uint64_t elems = 1;
     for (const auto& d : *shape) {
-      if (!d.is_number_unsigned()) return bad(where + "shape has a non-integer or negative dimension");
+      if (!d.is_number_unsigned())
+        return bad(where + "shape has a non-integer or negative dimension");
       const uint64_t v = d.get<uint64_t>();
       if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
           (v != 0 && elems > std::numeric_limits<uint64_t>::max() / v)) {
@@ -141,9 +145,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::string bytes,
                               "-byte data section; truncated?"));
     }
     const uint64_t eb = ElemBytes(t.dtype);
-    if (eb != 0 && (elems > std::numeric_limits<uint64_t>::max() / eb || elems * eb != t.end - t.begin)) {
-      return bad(absl::StrCat(where, t.dtype_name, " ", ShapeString(t.shape), " needs ", elems, " x ",
-                              eb, " bytes but data_offsets span ", t.end - t.begin));
+    if (eb != 0 &&
+        (elems > std::numeric_limits<uint64_t>::max() / eb || elems * eb != t.end - t.begin)) {
+      return bad(absl::StrCat(where, t.dtype_name, " ", ShapeString(t.shape), " needs ", elems,
+                              " x ", eb, " bytes but data_offsets span ", t.end - t.begin));
     }
     ranges.push_back({{t.begin, t.end}, name});
     f.tensors_.emplace(name, std::move(t));
@@ -159,8 +164,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::string bytes,
   return f;
 }
 
-absl::StatusOr<std::vector<float>> SafetensorsFile::ReadF32(const std::string& name,
-                                                            const std::vector<int64_t>& shape) const {
+absl::StatusOr<std::vector<float>> SafetensorsFile::ReadF32(
+    const std::string& name, const std::vector<int64_t>& shape) const {
   const auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     return absl::NotFoundError(absl::StrCat(origin_, ": no tensor '", name, "'"));
@@ -189,8 +194,9 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadF32(const std::string& n
       }
       return out;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(origin_, ": tensor '", name, "' is ", t.dtype_name,
-                                                     "; only F32, F16 and BF16 are read as floats"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(origin_, ": tensor '", name, "' is ", t.dtype_name,
+                       "; only F32, F16 and BF16 are read as floats"));
   }
 }
 

@@ -45,9 +45,9 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
-    return absl::NotFoundError(absl::StrCat(
-        "sentence encoder model directory '", dir,
-        "' does not exist (deploy/setup.sh fetches all-MiniLM-L6-v2 into models/all-MiniLM-L6-v2)"));
+    return absl::NotFoundError(absl::StrCat("sentence encoder model directory '", dir,
+                                            "' does not exist (deploy/setup.sh fetches "
+                                            "all-MiniLM-L6-v2 into models/all-MiniLM-L6-v2)"));
   }
   const std::string config_path = dir + "/config.json";
   const std::string weights_path = dir + "/model.safetensors";
@@ -63,7 +63,8 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(
   ASSIGN_OR_RETURN(BertConfig config, BertConfig::FromFile(config_path));
   ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
   ASSIGN_OR_RETURN(std::string tokenizer_text, ReadFile(tokenizer_path));
-  ASSIGN_OR_RETURN(BertTokenizer tokenizer, BertTokenizer::FromJson(tokenizer_text, tokenizer_path));
+  ASSIGN_OR_RETURN(BertTokenizer tokenizer,
+                   BertTokenizer::FromJson(tokenizer_text, tokenizer_path));
   if (tokenizer.vocab_size() > config.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat(tokenizer_path, ": vocabulary of ",
                                                    tokenizer.vocab_size(), " exceeds the model's ",
@@ -87,21 +88,23 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(
     }
   }
   if (max_seq < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(dir, ": max_seq_length ", max_seq, " is below 2"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, ": max_seq_length ", max_seq, " is below 2"));
   }
   if (fs::is_regular_file(pooling_path, ec)) {
     ASSIGN_OR_RETURN(pooling_text, ReadFile(pooling_path));
     ASSIGN_OR_RETURN(nlohmann::json pool, ReadJson(pooling_path, pooling_text));
-    for (const char* mode : {"pooling_mode_cls_token", "pooling_mode_max_tokens",
-                             "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
-                             "pooling_mode_lasttoken"}) {
+    for (const char* mode :
+         {"pooling_mode_cls_token", "pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+          "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken"}) {
       if (pool.value(mode, false)) {
         return absl::InvalidArgumentError(
             absl::StrCat(pooling_path, ": ", mode, " is not supported (mean pooling only)"));
       }
     }
     if (!pool.value("pooling_mode_mean_tokens", true)) {
-      return absl::InvalidArgumentError(pooling_path + ": mean pooling is off; nothing else is supported");
+      return absl::InvalidArgumentError(pooling_path +
+                                        ": mean pooling is off; nothing else is supported");
     }
   }
 
@@ -111,9 +114,9 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(
   // Content fingerprint: every file that changes the vectors.
   XXH3_state_t* state = XXH3_createState();
   XXH3_128bits_reset(state);
-  for (std::string_view part : {std::string_view(config_text), std::string_view(tokenizer_text),
-                                std::string_view(st_text), std::string_view(pooling_text),
-                                weights.bytes()}) {
+  for (std::string_view part :
+       {std::string_view(config_text), std::string_view(tokenizer_text), std::string_view(st_text),
+        std::string_view(pooling_text), weights.bytes()}) {
     const uint64_t len = part.size();
     XXH3_128bits_update(state, &len, sizeof(len));
     XXH3_128bits_update(state, part.data(), part.size());
@@ -121,11 +124,11 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(
   const XXH128_hash_t hash = XXH3_128bits_digest(state);
   XXH3_freeState(state);
   std::string fingerprint =
-      absl::StrFormat("%s:%016x%016x:seq%d:%s", kFingerprintVersion, hash.high64, hash.low64, max_seq,
-                      options.weight_type == kernels::DType::kF16 ? "f16" : "f32");
+      absl::StrFormat("%s:%016x%016x:seq%d:%s", kFingerprintVersion, hash.high64, hash.low64,
+                      max_seq, options.weight_type == kernels::DType::kF16 ? "f16" : "f32");
 
-  return std::unique_ptr<SentenceEncoder>(
-      new SentenceEncoder(std::move(tokenizer), std::move(encoder), max_seq, std::move(fingerprint)));
+  return std::unique_ptr<SentenceEncoder>(new SentenceEncoder(
+      std::move(tokenizer), std::move(encoder), max_seq, std::move(fingerprint)));
 }
 
 absl::StatusOr<std::vector<int32_t>> SentenceEncoder::Tokenize(std::string_view text) const {
@@ -143,8 +146,8 @@ absl::StatusOr<std::vector<float>> SentenceEncoder::Embed(std::string_view text)
   return v;
 }
 
-absl::StatusOr<std::unique_ptr<TextEmbedder>> LoadSentenceEncoder(const std::string& dir,
-                                                                  const SentenceEncoderOptions& options) {
+absl::StatusOr<std::unique_ptr<TextEmbedder>> LoadSentenceEncoder(
+    const std::string& dir, const SentenceEncoderOptions& options) {
   ASSIGN_OR_RETURN(std::unique_ptr<SentenceEncoder> e, SentenceEncoder::Load(dir, options));
   return std::unique_ptr<TextEmbedder>(std::move(e));
 }

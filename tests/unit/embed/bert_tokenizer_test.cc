@@ -21,22 +21,30 @@ using ::testing::ElementsAre;
 
 nlohmann::json TinyTokenizerJson() {
   const std::vector<std::string> pieces = {
-      "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "un", "##aff", "##able", "hello", "world",
-      "!",     ",",     "cafe",  "i",     "a",      "##a", "中",    "国",     "x",     "##x",
-      "$",     "istanbul", "strasse", "straße", "σ", "日本"};
+      "[PAD]", "[UNK]", "[CLS]", "[SEP]",    "[MASK]",  "un",     "##aff", "##able", "hello",
+      "world", "!",     ",",     "cafe",     "i",       "a",      "##a",   "中",     "国",
+      "x",     "##x",   "$",     "istanbul", "strasse", "straße", "σ",     "日本"};
   nlohmann::json vocab = nlohmann::json::object();
   for (size_t i = 0; i < pieces.size(); ++i) vocab[pieces[i]] = i;
   nlohmann::json added = nlohmann::json::array();
   for (int id : {0, 1, 2, 3, 4}) {
-    added.push_back({{"id", id}, {"content", pieces[id]}, {"special", true}, {"single_word", false},
-                     {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+    added.push_back({{"id", id},
+                     {"content", pieces[id]},
+                     {"special", true},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false}});
   }
   return {
       {"version", "1.0"},
       {"added_tokens", added},
       {"normalizer",
-       {{"type", "BertNormalizer"}, {"clean_text", true}, {"handle_chinese_chars", true},
-        {"strip_accents", nullptr}, {"lowercase", true}}},
+       {{"type", "BertNormalizer"},
+        {"clean_text", true},
+        {"handle_chinese_chars", true},
+        {"strip_accents", nullptr},
+        {"lowercase", true}}},
       {"pre_tokenizer", {{"type", "BertPreTokenizer"}}},
       {"post_processor",
        {{"type", "TemplateProcessing"},
@@ -45,8 +53,11 @@ nlohmann::json TinyTokenizerJson() {
           {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
           {{"SpecialToken", {{"id", "[SEP]"}, {"type_id", 0}}}}}}}},
       {"model",
-       {{"type", "WordPiece"}, {"unk_token", "[UNK]"}, {"continuing_subword_prefix", "##"},
-        {"max_input_chars_per_word", 10}, {"vocab", vocab}}},
+       {{"type", "WordPiece"},
+        {"unk_token", "[UNK]"},
+        {"continuing_subword_prefix", "##"},
+        {"max_input_chars_per_word", 10},
+        {"vocab", vocab}}},
   };
 }
 
@@ -106,7 +117,7 @@ TEST_F(BertTokenizerTest, LowercasesStripsAccentsAndSplitsPunctuation) {
 TEST_F(BertTokenizerTest, CleansControlsAndWhitespace) {
   EXPECT_THAT(Words("a\tb\nc\r\nd"), ElementsAre("a", "b", "c", "d"));
   EXPECT_THAT(Words(std::string("a\0b", 3)), ElementsAre("ab"));
-  EXPECT_THAT(Words("a\u200bb\u00adc"), ElementsAre("abc"));           // format chars dropped
+  EXPECT_THAT(Words("a\u200bb\u00adc"), ElementsAre("abc"));          // format chars dropped
   EXPECT_THAT(Words("a\u00a0b\u3000c"), ElementsAre("a", "b", "c"));  // Unicode spaces split
   EXPECT_THAT(Words("a\ufffdb"), ElementsAre("ab"));
   EXPECT_THAT(Ids("   "), ElementsAre(2, 3));
@@ -133,10 +144,10 @@ TEST_F(BertTokenizerTest, TruncatesToMaxLengthIncludingSpecials) {
 }
 
 TEST_F(BertTokenizerTest, InvalidUtf8IsInvalidArgument) {
-  for (const std::string& bad : {std::string("abc\x80"), std::string("\xc3"),     // lone / truncated
+  for (const std::string& bad : {std::string("abc\x80"), std::string("\xc3"),  // lone / truncated
                                  std::string("\xc0\xaf"), std::string("\xe0\x80\xaf"),  // overlong
-                                 std::string("\xed\xa0\x80"),                    // surrogate
-                                 std::string("\xf4\x90\x80\x80"),                // > U+10FFFF
+                                 std::string("\xed\xa0\x80"),                           // surrogate
+                                 std::string("\xf4\x90\x80\x80"),  // > U+10FFFF
                                  std::string("\xff"), std::string("ok [SEP] \xfe")}) {
     auto ids = tok_->Encode(bad, 64);
     ASSERT_FALSE(ids.ok()) << "accepted invalid UTF-8";
@@ -166,11 +177,13 @@ TEST_F(BertTokenizerTest, RandomInputNeverCrashes) {
         } else if (cp < 0x800) {
           text += {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
         } else if (cp < 0x10000) {
-          text += {static_cast<char>(0xE0 | (cp >> 12)), static_cast<char>(0x80 | ((cp >> 6) & 0x3F)),
-                   static_cast<char>(0x80 | (cp & 0x3F))};
+          text +=
+              {static_cast<char>(0xE0 | (cp >> 12)), static_cast<char>(0x80 | ((cp >> 6) & 0x3F)),
+               static_cast<char>(0x80 | (cp & 0x3F))};
         } else {
-          text += {static_cast<char>(0xF0 | (cp >> 18)), static_cast<char>(0x80 | ((cp >> 12) & 0x3F)),
-                   static_cast<char>(0x80 | ((cp >> 6) & 0x3F)), static_cast<char>(0x80 | (cp & 0x3F))};
+          text +=
+              {static_cast<char>(0xF0 | (cp >> 18)), static_cast<char>(0x80 | ((cp >> 12) & 0x3F)),
+               static_cast<char>(0x80 | ((cp >> 6) & 0x3F)), static_cast<char>(0x80 | (cp & 0x3F))};
         }
       }
     }

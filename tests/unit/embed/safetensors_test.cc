@@ -111,8 +111,9 @@ TEST(SafetensorsTest, MalformedHeadersAreInvalidArgument) {
   ExpectInvalid(one({{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {16, 0}}}), "reversed");
   ExpectInvalid(one({{"dtype", "F32"}, {"shape", {3}}, {"data_offsets", {0, 16}}}),
                 "F32 [3] needs 3 x 4 bytes but data_offsets span 16");
-  ExpectInvalid(one({{"dtype", "F32"}, {"shape", {uint64_t{1} << 62, 8}}, {"data_offsets", {0, 16}}}),
-                "overflows");
+  ExpectInvalid(
+      one({{"dtype", "F32"}, {"shape", {uint64_t{1} << 62, 8}}, {"data_offsets", {0, 16}}}),
+      "overflows");
   nlohmann::json overlap = {
       {"a", {{"dtype", "F32"}, {"shape", {2}}, {"data_offsets", {0, 8}}}},
       {"b", {{"dtype", "F32"}, {"shape", {2}}, {"data_offsets", {4, 12}}}},

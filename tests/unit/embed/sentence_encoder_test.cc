@@ -39,10 +39,10 @@ std::string ModelDir() {
   return fs::exists(dir + "/model.safetensors") ? dir : "";
 }
 
-#define SKIP_WITHOUT_MODEL(dir)                                                                 \
-  do {                                                                                          \
-    if ((dir).empty())                                                                          \
-      GTEST_SKIP() << "models/all-MiniLM-L6-v2 not found; run deploy/setup.sh to fetch it";     \
+#define SKIP_WITHOUT_MODEL(dir)                                                             \
+  do {                                                                                      \
+    if ((dir).empty())                                                                      \
+      GTEST_SKIP() << "models/all-MiniLM-L6-v2 not found; run deploy/setup.sh to fetch it"; \
   } while (0)
 
 struct Reference {
@@ -103,7 +103,8 @@ TEST(EmbedReferenceTest, CoversEnoughSentences) {
 TEST_F(SentenceEncoderTest, ShapeAndConfig) {
   EXPECT_EQ(encoder_->dim(), 384);
   EXPECT_EQ(encoder_->max_seq_length(), 256);
-  EXPECT_EQ(encoder_->fingerprint().rfind("kvserve-bert-mean-v1:", 0), 0u) << encoder_->fingerprint();
+  EXPECT_EQ(encoder_->fingerprint().rfind("kvserve-bert-mean-v1:", 0), 0u)
+      << encoder_->fingerprint();
 }
 
 TEST_F(SentenceEncoderTest, TokenIdsMatchHuggingFace) {
@@ -125,7 +126,8 @@ TEST_F(SentenceEncoderTest, TokenIdsMatchHuggingFaceOnRandomText) {
     auto ids = encoder_->Tokenize(r.text);
     ASSERT_TRUE(ids.ok()) << ids.status();
     if (*ids != r.ids && ++mismatches <= 5) {
-      ADD_FAILURE() << "ids differ from Hugging Face for text (JSON): " << nlohmann::json(r.text).dump();
+      ADD_FAILURE() << "ids differ from Hugging Face for text (JSON): "
+                    << nlohmann::json(r.text).dump();
     }
   }
   EXPECT_EQ(mismatches, 0);
@@ -163,7 +165,8 @@ TEST_F(SentenceEncoderTest, F16WeightsStayCloseToTheReference) {
     EXPECT_GE(c, kMinCosineF16) << "text: " << r.text;
     worst = std::min(worst, c);
   }
-  std::printf("[ info ] F16 weights: lowest cosine vs sentence-transformers: 1 - %.3g\n", 1.0 - worst);
+  std::printf("[ info ] F16 weights: lowest cosine vs sentence-transformers: 1 - %.3g\n",
+              1.0 - worst);
 }
 
 TEST_F(SentenceEncoderTest, SimilarSentencesScoreHigherThanUnrelated) {
@@ -220,8 +223,8 @@ class BrokenModelDirTest : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("kvserve_embed_test_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_ / "1_Pooling");
-    for (const char* f : {"config.json", "tokenizer.json", "sentence_bert_config.json",
-                          "1_Pooling/config.json"}) {
+    for (const char* f :
+         {"config.json", "tokenizer.json", "sentence_bert_config.json", "1_Pooling/config.json"}) {
       fs::copy_file(fs::path(src_) / f, dir_ / f);
     }
     fs::create_symlink(fs::path(src_) / "model.safetensors", dir_ / "model.safetensors");
@@ -272,7 +275,8 @@ TEST_F(BrokenModelDirTest, WrongShapesInConfigAreInvalidArgument) {
 }
 
 TEST_F(BrokenModelDirTest, UnsupportedPoolingIsInvalidArgument) {
-  Write("1_Pooling/config.json", R"({"pooling_mode_cls_token": true, "pooling_mode_mean_tokens": false})");
+  Write("1_Pooling/config.json",
+        R"({"pooling_mode_cls_token": true, "pooling_mode_mean_tokens": false})");
   auto e = LoadSentenceEncoder(dir_.string());
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
