@@ -81,7 +81,8 @@ class KvEvalCommand final : public Command {
       std::printf(
           "policy %s (sinks %d, window %d) past the context length %d: perplexity %.4f over %lld "
           "tokens, KV slots <= %d, %lld dropped, %lld keys re-rotated\n",
-          KvPolicyName(opts_.policy.kind), opts_.policy.sinks, opts_.policy.window, ctx,
+          KvPolicyName(opts_.policy.kind),
+          opts_.policy.kind == KvPolicy::Kind::kWindow ? 0 : opts_.policy.sinks, opts_.policy.window, ctx,
           r.perplexity_policy, static_cast<long long>(r.scored_tokens), r.max_slots,
           static_cast<long long>(r.dropped_tokens), static_cast<long long>(r.rotated_keys));
     } else {
