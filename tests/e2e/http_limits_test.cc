@@ -26,6 +26,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/testing/daemon.h"
 #include "tests/testing/gguf_writer.h"
+#include "tests/testing/test_models.h"
 
 namespace kvserve {
 namespace {
@@ -369,6 +370,28 @@ TEST(HttpLimitsTest, HeadersPipeliningAndExpectContinue) {
     EXPECT_THAT(got, HasSubstr("max_request_bytes"));
   }
   EXPECT_EQ(d->StopWith(SIGTERM, 30), 0) << d->Log();
+}
+
+// The short soak (deploy/soak.py, the same script as the long documented
+// run): 300 mixed requests with cancels, malformed and oversized bodies,
+// n > 1, clear-cache calls and slowloris connections; the script checks the
+// answers, the free KV blocks, the daemon's threads and RSS, and its health.
+TEST(HttpSoakTest, ShortSoakAnswersCorrectlyAndLeaksNothing) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  auto d = testing::Daemon::Start(KVSERVE_BINARY,
+                                  {"--log-level", "warn", "-m", testing::Stories260KPath()},
+                                  {"--max-n", "4", "--http-header-timeout", "2"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string cmd = std::string("python3 ") + KVSERVE_SOURCE_DIR +
+                          "/deploy/soak.py --base-url http://127.0.0.1:" +
+                          std::to_string((*d)->http_port()) +
+                          " --model stories260K --chat-fraction 0 --requests 300 "
+                          "--concurrency 16 --slowloris 8 --pid " +
+                          std::to_string((*d)->pid()) + " 2>&1";
+  const testing::CommandResult r = testing::RunCommand(cmd);
+  EXPECT_EQ(r.exit_code, 0) << cmd << "\n" << r.out;
+  EXPECT_THAT(r.out, HasSubstr("\"free_blocks_at_baseline\": true"));
+  EXPECT_EQ((*d)->StopWith(SIGTERM, 30), 0) << (*d)->Log();
 }
 
 }  // namespace
