@@ -380,15 +380,32 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
     if (closed_) return;
     exchange_ = false;
     if (buffer_.size() > 0) return ReadHeader();  // a pipelined request is already here
+    buffer_.shrink_to_fit();  // an idle connection keeps no buffer (a large body's included)
     idle_since.store(NowNanos());
-    Lowest().expires_after(core_->options.idle_timeout);
-    stream_.async_read_some(buffer_.prepare(4096),
-                            [self = Self()](beast::error_code ec, size_t n) {
-                              self->idle_since.store(0);
-                              if (ec) return self->Fail(ec, "");
-                              self->buffer_.commit(n);
-                              self->ReadHeader();
-                            });
+    if constexpr (kTls) {
+      // TLS may hold a decrypted record already: read through the stream.
+      Lowest().expires_after(core_->options.idle_timeout);
+      stream_.async_read_some(buffer_.prepare(4096),
+                              [self = Self()](beast::error_code ec, size_t n) {
+                                self->idle_since.store(0);
+                                if (ec) return self->Fail(ec, "");
+                                self->buffer_.commit(n);
+                                self->ReadHeader();
+                              });
+    } else {
+      // Wait for readability without a buffer, so that ten thousand idle
+      // connections cost sockets, not read buffers; the timer closes it.
+      heartbeat_timer_.expires_after(core_->options.idle_timeout);
+      heartbeat_timer_.async_wait([self = Self()](beast::error_code ec) {
+        if (!ec && self->idle_since.load() != 0 && !self->exchange_) self->Shut();
+      });
+      Lowest().socket().async_wait(tcp::socket::wait_read, [self = Self()](beast::error_code ec) {
+        self->heartbeat_timer_.cancel();
+        self->idle_since.store(0);
+        if (ec || self->closed_) return self->Fail(ec, "");
+        self->ReadHeader();
+      });
+    }
   }
 
   void ReadHeader() {
