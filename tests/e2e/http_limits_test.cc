@@ -372,6 +372,89 @@ TEST(HttpLimitsTest, HeadersPipeliningAndExpectContinue) {
   EXPECT_EQ(d->StopWith(SIGTERM, 30), 0) << d->Log();
 }
 
+// SIGTERM while requests run: every accepted request either completes or
+// ends the documented way (non-streaming: 503; streaming: an error event
+// naming the shutdown, then [DONE]); nothing hangs or is cut off silently,
+// and the daemon exits 0 within the drain timeout plus its grace.
+TEST(HttpDrainTest, SigtermUnderLoadLosesNoAcceptedRequest) {
+  std::string error;
+  auto d = StartSlowDaemon({"--drain-timeout", "2"}, &error);
+  ASSERT_NE(d, nullptr) << error;
+  const int port = d->http_port();
+  struct Outcome {
+    bool stream = false;
+    bool long_running = false;
+    int status = -1;
+    std::string body;
+  };
+  constexpr int kRequests = 8;
+  std::vector<Outcome> out(kRequests);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kRequests; ++i) {
+    out[i].stream = i % 2 == 0;
+    out[i].long_running = i % 4 < 2;
+    clients.emplace_back([&, i] {
+      httplib::Client c("127.0.0.1", port);
+      c.set_read_timeout(120, 0);
+      json body = {{"model", "slow"},      {"prompt", "Once upon a time"},
+                   {"ignore_eos", true},   {"temperature", 0},
+                   {"stream", out[i].stream}, {"max_tokens", out[i].long_running ? 4000 : 3}};
+      auto res = c.Post("/v1/completions", body.dump(), "application/json");
+      if (res) {
+        out[i].status = res->status;
+        out[i].body = res->body;
+      }
+    });
+  }
+  // Every request accepted (running or done) before the signal.
+  ASSERT_TRUE(WaitFor(std::chrono::seconds(60), [&] {
+    return MetricValue(port, "kvserve:num_requests_running") >= 4;
+  }));
+  const auto t0 = Clock::now();
+  const int exit_code = d->StopWith(SIGTERM, 30);
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(exit_code, 0) << d->Log();
+  EXPECT_LT(seconds, 2 + 5 + 3) << "beyond the drain timeout and its grace";
+  for (int i = 0; i < kRequests; ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
+    const Outcome& o = out[i];
+    if (!o.long_running) {
+      EXPECT_EQ(o.status, 200) << o.body;
+      continue;
+    }
+    if (o.stream) {
+      EXPECT_EQ(o.status, 200) << o.body;
+      EXPECT_THAT(o.body, HasSubstr("shutting down"));
+      EXPECT_THAT(o.body, HasSubstr("data: [DONE]"));
+    } else {
+      EXPECT_EQ(o.status, 503) << o.body;
+      EXPECT_THAT(o.body, HasSubstr("shutting down"));
+    }
+  }
+}
+
+// A second SIGTERM during the drain exits at once (status 1) instead of
+// waiting out --drain-timeout.
+TEST(HttpDrainTest, SecondSigtermExitsAtOnce) {
+  std::string error;
+  auto d = StartSlowDaemon({"--drain-timeout", "120"}, &error);
+  ASSERT_NE(d, nullptr) << error;
+  const int port = d->http_port();
+  Socket stream(port);
+  ASSERT_TRUE(stream.Send(Post("/v1/completions", StreamBody(4000))));
+  bool closed = false;
+  const std::string first = stream.ReadUntil(
+      std::chrono::seconds(30),
+      [](const std::string& s) { return s.find("data: ") != std::string::npos; }, &closed);
+  ASSERT_THAT(first, StartsWith("HTTP/1.1 200"));
+  ASSERT_EQ(kill(d->pid(), SIGTERM), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto t0 = Clock::now();
+  EXPECT_EQ(d->StopWith(SIGTERM, 10), 1) << d->Log();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+}
+
 // The short soak (deploy/soak.py, the same script as the long documented
 // run): 300 mixed requests with cancels, malformed and oversized bodies,
 // n > 1, clear-cache calls and slowloris connections; the script checks the
