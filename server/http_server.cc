@@ -145,7 +145,9 @@ struct ServerCore;
 struct Call {
   ServerCore* core = nullptr;
   ModelService* service = nullptr;
-  std::shared_ptr<Connection> conn;  // reset when the call finishes or the server stops
+  // Reset (under mu) when the call finishes or the server stops; read on the
+  // strand, and under mu by Push.
+  std::shared_ptr<Connection> conn;
   bool stream = false;
   int32_t n = 1;
   uint64_t request_id = 0;
@@ -283,7 +285,10 @@ void Call::Pump() {
     }
   }
   finished = true;
-  conn.reset();
+  {
+    std::lock_guard<std::mutex> lock(mu);  // Push reads conn on the engine thread
+    conn.reset();
+  }
   core->Untrack(request_id);
 }
 
@@ -1105,7 +1110,10 @@ void HttpServer::Stop() {
   impl_->threads.clear();
   // No strand runs any more: the calls the engine may still hold must not
   // keep sockets of this io_context alive.
-  for (auto& call : calls) call->conn.reset();
+  for (auto& call : calls) {
+    std::lock_guard<std::mutex> lock(call->mu);
+    call->conn.reset();
+  }
   {
     std::lock_guard<std::mutex> lock(core.calls_mu);
     core.calls.clear();
