@@ -195,6 +195,8 @@ struct ServerCore {
   std::condition_variable calls_cv;
   std::map<uint64_t, std::shared_ptr<Call>> calls;  // guarded by calls_mu
 
+  Metrics* metrics() const { return service->metrics(); }
+
   void Register(const std::shared_ptr<Connection>& c) {
     std::lock_guard<std::mutex> lock(sessions_mu);
     sessions.emplace(c.get(), c);
@@ -223,6 +225,7 @@ struct ServerCore {
     }
     if (!victim) return false;
     victim->CloseIfIdle();
+    if (Metrics* m = metrics()) m->HttpIdleConnectionEvicted();
     return true;
   }
 
@@ -299,11 +302,22 @@ template <typename Stream>
 class Session : public Connection, public std::enable_shared_from_this<Session<Stream>> {
  public:
   Session(ServerCore* core, Stream stream, bool reject)
-      : core_(core), stream_(std::move(stream)), reject_(reject), heartbeat_timer_(Executor()) {}
+      : core_(core), stream_(std::move(stream)), reject_(reject), heartbeat_timer_(Executor()) {
+    if (Metrics* m = core_->metrics()) {
+      if (reject_) {
+        m->HttpConnectionRefused();
+      } else {
+        m->HttpConnectionOpened();
+      }
+    }
+  }
 
   ~Session() override {
     core_->Unregister(this);
-    if (!reject_) core_->connections.fetch_sub(1);
+    if (!reject_) {
+      core_->connections.fetch_sub(1);
+      if (Metrics* m = core_->metrics()) m->HttpConnectionClosed();
+    }
   }
 
   void Run() {
@@ -402,7 +416,10 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
       // connections cost sockets, not read buffers; the timer closes it.
       heartbeat_timer_.expires_after(core_->options.idle_timeout);
       heartbeat_timer_.async_wait([self = Self()](beast::error_code ec) {
-        if (!ec && self->idle_since.load() != 0 && !self->exchange_) self->Shut();
+        if (!ec && self->idle_since.load() != 0 && !self->exchange_) {
+          self->CountTimeout();
+          self->Shut();
+        }
       });
       Lowest().socket().async_wait(tcp::socket::wait_read, [self = Self()](beast::error_code ec) {
         self->heartbeat_timer_.cancel();
@@ -638,6 +655,7 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
           } else if (now - self->progress_at_ >= self->core_->options.write_timeout) {
             spdlog::info("http: a client stopped reading its stream for {} ms; disconnecting",
                          self->core_->options.write_timeout.count());
+            if (Metrics* m = self->core_->metrics()) m->HttpStalledReaderDisconnected();
             return self->Shut();
           }
         }
@@ -688,7 +706,12 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
 
   // --- closing -------------------------------------------------------------
 
+  void CountTimeout() {
+    if (Metrics* m = core_->metrics()) m->HttpConnectionTimedOut();
+  }
+
   void Fail(beast::error_code ec, const char* what) {
+    if (ec == beast::error::timeout && !closed_) CountTimeout();
     if (ec && *what != '\0' && ec != net::error::operation_aborted &&
         ec != beast::error::timeout && ec != net::error::broken_pipe &&
         ec != net::error::connection_reset) {

@@ -208,11 +208,12 @@ TEST(HttpLimitsTest, IdleAndSlowConnectionsTimeOut) {
   }
   EXPECT_TRUE(slow_closed) << "a connection trickling headers for 8 s stayed open";
 
-  // The server still answers.
+  // The server still answers, and counted the three timeouts.
   httplib::Client c("127.0.0.1", port);
   auto health = c.Get("/health");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
+  EXPECT_GE(MetricValue(port, "kvserve:http_timeouts_total"), 3);
   EXPECT_EQ(d->StopWith(SIGTERM, 30), 0) << d->Log();
 }
 
@@ -239,6 +240,10 @@ TEST(HttpLimitsTest, OverLimitConnectionsAreRefusedWhileValidRequestsSucceed) {
   }
   EXPECT_TRUE(idle[0]->ClosedWithin(std::chrono::seconds(5))) << "the oldest idle one stays";
   idle.clear();
+  // Until the server has noticed the closes (only the scrape itself is open).
+  ASSERT_TRUE(WaitFor(std::chrono::seconds(10), [&] {
+    return MetricValue(port, "kvserve:http_connections") == 1;
+  }));
 
   // Busy connections fill it: the next one gets a clean 503 and is closed.
   std::vector<std::unique_ptr<Socket>> busy;
@@ -260,11 +265,17 @@ TEST(HttpLimitsTest, OverLimitConnectionsAreRefusedWhileValidRequestsSucceed) {
     EXPECT_THAT(got, StartsWith("HTTP/1.1 503")) << got;
     EXPECT_THAT(got, HasSubstr("too many connections"));
   }
+  // (Even /metrics is refused now: the scrape is a fourth connection.)
   // Closing the streams cancels them and frees the slots.
   busy.clear();
   EXPECT_TRUE(WaitFor(std::chrono::seconds(60), [&] {
     return MetricValue(port, "kvserve:num_requests_running") == 0;
   }));
+  // The 503 above, and perhaps scrapes that came before the server noticed
+  // the streams' closes.
+  EXPECT_GE(MetricValue(port, "kvserve:http_connections_refused_total"), 1);
+  EXPECT_GE(MetricValue(port, "kvserve:http_idle_connections_closed_total"), 1);
+  EXPECT_GE(MetricValue(port, "kvserve:http_connections"), 1);  // the scrape's own
   httplib::Client c("127.0.0.1", port);
   c.set_read_timeout(60, 0);
   auto ok = c.Post("/v1/completions",
@@ -307,6 +318,7 @@ TEST(HttpLimitsTest, StalledStreamReaderIsDisconnectedAndItsRequestCancelled) {
   })) << "KV blocks not back at the baseline";
   EXPECT_LT(MetricValue(port, "kvserve:generation_tokens_total"), kSamples * kMaxTokens / 2.0)
       << "the request ran on after the stall";
+  EXPECT_EQ(MetricValue(port, "kvserve:http_stalled_readers_total"), 1);
   // What was buffered drains, then the connection ends without [DONE].
   std::string rest;
   EXPECT_TRUE(reader.ClosedWithin(std::chrono::seconds(10), &rest));
