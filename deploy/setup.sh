@@ -22,7 +22,8 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config python3 python3-pip python3-venv
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libspdlog-dev libabsl-dev libucx-dev ucx-utils libcli11-dev libhnswlib-dev
-  libcpp-httplib-dev nlohmann-json3-dev libxxhash-dev
+  libcpp-httplib-dev nlohmann-json3-dev libxxhash-dev libboost-dev
+  clang libclang-rt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 

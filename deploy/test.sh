@@ -5,14 +5,17 @@
 #   bash deploy/test.sh            # everything
 #   bash deploy/test.sh --no-asan  # skip the sanitizer stage
 #   bash deploy/test.sh --no-emu   # skip the CUDA emulator stage
+#   bash deploy/test.sh --no-fuzz  # skip the libFuzzer stage
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ASAN=1
 EMU=1
+FUZZ=1
 for arg in "$@"; do
   case "$arg" in
     --no-asan) ASAN=0 ;;
     --no-emu) EMU=0 ;;
+    --no-fuzz) FUZZ=0 ;;
     *) echo "test.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -69,5 +72,11 @@ if [ "$EMU" = 1 ]; then
   else
     echo "test.sh: no CUDA toolkit headers; CUDA emulator stage skipped"
   fi
+fi
+if [ "$FUZZ" = 1 ]; then
+  # libFuzzer targets (tests/fuzz): the OpenAI request parser, the GGUF
+  # reader, the chat-template renderer and the tokenizers under ASan +
+  # UBSan, 20 s each; a crash fails CI.
+  bash "$ROOT/tests/fuzz/run.sh" 20
 fi
 echo "test.sh: all tests passed"

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -91,6 +92,16 @@ HttpServerOptions HttpOptionsFromFlags(const ServeFlags& f, const std::string& a
   o.tls_cert = f.tls_cert;
   o.tls_key = f.tls_key;
   o.max_request_bytes = f.max_request_bytes;
+  o.io_threads = f.http_threads;
+  o.max_connections = f.max_connections;
+  o.max_header_bytes = f.http_max_header_bytes;
+  auto ms = [](double seconds) {
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  };
+  o.idle_timeout = ms(f.http_idle_timeout);
+  o.header_timeout = ms(f.http_header_timeout);
+  o.body_timeout = ms(f.http_body_timeout);
+  o.write_timeout = ms(f.http_write_timeout);
   return o;
 }
 
@@ -166,6 +177,14 @@ void Daemon::WaitForSignalAndDrain() {
   const sigset_t signals = ShutdownSignals();
   int sig = 0;
   sigwait(&signals, &sig);
+  // A second SIGTERM/SIGINT during the drain exits at once (exit code 1),
+  // for an operator who will not wait for --drain-timeout.
+  std::thread([signals] {
+    int again = 0;
+    sigwait(&signals, &again);
+    spdlog::warn("{} during the drain: exiting now", again == SIGTERM ? "SIGTERM" : "SIGINT");
+    std::_Exit(1);
+  }).detach();
   Drain(sig == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 

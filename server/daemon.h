@@ -56,7 +56,8 @@ class Daemon {
   // Stops whatever still runs (without a drain).
   ~Daemon();
 
-  // Blocks until SIGTERM or SIGINT, then Drain()s.
+  // Blocks until SIGTERM or SIGINT, then Drain()s; a second one during the
+  // drain exits the process at once with status 1.
   // REQUIRES: BlockShutdownSignals() ran before any thread was created.
   void WaitForSignalAndDrain();
 

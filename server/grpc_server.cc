@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "proto/kvserve.grpc.pb.h"
+#include "server/auth.h"
 #include "server/completed_response.h"
 #include "spdlog/spdlog.h"
 
@@ -46,15 +47,6 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) 
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();
-}
-
-// Compares in time independent of where the strings differ, so the key
-// cannot be guessed byte by byte from response times.
-bool ConstantTimeEquals(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
 }
 
 void ApplySampling(const pb::SamplingParams& s, CompletionParams* p) {
@@ -781,9 +773,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
                           "missing metadata 'authorization: Bearer <api key>'");
     }
     const std::string_view value(it->second.data(), it->second.size());
-    constexpr std::string_view kBearer = "Bearer ";
-    if (value.substr(0, kBearer.size()) != kBearer ||
-        !ConstantTimeEquals(value.substr(kBearer.size()), api_key_)) {
+    if (!BearerTokenMatches(value, api_key_)) {
       return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid API key");
     }
     return grpc::Status::OK;

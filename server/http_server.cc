@@ -1,606 +1,1007 @@
-// The OpenAI-compatible HTTP front end on cpp-httplib.
+// The OpenAI-compatible HTTP front end on Boost.Beast / Asio.
 //
-// Threads: httplib runs each connection on a worker of our ElasticTaskQueue
-// (a streaming response occupies its worker until the stream ends, so the
-// pool grows with the number of open streams instead of capping them at
-// httplib's default of 8). Engine events arrive on the engine thread, which
-// must never block: each request owns a RequestState, the sink only appends
-// to its queue and signals, and the connection's worker drains the queue,
-// formats JSON and writes to the socket.
+// Threads: `io_threads` threads run one io_context. Each connection is a
+// Session on its own strand (so its handlers never run concurrently) and
+// costs a socket, a read buffer and a parser, not a thread. Route handlers
+// that may block (parsing and tokenizing a completion, clearing the prefix
+// cache) run on a handler pool of the same size and answer through the
+// Connection interface, which posts to the session's strand.
+//
+// Engine events arrive on the engine thread, which must never block: each
+// completion owns a Call; the sink only appends to the Call's queue and, if
+// no pump is pending, posts one to the connection's strand. The pump formats
+// JSON / SSE there and queues the bytes for writing. A client that stops
+// reading stalls the write; after write_timeout the connection is closed and
+// the request cancelled, so its KV blocks go back to the pool.
+//
+// Pipelined requests are answered in order: the next request is read (from
+// the bytes already buffered, if any) only after the previous response is
+// written. `Expect: 100-continue` gets its interim 100 before the body is
+// read, or 413 without reading it when the announced body is too large.
 #include "server/http_server.h"
 
-#include <httplib.h>
-#include <sys/socket.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
+#include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <random>
-#include <set>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "server/auth.h"
 #include "server/completed_response.h"
+#include "server/openai_request.h"
+#include "server/openai_response.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
 namespace {
 
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace ssl = net::ssl;
+using tcp = net::ip::tcp;
 using json = nlohmann::json;
-using SteadyTime = std::chrono::steady_clock;  // kvserve::Clock is the prefix cache's
+using SteadyTime = std::chrono::steady_clock;
+using Request = http::request<http::string_body>;
 
-// Upper bound on connection workers. Each open stream holds one; beyond the
-// cap new connections wait in the queue rather than exhausting the process.
-constexpr size_t kMaxHttpThreads = 4096;
-// How often a waiting stream wakes to notice a stopping server, and how long
-// a stream may stay silent before we write an SSE comment: a failed write is
-// the only way httplib lets us notice a client that went away while the
-// request sits in the queue or in a long prefill.
-constexpr auto kStreamPoll = std::chrono::milliseconds(200);
+// How long a stream may stay silent before we write an SSE comment: a failed
+// write is how a client that went away is noticed while its request waits in
+// the queue or in a long prefill.
 constexpr auto kStreamHeartbeat = std::chrono::seconds(2);
+// After an error reply that leaves request bytes unread (413, 431), the
+// connection keeps reading and discarding for this long before closing, so
+// the client reads the reply instead of a reset.
+constexpr auto kLingerTime = std::chrono::seconds(2);
+// Stop waits this long for cancelled requests to write their last bytes.
+constexpr auto kStopGrace = std::chrono::seconds(2);
 
-// ---------------------------------------------------------------------------
-// Worker pool
-
-// A TaskQueue that starts a worker whenever every existing one is busy (up to
-// a cap) and retires workers that idled for a while; httplib's fixed pool
-// would queue the ninth concurrent stream behind the first eight.
-class ElasticTaskQueue : public httplib::TaskQueue {
- public:
-  explicit ElasticTaskQueue(size_t max_threads) : max_threads_(max_threads) {}
-  ~ElasticTaskQueue() override { shutdown(); }
-
-  void enqueue(std::function<void()> fn) override {
-    std::vector<std::thread> retired;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      retired.swap(retired_);
-      jobs_.push_back(std::move(fn));
-      if (jobs_.size() > idle_ && threads_.size() < max_threads_) {
-        std::thread t([this] { Work(); });
-        const std::thread::id id = t.get_id();
-        threads_.emplace(id, std::move(t));
-      } else {
-        cv_.notify_one();
-      }
-    }
-    for (std::thread& t : retired) t.join();  // they have left Work already
-  }
-
-  // Runs the queued jobs to completion, then joins every worker.
-  void shutdown() override {
-    std::vector<std::thread> threads;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      shutdown_ = true;
-      for (auto& [id, t] : threads_) threads.push_back(std::move(t));
-      threads_.clear();
-      for (std::thread& t : retired_) threads.push_back(std::move(t));
-      retired_.clear();
-    }
-    cv_.notify_all();
-    for (std::thread& t : threads) t.join();
-  }
-
- private:
-  // Workers kept however long they idle; the rest leave after kIdleExit.
-  static constexpr size_t kMinThreads = 8;
-  static constexpr auto kIdleExit = std::chrono::seconds(30);
-
-  void Work() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      ++idle_;
-      const bool woken =
-          cv_.wait_for(lock, kIdleExit, [this] { return shutdown_ || !jobs_.empty(); });
-      --idle_;
-      if (!woken) {
-        if (threads_.size() <= kMinThreads) continue;
-        // Hand our own handle to the next enqueue (or shutdown) to join.
-        auto self = threads_.find(std::this_thread::get_id());
-        if (self != threads_.end()) {
-          retired_.push_back(std::move(self->second));
-          threads_.erase(self);
-        }
-        return;
-      }
-      if (jobs_.empty()) return;  // shutting down with nothing left
-      std::function<void()> job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      job();
-      lock.lock();
-    }
-  }
-
-  const size_t max_threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;              // guarded by mu_
-  std::map<std::thread::id, std::thread> threads_;      // guarded by mu_
-  std::vector<std::thread> retired_;                    // guarded by mu_; exited workers
-  size_t idle_ = 0;                                     // guarded by mu_
-  bool shutdown_ = false;                               // guarded by mu_
-};
-
-// ---------------------------------------------------------------------------
-// Errors in OpenAI's shape
-
-struct ApiError {
-  int status = 400;
-  std::string message;
-  std::string param;  // empty: null
-  std::string code;   // empty: null
-};
-
-std::string Dump(const json& j) {
-  // Token pieces in logprobs may be partial UTF-8; never let that throw.
-  return j.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-
-std::string ErrorType(int status) {
-  switch (status) {
-    case 401: return "authentication_error";
-    case 404: return "not_found_error";
-    case 429: return "rate_limit_error";
-    case 503: return "service_unavailable";
-    case 504: return "timeout";
-    default: return status >= 500 ? "server_error" : "invalid_request_error";
-  }
-}
-
-json ErrorJson(const ApiError& e) {
-  json err = {{"message", e.message},
-              {"type", ErrorType(e.status)},
-              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
-              {"code", e.code.empty() ? json(nullptr) : json(e.code)}};
-  return json{{"error", std::move(err)}};
-}
-
-void SendError(httplib::Response& res, const ApiError& e) {
-  res.status = e.status;
-  res.set_content(Dump(ErrorJson(e)), "application/json");
-}
-
-int HttpStatusFor(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kFailedPrecondition: return 400;
-    case absl::StatusCode::kUnauthenticated: return 401;
-    case absl::StatusCode::kPermissionDenied: return 403;
-    case absl::StatusCode::kNotFound: return 404;
-    case absl::StatusCode::kResourceExhausted: return 429;
-    case absl::StatusCode::kUnavailable: return 503;
-    case absl::StatusCode::kDeadlineExceeded: return 504;
-    default: return 500;
-  }
-}
-
-// Request fields a validation message may start with; the first word of
-// ModelService's messages names the field, and OpenAI clients show `param`.
-const std::set<std::string>& KnownParams() {
-  static const std::set<std::string> kParams = {
-      "model",     "prompt",           "messages",          "max_tokens",
-      "temperature", "top_p",          "top_k",             "min_p",
-      "n",         "stop",             "seed",              "logprobs",
-      "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-      "stop_token_ids", "ignore_eos",  "stream",            "stream_options",
-      "echo",      "max_completion_tokens", "priority",     "tools",
-      "cache_salt", "kv_policy"};
-  return kParams;
-}
-
-std::string ParamOf(const std::string& message) {
-  size_t end = 0;
-  while (end < message.size() &&
-         (absl::ascii_islower(static_cast<unsigned char>(message[end])) || message[end] == '_')) {
-    ++end;
-  }
-  std::string word = message.substr(0, end);
-  return KnownParams().count(word) ? word : "";
-}
-
-ApiError FromStatus(const absl::Status& s) {
-  ApiError e;
-  e.status = HttpStatusFor(s.code());
-  e.message = std::string(s.message());
-  if (e.status == 400) e.param = ParamOf(e.message);
-  if (e.status == 404) {
-    e.param = "model";
-    e.code = "model_not_found";
-  }
-  if (e.status == 429) e.code = "rate_limit_exceeded";
-  return e;
-}
-
-// ---------------------------------------------------------------------------
-// Request parsing
-
-// What the HTTP layer needs beyond CompletionParams.
-struct HttpRequestOptions {
-  bool chat = false;
-  bool stream = false;
-  bool include_usage = false;
-  bool echo = false;
-  bool logprobs = false;  // per-token log-probabilities in the response
-  bool max_completion_tokens_alias = false;  // for naming the field in errors
-};
-
-// Reads typed optional fields; null counts as absent (OpenAI clients send
-// explicit nulls). The first type error is kept and reading stops mattering.
-class FieldReader {
- public:
-  explicit FieldReader(const json& body) : body_(body) {}
-
-  const json* Get(const char* key) const {
-    auto it = body_.find(key);
-    if (it == body_.end() || it->is_null()) return nullptr;
-    return &*it;
-  }
-
-  void Float(const char* key, float* out) {
-    const json* v = Get(key);
-    if (v == nullptr || error) return;
-    if (!v->is_number()) return Fail(key, absl::StrCat(key, " must be a number"));
-    *out = v->get<float>();
-  }
-
-  template <typename Int>
-  void Integer(const char* key, Int* out) {
-    const json* v = Get(key);
-    if (v == nullptr || error) return;
-    std::optional<Int> i = AsInteger<Int>(*v);
-    if (!i) return Fail(key, absl::StrCat(key, " must be an integer"));
-    *out = *i;
-  }
-
-  template <typename Int>
-  void Integer(const char* key, std::optional<Int>* out) {
-    Int v{};
-    if (Get(key) == nullptr) return;
-    Integer(key, &v);
-    if (!error) *out = v;
-  }
-
-  void Bool(const char* key, bool* out) {
-    const json* v = Get(key);
-    if (v == nullptr || error) return;
-    if (!v->is_boolean()) return Fail(key, absl::StrCat(key, " must be a boolean"));
-    *out = v->get<bool>();
-  }
-
-  void Fail(const std::string& param, std::string message) {
-    if (error) return;
-    error = ApiError{400, std::move(message), param, "invalid_type"};
-  }
-
-  // A JSON integer in Int's range; 3.0 counts, 3.5 does not.
-  template <typename Int>
-  static std::optional<Int> AsInteger(const json& v) {
-    if (v.is_number_integer()) {
-      if (v.is_number_unsigned()) {
-        const uint64_t u = v.get<uint64_t>();
-        if (u > static_cast<uint64_t>(std::numeric_limits<Int>::max())) return std::nullopt;
-        return static_cast<Int>(u);
-      }
-      const int64_t i = v.get<int64_t>();
-      if (i < static_cast<int64_t>(std::numeric_limits<Int>::min()) ||
-          i > static_cast<int64_t>(std::numeric_limits<Int>::max())) {
-        return std::nullopt;
-      }
-      return static_cast<Int>(i);
-    }
-    if (v.is_number_float()) {
-      const double d = v.get<double>();
-      if (d != static_cast<double>(static_cast<int64_t>(d))) return std::nullopt;
-      if (d < static_cast<double>(std::numeric_limits<Int>::min()) ||
-          d > static_cast<double>(std::numeric_limits<Int>::max())) {
-        return std::nullopt;
-      }
-      return static_cast<Int>(d);
-    }
-    return std::nullopt;
-  }
-
-  std::optional<ApiError> error;
-
- private:
-  const json& body_;
-};
-
-// Parses `prompt`: a string, an array of token ids, or a batch of one of
-// those (batches of several prompts are refused rather than half-served).
-void ReadPrompt(FieldReader& r, CompletionParams* p) {
-  const json* v = r.Get("prompt");
-  if (v == nullptr) return r.Fail("prompt", "prompt is required");
-  if (v->is_string()) {
-    p->prompt_text = v->get<std::string>();
-    return;
-  }
-  if (!v->is_array()) {
-    return r.Fail("prompt", "prompt must be a string or an array of token ids");
-  }
-  if (v->size() == 1 && ((*v)[0].is_string() || (*v)[0].is_array())) {
-    if ((*v)[0].is_string()) {
-      p->prompt_text = (*v)[0].get<std::string>();
-      return;
-    }
-    v = &(*v)[0];
-  } else if (!v->empty() && ((*v)[0].is_string() || (*v)[0].is_array())) {
-    return r.Fail("prompt",
-                  "prompt: a batch of several prompts is not supported; send one request each");
-  }
-  std::vector<int32_t> ids;
-  ids.reserve(v->size());
-  for (const json& t : *v) {
-    std::optional<int32_t> id = FieldReader::AsInteger<int32_t>(t);
-    if (!id) return r.Fail("prompt", "prompt must be a string or an array of token ids");
-    ids.push_back(*id);
-  }
-  p->prompt_ids = std::move(ids);
-}
-
-// Parses `messages`: content is a string, null, or an array of text parts.
-void ReadMessages(FieldReader& r, CompletionParams* p) {
-  const json* v = r.Get("messages");
-  if (v == nullptr) return r.Fail("messages", "messages is required");
-  if (!v->is_array()) return r.Fail("messages", "messages must be an array");
-  std::vector<ChatMessage> messages;
-  for (size_t i = 0; i < v->size(); ++i) {
-    const json& m = (*v)[i];
-    const std::string at = absl::StrCat("messages[", i, "]");
-    if (!m.is_object()) return r.Fail("messages", at + " must be an object");
-    ChatMessage out;
-    auto role = m.find("role");
-    if (role == m.end() || !role->is_string()) {
-      return r.Fail("messages", at + ".role must be a string");
-    }
-    out.role = role->get<std::string>();
-    auto content = m.find("content");
-    if (content == m.end() || content->is_null()) {
-      // An assistant turn that only called tools has no content.
-    } else if (content->is_string()) {
-      out.content = content->get<std::string>();
-    } else if (content->is_array()) {
-      for (const json& part : *content) {
-        auto type = part.is_object() ? part.find("type") : part.end();
-        auto text = part.is_object() ? part.find("text") : part.end();
-        if (type == part.end() || *type != "text" || text == part.end() || !text->is_string()) {
-          return r.Fail("messages", at + ".content: only text parts are supported");
-        }
-        out.content += text->get<std::string>();
-      }
-    } else {
-      return r.Fail("messages", at + ".content must be a string or an array of text parts");
-    }
-    messages.push_back(std::move(out));
-  }
-  p->messages = std::move(messages);
-}
-
-void ReadStop(FieldReader& r, CompletionParams* p) {
-  const json* v = r.Get("stop");
-  if (v == nullptr) return;
-  if (v->is_string()) {
-    p->stop = {v->get<std::string>()};
-    return;
-  }
-  if (!v->is_array()) return r.Fail("stop", "stop must be a string or an array of strings");
-  for (const json& s : *v) {
-    if (!s.is_string()) return r.Fail("stop", "stop must be a string or an array of strings");
-    p->stop.push_back(s.get<std::string>());
-  }
-}
-
-// Parses `kv_policy` (our extension): a policy name ("sinks"), or an object
-// {"policy": "h2o", "sinks": 4, "window": 256, "budget": 1024} whose fields
-// may each be left out (or null) for the server's default.
-void ReadKvPolicy(FieldReader& r, CompletionParams* p) {
-  const json* v = r.Get("kv_policy");
-  if (v == nullptr) return;
-  KvPolicyParams kv;
-  if (v->is_string()) {
-    kv.policy = v->get<std::string>();
-  } else if (v->is_object()) {
-    for (const auto& [key, value] : v->items()) {
-      if (value.is_null()) continue;
-      if (key == "policy") {
-        if (!value.is_string()) return r.Fail("kv_policy", "kv_policy.policy must be a string");
-        kv.policy = value.get<std::string>();
-        continue;
-      }
-      std::optional<int32_t>* number = key == "sinks"    ? &kv.sinks
-                                       : key == "window" ? &kv.window
-                                       : key == "budget" ? &kv.budget
-                                                         : nullptr;
-      if (number == nullptr) {
-        return r.Fail("kv_policy", absl::StrCat("kv_policy: unknown field '", key,
-                                                "' (expected policy, sinks, window, budget)"));
-      }
-      *number = FieldReader::AsInteger<int32_t>(value);
-      if (!*number) {
-        return r.Fail("kv_policy", absl::StrCat("kv_policy.", key, " must be an integer"));
-      }
-    }
-  } else {
-    return r.Fail("kv_policy",
-                  "kv_policy must be a policy name (none, window, sinks, h2o) or an object "
-                  "{\"policy\", \"sinks\", \"window\", \"budget\"}");
-  }
-  p->kv_policy = std::move(kv);
-}
-
-// Parses an OpenAI completion or chat body into the shared parameters.
-std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams* p,
-                                  HttpRequestOptions* o) {
-  if (!body.is_object()) {
-    return ApiError{400, "the request body must be a JSON object", "", "invalid_json"};
-  }
-  FieldReader r(body);
-  o->chat = chat;
-  if (const json* m = r.Get("model")) {
-    if (!m->is_string()) {
-      r.Fail("model", "model must be a string");
-    } else {
-      p->model = m->get<std::string>();
-    }
-  }
-  if (chat) {
-    ReadMessages(r, p);
-    if (r.Get("max_completion_tokens") != nullptr) {
-      r.Integer("max_completion_tokens", &p->max_tokens);
-      o->max_completion_tokens_alias = true;
-    } else {
-      r.Integer("max_tokens", &p->max_tokens);
-    }
-    if (const json* tools = r.Get("tools"); tools != nullptr && !(tools->is_array() && tools->empty())) {
-      r.Fail("tools", "tools: tool calling is not supported by this server");
-    }
-    if (const json* lp = r.Get("logprobs")) {
-      if (!lp->is_boolean()) {
-        r.Fail("logprobs", "logprobs must be a boolean");
-      } else {
-        o->logprobs = lp->get<bool>();
-      }
-    }
-    int32_t top_logprobs = 0;
-    r.Integer("top_logprobs", &top_logprobs);
-    if (top_logprobs < 0 || top_logprobs > 20) {
-      r.Fail("top_logprobs", "top_logprobs must be between 0 and 20");
-    }
-  } else {
-    ReadPrompt(r, p);
-    r.Integer("max_tokens", &p->max_tokens);
-    if (const json* lp = r.Get("logprobs")) {
-      // Completions take a count of alternatives; we return the sampled
-      // token's log-probability whatever the count.
-      std::optional<int32_t> k = FieldReader::AsInteger<int32_t>(*lp);
-      if (lp->is_boolean()) {
-        o->logprobs = lp->get<bool>();
-      } else if (!k) {
-        r.Fail("logprobs", "logprobs must be an integer");
-      } else if (*k < 0 || *k > 20) {
-        r.Fail("logprobs", "logprobs must be between 0 and 20");
-      } else {
-        o->logprobs = true;
-      }
-    }
-    r.Bool("echo", &o->echo);
-  }
-  r.Float("temperature", &p->temperature);
-  r.Float("top_p", &p->top_p);
-  r.Integer("top_k", &p->top_k);
-  r.Float("min_p", &p->min_p);
-  r.Float("repetition_penalty", &p->repetition_penalty);
-  r.Float("presence_penalty", &p->presence_penalty);
-  r.Float("frequency_penalty", &p->frequency_penalty);
-  r.Integer("seed", &p->seed);
-  r.Integer("n", &p->n);
-  r.Integer("priority", &p->priority);
-  r.Bool("ignore_eos", &p->ignore_eos);
-  if (const json* salt = r.Get("cache_salt")) {
-    if (!salt->is_string()) {
-      r.Fail("cache_salt", "cache_salt must be a string");
-    } else {
-      p->cache_salt = salt->get<std::string>();
-    }
-  }
-  ReadKvPolicy(r, p);
-  r.Bool("stream", &o->stream);
-  ReadStop(r, p);
-  if (const json* ids = r.Get("stop_token_ids")) {
-    if (!ids->is_array()) r.Fail("stop_token_ids", "stop_token_ids must be an array of integers");
-    for (const json& t : ids->is_array() ? *ids : json::array()) {
-      std::optional<int32_t> id = FieldReader::AsInteger<int32_t>(t);
-      if (!id) {
-        r.Fail("stop_token_ids", "stop_token_ids must be an array of integers");
-        break;
-      }
-      p->stop_token_ids.push_back(*id);
-    }
-  }
-  if (const json* so = r.Get("stream_options")) {
-    if (!so->is_object()) {
-      r.Fail("stream_options", "stream_options must be an object");
-    } else if (auto iu = so->find("include_usage"); iu != so->end() && !iu->is_null()) {
-      if (!iu->is_boolean()) {
-        r.Fail("stream_options", "stream_options.include_usage must be a boolean");
-      } else {
-        o->include_usage = iu->get<bool>();
-      }
-    }
-  }
-  p->logprobs = o->logprobs;
-  return r.error;
-}
-
-// ---------------------------------------------------------------------------
-// One request in flight
-
-// Shared by the engine-thread sink and the HTTP worker; outlives whichever of
-// them finishes first (a cancelled request's last event may arrive after the
-// worker has returned).
-struct RequestState {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<SeqEvent> events;  // guarded by mu
-  bool stopping = false;        // guarded by mu; the server is shutting down
-};
-
-// OpenAI's finish_reason; null while a choice is still open. A cancelled or
-// timed-out choice is "abort", as vLLM reports it.
-json FinishName(FinishReason r) {
-  switch (r) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled:
-    case FinishReason::kDeadline: return "abort";
-    case FinishReason::kNone: break;
-  }
-  return nullptr;
-}
-
-std::string RandomId(const char* prefix) {
-  static std::mutex mu;
-  static std::mt19937_64 rng{std::random_device{}()};
-  uint64_t a, b;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    a = rng();
-    b = rng();
-  }
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "%016llx%08llx", static_cast<unsigned long long>(a),
-                static_cast<unsigned long long>(b >> 32));
-  return absl::StrCat(prefix, buf);
-}
-
-int64_t UnixSeconds() {
-  return std::chrono::duration_cast<std::chrono::seconds>(
-             std::chrono::system_clock::now().time_since_epoch())
+int64_t NowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             SteadyTime::now().time_since_epoch())
       .count();
 }
 
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  // Length is not secret; the bytes are.
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
+// One reply as the routes build it. `headers` carries any extra response
+// headers (Content-Type and framing are set by the transport).
+struct HttpReply {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;
+  bool close = false;  // close the connection after this reply
+};
+
+HttpReply ErrorReply(const ApiError& e) {
+  HttpReply r;
+  r.status = e.status;
+  r.body = ErrorBody(e);
+  return r;
+}
+
+HttpReply TextReply(int status, std::string body, std::string content_type) {
+  HttpReply r;
+  r.status = status;
+  r.body = std::move(body);
+  r.content_type = std::move(content_type);
+  return r;
+}
+
+// What a route sees of a connection. Every method may be called from any
+// thread; each runs on the connection's strand. A route answers an exchange
+// with exactly one Send, or StartStream followed by Writes and one End.
+class Connection {
+ public:
+  virtual ~Connection() = default;
+  virtual void Send(HttpReply reply) = 0;
+  // Status and headers of a streamed body; `heartbeat` is written whenever
+  // the stream has been silent for kStreamHeartbeat.
+  virtual void StartStream(HttpReply head, std::string heartbeat) = 0;
+  virtual void Write(std::string bytes) = 0;
+  virtual void End() = 0;
+  // Runs `fn` on the strand (never, if the server stops first).
+  virtual void Post(std::function<void()> fn) = 0;
+  // `fn` runs once if the connection fails before the exchange is complete
+  // (client gone, write timeout, server stop); at once if it already has.
+  virtual void OnAbort(std::function<void()> fn) = 0;
+  // Closes the connection (its exchange aborts).
+  virtual void Close() = 0;
+  // Closes it if it is still waiting for a request (make room at the limit).
+  virtual void CloseIfIdle() = 0;
+
+  // Since when the connection waits for a request's first byte; 0 while an
+  // exchange is in progress. Read by the acceptor to pick whom to close.
+  std::atomic<int64_t> idle_since{0};
+};
+
+// The server-side state Sessions and Calls share, owned by HttpServer::Impl.
+struct ServerCore;
+
+// ---------------------------------------------------------------------------
+// One completion in flight
+
+// Shared by the engine-thread sink and the connection's strand; outlives
+// whichever of them finishes first (a cancelled request's last event may
+// arrive after the connection is gone).
+struct Call {
+  ServerCore* core = nullptr;
+  ModelService* service = nullptr;
+  // Reset (under mu) when the call finishes or the server stops; read on the
+  // strand, and under mu by Push.
+  std::shared_ptr<Connection> conn;
+  bool stream = false;
+  int32_t n = 1;
+  uint64_t request_id = 0;
+  ResponseMeta meta;
+  HttpRequestOptions opts;
+  TokenPieceFn piece;
+  std::unique_ptr<SseEncoder> encoder;          // streaming
+  std::unique_ptr<ResponseAccumulator> result;  // not streaming
+  bool finished = false;                        // on the strand
+
+  std::mutex mu;
+  std::vector<SeqEvent> events;  // guarded by mu
+  bool armed = false;            // guarded by mu; pumps may be posted
+  bool pump_posted = false;      // guarded by mu
+  bool detached = false;         // guarded by mu; the server stopped: post nothing
+
+  // Engine thread: queue and, if no pump is pending, post one.
+  void Push(const SeqEvent& ev, const std::shared_ptr<Call>& self);
+  // Strand: allow pumps, and run one for what already arrived.
+  void Arm();
+  // Strand: turn the queued events into bytes or the final reply.
+  void Pump();
+};
+
+// ---------------------------------------------------------------------------
+
+struct ServerCore {
+  ModelService* service = nullptr;
+  HttpServerOptions options;
+  int64_t created = 0;
+  net::io_context ioc;
+  std::unique_ptr<net::thread_pool> handlers;
+  std::unique_ptr<ssl::context> tls;
+
+  std::atomic<int64_t> connections{0};
+  std::atomic<bool> stopping{false};
+
+  // Every open connection, to close them on Stop and to find the idle ones
+  // at the limit.
+  std::mutex sessions_mu;
+  std::map<Connection*, std::weak_ptr<Connection>> sessions;  // guarded by sessions_mu
+
+  // Completions in flight, so that Stop can cancel them.
+  std::mutex calls_mu;
+  std::condition_variable calls_cv;
+  std::map<uint64_t, std::shared_ptr<Call>> calls;  // guarded by calls_mu
+
+  Metrics* metrics() const { return service->metrics(); }
+
+  void Register(const std::shared_ptr<Connection>& c) {
+    std::lock_guard<std::mutex> lock(sessions_mu);
+    sessions.emplace(c.get(), c);
+  }
+  void Unregister(Connection* c) {
+    std::lock_guard<std::mutex> lock(sessions_mu);
+    sessions.erase(c);
+  }
+  // Closes the connection idle the longest; false when none is idle.
+  bool CloseOldestIdle() {
+    std::shared_ptr<Connection> victim;
+    {
+      std::lock_guard<std::mutex> lock(sessions_mu);
+      int64_t oldest = 0;
+      for (auto& [raw, weak] : sessions) {
+        const int64_t since = raw->idle_since.load();
+        if (since != 0 && (oldest == 0 || since < oldest)) {
+          if (auto c = weak.lock()) {
+            oldest = since;
+            victim = std::move(c);
+          }
+        }
+      }
+      // Not picked twice while its close is on the way.
+      if (victim) victim->idle_since.store(0);
+    }
+    if (!victim) return false;
+    victim->CloseIfIdle();
+    if (Metrics* m = metrics()) m->HttpIdleConnectionEvicted();
+    return true;
+  }
+
+  void Untrack(uint64_t id) {
+    std::lock_guard<std::mutex> lock(calls_mu);
+    calls.erase(id);
+    if (calls.empty()) calls_cv.notify_all();
+  }
+
+  void Route(const std::shared_ptr<Connection>& conn, Request req);
+  void HandleCompletion(const std::shared_ptr<Connection>& conn, std::string body, bool chat);
+  std::string ModelJson() const;
+};
+
+void Call::Push(const SeqEvent& ev, const std::shared_ptr<Call>& self) {
+  std::lock_guard<std::mutex> lock(mu);
+  events.push_back(ev);
+  if (!armed || pump_posted || detached || !conn) return;
+  pump_posted = true;
+  conn->Post([self] { self->Pump(); });
+}
+
+void Call::Arm() {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    armed = true;
+    if (events.empty() || pump_posted) return;
+    pump_posted = true;
+  }
+  Pump();
+}
+
+void Call::Pump() {
+  std::vector<SeqEvent> batch;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    batch.swap(events);
+    pump_posted = false;
+  }
+  if (finished || !conn) return;
+  if (stream) {
+    std::string out = encoder->Add(batch);
+    if (!out.empty()) conn->Write(std::move(out));
+    if (!encoder->finished()) return;
+    if (encoder->aborted()) service->Cancel(request_id);  // the other samples, if any
+    conn->End();
+  } else {
+    for (const SeqEvent& ev : batch) result->Add(ev);
+    if (!result->done()) return;
+    const CompletedResponse done = result->Take();
+    if (done.aborted()) {
+      // Only the server cancels a non-streaming request (drain or Stop):
+      // the client should retry elsewhere, which 503 says.
+      conn->Send(ErrorReply({503, "the request was cancelled: the server is shutting down", "",
+                             ""}));
+    } else {
+      HttpReply r;
+      r.body = CompletionBody(meta, opts, done, piece);
+      conn->Send(std::move(r));
+    }
+  }
+  finished = true;
+  {
+    std::lock_guard<std::mutex> lock(mu);  // Push reads conn on the engine thread
+    conn.reset();
+  }
+  core->Untrack(request_id);
+}
+
+// ---------------------------------------------------------------------------
+// Sessions
+
+template <typename Stream>
+class Session : public Connection, public std::enable_shared_from_this<Session<Stream>> {
+ public:
+  Session(ServerCore* core, Stream stream, bool reject)
+      : core_(core), stream_(std::move(stream)), reject_(reject), heartbeat_timer_(Executor()) {
+    if (Metrics* m = core_->metrics()) {
+      if (reject_) {
+        m->HttpConnectionRefused();
+      } else {
+        m->HttpConnectionOpened();
+      }
+    }
+  }
+
+  ~Session() override {
+    core_->Unregister(this);
+    if (!reject_) {
+      core_->connections.fetch_sub(1);
+      if (Metrics* m = core_->metrics()) m->HttpConnectionClosed();
+    }
+  }
+
+  void Run() {
+    if (reject_) {
+      HttpReply r = ErrorReply({503,
+                                absl::StrCat("too many connections (--max-connections ",
+                                             core_->options.max_connections, ")"),
+                                "", "too_many_connections"});
+      r.close = true;
+      head_request_ = false;
+      version_ = 11;
+      exchange_ = true;
+      linger_ = true;  // the client's request bytes stay unread
+      return DoSend(std::move(r));
+    }
+    if constexpr (kTls) {
+      Lowest().expires_after(core_->options.header_timeout);
+      stream_.async_handshake(ssl::stream_base::server,
+                              [self = Self()](beast::error_code ec) {
+                                if (ec) return self->Fail(ec, "tls handshake");
+                                self->WaitForRequest();
+                              });
+    } else {
+      WaitForRequest();
+    }
+  }
+
+  void Send(HttpReply reply) override {
+    net::dispatch(Executor(), [self = Self(), r = std::move(reply)]() mutable {
+      self->DoSend(std::move(r));
+    });
+  }
+  void StartStream(HttpReply head, std::string heartbeat) override {
+    net::dispatch(Executor(), [self = Self(), h = std::move(head),
+                               hb = std::move(heartbeat)]() mutable {
+      self->DoStartStream(std::move(h), std::move(hb));
+    });
+  }
+  void Write(std::string bytes) override {
+    net::dispatch(Executor(), [self = Self(), b = std::move(bytes)]() mutable {
+      if (self->closed_ || !self->streaming_) return;
+      self->pending_ += b;
+      self->Flush();
+    });
+  }
+  void End() override {
+    net::dispatch(Executor(), [self = Self()] {
+      if (self->closed_ || !self->streaming_) return;
+      self->end_pending_ = true;
+      self->Flush();
+    });
+  }
+  void Post(std::function<void()> fn) override { net::post(Executor(), std::move(fn)); }
+  void OnAbort(std::function<void()> fn) override {
+    net::dispatch(Executor(), [self = Self(), f = std::move(fn)]() mutable {
+      if (self->closed_) return f();
+      if (self->exchange_) self->on_abort_ = std::move(f);
+    });
+  }
+  void Close() override {
+    net::dispatch(Executor(), [self = Self()] { self->Shut(); });
+  }
+  void CloseIfIdle() override {
+    net::dispatch(Executor(), [self = Self()] {
+      if (!self->exchange_) self->Shut();  // still waiting for a request
+    });
+  }
+
+ private:
+  static constexpr bool kTls = !std::is_same_v<Stream, beast::tcp_stream>;
+
+  std::shared_ptr<Session> Self() { return this->shared_from_this(); }
+  auto Executor() { return beast::get_lowest_layer(stream_).get_executor(); }
+  beast::tcp_stream& Lowest() { return beast::get_lowest_layer(stream_); }
+
+  // --- reading -------------------------------------------------------------
+
+  void WaitForRequest() {
+    if (closed_) return;
+    exchange_ = false;
+    if (buffer_.size() > 0) return ReadHeader();  // a pipelined request is already here
+    buffer_.shrink_to_fit();  // an idle connection keeps no buffer (a large body's included)
+    idle_since.store(NowNanos());
+    if constexpr (kTls) {
+      // TLS may hold a decrypted record already: read through the stream.
+      Lowest().expires_after(core_->options.idle_timeout);
+      stream_.async_read_some(buffer_.prepare(4096),
+                              [self = Self()](beast::error_code ec, size_t n) {
+                                self->idle_since.store(0);
+                                if (ec) return self->Fail(ec, "");
+                                self->buffer_.commit(n);
+                                self->ReadHeader();
+                              });
+    } else {
+      // Wait for readability without a buffer, so that ten thousand idle
+      // connections cost sockets, not read buffers; the timer closes it.
+      heartbeat_timer_.expires_after(core_->options.idle_timeout);
+      heartbeat_timer_.async_wait([self = Self()](beast::error_code ec) {
+        if (!ec && self->idle_since.load() != 0 && !self->exchange_) {
+          self->CountTimeout();
+          self->Shut();
+        }
+      });
+      Lowest().socket().async_wait(tcp::socket::wait_read, [self = Self()](beast::error_code ec) {
+        self->heartbeat_timer_.cancel();
+        self->idle_since.store(0);
+        if (ec || self->closed_) return self->Fail(ec, "");
+        self->ReadHeader();
+      });
+    }
+  }
+
+  void ReadHeader() {
+    if (closed_) return;
+    idle_since.store(0);
+    exchange_ = true;
+    parser_.emplace();
+    parser_->header_limit(static_cast<std::uint32_t>(
+        std::clamp<int64_t>(core_->options.max_header_bytes, 256, UINT32_MAX)));
+    parser_->body_limit(static_cast<std::uint64_t>(
+        std::max<int64_t>(core_->options.max_request_bytes, 0)));
+    Lowest().expires_after(core_->options.header_timeout);
+    http::async_read_header(stream_, buffer_, *parser_,
+                            [self = Self()](beast::error_code ec, size_t) {
+                              self->OnHeader(ec);
+                            });
+  }
+
+  void OnHeader(beast::error_code ec) {
+    if (ec == http::error::header_limit) {
+      return RefuseAndLinger(431, absl::StrCat("the request headers are larger than "
+                                               "--http-max-header-bytes (",
+                                               core_->options.max_header_bytes, " bytes)"),
+                             "headers_too_large");
+    }
+    if (ec == http::error::body_limit) return RefuseTooLarge();
+    if (ec) return FailRead(ec);
+    const Request& req = parser_->get();
+    version_ = req.version();
+    head_request_ = req.method() == http::verb::head;
+    if (req.method() == http::verb::post && !req.has_content_length() && !req.chunked()) {
+      // A POST whose body length is unknown (curl -X POST without -d sends none).
+      return RefuseAndLinger(400,
+                             "a POST needs a Content-Length header; send an empty body for none "
+                             "(curl -d '')",
+                             "");
+    }
+    const auto expect = req[http::field::expect];
+    if (!expect.empty()) {
+      if (!beast::iequals(expect, "100-continue")) {
+        return RefuseAndLinger(417, absl::StrCat("unsupported Expect: ", std::string(expect)), "");
+      }
+      if (!parser_->is_done() && version_ >= 11) {
+        // RFC 9110 10.1.1: the interim response invites the body.
+        auto cont = std::make_shared<http::response<http::empty_body>>(http::status::continue_,
+                                                                       version_);
+        Lowest().expires_after(core_->options.write_timeout);
+        return http::async_write(stream_, *cont,
+                                 [self = Self(), cont](beast::error_code ec, size_t n) {
+                                   self->bytes_out_ += n;
+                                   if (ec) return self->Fail(ec, "");
+                                   self->ReadBody();
+                                 });
+      }
+    }
+    if (parser_->is_done()) return Dispatch();
+    ReadBody();
+  }
+
+  void ReadBody() {
+    Lowest().expires_after(core_->options.body_timeout);
+    http::async_read(stream_, buffer_, *parser_, [self = Self()](beast::error_code ec, size_t) {
+      if (ec == http::error::body_limit) return self->RefuseTooLarge();
+      if (ec) return self->FailRead(ec);
+      self->Dispatch();
+    });
+  }
+
+  // A read failed mid-request: a malformed request gets 400, a peer that
+  // went quiet or away is just closed.
+  void FailRead(beast::error_code ec) {
+    if (ec == beast::error::timeout || ec == http::error::end_of_stream ||
+        ec == net::error::eof || ec == net::error::connection_reset ||
+        ec == net::error::operation_aborted || ec == http::error::partial_message) {
+      return Fail(ec, "");
+    }
+    if (ec.category() == http::make_error_code(http::error::bad_target).category()) {
+      return RefuseAndLinger(400, absl::StrCat("malformed HTTP request: ", ec.message()), "");
+    }
+    Fail(ec, "");
+  }
+
+  void RefuseTooLarge() {
+    RefuseAndLinger(413,
+                    absl::StrCat("the request body is larger than max_request_bytes (",
+                                 core_->options.max_request_bytes, " bytes)"),
+                    "request_too_large");
+  }
+
+  void RefuseAndLinger(int status, std::string message, std::string code) {
+    if (closed_) return;
+    exchange_ = true;
+    if (version_ == 0) version_ = 11;
+    HttpReply r = ErrorReply({status, std::move(message), "", std::move(code)});
+    r.close = true;
+    linger_ = true;
+    DoSend(std::move(r));
+  }
+
+  void Dispatch() {
+    Lowest().expires_never();
+    keep_alive_ = parser_->get().keep_alive();
+    Request req = parser_->release();
+    parser_.reset();
+    core_->Route(Self(), std::move(req));
+  }
+
+  // --- writing -------------------------------------------------------------
+
+  template <typename Body>
+  void PrepareHead(http::response<Body>& res, const HttpReply& r) {
+    res.version(version_);
+    res.result(static_cast<unsigned>(r.status));
+    res.set(http::field::server, "kvserve");
+    res.set(http::field::content_type, r.content_type);
+    for (const auto& [name, value] : r.headers) res.set(name, value);
+    if (r.status == 401) res.set(http::field::www_authenticate, "Bearer");
+    res.keep_alive(keep_alive_ && !r.close && !core_->stopping.load());
+  }
+
+  void DoSend(HttpReply r) {
+    if (closed_ || !exchange_ || responding_) return;
+    responding_ = true;
+    on_abort_ = nullptr;  // the request is over; only its reply is left to write
+    auto res = std::make_shared<http::response<http::string_body>>();
+    PrepareHead(*res, r);
+    close_after_ = !res->keep_alive();
+    const size_t size = r.body.size();
+    if (!head_request_) res->body() = std::move(r.body);
+    res->content_length(size);
+    Lowest().expires_after(core_->options.write_timeout);
+    http::async_write(stream_, *res, [self = Self(), res](beast::error_code ec, size_t n) {
+      self->bytes_out_ += n;
+      if (ec) return self->Fail(ec, "write");
+      self->FinishExchange();
+    });
+  }
+
+  void DoStartStream(HttpReply head, std::string heartbeat) {
+    if (closed_ || !exchange_ || responding_) return;
+    responding_ = true;
+    streaming_ = true;
+    heartbeat_ = std::move(heartbeat);
+    auto res = std::make_shared<http::response<http::empty_body>>();
+    PrepareHead(*res, head);
+    chunked_ = version_ >= 11;
+    if (chunked_) {
+      res->chunked(true);
+    } else {
+      res->keep_alive(false);  // HTTP/1.0: the body ends when the connection does
+    }
+    close_after_ = !res->keep_alive();
+    auto sr = std::make_shared<http::response_serializer<http::empty_body>>(*res);
+    writing_ = true;
+    Lowest().expires_after(core_->options.write_timeout);
+    http::async_write_header(stream_, *sr, [self = Self(), res, sr](beast::error_code ec, size_t n) {
+      self->writing_ = false;
+      self->bytes_out_ += n;
+      if (ec) return self->Fail(ec, "write");
+      self->last_write_ = SteadyTime::now();
+      self->progress_at_ = self->last_write_;
+      self->ArmHeartbeat();
+      self->Flush();
+    });
+  }
+
+  void Flush() {
+    if (closed_ || writing_ || !streaming_) return;
+    if (!pending_.empty()) {
+      auto data = std::make_shared<std::string>(std::move(pending_));
+      pending_.clear();
+      writing_ = true;
+      Lowest().expires_after(core_->options.write_timeout);
+      auto done = [self = Self(), data](beast::error_code ec, size_t n) {
+        self->writing_ = false;
+        self->bytes_out_ += n;
+        if (ec) return self->Fail(ec, "write");
+        self->last_write_ = SteadyTime::now();
+        self->Flush();
+      };
+      if (chunked_) {
+        net::async_write(stream_, http::make_chunk(net::buffer(*data)), std::move(done));
+      } else {
+        net::async_write(stream_, net::buffer(*data), std::move(done));
+      }
+      return;
+    }
+    if (!end_pending_) return;
+    streaming_ = false;
+    heartbeat_timer_.cancel();
+    on_abort_ = nullptr;
+    if (!chunked_) return FinishExchange();
+    writing_ = true;
+    Lowest().expires_after(core_->options.write_timeout);
+    net::async_write(stream_, http::make_chunk_last(), [self = Self()](beast::error_code ec,
+                                                                       size_t n) {
+      self->writing_ = false;
+      self->bytes_out_ += n;
+      if (ec) return self->Fail(ec, "write");
+      self->FinishExchange();
+    });
+  }
+
+  // The stream's timer: writes the heartbeat after kStreamHeartbeat of
+  // silence, and notices a client that stopped reading. The kernel's send
+  // buffer (megabytes on loopback) takes our writes long after the client
+  // stopped, so a stalled write alone would come too late: on plain TCP the
+  // bytes the peer acknowledged (what we wrote minus SIOCOUTQ, the unacked
+  // and unsent bytes) must grow within write_timeout while any are queued.
+  void ArmHeartbeat() {
+    const auto tick = std::clamp<std::chrono::milliseconds>(
+        core_->options.write_timeout / 4, std::chrono::milliseconds(100),
+        std::chrono::milliseconds(1000));
+    heartbeat_timer_.expires_after(tick);
+    heartbeat_timer_.async_wait([self = Self()](beast::error_code ec) {
+      if (ec || self->closed_ || !self->streaming_) return;
+      const auto now = SteadyTime::now();
+      if constexpr (!kTls) {
+        int outq = 0;
+        if (::ioctl(self->Lowest().socket().native_handle(), SIOCOUTQ, &outq) == 0) {
+          const uint64_t acked = self->bytes_out_ - static_cast<uint64_t>(std::max(outq, 0));
+          if (outq == 0 || acked != self->acked_seen_) {
+            self->acked_seen_ = acked;
+            self->progress_at_ = now;
+          } else if (now - self->progress_at_ >= self->core_->options.write_timeout) {
+            spdlog::info("http: a client stopped reading its stream for {} ms; disconnecting",
+                         self->core_->options.write_timeout.count());
+            if (Metrics* m = self->core_->metrics()) m->HttpStalledReaderDisconnected();
+            return self->Shut();
+          }
+        }
+      }
+      if (!self->writing_ && self->pending_.empty() && !self->end_pending_ &&
+          now - self->last_write_ >= kStreamHeartbeat) {
+        self->pending_ = self->heartbeat_;
+        self->Flush();
+      }
+      self->ArmHeartbeat();
+    });
+  }
+
+  void FinishExchange() {
+    responding_ = false;
+    streaming_ = false;
+    end_pending_ = false;
+    chunked_ = false;
+    on_abort_ = nullptr;
+    exchange_ = false;
+    if (close_after_ || core_->stopping.load()) {
+      if (linger_) return Linger();
+      return Shut();
+    }
+    WaitForRequest();
+  }
+
+  // Half-closes, then reads and discards until the peer closes or
+  // kLingerTime passes, so our last reply is not lost to a reset.
+  void Linger() {
+    if constexpr (kTls) {
+      return Shut();
+    } else {
+      beast::error_code ignored;
+      Lowest().socket().shutdown(tcp::socket::shutdown_send, ignored);
+      if (!linger_deadline_set_) {
+        linger_deadline_set_ = true;
+        Lowest().expires_after(kLingerTime);
+      }
+      auto scratch = std::make_shared<std::array<char, 4096>>();
+      Lowest().async_read_some(net::buffer(*scratch),
+                               [self = Self(), scratch](beast::error_code ec, size_t) {
+                                 if (ec) return self->Shut();
+                                 self->Linger();
+                               });
+    }
+  }
+
+  // --- closing -------------------------------------------------------------
+
+  void CountTimeout() {
+    if (Metrics* m = core_->metrics()) m->HttpConnectionTimedOut();
+  }
+
+  void Fail(beast::error_code ec, const char* what) {
+    if (ec == beast::error::timeout && !closed_) CountTimeout();
+    if (ec && *what != '\0' && ec != net::error::operation_aborted &&
+        ec != beast::error::timeout && ec != net::error::broken_pipe &&
+        ec != net::error::connection_reset) {
+      spdlog::debug("http: {} failed: {}", what, ec.message());
+    }
+    Shut();
+  }
+
+  void Shut() {
+    if (closed_) return;
+    closed_ = true;
+    idle_since.store(0);
+    heartbeat_timer_.cancel();
+    beast::error_code ignored;
+    Lowest().socket().shutdown(tcp::socket::shutdown_both, ignored);
+    Lowest().close();
+    if (on_abort_) {
+      auto f = std::move(on_abort_);
+      on_abort_ = nullptr;
+      f();
+    }
+  }
+
+  ServerCore* core_;
+  Stream stream_;
+  const bool reject_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  net::steady_timer heartbeat_timer_;
+  std::function<void()> on_abort_;
+  unsigned version_ = 0;
+  bool head_request_ = false;
+  bool keep_alive_ = true;
+  bool exchange_ = false;    // a request was read (or is being read) and not yet answered
+  bool responding_ = false;  // Send or StartStream was called for it
+  bool streaming_ = false;
+  bool chunked_ = false;
+  bool writing_ = false;
+  bool end_pending_ = false;
+  bool close_after_ = false;
+  bool linger_ = false;
+  bool linger_deadline_set_ = false;
+  bool closed_ = false;
+  std::string pending_;    // stream bytes not yet written
+  std::string heartbeat_;
+  SteadyTime::time_point last_write_ = SteadyTime::now();
+  uint64_t bytes_out_ = 0;   // written to the socket (plain TCP: what the kernel took)
+  uint64_t acked_seen_ = 0;  // bytes_out_ - SIOCOUTQ at the last progress
+  SteadyTime::time_point progress_at_ = SteadyTime::now();
+};
+
+using PlainSession = Session<beast::tcp_stream>;
+using TlsSession = Session<beast::ssl_stream<beast::tcp_stream>>;
+
+// ---------------------------------------------------------------------------
+// Routes
+
+std::string ServerCore::ModelJson() const {
+  const ModelInfo info = service->Info();
+  return json{{"id", info.name},
+              {"object", "model"},
+              {"created", created},
+              {"owned_by", "kvserve"},
+              {"max_model_len", info.config.context_length}}
+      .dump();
+}
+
+void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
+  std::string path(req.target());
+  if (size_t q = path.find('?'); q != std::string::npos) path.resize(q);
+  const http::verb method = req.method() == http::verb::head ? http::verb::get : req.method();
+
+  if (path != "/health" &&
+      !BearerTokenMatches(std::string_view(req[http::field::authorization]), options.api_key)) {
+    return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  "", "invalid_api_key"}));
+  }
+  if (method == http::verb::get) {
+    if (path == "/health") {
+      // Load balancers take a draining server out of rotation on 503.
+      if (service->draining()) return conn->Send(TextReply(503, "draining", "text/plain"));
+      return conn->Send(TextReply(200, "ok", "text/plain"));
+    }
+    if (path == "/metrics") {
+      return conn->Send(TextReply(200, service->metrics()->Render(service->Stats()),
+                                  "text/plain; version=0.0.4"));
+    }
+    if (path == "/v1/models") {
+      return conn->Send(TextReply(
+          200, absl::StrCat(R"({"object":"list","data":[)", ModelJson(), "]}"),
+          "application/json"));
+    }
+    constexpr std::string_view kModelPrefix = "/v1/models/";
+    if (path.size() > kModelPrefix.size() && path.compare(0, kModelPrefix.size(), kModelPrefix) == 0) {
+      const std::string name = path.substr(kModelPrefix.size());
+      if (name != service->model_name()) {
+        return conn->Send(ErrorReply(
+            {404, absl::StrCat("model '", name, "' does not exist"), "model", "model_not_found"}));
+      }
+      return conn->Send(TextReply(200, ModelJson(), "application/json"));
+    }
+  } else if (method == http::verb::post) {
+    if (path == "/v1/completions" || path == "/v1/chat/completions") {
+      const bool chat = path == "/v1/chat/completions";
+      // Parsing and tokenizing a long prompt takes a while: off the I/O threads.
+      return net::post(*handlers, [this, conn, body = std::move(req.body()), chat]() mutable {
+        HandleCompletion(conn, std::move(body), chat);
+      });
+    }
+    if (path == "/admin/clear_prefix_cache") {
+      // Admin: empties the prefix cache. Waits for the engine's next step,
+      // so it runs on the handler pool.
+      return net::post(*handlers, [this, conn] {
+        absl::StatusOr<int32_t> cleared = service->ClearPrefixCache();
+        if (!cleared.ok()) {
+          ApiError e = ApiErrorFromStatus(cleared.status());
+          if (cleared.status().code() == absl::StatusCode::kFailedPrecondition) {
+            // The request is fine; the server's configuration does not allow it.
+            e.status = 409;
+            e.code = "prefix_cache_disabled";
+            e.param.clear();
+          }
+          return conn->Send(ErrorReply(e));
+        }
+        conn->Send(TextReply(200, json{{"blocks_cleared", *cleared}}.dump(), "application/json"));
+      });
+    }
+  }
+  conn->Send(ErrorReply({404,
+                         absl::StrCat("no route for ", std::string(req.method_string()), " ",
+                                      path),
+                         "", "not_found"}));
+}
+
+void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::string body,
+                                  bool chat) {
+  OpenAiRequest parsed;
+  if (auto err = ParseOpenAiRequest(body, chat, &parsed)) return conn->Send(ErrorReply(*err));
+  const CompletionParams& params = parsed.params;
+  const HttpRequestOptions& opts = parsed.options;
+  absl::StatusOr<PreparedRequest> prepared = service->Prepare(params);
+  if (!prepared.ok()) {
+    ApiError e = ApiErrorFromStatus(prepared.status());
+    if (e.param == "max_tokens" && opts.max_completion_tokens_alias) {
+      e.param = "max_completion_tokens";
+    }
+    return conn->Send(ErrorReply(e));
+  }
+
+  auto call = std::make_shared<Call>();
+  call->core = this;
+  call->service = service;
+  call->conn = conn;
+  call->stream = opts.stream;
+  call->n = prepared->engine.n;
+  call->opts = opts;
+  call->meta = ResponseMeta::New(chat, service->model_name());
+  // The policy the request runs with (its own or the server's default).
+  call->meta.kv_policy = prepared->engine.kv_policy.kind != KvPolicy::Kind::kNone;
+  if (opts.echo) {
+    if (params.prompt_text) {
+      call->meta.echo_text = *params.prompt_text;
+    } else if (params.prompt_ids) {
+      call->meta.echo_text = service->Detokenize(*params.prompt_ids).value_or("");
+    }
+  }
+  ModelService* svc = service;
+  call->piece = [svc](int32_t t) {
+    absl::StatusOr<std::string> p = svc->Detokenize({t});
+    return p.ok() ? *p : std::string();
+  };
+  const int32_t prompt_tokens = prepared->prompt_tokens;
+  if (call->stream) {
+    call->encoder =
+        std::make_unique<SseEncoder>(call->meta, opts, call->n, prompt_tokens, call->piece);
+  } else {
+    call->result = std::make_unique<ResponseAccumulator>(call->n, prompt_tokens);
+  }
+
+  absl::StatusOr<uint64_t> started =
+      service->Start(std::move(prepared).value(), [call](const SeqEvent& ev) {
+        call->Push(ev, call);  // engine thread: hand over and return at once
+      });
+  if (!started.ok()) return conn->Send(ErrorReply(ApiErrorFromStatus(started.status())));
+  call->request_id = *started;
+  {
+    // Registering and checking under one lock: either Stop sees this call
+    // or we see Stop.
+    std::lock_guard<std::mutex> lock(calls_mu);
+    calls.emplace(call->request_id, call);
+    if (stopping.load()) service->Cancel(call->request_id);
+  }
+  const uint64_t request_id = call->request_id;
+  conn->OnAbort([svc, request_id] { svc->Cancel(request_id); });
+  conn->Post([call] {
+    if (call->stream && call->conn) {
+      HttpReply head;
+      head.content_type = "text/event-stream";
+      head.headers = {{"Cache-Control", "no-cache"},
+                      {"X-Accel-Buffering", "no"}};  // proxies must not hold the stream back
+      call->conn->StartStream(std::move(head), SseEncoder::Heartbeat());
+      std::string open = call->encoder->Open();
+      if (!open.empty()) call->conn->Write(std::move(open));
+    }
+    call->Arm();
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Accepting
+
+class Acceptor : public std::enable_shared_from_this<Acceptor> {
+ public:
+  Acceptor(ServerCore* core, tcp::acceptor acceptor)
+      : core_(core), acceptor_(std::move(acceptor)), retry_(acceptor_.get_executor()) {}
+
+  void Accept() {
+    acceptor_.async_accept(net::make_strand(core_->ioc),
+                           [self = shared_from_this()](beast::error_code ec, tcp::socket s) {
+                             self->OnAccept(ec, std::move(s));
+                           });
+  }
+
+  void Close() {
+    net::dispatch(acceptor_.get_executor(), [self = shared_from_this()] {
+      beast::error_code ignored;
+      self->acceptor_.close(ignored);
+      self->retry_.cancel();
+    });
+  }
+
+ private:
+  void OnAccept(beast::error_code ec, tcp::socket socket) {
+    if (!acceptor_.is_open() || core_->stopping.load()) return;
+    if (ec) {
+      // Out of file descriptors (or a transient error): back off briefly
+      // rather than spin; the pending connections wait in the backlog.
+      if (ec != net::error::operation_aborted) {
+        spdlog::warn("http: accept failed: {}", ec.message());
+      }
+      retry_.expires_after(std::chrono::milliseconds(50));
+      retry_.async_wait([self = shared_from_this()](beast::error_code e) {
+        if (!e) self->Accept();
+      });
+      return;
+    }
+    beast::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);  // streamed tokens are small writes
+    bool reject = false;
+    if (core_->connections.load() >= core_->options.max_connections &&
+        !core_->CloseOldestIdle()) {
+      reject = true;
+    }
+    if (reject && core_->tls) {
+      // No handshake for a refused TLS client: accept-and-close.
+      socket.close(ignored);
+      return Accept();
+    }
+    if (!reject) core_->connections.fetch_add(1);
+    std::shared_ptr<Connection> session;
+    if (core_->tls) {
+      auto s = std::make_shared<TlsSession>(
+          core_, beast::ssl_stream<beast::tcp_stream>(beast::tcp_stream(std::move(socket)),
+                                                       *core_->tls),
+          reject);
+      session = s;
+      core_->Register(session);
+      s->Run();
+    } else {
+      auto s = std::make_shared<PlainSession>(core_, beast::tcp_stream(std::move(socket)), reject);
+      session = s;
+      core_->Register(session);
+      s->Run();
+    }
+    Accept();
+  }
+
+  ServerCore* core_;
+  tcp::acceptor acceptor_;
+  net::steady_timer retry_;
+};
+
+// Raises the soft open-file limit to the hard one: each connection is a
+// descriptor, and the usual soft limit (1024) is far below what an
+// event-driven server holds.
+void RaiseFileLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
+  lim.rlim_cur = lim.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &lim) != 0) spdlog::warn("http: cannot raise the open-file limit");
 }
 
 }  // namespace
@@ -608,492 +1009,78 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
 // ---------------------------------------------------------------------------
 
 struct HttpServer::Impl {
-  ModelService* service = nullptr;
-  HttpServerOptions options;
-  std::unique_ptr<httplib::Server> server;
-  std::thread listener;
+  ServerCore core;
+  std::shared_ptr<Acceptor> acceptor;
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
+  std::vector<std::thread> threads;
   int port = 0;
-  int listen_fd = -1;  // the listening socket, seen through the socket-options hook
-  int64_t created = UnixSeconds();
-
-  // Requests in flight, so that Stop can wake and cancel them.
-  std::mutex mu;
-  std::map<uint64_t, std::shared_ptr<RequestState>> active;  // guarded by mu
-  bool stopping = false;                                     // guarded by mu
-
-  void Routes();
-  bool Authorized(const httplib::Request& req) const;
-  void HandleCompletion(const httplib::Request& req, httplib::Response& res, bool chat);
-  void Untrack(uint64_t id);
-
-  // Builds the JSON objects of a response.
-  // kv_dropped_tokens joins OpenAI's fields only when `kv_policy` is on.
-  json Usage(const CompletedResponse& done, bool kv_policy) const;
-  json LogprobsJson(const HttpRequestOptions& o, const std::vector<int32_t>& tokens,
-                    const std::vector<float>& logprobs, size_t text_offset) const;
+  bool stopped = false;
 };
-
-void HttpServer::Impl::Untrack(uint64_t id) {
-  std::lock_guard<std::mutex> lock(mu);
-  active.erase(id);
-}
-
-bool HttpServer::Impl::Authorized(const httplib::Request& req) const {
-  if (options.api_key.empty()) return true;
-  const std::string auth = req.get_header_value("Authorization");
-  constexpr absl::string_view kBearer = "Bearer ";  // the scheme is case-insensitive
-  if (!absl::StartsWithIgnoreCase(auth, kBearer)) return false;
-  return ConstantTimeEquals(auth.substr(kBearer.size()), options.api_key);
-}
-
-json HttpServer::Impl::Usage(const CompletedResponse& done, bool kv_policy) const {
-  const int32_t prompt_tokens = done.prompt_tokens;
-  const int64_t completion_tokens = done.completion_tokens;
-  // cached_tokens: prompt tokens served from the prefix cache (OpenAI's field).
-  json usage = {{"prompt_tokens", prompt_tokens},
-                {"completion_tokens", completion_tokens},
-                {"total_tokens", prompt_tokens + completion_tokens},
-                {"prompt_tokens_details",
-                 {{"cached_tokens", std::clamp(done.cached_tokens, 0, prompt_tokens)}}}};
-  // Our extension, kept out of plain requests so their usage stays OpenAI's.
-  if (kv_policy) usage["kv_dropped_tokens"] = done.dropped_tokens;
-  return usage;
-}
-
-json HttpServer::Impl::LogprobsJson(const HttpRequestOptions& o,
-                                    const std::vector<int32_t>& tokens,
-                                    const std::vector<float>& logprobs,
-                                    size_t text_offset) const {
-  std::vector<std::string> pieces;
-  pieces.reserve(tokens.size());
-  for (int32_t t : tokens) {
-    auto piece = service->Detokenize({t});
-    pieces.push_back(piece.ok() ? *piece : "");
-  }
-  if (o.chat) {
-    json content = json::array();
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      json bytes = json::array();
-      for (unsigned char c : pieces[i]) bytes.push_back(c);
-      content.push_back({{"token", pieces[i]},
-                         {"logprob", i < logprobs.size() ? logprobs[i] : 0.0f},
-                         {"bytes", std::move(bytes)},
-                         {"top_logprobs", json::array()}});
-    }
-    return json{{"content", std::move(content)}};
-  }
-  json toks = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
-  size_t offset = text_offset;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const float lp = i < logprobs.size() ? logprobs[i] : 0.0f;
-    toks.push_back(pieces[i]);
-    lps.push_back(lp);
-    tops.push_back(json{{pieces[i], lp}});
-    offsets.push_back(offset);
-    offset += pieces[i].size();
-  }
-  return json{{"tokens", std::move(toks)},
-              {"token_logprobs", std::move(lps)},
-              {"top_logprobs", std::move(tops)},
-              {"text_offset", std::move(offsets)}};
-}
-
-void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Response& res,
-                                        bool chat) {
-  json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded()) {
-    return SendError(res, {400, "the request body is not valid JSON", "", "invalid_json"});
-  }
-  CompletionParams params;
-  HttpRequestOptions opts;
-  if (auto err = ParseBody(body, chat, &params, &opts)) return SendError(res, *err);
-  absl::StatusOr<PreparedRequest> prepared = service->Prepare(params);
-  if (!prepared.ok()) {
-    ApiError e = FromStatus(prepared.status());
-    if (e.param == "max_tokens" && opts.max_completion_tokens_alias) {
-      e.param = "max_completion_tokens";
-    }
-    return SendError(res, e);
-  }
-  const int32_t prompt_tokens = prepared->prompt_tokens;
-  const int32_t n = prepared->engine.n;
-  // The policy the request runs with (its own or the server's default).
-  const bool kv_policy = prepared->engine.kv_policy.kind != KvPolicy::Kind::kNone;
-  std::string echo_text;
-  if (opts.echo) {
-    if (params.prompt_text) {
-      echo_text = *params.prompt_text;
-    } else if (params.prompt_ids) {
-      echo_text = service->Detokenize(*params.prompt_ids).value_or("");
-    }
-  }
-
-  auto state = std::make_shared<RequestState>();
-  absl::StatusOr<uint64_t> started =
-      service->Start(std::move(prepared).value(), [state](const SeqEvent& ev) {
-        // Engine thread: hand over and return at once.
-        {
-          std::lock_guard<std::mutex> lock(state->mu);
-          state->events.push_back(ev);
-        }
-        state->cv.notify_one();
-      });
-  if (!started.ok()) return SendError(res, FromStatus(started.status()));
-  const uint64_t request_id = *started;
-  {
-    // Registering and checking under one lock: either Stop sees this request
-    // or we see Stop.
-    std::lock_guard<std::mutex> lock(mu);
-    active.emplace(request_id, state);
-    if (stopping) service->Cancel(request_id);
-  }
-
-  const std::string id = RandomId(chat ? "chatcmpl-" : "cmpl-");
-  const int64_t created_at = UnixSeconds();
-  const std::string& model = service->model_name();
-
-  if (!opts.stream) {
-    ResponseAccumulator acc(n, prompt_tokens);
-    while (!acc.done()) {
-      std::deque<SeqEvent> events;
-      {
-        std::unique_lock<std::mutex> lock(state->mu);
-        state->cv.wait(lock, [&] { return !state->events.empty(); });
-        events.swap(state->events);
-      }
-      for (const SeqEvent& ev : events) acc.Add(ev);
-    }
-    Untrack(request_id);
-    const CompletedResponse done = acc.Take();
-    if (done.aborted()) {
-      // Only the server cancels a non-streaming request (drain or Stop):
-      // the client should retry elsewhere, which 503 says.
-      return SendError(res, {503, "the request was cancelled: the server is shutting down", "",
-                             ""});
-    }
-    json out_choices = json::array();
-    for (const CompletedSample& c : done.samples) {
-      json lp = opts.logprobs ? LogprobsJson(opts, c.token_ids, c.logprobs, echo_text.size())
-                              : json(nullptr);
-      json choice = {{"index", c.index}};
-      if (chat) {
-        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
-      } else {
-        choice["text"] = echo_text + c.text;
-      }
-      choice["logprobs"] = std::move(lp);
-      choice["finish_reason"] = FinishName(c.finish);
-      out_choices.push_back(std::move(choice));
-    }
-    json out = {{"id", id},
-                {"object", chat ? "chat.completion" : "text_completion"},
-                {"created", created_at},
-                {"model", model},
-                {"choices", std::move(out_choices)},
-                {"usage", Usage(done, kv_policy)}};
-    if (chat) out["system_fingerprint"] = nullptr;
-    res.set_content(Dump(out), "application/json");
-    return;
-  }
-
-  // Streaming: the provider runs on this connection's worker once the headers
-  // are out, and again after each return until sink.done() or a failure.
-  struct StreamCursor {
-    StreamCursor(int32_t n, int32_t prompt_tokens) : response(n, prompt_tokens) {}
-    ResponseAccumulator response;  // what has been streamed so far
-    bool opened = false;    // role / echo chunks written
-    bool finished = false;  // [DONE] written
-    SteadyTime::time_point last_write = SteadyTime::now();
-  };
-  auto cursor = std::make_shared<StreamCursor>(n, prompt_tokens);
-  const char* object = chat ? "chat.completion.chunk" : "text_completion";
-  auto chunk_json = [id, created_at, model, object](json choices) {
-    return json{{"id", id},
-                {"object", object},
-                {"created", created_at},
-                {"model", model},
-                {"choices", std::move(choices)}};
-  };
-  auto chunk = [chunk_json](json choices) {
-    return absl::StrCat("data: ", Dump(chunk_json(std::move(choices))), "\n\n");
-  };
-  auto choice_delta = [chat](int index, const std::string& text) {
-    json c = {{"index", index}};
-    if (chat) {
-      c["delta"] = {{"content", text}};
-    } else {
-      c["text"] = text;
-    }
-    c["logprobs"] = nullptr;
-    c["finish_reason"] = nullptr;
-    return c;
-  };
-
-  res.set_header("Cache-Control", "no-cache");
-  res.set_header("X-Accel-Buffering", "no");  // proxies must not hold the stream back
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, state, cursor, request_id, opts, n, chat, kv_policy, echo_text, chunk_json, chunk,
-       choice_delta](size_t /*offset*/, httplib::DataSink& sink) -> bool {
-        StreamCursor& cur = *cursor;
-        std::string out;
-        if (!cur.opened) {
-          cur.opened = true;
-          // OpenAI opens each chat choice with the assistant role at once;
-          // it also gets the headers and a first byte to the client early.
-          for (int i = 0; i < n && (chat || !echo_text.empty()); ++i) {
-            json c = choice_delta(i, chat ? "" : echo_text);
-            if (chat) c["delta"] = {{"role", "assistant"}, {"content", echo_text}};
-            out += chunk(json::array({std::move(c)}));
-          }
-        }
-        std::deque<SeqEvent> events;
-        bool stopping_now = false;
-        {
-          std::unique_lock<std::mutex> lock(state->mu);
-          if (out.empty()) {
-            state->cv.wait_for(lock, kStreamPoll,
-                               [&] { return !state->events.empty() || state->stopping; });
-          }
-          events.swap(state->events);
-          stopping_now = state->stopping;
-        }
-        std::optional<std::string> abort_message;
-        for (const SeqEvent& ev : events) {
-          // The sample's text before this event places its log-probabilities.
-          const size_t text_offset = echo_text.size() + cur.response.text_size(ev.index);
-          const bool finished_sample = cur.response.Add(ev);
-          if (ev.index < 0 || ev.index >= n) continue;
-          if (!ev.text.empty() || (opts.logprobs && !ev.token_ids.empty())) {
-            json d = choice_delta(ev.index, ev.text);
-            if (opts.logprobs) {
-              d["logprobs"] = LogprobsJson(opts, ev.token_ids, ev.logprobs, text_offset);
-            }
-            out += chunk(json::array({std::move(d)}));
-          }
-          if (finished_sample) {
-            if (ev.finish == FinishReason::kCancelled || ev.finish == FinishReason::kDeadline) {
-              abort_message = "the request was cancelled: the server is shutting down";
-            } else {
-              json d = choice_delta(ev.index, "");
-              if (chat) d["delta"] = json::object();
-              d["finish_reason"] = FinishName(ev.finish);
-              out += chunk(json::array({std::move(d)}));
-            }
-          }
-        }
-        if (abort_message) {
-          // Mid-stream failures travel as an error event, which the openai
-          // client raises as an APIError.
-          out += absl::StrCat(
-              "data: ", Dump(ErrorJson({503, *abort_message, "", ""})), "\n\ndata: [DONE]\n\n");
-          service->Cancel(request_id);  // the other samples, if any
-          cur.finished = true;
-        } else if (cur.response.done()) {
-          if (opts.include_usage) {
-            const CompletedResponse done = cur.response.Take();  // the stream ends here
-            json u = chunk_json(json::array());
-            u["usage"] = Usage(done, kv_policy);
-            out += absl::StrCat("data: ", Dump(u), "\n\n");
-          }
-          out += "data: [DONE]\n\n";
-          cur.finished = true;
-        }
-        if (out.empty() && !stopping_now &&
-            SteadyTime::now() - cur.last_write >= kStreamHeartbeat) {
-          out = ": keep-alive\n\n";  // an SSE comment: clients skip it
-        }
-        if (!out.empty()) {
-          if (!sink.write(out.data(), out.size())) {
-            // The client went away: free its KV blocks now, not at max_tokens.
-            service->Cancel(request_id);
-            return false;
-          }
-          cur.last_write = SteadyTime::now();
-        }
-        if (cur.finished) {
-          sink.done();
-          return true;
-        }
-        if (stopping_now) service->Cancel(request_id);  // its final events end the stream
-        return true;
-      },
-      [this, request_id, cursor](bool success) {
-        // Runs when the response is released: after the stream, a write
-        // failure, or a server shutdown that never called the provider.
-        if (!success || !cursor->finished) service->Cancel(request_id);
-        Untrack(request_id);
-      });
-}
-
-void HttpServer::Impl::Routes() {
-  httplib::Server& s = *server;
-  s.new_task_queue = [] { return new ElasticTaskQueue(kMaxHttpThreads); };
-  // httplib's default adds SO_REUSEPORT, which would let a second daemon
-  // bind the same port and silently take half the traffic; SO_REUSEADDR
-  // alone still allows a quick restart. The hook is also our only way to
-  // learn the listening socket (see Start: the backlog).
-  s.set_socket_options([this](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    listen_fd = sock;
-  });
-  s.set_payload_max_length(static_cast<size_t>(std::max<int64_t>(options.max_request_bytes, 0)));
-
-  s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (req.path == "/health" || Authorized(req)) return httplib::Server::HandlerResponse::Unhandled;
-    res.set_header("WWW-Authenticate", "Bearer");
-    SendError(res, {401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "",
-                    "invalid_api_key"});
-    return httplib::Server::HandlerResponse::Handled;
-  });
-  // Errors httplib produces itself (unknown route, oversized body, bad
-  // request line) get OpenAI's error shape too.
-  s.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    switch (res.status) {
-      case 404:
-        return SendError(res, {404, absl::StrCat("no route for ", req.method, " ", req.path), "",
-                               "not_found"});
-      case 413:
-        return SendError(res, {413,
-                               absl::StrCat("the request body is larger than max_request_bytes (",
-                                            options.max_request_bytes, " bytes)"),
-                               "", "request_too_large"});
-      case 400:
-        if (req.method == "POST" && !req.has_header("Content-Length") &&
-            req.get_header_value("Transfer-Encoding") != "chunked") {
-          // httplib refuses a POST whose body length is unknown (curl -X POST
-          // without -d sends none).
-          return SendError(res, {400,
-                                 "a POST needs a Content-Length header; send an empty body "
-                                 "for none (curl -d '')",
-                                 "", ""});
-        }
-        return SendError(res, {400, "HTTP 400", "", ""});
-      default:
-        return SendError(res, {res.status, absl::StrCat("HTTP ", res.status), "", ""});
-    }
-  });
-  s.set_exception_handler(
-      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-        std::string what = "internal error";
-        try {
-          if (ep) std::rethrow_exception(ep);
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        spdlog::error("http: handler failed: {}", what);
-        SendError(res, {500, "internal error: " + what, "", ""});
-      });
-
-  s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    // Load balancers take a draining server out of rotation on 503.
-    if (service->draining()) {
-      res.status = 503;
-      res.set_content("draining", "text/plain");
-      return;
-    }
-    res.set_content("ok", "text/plain");
-  });
-  s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(service->metrics()->Render(service->Stats()), "text/plain; version=0.0.4");
-  });
-  auto model_json = [this] {
-    const ModelInfo info = service->Info();
-    return json{{"id", info.name},
-                {"object", "model"},
-                {"created", created},
-                {"owned_by", "kvserve"},
-                {"max_model_len", info.config.context_length}};
-  };
-  s.Get("/v1/models", [model_json](const httplib::Request&, httplib::Response& res) {
-    json out = {{"object", "list"}, {"data", json::array({model_json()})}};
-    res.set_content(Dump(out), "application/json");
-  });
-  s.Get(R"(/v1/models/(.+))", [this, model_json](const httplib::Request& req,
-                                                  httplib::Response& res) {
-    if (req.matches[1] != service->model_name()) {
-      return SendError(res, {404, absl::StrCat("model '", std::string(req.matches[1]),
-                                               "' does not exist"),
-                             "model", "model_not_found"});
-    }
-    res.set_content(Dump(model_json()), "application/json");
-  });
-  s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleCompletion(req, res, /*chat=*/false);
-  });
-  s.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleCompletion(req, res, /*chat=*/true);
-  });
-  // Admin: empties the prefix cache (behind the API key like every route
-  // but /health). Blocks this worker until the engine's next step.
-  s.Post("/admin/clear_prefix_cache", [this](const httplib::Request&, httplib::Response& res) {
-    absl::StatusOr<int32_t> cleared = service->ClearPrefixCache();
-    if (!cleared.ok()) {
-      ApiError e = FromStatus(cleared.status());
-      if (cleared.status().code() == absl::StatusCode::kFailedPrecondition) {
-        // The request is fine; the server's configuration does not allow it.
-        e.status = 409;
-        e.code = "prefix_cache_disabled";
-        e.param.clear();
-      }
-      return SendError(res, e);
-    }
-    res.set_content(Dump(json{{"blocks_cleared", *cleared}}), "application/json");
-  });
-}
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(ModelService* service,
                                                                const HttpServerOptions& options) {
-  auto impl = std::make_unique<Impl>();
-  impl->service = service;
-  impl->options = options;
   if (options.tls_cert.empty() != options.tls_key.empty()) {
     return absl::InvalidArgumentError("tls_cert and tls_key must be given together");
   }
+  if (options.io_threads < 1) return absl::InvalidArgumentError("http io_threads must be >= 1");
+  if (options.max_connections < 1) {
+    return absl::InvalidArgumentError("max_connections must be >= 1");
+  }
+  auto impl = std::make_unique<Impl>();
+  ServerCore& core = impl->core;
+  core.service = service;
+  core.options = options;
+  core.created = std::chrono::duration_cast<std::chrono::seconds>(
+                     std::chrono::system_clock::now().time_since_epoch())
+                     .count();
   if (!options.tls_cert.empty()) {
-    auto ssl = std::make_unique<httplib::SSLServer>(options.tls_cert.c_str(),
-                                                    options.tls_key.c_str());
-    if (!ssl->is_valid()) {
+    auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
+    beast::error_code ec;
+    ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                         ssl::context::no_sslv3 | ssl::context::no_tlsv1 |
+                         ssl::context::no_tlsv1_1,
+                     ec);
+    if (!ec) ctx->use_certificate_chain_file(options.tls_cert, ec);
+    if (!ec) ctx->use_private_key_file(options.tls_key, ssl::context::pem, ec);
+    if (ec) {
       return absl::InvalidArgumentError(absl::StrCat("tls_cert/tls_key: cannot load ",
-                                                     options.tls_cert, " and ", options.tls_key));
+                                                     options.tls_cert, " and ", options.tls_key,
+                                                     ": ", ec.message()));
     }
-    impl->server = std::move(ssl);
-  } else {
-    impl->server = std::make_unique<httplib::Server>();
+    core.tls = std::move(ctx);
   }
-  // Streamed tokens are small writes; with Nagle's algorithm on, a reused
-  // keep-alive connection holds each for the peer's delayed ACK (~40 ms).
-  impl->server->set_tcp_nodelay(true);
-  impl->Routes();
-  if (options.port == 0) {
-    impl->port = impl->server->bind_to_any_port(options.host);
-  } else if (impl->server->bind_to_port(options.host, options.port)) {
-    impl->port = options.port;
-  } else {
-    impl->port = -1;
+  RaiseFileLimit();
+
+  beast::error_code ec;
+  const net::ip::address address = net::ip::make_address(
+      options.host == "localhost" ? "127.0.0.1" : options.host, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http: bad listen host '", options.host, "': ", ec.message()));
   }
-  if (impl->port <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("http: cannot listen on ", options.host, ":", options.port));
+  tcp::acceptor acceptor(net::make_strand(core.ioc));
+  const tcp::endpoint endpoint(address, static_cast<unsigned short>(options.port));
+  acceptor.open(endpoint.protocol(), ec);
+  // SO_REUSEADDR allows a quick restart; SO_REUSEPORT is left off so that a
+  // second daemon cannot bind the same port and silently take half the traffic.
+  if (!ec) acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) acceptor.bind(endpoint, ec);
+  if (!ec) acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("http: cannot listen on ", options.host, ":",
+                                               options.port, ": ", ec.message()));
   }
-  // httplib listens with a backlog of 5: a burst of clients (a load test,
-  // hundreds of streams opened at once) overflows it and connections stall
-  // for SYN retransmits. listen() again on a listening socket only resizes
-  // its queue.
-  int accepting = 0;
-  socklen_t len = sizeof(accepting);
-  if (impl->listen_fd >= 0 &&
-      getsockopt(impl->listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) == 0 &&
-      accepting != 0 && ::listen(impl->listen_fd, SOMAXCONN) != 0) {
-    spdlog::warn("http: cannot raise the listen backlog");
+  impl->port = acceptor.local_endpoint().port();
+  core.handlers = std::make_unique<net::thread_pool>(options.io_threads);
+  impl->acceptor = std::make_shared<Acceptor>(&core, std::move(acceptor));
+  impl->acceptor->Accept();
+  impl->work.emplace(net::make_work_guard(core.ioc));
+  for (int i = 0; i < options.io_threads; ++i) {
+    impl->threads.emplace_back([&core] { core.ioc.run(); });
   }
-  httplib::Server* server = impl->server.get();
-  impl->listener = std::thread([server] { server->listen_after_bind(); });
-  spdlog::info("http: listening on {}://{}:{}", options.tls_cert.empty() ? "http" : "https",
-               options.host, impl->port);
+  spdlog::info("http: listening on {}://{}:{} ({} I/O threads, at most {} connections)",
+               options.tls_cert.empty() ? "http" : "https", options.host, impl->port,
+               options.io_threads, options.max_connections);
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }
 
@@ -1104,25 +1091,56 @@ HttpServer::~HttpServer() { Stop(); }
 int HttpServer::port() const { return impl_->port; }
 
 void HttpServer::Stop() {
-  if (!impl_->listener.joinable()) return;
-  std::vector<std::pair<uint64_t, std::shared_ptr<RequestState>>> active;
+  if (impl_->stopped) return;
+  impl_->stopped = true;
+  ServerCore& core = impl_->core;
+  core.stopping.store(true);
+  impl_->acceptor->Close();
+  // Handlers already queued run to their end (they answer 503 or register
+  // calls that are cancelled below).
+  core.handlers->join();
+  // Cancelled requests end through their final events, which their pumps
+  // still write; give them a moment.
+  std::vector<std::shared_ptr<Call>> calls;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->stopping = true;
-    active.assign(impl_->active.begin(), impl_->active.end());
+    std::unique_lock<std::mutex> lock(core.calls_mu);
+    for (auto& [id, call] : core.calls) core.service->Cancel(id);
+    core.calls_cv.wait_for(lock, kStopGrace, [&] { return core.calls.empty(); });
+    for (auto& [id, call] : core.calls) calls.push_back(call);
   }
-  // Streams and waits end through their requests' final (cancelled) events;
-  // the workers must return before httplib's shutdown can join them.
-  for (auto& [id, state] : active) {
-    impl_->service->Cancel(id);
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-      state->stopping = true;
+  for (auto& call : calls) {
+    std::lock_guard<std::mutex> lock(call->mu);
+    call->detached = true;  // late engine events post nothing
+  }
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    std::lock_guard<std::mutex> lock(core.sessions_mu);
+    for (auto& [raw, weak] : core.sessions) {
+      if (auto c = weak.lock()) open.push_back(std::move(c));
     }
-    state->cv.notify_all();
   }
-  impl_->server->stop();
-  impl_->listener.join();
+  for (auto& c : open) c->Close();
+  open.clear();
+  impl_->work.reset();
+  // Closed sockets finish their handlers quickly; anything still pending
+  // after the grace period is dropped with the io_context.
+  const auto give_up = SteadyTime::now() + kStopGrace;
+  while (!core.ioc.stopped() && SteadyTime::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  core.ioc.stop();
+  for (std::thread& t : impl_->threads) t.join();
+  impl_->threads.clear();
+  // No strand runs any more: the calls the engine may still hold must not
+  // keep sockets of this io_context alive.
+  for (auto& call : calls) {
+    std::lock_guard<std::mutex> lock(call->mu);
+    call->conn.reset();
+  }
+  {
+    std::lock_guard<std::mutex> lock(core.calls_mu);
+    core.calls.clear();
+  }
 }
 
 }  // namespace kvserve

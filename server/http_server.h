@@ -1,8 +1,17 @@
 // HttpServer: the OpenAI-compatible HTTP API (/v1/completions,
 // /v1/chat/completions with and without server-sent events, /v1/models) plus
-// /health and /metrics, on its own port.
+// /health, /metrics and /admin/clear_prefix_cache, on its own port.
+//
+// Event-driven (Boost.Beast on Asio): a fixed number of I/O threads serve
+// every connection, idle or streaming; no thread belongs to a connection or
+// a stream. Requests that may block (tokenizing a long prompt, clearing the
+// prefix cache) run on a pool of the same fixed size.
+//
+// Thread-safety: Start, port and Stop from one thread.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -18,6 +27,21 @@ struct HttpServerOptions {
   std::string tls_cert;             // PEM files; both set serves HTTPS
   std::string tls_key;
   int64_t max_request_bytes = 1 << 20;  // larger bodies get 413
+  int32_t io_threads = 2;               // I/O threads (and as many handler threads)
+  // Open connections at most. At the limit the longest-idle keep-alive
+  // connection is closed to make room; when none is idle the new one gets
+  // 503 and is closed.
+  int64_t max_connections = 16384;
+  int64_t max_header_bytes = 16384;  // request line + headers; 431 above
+  // A connection waiting for a request's first byte (new, or kept alive
+  // after a response) is closed after idle_timeout; a request's headers must
+  // arrive within header_timeout of its first byte, its body within
+  // body_timeout of the headers; a response write that makes no progress for
+  // write_timeout disconnects the client and cancels its request.
+  std::chrono::milliseconds idle_timeout{std::chrono::seconds(60)};
+  std::chrono::milliseconds header_timeout{std::chrono::seconds(10)};
+  std::chrono::milliseconds body_timeout{std::chrono::seconds(30)};
+  std::chrono::milliseconds write_timeout{std::chrono::seconds(30)};
 };
 
 class HttpServer {
@@ -26,7 +50,9 @@ class HttpServer {
       ModelService* service, const HttpServerOptions& options);
   ~HttpServer();
   int port() const;
-  // Stops accepting connections and waits for the listener thread.
+  // Stops accepting, cancels the requests still in flight (their clients get
+  // the shutdown 503 or error event when it can still be written), closes
+  // every connection and joins the threads.
   void Stop();
 
  private:

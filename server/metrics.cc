@@ -183,6 +183,20 @@ std::string Metrics::Render(const EngineStats& stats) const {
               stats.waiting, &out);
   AppendGauge("kvserve:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", l,
               stats.kv_utilization, &out);
+  AppendGauge("kvserve:http_connections", "Open HTTP connections.", l,
+              static_cast<double>(http_open_.load()), &out);
+  AppendCounter("kvserve:http_connections_refused_total",
+                "HTTP connections refused with 503 at --max-connections.", l,
+                static_cast<double>(http_refused_.load()), &out);
+  AppendCounter("kvserve:http_idle_connections_closed_total",
+                "Idle HTTP connections closed to make room at --max-connections.", l,
+                static_cast<double>(http_evicted_.load()), &out);
+  AppendCounter("kvserve:http_timeouts_total",
+                "HTTP connections closed by the idle, header, body or write timeout.", l,
+                static_cast<double>(http_timed_out_.load()), &out);
+  AppendCounter("kvserve:http_stalled_readers_total",
+                "HTTP streams disconnected because the client stopped reading.", l,
+                static_cast<double>(http_stalled_.load()), &out);
   AppendCounter("kvserve:num_preemptions_total",
                 "Cumulative number of preemptions (by recompute) from the engine.", l,
                 static_cast<double>(stats.preemptions), &out);

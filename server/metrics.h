@@ -8,6 +8,7 @@
 // Thread-safety: all methods are thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -57,6 +58,17 @@ class Metrics {
   void AddPromptTokens(int64_t n);
   void AddGenerationTokens(int64_t n);
 
+  // The HTTP front end's connections (server/http_server.h): open now;
+  // refused at --max-connections (503); idle ones closed to make room;
+  // closed by a timeout (idle, header, body, write); closed because the
+  // client stopped reading its stream.
+  void HttpConnectionOpened() { http_open_.fetch_add(1); }
+  void HttpConnectionClosed() { http_open_.fetch_sub(1); }
+  void HttpConnectionRefused() { http_refused_.fetch_add(1); }
+  void HttpIdleConnectionEvicted() { http_evicted_.fetch_add(1); }
+  void HttpConnectionTimedOut() { http_timed_out_.fetch_add(1); }
+  void HttpStalledReaderDisconnected() { http_stalled_.fetch_add(1); }
+
   std::string Render(const EngineStats& stats) const;
 
   const std::string& model_name() const { return model_name_; }
@@ -77,6 +89,11 @@ class Metrics {
   Histogram ttft_;
   Histogram itl_;
   Histogram e2e_;
+  std::atomic<int64_t> http_open_{0};
+  std::atomic<uint64_t> http_refused_{0};
+  std::atomic<uint64_t> http_evicted_{0};
+  std::atomic<uint64_t> http_timed_out_{0};
+  std::atomic<uint64_t> http_stalled_{0};
 };
 
 // Escapes a label value for the text format (backslash, double quote, newline).

@@ -96,6 +96,36 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
       ->capture_default_str();
   app->add_option("--max-request-bytes", f->max_request_bytes, "Largest HTTP body (413 above)")
       ->capture_default_str();
+  app->add_option("--http-threads", f->http_threads,
+                  "HTTP I/O threads (and as many request-handler threads)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  app->add_option("--max-connections", f->max_connections,
+                  "Open HTTP connections at most; at the limit the longest-idle one is closed, "
+                  "or the new one gets 503")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--http-max-header-bytes", f->http_max_header_bytes,
+                  "Largest HTTP request line + headers (431 above)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{256}, int64_t{1} << 24));
+  app->add_option("--http-idle-timeout", f->http_idle_timeout,
+                  "Seconds a connection may wait for a request's first byte (new or kept alive)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--http-header-timeout", f->http_header_timeout,
+                  "Seconds from a request's first byte to the end of its headers")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--http-body-timeout", f->http_body_timeout,
+                  "Seconds from a request's headers to the end of its body")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--http-write-timeout", f->http_write_timeout,
+                  "Seconds a response write may stall (a client that stops reading is "
+                  "disconnected and its request cancelled)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app->add_option("--drain-timeout", f->drain_timeout,
                   "Seconds in-flight requests get to finish on SIGTERM/SIGINT")
       ->capture_default_str();

@@ -69,6 +69,14 @@ struct ServeFlags {
   std::string tls_key;
   int32_t max_queued = 1024;
   int64_t max_request_bytes = 1 << 20;
+  // The HTTP front end's transport (server/http_server.h).
+  int32_t http_threads = 2;
+  int64_t max_connections = 16384;
+  int64_t http_max_header_bytes = 16384;
+  double http_idle_timeout = 60;    // seconds
+  double http_header_timeout = 10;  // seconds
+  double http_body_timeout = 30;    // seconds
+  double http_write_timeout = 30;   // seconds
   double drain_timeout = 30;
   std::string served_model_name;
   int32_t max_n = 8;
