@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cache/memory_planner.h"
 #include "common/status.h"
 #include "model/chat_template.h"
 #include "server/engine_builder.h"
@@ -72,6 +73,22 @@ absl::StatusOr<ServiceLimits> ServiceLimitsFromFlags(const ServeFlags& f) {
   limits.default_max_tokens = f.default_max_tokens;
   ASSIGN_OR_RETURN(limits.kv_policy, KvPolicyDefaultsFromFlags(f.kv_policy));
   return limits;
+}
+
+absl::StatusOr<ResponseCacheOptions> ResponseCacheOptionsFromFlags(const ServeFlags& f) {
+  ResponseCacheOptions o;
+  absl::StatusOr<int64_t> bytes = ParseMemoryBudget(f.response_cache_bytes);
+  if (!bytes.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--response-cache-bytes: ", bytes.status().message()));
+  }
+  o.max_bytes = *bytes;
+  if (!(f.response_cache_ttl >= 0) || f.response_cache_ttl > 1e9) {
+    return absl::InvalidArgumentError(
+        "--response-cache-ttl must be seconds >= 0 (0: no expiry)");
+  }
+  o.ttl_ns = static_cast<int64_t>(f.response_cache_ttl * 1e9);
+  return o;
 }
 
 GrpcServerOptions GrpcOptionsFromFlags(const ServeFlags& f, const std::string& api_key) {
@@ -135,6 +152,24 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
                                                d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
+  ASSIGN_OR_RETURN(const ResponseCacheOptions cache_options, ResponseCacheOptionsFromFlags(f));
+  if (cache_options.max_bytes > 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CacheIdentity identity;
+    ASSIGN_OR_RETURN(identity.model_fingerprint, ModelFingerprint(model_path));
+    // Anything that changes the bits of a reply for the same request.
+    const EngineOptions& eo = d->engine_->options();
+    identity.numerics = absl::StrCat(
+        "kv=", std::string(kernels::KvDTypeName(eo.kv_dtype)), ";block=", eo.block_size,
+        ";device=", eo.backend != nullptr ? eo.backend->name() : "cpu");
+    d->response_cache_ = std::make_unique<ResponseCache>(cache_options);
+    d->service_->EnableResponseCache(d->response_cache_.get(), identity);
+    spdlog::info("response cache: {} bytes, ttl {} s (model {}, {}; fingerprint in {:.0f} ms)",
+                 cache_options.max_bytes, f.response_cache_ttl,
+                 identity.model_fingerprint.substr(0, 16), identity.numerics,
+                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                     .count());
+  }
   d->engine_->Start();
 
   ASSIGN_OR_RETURN(d->grpc_,

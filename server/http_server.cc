@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "server/completed_response.h"
+#include "server/response_cache_api.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -520,6 +521,7 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     }
   }
   ReadKvPolicy(r, p);
+  if (auto e = ParseResponseCacheJson(body, &p->response_cache)) r.Fail("response_cache", *e);
   r.Bool("stream", &o->stream);
   ReadStop(r, p);
   if (const json* ids = r.Get("stop_token_ids")) {
@@ -707,6 +709,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   CompletionParams params;
   HttpRequestOptions opts;
   if (auto err = ParseBody(body, chat, &params, &opts)) return SendError(res, *err);
+  params.tenant = TenantFromApiKey(options.api_key);  // the key Authorized() checked
   absl::StatusOr<PreparedRequest> prepared = service->Prepare(params);
   if (!prepared.ok()) {
     ApiError e = FromStatus(prepared.status());
@@ -729,6 +732,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   }
 
   auto state = std::make_shared<RequestState>();
+  CacheOutcome cache;
   absl::StatusOr<uint64_t> started =
       service->Start(std::move(prepared).value(), [state](const SeqEvent& ev) {
         // Engine thread: hand over and return at once.
@@ -737,8 +741,9 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
           state->events.push_back(ev);
         }
         state->cv.notify_one();
-      });
+      }, &cache);
   if (!started.ok()) return SendError(res, FromStatus(started.status()));
+  if (cache.kind != CacheHitKind::kOff) res.set_header(kCacheHeader, CacheHitKindName(cache.kind));
   const uint64_t request_id = *started;
   {
     // Registering and checking under one lock: either Stop sees this request
@@ -792,6 +797,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
                 {"choices", std::move(out_choices)},
                 {"usage", Usage(done, kv_policy)}};
     if (chat) out["system_fingerprint"] = nullptr;
+    if (cache.kind != CacheHitKind::kOff) out["kvserve_cache"] = CacheOutcomeJson(cache);
     res.set_content(Dump(out), "application/json");
     return;
   }
@@ -834,7 +840,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, state, cursor, request_id, opts, n, chat, kv_policy, echo_text, chunk_json, chunk,
-       choice_delta](size_t /*offset*/, httplib::DataSink& sink) -> bool {
+       choice_delta, cache](size_t /*offset*/, httplib::DataSink& sink) -> bool {
         StreamCursor& cur = *cursor;
         std::string out;
         if (!cur.opened) {
@@ -894,6 +900,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
             const CompletedResponse done = cur.response.Take();  // the stream ends here
             json u = chunk_json(json::array());
             u["usage"] = Usage(done, kv_policy);
+            if (cache.kind != CacheHitKind::kOff) u["kvserve_cache"] = CacheOutcomeJson(cache);
             out += absl::StrCat("data: ", Dump(u), "\n\n");
           }
           out += "data: [DONE]\n\n";
@@ -1026,6 +1033,12 @@ void HttpServer::Impl::Routes() {
   });
   s.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     HandleCompletion(req, res, /*chat=*/true);
+  });
+  // Admin: purges the response cache (server/response_cache_api.h).
+  s.Post("/admin/response_cache/purge", [this](const httplib::Request& req, httplib::Response& res) {
+    PurgeAnswer a = PurgeResponseCacheHttp(service, TenantFromApiKey(options.api_key), req.body);
+    res.status = a.status;
+    res.set_content(Dump(a.body), "application/json");
   });
   // Admin: empties the prefix cache (behind the API key like every route
   // but /health). Blocks this worker until the engine's next step.
