@@ -268,7 +268,7 @@ void Scheduler::Admit(BatchPlan* plan) {
   // reserved yet (their remaining prompt chunks).
   int32_t pending_blocks = 0;
   for (Sequence* r : running_) {
-    const int32_t unreserved = r->num_tokens() - r->kv.table.num_tokens();
+    const int32_t unreserved = r->num_input_tokens() - r->kv.table.num_tokens();
     if (unreserved > 1) pending_blocks += r->kv.table.BlocksNeeded(unreserved);
   }
   // Seats: running sequences count one each, and a request that has not
@@ -294,7 +294,7 @@ void Scheduler::Admit(BatchPlan* plan) {
     // pool can hold in full: the rest of the prompt plus what the sequence
     // generated before a preemption. FCFS: no overtaking.
     kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), s->num_tokens() - 1);
-    const int32_t need = kv_->BlocksNeeded(s->kv, s->num_tokens() - s->kv.num_computed);
+    const int32_t need = kv_->BlocksNeeded(s->kv, s->num_input_tokens() - s->kv.num_computed);
     const int32_t free_before = kv_->num_free_blocks();
     if (!kv_->EnsureFree(need + pending_blocks)) {
       kv_->Discard(&s->kv);  // unpin the match; it is looked up again next time
