@@ -153,6 +153,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                                                d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
   ASSIGN_OR_RETURN(const ResponseCacheOptions cache_options, ResponseCacheOptionsFromFlags(f));
+  absl::StatusOr<SemanticMode> semantic_mode = ParseSemanticMode(f.semantic_cache_default);
+  if (!semantic_mode.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--semantic-cache-default: ", semantic_mode.status().message()));
+  }
+  const SemanticMode semantic_default = *semantic_mode;
+  if (!(f.semantic_cache_threshold >= -1 && f.semantic_cache_threshold <= 1)) {
+    return absl::InvalidArgumentError("--semantic-cache-threshold must be in [-1, 1]");
+  }
+  if (!f.semantic_cache_model.empty() && cache_options.max_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "--semantic-cache-model needs the response cache: give --response-cache-bytes too");
+  }
+  if (f.semantic_cache_model.empty() && semantic_default != SemanticMode::kOff) {
+    return absl::InvalidArgumentError(
+        "--semantic-cache-default other than off needs --semantic-cache-model");
+  }
   if (cache_options.max_bytes > 0) {
     const auto t0 = std::chrono::steady_clock::now();
     CacheIdentity identity;
@@ -164,6 +181,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
         ";device=", eo.backend != nullptr ? eo.backend->name() : "cpu");
     d->response_cache_ = std::make_unique<ResponseCache>(cache_options);
     d->service_->EnableResponseCache(d->response_cache_.get(), identity);
+    if (!f.semantic_cache_model.empty()) {
+      ASSIGN_OR_RETURN(d->embedder_, MakeEmbedder(f.semantic_cache_model));
+      SemanticIndexOptions so;
+      // About one indexed query per 2 KiB of cached replies.
+      so.max_entries = std::max<int64_t>(1024, cache_options.max_bytes / 2048);
+      d->semantic_ = std::make_unique<SemanticIndex>(d->embedder_->dim(),
+                                                     d->response_cache_.get(), so);
+      d->service_->EnableSemanticCache(d->semantic_.get(), d->embedder_.get(),
+                                       static_cast<float>(f.semantic_cache_threshold),
+                                       semantic_default);
+      spdlog::info("semantic cache: {} (dim {}), threshold {}, default mode {}",
+                   d->embedder_->fingerprint(), d->embedder_->dim(), f.semantic_cache_threshold,
+                   f.semantic_cache_default);
+    }
     spdlog::info("response cache: {} bytes, ttl {} s (model {}, {}; fingerprint in {:.0f} ms)",
                  cache_options.max_bytes, f.response_cache_ttl,
                  identity.model_fingerprint.substr(0, 16), identity.numerics,

@@ -25,6 +25,7 @@
 #include "server/metrics.h"
 #include "server/model_service.h"
 #include "server/response_cache.h"
+#include "server/semantic_cache.h"
 #include "server/serve_flags.h"
 
 namespace kvserve {
@@ -82,6 +83,8 @@ class Daemon {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ResponseCache> response_cache_;  // null when off
+  std::unique_ptr<TextEmbedder> embedder_;         // null without --semantic-cache-model
+  std::unique_ptr<SemanticIndex> semantic_;
   std::unique_ptr<ModelService> service_;
   std::unique_ptr<GrpcServer> grpc_;
   std::unique_ptr<HttpServer> http_;

@@ -294,7 +294,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
             info->set_kind(CacheHitKindName(self->cache.kind));
             info->set_similarity(self->cache.similarity);
             info->set_draft_tokens(self->cache.draft_tokens);
-            info->set_accepted_tokens(self->cache.accepted_tokens);
+            info->set_accepted_tokens(done.draft_accepted);
           }
         }
         self->pending.push_back(std::move(chunk));

@@ -797,7 +797,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
                 {"choices", std::move(out_choices)},
                 {"usage", Usage(done, kv_policy)}};
     if (chat) out["system_fingerprint"] = nullptr;
-    if (cache.kind != CacheHitKind::kOff) out["kvserve_cache"] = CacheOutcomeJson(cache);
+    if (cache.kind != CacheHitKind::kOff) out["kvserve_cache"] = CacheOutcomeJson(cache, done);
     res.set_content(Dump(out), "application/json");
     return;
   }
@@ -900,7 +900,7 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
             const CompletedResponse done = cur.response.Take();  // the stream ends here
             json u = chunk_json(json::array());
             u["usage"] = Usage(done, kv_policy);
-            if (cache.kind != CacheHitKind::kOff) u["kvserve_cache"] = CacheOutcomeJson(cache);
+            if (cache.kind != CacheHitKind::kOff) u["kvserve_cache"] = CacheOutcomeJson(cache, done);
             out += absl::StrCat("data: ", Dump(u), "\n\n");
           }
           out += "data: [DONE]\n\n";

@@ -203,6 +203,15 @@ void ModelService::EnableResponseCache(ResponseCache* cache, CacheIdentity ident
   });
 }
 
+void ModelService::EnableSemanticCache(SemanticIndex* index, const TextEmbedder* embedder,
+                                       float default_threshold, SemanticMode default_mode) {
+  semantic_ = index;
+  embedder_ = embedder;
+  embedder_fingerprint_ = embedder->fingerprint();
+  semantic_threshold_ = default_threshold;
+  semantic_default_ = default_mode;
+}
+
 absl::StatusOr<int64_t> ModelService::PurgeResponseCache(
     const std::optional<std::string>& tenant, const std::optional<std::string>& cache_salt) {
   if (response_cache_ == nullptr || !response_cache_->enabled()) {
@@ -228,50 +237,96 @@ absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink
   CacheOutcome local;
   CacheOutcome& oc = outcome != nullptr ? *outcome : local;
   oc = CacheOutcome{};
+  const bool cache_on = response_cache_ != nullptr && response_cache_->enabled();
+  if (!cache_on) return Submit(std::move(request), std::move(sink));
+  const bool cacheable = CacheableRequest(request.engine);
   std::string cache_key;
-  bool store = false;
-  if (response_cache_ != nullptr && response_cache_->enabled()) {
-    if (!request.cache.lookup || !CacheableRequest(request.engine)) {
-      oc.kind = CacheHitKind::kBypass;
-      response_cache_->CountBypass();
-    } else {
-      cache_key = ResponseCacheKey(cache_identity_, request.tenant, request.engine);
-      if (std::shared_ptr<const CachedReply> hit = response_cache_->Lookup(cache_key)) {
-        oc.kind = CacheHitKind::kExact;
-        const uint64_t id = next_replay_id_.fetch_add(1);
-        in_flight_.fetch_add(1);
-        replay_->Post([this, hit, id, sink = std::move(sink)] {
-          for (const SeqEvent& ev : hit->Replay(id)) {
-            if (ev.finish != FinishReason::kNone) metrics_->RequestFinished(FinishReasonName(ev.finish));
-            sink(ev);
-          }
-          in_flight_.fetch_sub(1);
-        });
-        return id;
-      }
-      oc.kind = CacheHitKind::kMiss;
-    }
-    store = CacheableRequest(request.engine) && request.cache.store;
-    if (!store) response_cache_->CountStoreRejected();
-    if (cache_key.empty() && store) {
-      cache_key = ResponseCacheKey(cache_identity_, request.tenant, request.engine);
+  if (cacheable) cache_key = ResponseCacheKey(cache_identity_, request.tenant, request.engine);
+  if (!request.cache.lookup || !cacheable) {
+    oc.kind = CacheHitKind::kBypass;
+    response_cache_->CountBypass();
+  } else if (std::shared_ptr<const CachedReply> hit = response_cache_->Lookup(cache_key)) {
+    oc.kind = CacheHitKind::kExact;
+    return Replay(std::move(hit), std::move(sink));
+  } else {
+    oc.kind = CacheHitKind::kMiss;
+  }
+
+  // The semantic layer, for requests that opt in (or whose server does).
+  // Sampled requests without a seed may only take `approximate` answers.
+  const SemanticMode mode = request.cache.semantic.value_or(semantic_default_);
+  std::vector<float> embedding;
+  std::string semantic_scope;
+  if (semantic_ != nullptr && mode != SemanticMode::kOff && request.cache.lookup &&
+      !request.semantic_text.empty() && (cacheable || mode == SemanticMode::kApproximate)) {
+    absl::StatusOr<std::vector<float>> e = embedder_->Embed(request.semantic_text);
+    if (e.ok() && static_cast<int32_t>(e->size()) == semantic_->dim()) {
+      embedding = std::move(e).value();
+      semantic_scope = SemanticScope(cache_identity_, request.tenant, request.engine,
+                                     request.semantic_context, embedder_fingerprint_);
     }
   }
-  if (store) {
-    // Records the stream beside the front end's sink and stores the reply
-    // once every sample finished by the model.
+  if (!embedding.empty()) {
+    const float threshold = request.cache.min_similarity.value_or(semantic_threshold_);
+    std::optional<SemanticCandidate> c = semantic_->Find(semantic_scope, embedding, threshold);
+    response_cache_->CountSemanticLookup(c.has_value());
+    const EngineRequest& r = request.engine;
+    if (c && mode == SemanticMode::kApproximate &&
+        static_cast<int32_t>(c->reply->response.samples.size()) == r.n &&
+        c->reply->response.completion_tokens <= static_cast<int64_t>(r.n) * r.params.max_tokens) {
+      // Served as is: the client asked for it and is told so.
+      oc.kind = CacheHitKind::kApproximate;
+      oc.similarity = c->similarity;
+      response_cache_->CountSemanticHit(oc.kind, 0, 0);
+      return Replay(c->reply, std::move(sink));
+    }
+    if (c && mode == SemanticMode::kVerified && r.params.temperature == 0.0f && r.n == 1 &&
+        r.kv_policy.kind == KvPolicy::Kind::kNone && c->reply->response.samples.size() == 1) {
+      // Verified: the cached answer is only a draft the model checks
+      // (EngineRequest::draft_tokens); the reply is the model's own.
+      std::vector<int32_t> draft = c->reply->response.samples[0].token_ids;
+      if (static_cast<int32_t>(draft.size()) > r.params.max_tokens) {
+        draft.resize(static_cast<size_t>(r.params.max_tokens));
+      }
+      if (!draft.empty()) {
+        oc.kind = CacheHitKind::kSemanticVerified;
+        oc.similarity = c->similarity;
+        oc.draft_tokens = static_cast<int32_t>(draft.size());
+        request.engine.draft_tokens = std::move(draft);
+      }
+    }
+  }
+
+  const bool store = cacheable && request.cache.store;
+  if (!store) response_cache_->CountStoreRejected();
+  if (store || oc.kind == CacheHitKind::kSemanticVerified) {
+    // Records the stream beside the front end's sink and, once every sample
+    // finished by the model, stores the reply (and indexes its query when
+    // the request used the semantic layer).
     auto recorder = std::make_shared<ReplyRecorder>(request.engine.n, request.prompt_tokens);
     std::string scope =
         ResponseCacheScope(cache_identity_, request.tenant, request.engine.cache_salt);
     ResponseCache* cache = response_cache_;
-    sink = [recorder, cache, key = std::move(cache_key), scope = std::move(scope),
-            tenant = request.tenant, inner = std::move(sink)](const SeqEvent& ev) {
+    SemanticIndex* semantic = embedding.empty() ? nullptr : semantic_;
+    const CacheHitKind kind = oc.kind;
+    const int32_t draft_tokens = oc.draft_tokens;
+    sink = [recorder, cache, semantic, kind, draft_tokens, store, key = std::move(cache_key),
+            scope = std::move(scope), tenant = request.tenant,
+            semantic_scope = std::move(semantic_scope), embedding = std::move(embedding),
+            inner = std::move(sink)](const SeqEvent& ev) {
       if (recorder->Add(ev)) {
         auto reply = std::make_shared<CachedReply>(recorder->Take());
-        if (StorableResponse(reply->response)) {
+        if (kind == CacheHitKind::kSemanticVerified) {
+          cache->CountSemanticHit(kind, draft_tokens, reply->response.draft_accepted);
+        }
+        if (!store) {
+          // Counted at Start.
+        } else if (StorableResponse(reply->response)) {
           reply->scope = scope;
           reply->tenant = tenant;
-          cache->Insert(key, std::move(reply));
+          if (cache->Insert(key, std::move(reply)) && semantic != nullptr) {
+            semantic->Insert(semantic_scope, embedding, key);
+          }
         } else {
           cache->CountStoreRejected();
         }
@@ -279,6 +334,23 @@ absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink
       inner(ev);
     };
   }
+  return Submit(std::move(request), std::move(sink));
+}
+
+uint64_t ModelService::Replay(std::shared_ptr<const CachedReply> hit, StreamSink sink) {
+  const uint64_t id = next_replay_id_.fetch_add(1);
+  in_flight_.fetch_add(1);
+  replay_->Post([this, hit = std::move(hit), id, sink = std::move(sink)] {
+    for (const SeqEvent& ev : hit->Replay(id)) {
+      if (ev.finish != FinishReason::kNone) metrics_->RequestFinished(FinishReasonName(ev.finish));
+      sink(ev);
+    }
+    in_flight_.fetch_sub(1);
+  });
+  return id;
+}
+
+absl::StatusOr<uint64_t> ModelService::Submit(PreparedRequest request, StreamSink sink) {
   // Requests accepted but not yet running, counted from our own in-flight
   // number (exact under a burst) minus the engine's last published running
   // count (which lags by at most one step).

@@ -29,6 +29,7 @@
 #include "server/kv_policy.h"
 #include "server/metrics.h"
 #include "server/response_cache.h"
+#include "server/semantic_cache.h"
 
 namespace kvserve {
 
@@ -127,6 +128,12 @@ class ModelService {
   // serving.
   void EnableResponseCache(ResponseCache* cache, CacheIdentity identity);
   ResponseCache* response_cache() const { return response_cache_; }
+  // Turns the semantic layer on (after EnableResponseCache; both pointers
+  // outlive the service): requests whose mode (their own, else
+  // `default_mode`) is verified or approximate look up and index replies by
+  // their query's embedding.
+  void EnableSemanticCache(SemanticIndex* index, const TextEmbedder* embedder,
+                           float default_threshold, SemanticMode default_mode);
   // Admin purge: every entry (`tenant` unset), or the entries of `tenant`
   // (every salt, or only `cache_salt` when set). Returns the entries dropped;
   // FailedPrecondition when the cache is off.
@@ -159,6 +166,11 @@ class ModelService {
   Metrics* metrics() { return metrics_; }
 
  private:
+  // Hands a cache hit to the replay thread; returns its request id.
+  uint64_t Replay(std::shared_ptr<const CachedReply> hit, StreamSink sink);
+  // The engine path of Start (admission, timing, metrics).
+  absl::StatusOr<uint64_t> Submit(PreparedRequest request, StreamSink sink);
+
   std::string model_name_;
   LlamaModel* model_;
   const Tokenizer* tokenizer_;
@@ -171,6 +183,11 @@ class ModelService {
   std::atomic<int64_t> in_flight_{0};
   ResponseCache* response_cache_ = nullptr;
   CacheIdentity cache_identity_;
+  SemanticIndex* semantic_ = nullptr;
+  const TextEmbedder* embedder_ = nullptr;
+  std::string embedder_fingerprint_;
+  float semantic_threshold_ = 0.92f;
+  SemanticMode semantic_default_ = SemanticMode::kOff;
   // Replays cache hits off the caller's thread (front ends register a
   // request after Start returns, as with the engine).
   std::unique_ptr<ReplayThread> replay_;

@@ -54,8 +54,8 @@ enum class SemanticMode { kOff, kVerified, kApproximate };
 struct ResponseCacheControl {
   bool lookup = true;  // false: never served from the cache
   bool store = true;   // false: the reply is not stored
-  SemanticMode semantic = SemanticMode::kOff;
-  std::optional<float> min_similarity;  // semantic threshold; unset: the server's
+  std::optional<SemanticMode> semantic;  // unset: the server's default
+  std::optional<float> min_similarity;   // semantic threshold; unset: the server's
 };
 
 // What the front end reports with a reply.
@@ -63,7 +63,9 @@ struct CacheOutcome {
   CacheHitKind kind = CacheHitKind::kOff;
   float similarity = 0;         // semantic hits: the candidate's cosine similarity
   int32_t draft_tokens = 0;     // semantic-verified: the cached answer's tokens offered
-  int32_t accepted_tokens = 0;  // semantic-verified: of those, the ones the model kept
+  // semantic-verified: of those, the ones the model kept — known only at the
+  // end: front ends read CompletedResponse::draft_accepted.
+  int32_t accepted_tokens = 0;
 };
 
 // The served model and the numerics it runs with: part of every key, so a

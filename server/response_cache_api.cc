@@ -39,7 +39,7 @@ std::optional<std::string> ParseResponseCacheJson(const json& body, ResponseCach
   return std::nullopt;
 }
 
-json CacheOutcomeJson(const CacheOutcome& o) {
+json CacheOutcomeJson(const CacheOutcome& o, const CompletedResponse& done) {
   if (o.kind == CacheHitKind::kOff) return nullptr;
   json j = {{"kind", CacheHitKindName(o.kind)}};
   if (o.kind == CacheHitKind::kSemanticVerified || o.kind == CacheHitKind::kApproximate) {
@@ -47,7 +47,7 @@ json CacheOutcomeJson(const CacheOutcome& o) {
   }
   if (o.kind == CacheHitKind::kSemanticVerified) {
     j["draft_tokens"] = o.draft_tokens;
-    j["accepted_tokens"] = o.accepted_tokens;
+    j["accepted_tokens"] = done.draft_accepted;
   }
   return j;
 }

@@ -34,8 +34,9 @@ std::optional<std::string> ParseResponseCacheJson(const nlohmann::json& body,
                                                   ResponseCacheControl* out);
 
 // {"kind": "exact", "similarity": s, "draft_tokens": d, "accepted_tokens": a}
-// (the semantic fields only for semantic hits); null when the cache is off.
-nlohmann::json CacheOutcomeJson(const CacheOutcome& outcome);
+// (the semantic fields only for semantic hits; accepted_tokens from the
+// completed reply); null when the cache is off.
+nlohmann::json CacheOutcomeJson(const CacheOutcome& outcome, const CompletedResponse& done);
 
 // The purge route: the HTTP status and the JSON answer.
 struct PurgeAnswer {
