@@ -66,6 +66,7 @@ struct SemanticIndex::Scope {
   hnswlib::InnerProductSpace space;
   hnswlib::HierarchicalNSW<float> index;
   absl::flat_hash_map<hnswlib::labeltype, std::string> keys;  // label -> exact key
+  absl::flat_hash_map<hnswlib::labeltype, std::vector<float>> vectors;  // for the exact scan
   absl::flat_hash_map<std::string, hnswlib::labeltype> labels;
   hnswlib::labeltype next_label = 0;
   size_t live = 0;
@@ -91,12 +92,19 @@ std::optional<SemanticCandidate> SemanticIndex::Find(const std::string& scope,
   Scope& s = *it->second;
   // A few neighbours: the nearest may be a reply the exact cache has
   // dropped since (then its point goes too).
-  const size_t k = std::min<size_t>(4, s.live);
-  auto result = s.index.searchKnn(embedding.data(), k);
   std::vector<std::pair<float, hnswlib::labeltype>> nearest;
-  while (!result.empty()) {
-    nearest.push_back(result.top());
-    result.pop();
+  if (static_cast<int64_t>(s.live) <= options_.exact_scan_limit) {
+    for (const auto& [label, v] : s.vectors) {
+      float dot = 0;
+      for (int32_t i = 0; i < dim_; ++i) dot += v[static_cast<size_t>(i)] * embedding[static_cast<size_t>(i)];
+      nearest.push_back({1.0f - dot, label});
+    }
+  } else {
+    auto result = s.index.searchKnn(embedding.data(), std::min<size_t>(4, s.live));
+    while (!result.empty()) {
+      nearest.push_back(result.top());
+      result.pop();
+    }
   }
   std::sort(nearest.begin(), nearest.end());  // smallest distance (1 - cosine) first
   for (const auto& [distance, label] : nearest) {
@@ -107,6 +115,7 @@ std::optional<SemanticCandidate> SemanticIndex::Find(const std::string& scope,
     std::shared_ptr<const CachedReply> reply = cache_->Peek(key->second);
     if (reply == nullptr) {
       s.index.markDelete(label);
+      s.vectors.erase(label);
       s.labels.erase(key->second);
       s.keys.erase(key);
       --s.live;
@@ -126,6 +135,7 @@ bool SemanticIndex::Insert(const std::string& scope, const std::vector<float>& e
   if (s == nullptr) s = std::make_unique<Scope>(dim_, 64, options_);
   if (auto existing = s->labels.find(key); existing != s->labels.end()) {
     s->index.addPoint(embedding.data(), existing->second);  // hnswlib updates in place
+    s->vectors[existing->second] = embedding;
     return true;
   }
   if (entries_ >= options_.max_entries) return false;
@@ -135,6 +145,7 @@ bool SemanticIndex::Insert(const std::string& scope, const std::vector<float>& e
   const hnswlib::labeltype label = s->next_label++;
   s->index.addPoint(embedding.data(), label);
   s->keys[label] = key;
+  s->vectors[label] = embedding;
   s->labels[key] = label;
   ++s->live;
   ++entries_;

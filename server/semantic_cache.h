@@ -3,7 +3,8 @@
 // text: the system prompt, earlier turns, max_tokens, stops, n, ...; see
 // SemanticScope) it keeps an HNSW index (hnswlib, inner product over the
 // TextEmbedder's unit vectors) from a stored reply's query embedding to its
-// exact-cache key. A lookup returns the nearest stored reply of the scope
+// exact-cache key (small scopes are scanned exactly; HNSW's graph search
+// misses some neighbours on near-tied data). A lookup returns the nearest stored reply of the scope
 // whose cosine similarity reaches the threshold; the reply itself lives in
 // the ResponseCache (an evicted or expired one is no candidate), so the
 // exact cache's byte bound, TTL and purges govern both.
@@ -59,6 +60,10 @@ std::string SemanticScope(const CacheIdentity& identity, std::string_view tenant
 
 struct SemanticIndexOptions {
   int64_t max_entries = 65536;  // over every scope; inserts past it are refused
+  // A scope this small is scanned exactly (a few hundred microseconds at
+  // dim 384); HNSW answers for larger ones, where its recall is the price
+  // of not scanning.
+  int32_t exact_scan_limit = 2048;
   int32_t hnsw_m = 16;
   int32_t ef_construction = 100;
   int32_t ef_search = 64;

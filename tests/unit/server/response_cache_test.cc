@@ -7,6 +7,8 @@
 #include "server/response_cache.h"
 
 #include <atomic>
+#include <cctype>
+#include <cmath>
 #include <condition_variable>
 #include <fstream>
 #include <mutex>
@@ -16,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/model_service.h"
+#include "server/semantic_cache.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
@@ -402,7 +405,7 @@ RunResult RunRequest(ModelService* service, const CompletionParams& p, bool canc
   return out;
 }
 
-std::string Text(const RunResult& r) {
+std::string TextOf(const RunResult& r) {
   std::string t;
   for (const SeqEvent& e : r.events) t += e.text;
   return t;
@@ -423,7 +426,7 @@ TEST(ModelServiceCacheTest, SecondIdenticalGreedyRequestIsAnExactReplay) {
   EXPECT_EQ(first.outcome.kind, CacheHitKind::kMiss);
   const RunResult second = RunRequest(s->service.get(), Greedy());
   EXPECT_EQ(second.outcome.kind, CacheHitKind::kExact);
-  EXPECT_EQ(Text(second), Text(first));
+  EXPECT_EQ(TextOf(second), TextOf(first));
   ASSERT_EQ(second.events.size(), first.events.size()) << "chunking differs";
   for (size_t i = 0; i < first.events.size(); ++i) {
     EXPECT_EQ(second.events[i].token_ids, first.events[i].token_ids) << i;
@@ -471,7 +474,7 @@ TEST(ModelServiceCacheTest, UnseededSampledRequestsAreNeverStored) {
   const RunResult b = RunRequest(s->service.get(), sampled);
   EXPECT_EQ(a.outcome.kind, CacheHitKind::kMiss);
   EXPECT_EQ(b.outcome.kind, CacheHitKind::kExact);
-  EXPECT_EQ(Text(a), Text(b));
+  EXPECT_EQ(TextOf(a), TextOf(b));
 }
 
 TEST(ModelServiceCacheTest, CancelledRequestsAreNeverStored) {
@@ -529,6 +532,220 @@ TEST(ModelServiceCacheTest, PurgeDropsTheTenantsEntries) {
   EXPECT_EQ(RunRequest(s->service.get(), alice).outcome.kind, CacheHitKind::kMiss);
   EXPECT_EQ(RunRequest(s->service.get(), bob).outcome.kind, CacheHitKind::kExact);
   EXPECT_EQ(s->service->PurgeResponseCache(std::nullopt, std::nullopt).value(), 2);
+}
+
+
+// ---------------------------------------------------------------------------
+// The semantic layer, with a test embedder: a bag of words (lower-cased,
+// punctuation dropped) hashed into 64 buckets, so rewordings with the same
+// words are identical and a negation is close but not identical.
+
+class BagOfWordsEmbedder : public TextEmbedder {
+ public:
+  int32_t dim() const override { return 64; }
+  std::string fingerprint() const override { return "test-bag-of-words-v1"; }
+  absl::StatusOr<std::vector<float>> Embed(std::string_view text) const override {
+    std::vector<float> v(64, 0.0f);
+    std::string word;
+    auto flush = [&] {
+      if (word.empty()) return;
+      v[std::hash<std::string>()(word) % 64] += 1.0f;
+      word.clear();
+    };
+    for (char c : text) {
+      if (std::isalnum(static_cast<unsigned char>(c))) {
+        word += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      } else {
+        flush();
+      }
+    }
+    flush();
+    float norm = 0;
+    for (float x : v) norm += x * x;
+    if (norm == 0) return absl::InvalidArgumentError("no words");
+    for (float& x : v) x /= std::sqrt(norm);
+    return v;
+  }
+};
+
+float Dot(const std::vector<float>& a, const std::vector<float>& b) {
+  float d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += a[i] * b[i];
+  return d;
+}
+
+TEST(SemanticIndexTest, NearestLiveReplyAboveTheThreshold) {
+  ResponseCache cache({1 << 20, 0, nullptr});
+  SemanticIndex index(64, &cache);
+  BagOfWordsEmbedder emb;
+  const auto cat = emb.Embed("the cat sat on the mat").value();
+  const auto dog = emb.Embed("a dog ran in the park").value();
+  ASSERT_TRUE(cache.Insert("k-cat", Reply("cat answer")));
+  ASSERT_TRUE(cache.Insert("k-dog", Reply("dog answer")));
+  ASSERT_TRUE(index.Insert("scope", cat, "k-cat"));
+  ASSERT_TRUE(index.Insert("scope", dog, "k-dog"));
+  const auto query = emb.Embed("The cat sat on the mat!").value();
+  auto c = index.Find("scope", query, 0.9f);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->key, "k-cat");
+  EXPECT_NEAR(c->similarity, 1.0f, 1e-4);
+  EXPECT_FALSE(index.Find("other-scope", query, 0.9f).has_value()) << "scopes leak";
+  const auto trap = emb.Embed("the cat did not sit on the mat").value();
+  const float sim = Dot(trap, cat);
+  EXPECT_FALSE(index.Find("scope", trap, sim + 0.01f).has_value());
+  EXPECT_TRUE(index.Find("scope", trap, sim - 0.01f).has_value());
+  // The exact cache drops the reply: it is no candidate any more (and the
+  // points of dropped replies go when a lookup meets them).
+  cache.Purge();
+  EXPECT_FALSE(index.Find("scope", query, -1.0f).has_value());
+  EXPECT_EQ(index.size(), 0);
+}
+
+class SemanticIndexScanTest : public ::testing::TestWithParam<int32_t /* exact_scan_limit */> {};
+
+// Exact scan (limit 2048) and HNSW (limit 0) alike; growing past the first
+// HNSW capacity (64) resizes it.
+TEST_P(SemanticIndexScanTest, BoundedAndGrowing) {
+  ResponseCache cache({1 << 20, 0, nullptr});
+  SemanticIndexOptions o;
+  o.max_entries = 100;
+  o.exact_scan_limit = GetParam();
+  SemanticIndex index(64, &cache, o);
+  BagOfWordsEmbedder emb;
+  int stored = 0;
+  for (int i = 0; i < 120; ++i) {
+    const std::string key = "k" + std::to_string(i);
+    cache.Insert(key, Reply("x"));
+    stored += index.Insert("s", emb.Embed("word" + std::to_string(i) + " common").value(), key);
+  }
+  EXPECT_EQ(stored, 100);
+  EXPECT_EQ(index.size(), 100);
+  // Words of their own (HNSW's graph search has no ties to get lost in).
+  auto found = index.Find("s", emb.Embed("word42 common").value(), -1.0f);
+  ASSERT_TRUE(found.has_value());
+  if (GetParam() > 0) EXPECT_GT(found->similarity, 0.99f) << found->key;
+  EXPECT_GT(found->similarity, 0.7f) << found->key;
+}
+
+INSTANTIATE_TEST_SUITE_P(ExactAndHnsw, SemanticIndexScanTest, ::testing::Values(2048, 0));
+
+TEST(SemanticIndexTest, ExactScanFindsTheExactNeighbour) {
+  ResponseCache cache({1 << 20, 0, nullptr});
+  SemanticIndex index(64, &cache);
+  BagOfWordsEmbedder emb;
+  for (int i = 0; i < 100; ++i) {
+    const std::string key = "k" + std::to_string(i);
+    cache.Insert(key, Reply("x"));
+    ASSERT_TRUE(index.Insert("s", emb.Embed("word" + std::to_string(i) + " common").value(), key));
+  }
+  for (int i = 0; i < 100; ++i) {
+    auto found = index.Find("s", emb.Embed("word" + std::to_string(i) + " common").value(), 0.99f);
+    ASSERT_TRUE(found.has_value()) << i;
+  }
+}
+
+TEST(SemanticScopeTest, TheSamplerMayDifferNothingElse) {
+  EngineRequest r = BaseRequest();
+  const std::string base = SemanticScope(Identity(), "t", r, "ctx", "emb");
+  EngineRequest sampled = r;
+  sampled.params.temperature = 0.9f;
+  sampled.params.has_seed = true;
+  sampled.params.seed = 3;
+  sampled.prompt = {1, 2};  // the query is the embedding's business
+  EXPECT_EQ(SemanticScope(Identity(), "t", sampled, "ctx", "emb"), base);
+  EngineRequest other = r;
+  other.params.max_tokens = 99;
+  EXPECT_NE(SemanticScope(Identity(), "t", other, "ctx", "emb"), base);
+  other = r;
+  other.params.stop = {"."};
+  EXPECT_NE(SemanticScope(Identity(), "t", other, "ctx", "emb"), base);
+  EXPECT_NE(SemanticScope(Identity(), "t2", r, "ctx", "emb"), base) << "tenant";
+  EXPECT_NE(SemanticScope(Identity(), "t", r, "system: be brief", "emb"), base) << "system prompt";
+  EXPECT_NE(SemanticScope(Identity(), "t", r, "ctx", "emb2"), base) << "embedder";
+}
+
+struct SemanticServed {
+  std::unique_ptr<Served> served;
+  BagOfWordsEmbedder embedder;
+  std::unique_ptr<SemanticIndex> index;
+};
+
+std::unique_ptr<SemanticServed> ServeSemantic(float threshold) {
+  auto s = std::make_unique<SemanticServed>();
+  s->served = Serve(1 << 20);
+  s->index = std::make_unique<SemanticIndex>(64, s->served->cache.get());
+  s->served->service->EnableSemanticCache(s->index.get(), &s->embedder, threshold,
+                                          SemanticMode::kOff);
+  return s;
+}
+
+CompletionParams TextParams(const std::string& prompt, SemanticMode mode, int32_t max_tokens = 16) {
+  CompletionParams p;
+  p.prompt_text = prompt;
+  p.max_tokens = max_tokens;
+  p.temperature = 0;
+  p.ignore_eos = true;
+  p.response_cache.semantic = mode;
+  return p;
+}
+
+// The model's own greedy answer, computed without the cache.
+RunResult Plain(ModelService* service, CompletionParams p) {
+  p.response_cache.lookup = false;
+  p.response_cache.store = false;
+  return RunRequest(service, p);
+}
+
+std::vector<int32_t> Tokens(const RunResult& r) {
+  std::vector<int32_t> t;
+  for (const SeqEvent& e : r.events) t.insert(t.end(), e.token_ids.begin(), e.token_ids.end());
+  return t;
+}
+
+TEST(ModelServiceSemanticTest, VerifiedHitsNeverChangeTheGreedyAnswer) {
+  auto s = ServeSemantic(0.5f);
+  ModelService* service = s->served->service.get();
+  const RunResult stored = RunRequest(service, TextParams("the cat sat on the mat", SemanticMode::kVerified));
+  EXPECT_EQ(stored.outcome.kind, CacheHitKind::kMiss);
+  ASSERT_EQ(s->index->size(), 1);
+
+  // A rewording (same words, other case and punctuation): a candidate; its
+  // tokens are the draft; the answer is the model's own for this prompt.
+  for (const std::string& prompt :
+       {std::string("The cat sat on the mat!"), std::string("the cat did not sit on the mat"),
+        std::string("on the mat the cat sat")}) {
+    const RunResult want = Plain(service, TextParams(prompt, SemanticMode::kOff));
+    const RunResult got = RunRequest(service, TextParams(prompt, SemanticMode::kVerified));
+    EXPECT_EQ(got.outcome.kind, CacheHitKind::kSemanticVerified) << prompt;
+    EXPECT_EQ(got.outcome.draft_tokens, 16) << prompt;
+    EXPECT_GT(got.outcome.similarity, 0.5f) << prompt;
+    EXPECT_EQ(Tokens(got), Tokens(want)) << prompt << ": verification changed a greedy answer";
+    EXPECT_EQ(TextOf(got), TextOf(want)) << prompt;
+  }
+  const ResponseCacheStats st = s->served->cache->Stats();
+  EXPECT_EQ(st.hits_semantic_verified, 3);
+  EXPECT_EQ(st.verify_draft_tokens, 48);
+  EXPECT_LE(st.verify_accepted_tokens, 48);
+  EXPECT_GE(st.semantic_candidates, 3);
+}
+
+TEST(ModelServiceSemanticTest, ApproximateServesTheCachedAnswerAndSaysSo) {
+  auto s = ServeSemantic(0.95f);
+  ModelService* service = s->served->service.get();
+  const RunResult stored = RunRequest(service, TextParams("the cat sat on the mat", SemanticMode::kApproximate));
+  CompletionParams sampled = TextParams("The cat sat on the mat?", SemanticMode::kApproximate);
+  sampled.temperature = 0.8f;  // no seed: never stored, only approximate may answer it
+  const RunResult got = RunRequest(service, sampled);
+  EXPECT_EQ(got.outcome.kind, CacheHitKind::kApproximate);
+  EXPECT_EQ(TextOf(got), TextOf(stored));
+  // Below the threshold (a negation adds a word): computed, not served.
+  CompletionParams trap = TextParams("the cat did not sit on the mat", SemanticMode::kApproximate);
+  trap.temperature = 0.8f;
+  EXPECT_EQ(RunRequest(service, trap).outcome.kind, CacheHitKind::kBypass);
+  // Semantic off (the default here): no semantic lookup at all.
+  EXPECT_EQ(RunRequest(service, TextParams("The cat sat on the mat?", SemanticMode::kOff)).outcome.kind,
+            CacheHitKind::kMiss);
+  EXPECT_EQ(s->served->cache->Stats().hits_approximate, 1);
 }
 
 }  // namespace
