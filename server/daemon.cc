@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "cache/memory_planner.h"
 #include "common/status.h"
 #include "model/chat_template.h"
@@ -77,6 +78,9 @@ absl::StatusOr<ServiceLimits> ServiceLimitsFromFlags(const ServeFlags& f) {
 
 absl::StatusOr<ResponseCacheOptions> ResponseCacheOptionsFromFlags(const ServeFlags& f) {
   ResponseCacheOptions o;
+  // "0" is the off switch (ParseMemoryBudget wants a positive budget).
+  const absl::string_view text = absl::StripAsciiWhitespace(f.response_cache_bytes);
+  if (text == "0") return o;
   absl::StatusOr<int64_t> bytes = ParseMemoryBudget(f.response_cache_bytes);
   if (!bytes.ok()) {
     return absl::InvalidArgumentError(
@@ -182,7 +186,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
     d->response_cache_ = std::make_unique<ResponseCache>(cache_options);
     d->service_->EnableResponseCache(d->response_cache_.get(), identity);
     if (!f.semantic_cache_model.empty()) {
-      ASSIGN_OR_RETURN(d->embedder_, MakeEmbedder(f.semantic_cache_model));
+      absl::StatusOr<std::unique_ptr<TextEmbedder>> embedder =
+          MakeEmbedder(f.semantic_cache_model);
+      if (!embedder.ok()) {
+        return absl::Status(embedder.status().code(),
+                            absl::StrCat("--semantic-cache-model ", f.semantic_cache_model, ": ",
+                                         embedder.status().message()));
+      }
+      d->embedder_ = std::move(embedder).value();
       SemanticIndexOptions so;
       // About one indexed query per 2 KiB of cached replies.
       so.max_entries = std::max<int64_t>(1024, cache_options.max_bytes / 2048);

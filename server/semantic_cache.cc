@@ -32,7 +32,7 @@ absl::StatusOr<std::unique_ptr<TextEmbedder>> MakeEmbedder(const std::string& mo
   }
   if (!f) {
     return absl::UnimplementedError(
-        "--semantic-cache-model: this binary has no sentence encoder linked in");
+        "this binary has no sentence encoder linked in (SetEmbedderFactory was never called)");
   }
   return f(model_dir);
 }

@@ -308,5 +308,40 @@ TEST(ResponseCacheE2eTest, TheSystemPromptIsPartOfTheKey) {
             "miss");
 }
 
+TEST(ResponseCacheE2eTest, OffByDefault) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  auto d = testing::Daemon::Start(
+      KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", testing::Stories260KPath()},
+      {"--kv-cache-memory", "4MiB"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  for (int i = 0; i < 2; ++i) {
+    const Reply r = Post((*d)->http_port(), "/v1/completions", Greedy());
+    ASSERT_EQ(r.status, 200) << r.raw;
+    EXPECT_EQ(r.cache_header, "");
+    EXPECT_FALSE(r.body.contains("kvserve_cache"));
+  }
+  EXPECT_EQ(Post((*d)->http_port(), "/admin/response_cache/purge", json::object()).status, 409);
+}
+
+TEST(ResponseCacheE2eTest, BadCacheFlagsStopStartUpNamingTheFlag) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  const std::string base = std::string(KVSERVE_BINARY) + " --log-level warn -m " +
+                           testing::Stories260KPath() +
+                           " serve --http-port 0 --grpc-address 127.0.0.1:0 ";
+  for (const auto& [flags, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--response-cache-bytes 12XB", "--response-cache-bytes"},
+           {"--response-cache-bytes 1MiB --response-cache-ttl -1", "--response-cache-ttl"},
+           {"--semantic-cache-model /nonexistent", "--response-cache-bytes"},
+           {"--response-cache-bytes 1MiB --semantic-cache-model /nonexistent",
+            "--semantic-cache-model"},
+           {"--response-cache-bytes 1MiB --semantic-cache-default sometimes",
+            "--semantic-cache-default"},
+       }) {
+    const testing::CommandResult r = testing::RunCommand(base + flags + " 2>&1");
+    EXPECT_NE(r.exit_code, 0) << flags;
+    EXPECT_THAT(r.out, HasSubstr(want)) << flags;
+  }
+}
+
 }  // namespace
 }  // namespace kvserve
