@@ -15,12 +15,18 @@ namespace kvserve {
 
 const char* CacheHitKindName(CacheHitKind k) {
   switch (k) {
-    case CacheHitKind::kOff: return "off";
-    case CacheHitKind::kBypass: return "bypass";
-    case CacheHitKind::kMiss: return "miss";
-    case CacheHitKind::kExact: return "exact";
-    case CacheHitKind::kSemanticVerified: return "semantic-verified";
-    case CacheHitKind::kApproximate: return "approximate";
+    case CacheHitKind::kOff:
+      return "off";
+    case CacheHitKind::kBypass:
+      return "bypass";
+    case CacheHitKind::kMiss:
+      return "miss";
+    case CacheHitKind::kExact:
+      return "exact";
+    case CacheHitKind::kSemanticVerified:
+      return "semantic-verified";
+    case CacheHitKind::kApproximate:
+      return "approximate";
   }
   return "off";
 }
@@ -187,7 +193,8 @@ bool StorableResponse(const CompletedResponse& response) {
 // ---------------------------------------------------------------------------
 
 size_t CachedReply::ApproximateBytes() const {
-  size_t bytes = sizeof(*this) + scope.size() + tenant.size() + 64 /* key */ + 128 /* list and map nodes */;
+  size_t bytes =
+      sizeof(*this) + scope.size() + tenant.size() + 64 /* key */ + 128 /* list and map nodes */;
   for (const CompletedSample& s : response.samples) {
     bytes += sizeof(s) + s.text.size() + s.token_ids.size() * sizeof(int32_t) +
              s.logprobs.size() * sizeof(float);
@@ -250,8 +257,8 @@ bool ReplyRecorder::Add(const SeqEvent& ev) {
     // chunk of the stream.
     if (ev.index >= 0 && ev.index < static_cast<int32_t>(chunks_.size()) &&
         ev.finish == FinishReason::kNone && (!ev.token_ids.empty() || !ev.text.empty())) {
-      chunks_[ev.index].push_back({static_cast<int32_t>(ev.token_ids.size()),
-                                   static_cast<int32_t>(ev.text.size())});
+      chunks_[ev.index].push_back(
+          {static_cast<int32_t>(ev.token_ids.size()), static_cast<int32_t>(ev.text.size())});
     }
   }
   return acc_.Add(ev) && acc_.done();
@@ -349,8 +356,8 @@ int64_t ResponseCache::Purge(const std::optional<std::string>& tenant,
   int64_t n = 0;
   for (auto it = lru_.begin(); it != lru_.end();) {
     auto next = std::next(it);
-    const bool match = (!tenant || it->reply->tenant == *tenant) &&
-                       (!scope || it->reply->scope == *scope);
+    const bool match =
+        (!tenant || it->reply->tenant == *tenant) && (!scope || it->reply->scope == *scope);
     if (match) {
       EraseLocked(it);
       ++n;
@@ -401,8 +408,8 @@ void ResponseCache::RenderMetrics(const std::string& labels, std::string* out) c
   const ResponseCacheStats s = Stats();
   const std::string sep = labels.empty() ? "" : ",";
   auto metric = [&](const char* name, const char* type, const char* help, double v) {
-    absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n", name,
-                    "{", labels, "} ", FormatMetricValue(v), "\n");
+    absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n", name, "{",
+                    labels, "} ", FormatMetricValue(v), "\n");
   };
   metric("kvserve:response_cache_lookups_total", "counter",
          "Exact response-cache lookups (cacheable requests that did not bypass).",
@@ -414,8 +421,8 @@ void ResponseCache::RenderMetrics(const std::string& labels, std::string* out) c
                                                    {"semantic-verified", s.hits_semantic_verified},
                                                    {"approximate", s.hits_approximate}};
   for (const auto& [kind, v] : kinds) {
-    absl::StrAppend(out, "kvserve:response_cache_hits_total{", labels, sep, "kind=\"", kind,
-                    "\"} ", v, "\n");
+    absl::StrAppend(out, "kvserve:response_cache_hits_total{", labels, sep, "kind=\"", kind, "\"} ",
+                    v, "\n");
   }
   metric("kvserve:response_cache_misses_total", "counter", "Exact lookups that found no entry.",
          static_cast<double>(s.misses));

@@ -52,8 +52,8 @@ enum class SemanticMode { kOff, kVerified, kApproximate };
 // A request's say over the cache (HTTP `response_cache`, gRPC
 // `response_cache`).
 struct ResponseCacheControl {
-  bool lookup = true;  // false: never served from the cache
-  bool store = true;   // false: the reply is not stored
+  bool lookup = true;                    // false: never served from the cache
+  bool store = true;                     // false: the reply is not stored
   std::optional<SemanticMode> semantic;  // unset: the server's default
   std::optional<float> min_similarity;   // semantic threshold; unset: the server's
 };
@@ -61,8 +61,8 @@ struct ResponseCacheControl {
 // What the front end reports with a reply.
 struct CacheOutcome {
   CacheHitKind kind = CacheHitKind::kOff;
-  float similarity = 0;         // semantic hits: the candidate's cosine similarity
-  int32_t draft_tokens = 0;     // semantic-verified: the cached answer's tokens offered
+  float similarity = 0;      // semantic hits: the candidate's cosine similarity
+  int32_t draft_tokens = 0;  // semantic-verified: the cached answer's tokens offered
   // semantic-verified: of those, the ones the model kept — known only at the
   // end: front ends read CompletedResponse::draft_accepted.
   int32_t accepted_tokens = 0;
@@ -144,9 +144,9 @@ class ReplyRecorder {
 };
 
 struct ResponseCacheOptions {
-  int64_t max_bytes = 0;  // 0: the cache stores nothing
-  int64_t ttl_ns = 0;     // 0: entries never expire (LRU only)
-  Clock* clock = nullptr; // null: SteadyClock()
+  int64_t max_bytes = 0;   // 0: the cache stores nothing
+  int64_t ttl_ns = 0;      // 0: entries never expire (LRU only)
+  Clock* clock = nullptr;  // null: SteadyClock()
 };
 
 struct ResponseCacheStats {

@@ -51,9 +51,8 @@ std::string SemanticScope(const CacheIdentity& identity, std::string_view tenant
   profile.params.min_p = 0;
   profile.params.has_seed = false;
   profile.params.seed = 0;
-  return Sha256Hex(absl::StrCat(ResponseCacheKey(identity, tenant, profile), "|",
-                                context.size(), ":", std::string(context), "|",
-                                std::string(embedder_fingerprint)));
+  return Sha256Hex(absl::StrCat(ResponseCacheKey(identity, tenant, profile), "|", context.size(),
+                                ":", std::string(context), "|", std::string(embedder_fingerprint)));
 }
 
 struct SemanticIndex::Scope {
@@ -65,7 +64,7 @@ struct SemanticIndex::Scope {
   }
   hnswlib::InnerProductSpace space;
   hnswlib::HierarchicalNSW<float> index;
-  absl::flat_hash_map<hnswlib::labeltype, std::string> keys;  // label -> exact key
+  absl::flat_hash_map<hnswlib::labeltype, std::string> keys;            // label -> exact key
   absl::flat_hash_map<hnswlib::labeltype, std::vector<float>> vectors;  // for the exact scan
   absl::flat_hash_map<std::string, hnswlib::labeltype> labels;
   hnswlib::labeltype next_label = 0;
@@ -96,7 +95,8 @@ std::optional<SemanticCandidate> SemanticIndex::Find(const std::string& scope,
   if (static_cast<int64_t>(s.live) <= options_.exact_scan_limit) {
     for (const auto& [label, v] : s.vectors) {
       float dot = 0;
-      for (int32_t i = 0; i < dim_; ++i) dot += v[static_cast<size_t>(i)] * embedding[static_cast<size_t>(i)];
+      for (int32_t i = 0; i < dim_; ++i)
+        dot += v[static_cast<size_t>(i)] * embedding[static_cast<size_t>(i)];
       nearest.push_back({1.0f - dot, label});
     }
   } else {

@@ -86,8 +86,7 @@ class SemanticIndex {
   // The nearest live reply of `scope` with similarity >= min_similarity, or
   // nothing. REQUIRES: embedding.size() == dim(), unit length.
   std::optional<SemanticCandidate> Find(const std::string& scope,
-                                        const std::vector<float>& embedding,
-                                        float min_similarity);
+                                        const std::vector<float>& embedding, float min_similarity);
   // Indexes the reply stored under `key`; false when the index is full.
   bool Insert(const std::string& scope, const std::vector<float>& embedding,
               const std::string& key);

@@ -34,8 +34,8 @@ constexpr char kApiKey[] = "tenant-one-key";
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::string& model,
                                              const std::vector<std::string>& extra) {
-  std::vector<std::string> serve = {"--kv-cache-memory", "4MiB", "--response-cache-bytes",
-                                    "1MiB", "--drain-timeout", "2"};
+  std::vector<std::string> serve = {"--kv-cache-memory", "4MiB", "--response-cache-bytes", "1MiB",
+                                    "--drain-timeout",   "2"};
   serve.insert(serve.end(), extra.begin(), extra.end());
   auto d = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", model},
                                   serve);
@@ -126,13 +126,13 @@ TEST(ResponseCacheE2eTest, SecondIdenticalGreedyRequestIsAnExactHitOverHttp) {
   EXPECT_EQ(joined, first.body["choices"][0]["text"].get<std::string>());
 
   // Any change of a key input misses.
-  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
-           {"max_tokens", 23},
-           {"top_k", 3},
-           {"stop", json::array({"zzz"})},
-           {"repetition_penalty", 1.05},
-           {"cache_salt", "other"},
-           {"logprobs", 1}}) {
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"max_tokens", 23},
+                                                 {"top_k", 3},
+                                                 {"stop", json::array({"zzz"})},
+                                                 {"repetition_penalty", 1.05},
+                                                 {"cache_salt", "other"},
+                                                 {"logprobs", 1}}) {
     json changed = Greedy();
     changed[field] = value;
     const Reply r = Post(d->http_port(), "/v1/completions", changed);
@@ -172,8 +172,9 @@ TEST(ResponseCacheE2eTest, SecondIdenticalGreedyRequestIsAnExactHitOverHttp) {
   httplib::Client c("127.0.0.1", d->http_port());
   auto metrics = c.Get("/metrics");
   ASSERT_TRUE(metrics);
-  EXPECT_THAT(metrics->body,
-              HasSubstr("kvserve:response_cache_hits_total{model_name=\"stories260K\",kind=\"exact\"} 3"));
+  EXPECT_THAT(
+      metrics->body,
+      HasSubstr("kvserve:response_cache_hits_total{model_name=\"stories260K\",kind=\"exact\"} 3"));
   EXPECT_THAT(metrics->body, HasSubstr("kvserve:response_cache_stores_total"));
   EXPECT_THAT(metrics->body, HasSubstr("kvserve:response_cache_bytes"));
 
@@ -249,8 +250,9 @@ TEST(ResponseCacheE2eTest, GrpcHitsReplayTheStreamAndStatsCountThem) {
   EXPECT_EQ(second.chunks, first.chunks);
   // HTTP and gRPC share the cache (ModelService): the same request over
   // HTTP is a hit too.
-  const Reply http = Post(d->http_port(), "/v1/completions",
-                          {{"prompt", "The little dog ran"}, {"max_tokens", 20}, {"temperature", 0}});
+  const Reply http =
+      Post(d->http_port(), "/v1/completions",
+           {{"prompt", "The little dog ran"}, {"max_tokens", 20}, {"temperature", 0}});
   EXPECT_EQ(http.cache_header, "exact");
   EXPECT_EQ(http.body["choices"][0]["text"].get<std::string>(), first.text);
 

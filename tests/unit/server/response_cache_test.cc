@@ -55,7 +55,11 @@ TEST(ResponseCacheKeyTest, EveryOutputRelevantInputChangesTheKey) {
       {"repetition_penalty", [](EngineRequest* r) { r->params.repetition_penalty = 1.1f; }},
       {"presence_penalty", [](EngineRequest* r) { r->params.presence_penalty = 0.5f; }},
       {"frequency_penalty", [](EngineRequest* r) { r->params.frequency_penalty = 0.5f; }},
-      {"seed", [](EngineRequest* r) { r->params.has_seed = true; r->params.seed = 7; }},
+      {"seed",
+       [](EngineRequest* r) {
+         r->params.has_seed = true;
+         r->params.seed = 7;
+       }},
       {"max_tokens", [](EngineRequest* r) { r->params.max_tokens = 9; }},
       {"stop string", [](EngineRequest* r) { r->params.stop = {"."}; }},
       {"stop token id", [](EngineRequest* r) { r->params.stop_token_ids = {13}; }},
@@ -144,7 +148,8 @@ TEST(ResponseCachePolicyTest, OnlyCompletedRepliesAreStorable) {
   ok.samples[0].finish = FinishReason::kStop;
   ok.samples[1].finish = FinishReason::kLength;
   EXPECT_TRUE(StorableResponse(ok));
-  for (FinishReason bad : {FinishReason::kCancelled, FinishReason::kDeadline, FinishReason::kNone}) {
+  for (FinishReason bad :
+       {FinishReason::kCancelled, FinishReason::kDeadline, FinishReason::kNone}) {
     CompletedResponse r = ok;
     r.samples[1].finish = bad;
     if (bad != FinishReason::kNone) r.abort_reason = bad;
@@ -196,7 +201,8 @@ TEST(ResponseCacheTest, LeastRecentlyUsedGoesFirstWithinTheByteBound) {
   const int64_t one = static_cast<int64_t>(Reply(std::string(1000, 'a'))->ApproximateBytes() + 1);
   // Room for nine entries (each just under an eighth of the bound).
   ResponseCache big({one * 9, 0, nullptr});
-  for (const char* k : {"a", "b", "c", "d"}) ASSERT_TRUE(big.Insert(k, Reply(std::string(1000, *k))));
+  for (const char* k : {"a", "b", "c", "d"})
+    ASSERT_TRUE(big.Insert(k, Reply(std::string(1000, *k))));
   ASSERT_NE(big.Lookup("a"), nullptr);  // a is now the most recent
   for (const char* k : {"e", "f", "g", "h", "i", "j"}) {
     ASSERT_TRUE(big.Insert(k, Reply(std::string(1000, *k))));
@@ -356,9 +362,9 @@ std::unique_ptr<Served> Serve(int64_t cache_bytes) {
   o.num_blocks = 256;
   s->engine = Engine::Create(s->model.get(), s->tokenizer.get(), Pool(), o).value();
   s->metrics = std::make_unique<Metrics>("tiny");
-  s->service = std::make_unique<ModelService>("tiny", s->model.get(), s->tokenizer.get(),
-                                              std::nullopt, s->engine.get(), ServiceLimits{},
-                                              s->metrics.get());
+  s->service =
+      std::make_unique<ModelService>("tiny", s->model.get(), s->tokenizer.get(), std::nullopt,
+                                     s->engine.get(), ServiceLimits{}, s->metrics.get());
   s->cache = std::make_unique<ResponseCache>(ResponseCacheOptions{cache_bytes, 0, nullptr});
   s->service->EnableResponseCache(s->cache.get(),
                                   {ModelFingerprint(path).value(), "kv=f16;block=16;device=cpu"});
@@ -534,7 +540,6 @@ TEST(ModelServiceCacheTest, PurgeDropsTheTenantsEntries) {
   EXPECT_EQ(s->service->PurgeResponseCache(std::nullopt, std::nullopt).value(), 2);
 }
 
-
 // ---------------------------------------------------------------------------
 // The semantic layer, with a test embedder: a bag of words (lower-cased,
 // punctuation dropped) hashed into 64 buckets, so rewordings with the same
@@ -705,7 +710,8 @@ std::vector<int32_t> Tokens(const RunResult& r) {
 TEST(ModelServiceSemanticTest, VerifiedHitsNeverChangeTheGreedyAnswer) {
   auto s = ServeSemantic(0.5f);
   ModelService* service = s->served->service.get();
-  const RunResult stored = RunRequest(service, TextParams("the cat sat on the mat", SemanticMode::kVerified));
+  const RunResult stored =
+      RunRequest(service, TextParams("the cat sat on the mat", SemanticMode::kVerified));
   EXPECT_EQ(stored.outcome.kind, CacheHitKind::kMiss);
   ASSERT_EQ(s->index->size(), 1);
 
@@ -732,7 +738,8 @@ TEST(ModelServiceSemanticTest, VerifiedHitsNeverChangeTheGreedyAnswer) {
 TEST(ModelServiceSemanticTest, ApproximateServesTheCachedAnswerAndSaysSo) {
   auto s = ServeSemantic(0.95f);
   ModelService* service = s->served->service.get();
-  const RunResult stored = RunRequest(service, TextParams("the cat sat on the mat", SemanticMode::kApproximate));
+  const RunResult stored =
+      RunRequest(service, TextParams("the cat sat on the mat", SemanticMode::kApproximate));
   CompletionParams sampled = TextParams("The cat sat on the mat?", SemanticMode::kApproximate);
   sampled.temperature = 0.8f;  // no seed: never stored, only approximate may answer it
   const RunResult got = RunRequest(service, sampled);
@@ -743,8 +750,9 @@ TEST(ModelServiceSemanticTest, ApproximateServesTheCachedAnswerAndSaysSo) {
   trap.temperature = 0.8f;
   EXPECT_EQ(RunRequest(service, trap).outcome.kind, CacheHitKind::kBypass);
   // Semantic off (the default here): no semantic lookup at all.
-  EXPECT_EQ(RunRequest(service, TextParams("The cat sat on the mat?", SemanticMode::kOff)).outcome.kind,
-            CacheHitKind::kMiss);
+  EXPECT_EQ(
+      RunRequest(service, TextParams("The cat sat on the mat?", SemanticMode::kOff)).outcome.kind,
+      CacheHitKind::kMiss);
   EXPECT_EQ(s->served->cache->Stats().hits_approximate, 1);
 }
 
