@@ -112,9 +112,9 @@ absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLi
     }
     for (int32_t t : request.draft_tokens) {
       if (t < 0 || t >= limits.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "draft_tokens: token id ", t, " is outside the vocabulary [0, ", limits.vocab_size,
-            ")"));
+        return absl::InvalidArgumentError(absl::StrCat("draft_tokens: token id ", t,
+                                                       " is outside the vocabulary [0, ",
+                                                       limits.vocab_size, ")"));
       }
     }
   }

@@ -88,8 +88,7 @@ absl::StatusOr<ResponseCacheOptions> ResponseCacheOptionsFromFlags(const ServeFl
   }
   o.max_bytes = *bytes;
   if (!(f.response_cache_ttl >= 0) || f.response_cache_ttl > 1e9) {
-    return absl::InvalidArgumentError(
-        "--response-cache-ttl must be seconds >= 0 (0: no expiry)");
+    return absl::InvalidArgumentError("--response-cache-ttl must be seconds >= 0 (0: no expiry)");
   }
   o.ttl_ns = static_cast<int64_t>(f.response_cache_ttl * 1e9);
   return o;
@@ -186,8 +185,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
     d->response_cache_ = std::make_unique<ResponseCache>(cache_options);
     d->service_->EnableResponseCache(d->response_cache_.get(), identity);
     if (!f.semantic_cache_model.empty()) {
-      absl::StatusOr<std::unique_ptr<TextEmbedder>> embedder =
-          MakeEmbedder(f.semantic_cache_model);
+      absl::StatusOr<std::unique_ptr<TextEmbedder>> embedder = MakeEmbedder(f.semantic_cache_model);
       if (!embedder.ok()) {
         return absl::Status(embedder.status().code(),
                             absl::StrCat("--semantic-cache-model ", f.semantic_cache_model, ": ",
@@ -197,8 +195,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
       SemanticIndexOptions so;
       // About one indexed query per 2 KiB of cached replies.
       so.max_entries = std::max<int64_t>(1024, cache_options.max_bytes / 2048);
-      d->semantic_ = std::make_unique<SemanticIndex>(d->embedder_->dim(),
-                                                     d->response_cache_.get(), so);
+      d->semantic_ =
+          std::make_unique<SemanticIndex>(d->embedder_->dim(), d->response_cache_.get(), so);
       d->service_->EnableSemanticCache(d->semantic_.get(), d->embedder_.get(),
                                        static_cast<float>(f.semantic_cache_threshold),
                                        semantic_default);
@@ -206,11 +204,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                    d->embedder_->fingerprint(), d->embedder_->dim(), f.semantic_cache_threshold,
                    f.semantic_cache_default);
     }
-    spdlog::info("response cache: {} bytes, ttl {} s (model {}, {}; fingerprint in {:.0f} ms)",
-                 cache_options.max_bytes, f.response_cache_ttl,
-                 identity.model_fingerprint.substr(0, 16), identity.numerics,
-                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                     .count());
+    spdlog::info(
+        "response cache: {} bytes, ttl {} s (model {}, {}; fingerprint in {:.0f} ms)",
+        cache_options.max_bytes, f.response_cache_ttl, identity.model_fingerprint.substr(0, 16),
+        identity.numerics,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   d->engine_->Start();
 

@@ -241,7 +241,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     // The reply as a whole (made before the request starts): its usage
     // closes the stream, and a cancelled/deadline sample decides the status.
     std::optional<ResponseAccumulator> response;
-    CacheOutcome cache;  // written by Start before any event
+    CacheOutcome cache;                        // written by Start before any event
     FinishReason worst = FinishReason::kNone;  // cancelled/deadline outrank stop/length
     std::deque<pb::GenerateResponse> pending;
     // gRPC keeps a pointer to the message until OnWriteDone.

@@ -733,15 +733,17 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
 
   auto state = std::make_shared<RequestState>();
   CacheOutcome cache;
-  absl::StatusOr<uint64_t> started =
-      service->Start(std::move(prepared).value(), [state](const SeqEvent& ev) {
+  absl::StatusOr<uint64_t> started = service->Start(
+      std::move(prepared).value(),
+      [state](const SeqEvent& ev) {
         // Engine thread: hand over and return at once.
         {
           std::lock_guard<std::mutex> lock(state->mu);
           state->events.push_back(ev);
         }
         state->cv.notify_one();
-      }, &cache);
+      },
+      &cache);
   if (!started.ok()) return SendError(res, FromStatus(started.status()));
   if (cache.kind != CacheHitKind::kOff) res.set_header(kCacheHeader, CacheHitKindName(cache.kind));
   const uint64_t request_id = *started;
@@ -900,7 +902,8 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
             const CompletedResponse done = cur.response.Take();  // the stream ends here
             json u = chunk_json(json::array());
             u["usage"] = Usage(done, kv_policy);
-            if (cache.kind != CacheHitKind::kOff) u["kvserve_cache"] = CacheOutcomeJson(cache, done);
+            if (cache.kind != CacheHitKind::kOff)
+              u["kvserve_cache"] = CacheOutcomeJson(cache, done);
             out += absl::StrCat("data: ", Dump(u), "\n\n");
           }
           out += "data: [DONE]\n\n";
@@ -1035,7 +1038,8 @@ void HttpServer::Impl::Routes() {
     HandleCompletion(req, res, /*chat=*/true);
   });
   // Admin: purges the response cache (server/response_cache_api.h).
-  s.Post("/admin/response_cache/purge", [this](const httplib::Request& req, httplib::Response& res) {
+  s.Post("/admin/response_cache/purge", [this](const httplib::Request& req,
+                                               httplib::Response& res) {
     PurgeAnswer a = PurgeResponseCacheHttp(service, TenantFromApiKey(options.api_key), req.body);
     res.status = a.status;
     res.set_content(Dump(a.body), "application/json");

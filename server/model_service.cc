@@ -198,9 +198,8 @@ void ModelService::EnableResponseCache(ResponseCache* cache, CacheIdentity ident
   response_cache_ = cache;
   cache_identity_ = std::move(identity);
   if (replay_ == nullptr) replay_ = std::make_unique<ReplayThread>();
-  metrics_->AddSection([cache](const std::string& labels, std::string* out) {
-    cache->RenderMetrics(labels, out);
-  });
+  metrics_->AddSection(
+      [cache](const std::string& labels, std::string* out) { cache->RenderMetrics(labels, out); });
 }
 
 void ModelService::EnableSemanticCache(SemanticIndex* index, const TextEmbedder* embedder,
