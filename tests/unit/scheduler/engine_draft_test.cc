@@ -52,9 +52,10 @@ struct Output {
   int32_t accepted = 0;
 };
 
-std::unique_ptr<Engine> MakeEngine(int32_t budget = 512, bool prefix_cache = true) {
+std::unique_ptr<Engine> MakeEngine(int32_t budget = 512, bool prefix_cache = true,
+                                   int32_t num_blocks = 128) {
   EngineOptions o;
-  o.num_blocks = 128;
+  o.num_blocks = num_blocks;
   o.max_batched_tokens = budget;
   o.prefix_cache = prefix_cache;
   auto e = Engine::Create(Tiny().model.get(), Tiny().tokenizer.get(), Pool(), o).value();
@@ -177,6 +178,34 @@ TEST(EngineDraftPrefixTest, VerifiesOnACachedPromptAndCachesOnlyFinalTokens) {
   // Whatever the drafts left in the prefix cache is the true continuation:
   // a plain run over it still gives the same answer.
   ExpectSame(Generate(e.get(), Greedy(kMax)), plain, "after drafted runs");
+}
+
+TEST(EngineDraftPreemptionTest, DraftedRequestsSurvivePreemptionByRecompute) {
+  constexpr int32_t kMax = 24;
+  const Output plain = [] {
+    auto e = MakeEngine(512, false);
+    return Generate(e.get(), Greedy(kMax));
+  }();
+  // Six requests of three blocks each in a pool of seven: they preempt each
+  // other (recompute) while their drafts are being verified.
+  auto e = MakeEngine(512, /*prefix_cache=*/false, /*num_blocks=*/7);
+  std::vector<std::thread> threads;
+  std::vector<Output> outs(6);
+  for (int i = 0; i < 6; ++i) {
+    threads.emplace_back([&, i] {
+      EngineRequest r = Greedy(kMax);
+      r.draft_tokens = plain.tokens;
+      if (i % 2 == 1) r.draft_tokens[5 + i] = Other(r.draft_tokens[5 + i]);
+      outs[i] = Generate(e.get(), r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(outs[i].tokens, plain.tokens) << "request " << i;
+    EXPECT_EQ(outs[i].text, plain.text) << "request " << i;
+    EXPECT_EQ(outs[i].accepted, i % 2 == 1 ? 5 + i : kMax) << "request " << i;
+  }
+  EXPECT_GT(e->Stats().preemptions, 0) << "the pool was meant to force preemption";
 }
 
 TEST(EngineDraftValidationTest, DraftsNeedAGreedySingleSampleRequest) {
