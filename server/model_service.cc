@@ -256,8 +256,12 @@ absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink
   const SemanticMode mode = request.cache.semantic.value_or(semantic_default_);
   std::vector<float> embedding;
   std::string semantic_scope;
-  if (semantic_ != nullptr && mode != SemanticMode::kOff && request.cache.lookup &&
-      !request.semantic_text.empty() && (cacheable || mode == SemanticMode::kApproximate)) {
+  // Embedded to look up (lookup on), or to index the reply (store on).
+  const bool semantic_lookup =
+      request.cache.lookup && (cacheable || mode == SemanticMode::kApproximate);
+  const bool semantic_store = request.cache.store && cacheable;
+  if (semantic_ != nullptr && mode != SemanticMode::kOff && !request.semantic_text.empty() &&
+      (semantic_lookup || semantic_store)) {
     absl::StatusOr<std::vector<float>> e = embedder_->Embed(request.semantic_text);
     if (e.ok() && static_cast<int32_t>(e->size()) == semantic_->dim()) {
       embedding = std::move(e).value();
@@ -265,7 +269,7 @@ absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink
                                      request.semantic_context, embedder_fingerprint_);
     }
   }
-  if (!embedding.empty()) {
+  if (!embedding.empty() && semantic_lookup) {
     const float threshold = request.cache.min_similarity.value_or(semantic_threshold_);
     std::optional<SemanticCandidate> c = semantic_->Find(semantic_scope, embedding, threshold);
     response_cache_->CountSemanticLookup(c.has_value());

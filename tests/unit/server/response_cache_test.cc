@@ -735,6 +735,22 @@ TEST(ModelServiceSemanticTest, VerifiedHitsNeverChangeTheGreedyAnswer) {
   EXPECT_GE(st.semantic_candidates, 3);
 }
 
+TEST(ModelServiceSemanticTest, LookupOffStillIndexesAndStoreOffDoesNot) {
+  auto s = ServeSemantic(0.5f);
+  ModelService* service = s->served->service.get();
+  CompletionParams no_store = TextParams("a dog ran in the park", SemanticMode::kVerified);
+  no_store.response_cache.store = false;
+  RunRequest(service, no_store);
+  EXPECT_EQ(s->index->size(), 0);
+  CompletionParams no_lookup = TextParams("the cat sat on the mat", SemanticMode::kVerified);
+  no_lookup.response_cache.lookup = false;
+  EXPECT_EQ(RunRequest(service, no_lookup).outcome.kind, CacheHitKind::kBypass);
+  EXPECT_EQ(s->index->size(), 1);
+  EXPECT_EQ(RunRequest(service, TextParams("The cat sat on the mat.", SemanticMode::kVerified))
+                .outcome.kind,
+            CacheHitKind::kSemanticVerified);
+}
+
 TEST(ModelServiceSemanticTest, ApproximateServesTheCachedAnswerAndSaysSo) {
   auto s = ServeSemantic(0.95f);
   ModelService* service = s->served->service.get();
