@@ -187,6 +187,7 @@ void Engine::TakeInbox() {
   for (auto& p : clears) p.set_value(kv_->ClearPrefixCache());
   for (auto& g : inbox) {
     std::unique_ptr<Sequence> s = output_->NewSample(g.get(), 0, g->request.prompt);
+    s->SetDraft(g->request.draft_tokens);
     scheduler_->AddWaiting(s.get());
     g->seqs.push_back(std::move(s));
     const uint64_t id = g->id;

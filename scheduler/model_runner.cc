@@ -17,6 +17,8 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
   positions_.clear();
   slots_.clear();
   logit_rows_.clear();
+  row_offsets_.assign(1, 0);
+  row_positions_.clear();
   block_ids_.clear();
   block_offsets_.assign(1, 0);
   // Plain sequences (slot == position) send no slot array: the kernels then
@@ -38,12 +40,25 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
     const int32_t shift = s.kv.position_shift;
     for (int32_t j = 0; j < c.num_tokens; ++j) {
       const int32_t slot = c.first_slot + j;
-      tokens_.push_back(s.tokens()[static_cast<size_t>(slot + shift)]);
+      tokens_.push_back(s.input_token(slot + shift));
       token_seq_.push_back(static_cast<int32_t>(i));
       positions_.push_back(s.kv.rope_position(slot));
       if (shifted) slots_.push_back(slot);
     }
-    if (c.sample) logit_rows_.push_back(static_cast<int32_t>(tokens_.size()) - 1);
+    const int32_t chunk_end = static_cast<int32_t>(tokens_.size());
+    if (s.num_speculative() > 0) {
+      // Verification needs the logits of every position from the last
+      // verified token on (a drafted sequence keeps every slot: shift 0).
+      const int32_t from = std::max(c.first_slot, s.num_tokens() - 1);
+      row_positions_.push_back(from);
+      for (int32_t p = from; p < c.first_slot + c.num_tokens; ++p) {
+        logit_rows_.push_back(chunk_end - c.num_tokens + (p - c.first_slot));
+      }
+    } else {
+      row_positions_.push_back(c.first_slot + c.num_tokens - 1 + shift);
+      if (c.sample) logit_rows_.push_back(chunk_end - 1);
+    }
+    row_offsets_.push_back(static_cast<int32_t>(logit_rows_.size()));
     s.kv.table.AppendIds(&block_ids_);
     block_offsets_.push_back(static_cast<int32_t>(block_ids_.size()));
   }
@@ -68,6 +83,8 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
   if (!st.ok()) return st;
   StepResult r;
   r.logits = absl::MakeConstSpan(logits_);
+  r.row_offsets = absl::MakeConstSpan(row_offsets_);
+  r.row_positions = absl::MakeConstSpan(row_positions_);
   r.vocab_size = vocab;
   if (mass_stride > 0) {
     r.attention_mass = mass_.data();

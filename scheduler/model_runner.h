@@ -23,8 +23,14 @@ namespace kvserve {
 
 // What one forward produced, for the output processor.
 struct StepResult {
-  // One row of vocab_size logits per chunk with `sample` set, in plan order.
+  // Rows of vocab_size logits in plan order: one per chunk with `sample`
+  // set, and for a sequence with a draft one per position from its last
+  // token on (the positions whose next token verification checks). Chunk
+  // i's rows are [row_offsets[i], row_offsets[i + 1]), the first at position
+  // row_positions[i].
   absl::Span<const float> logits;
+  absl::Span<const int32_t> row_offsets;
+  absl::Span<const int32_t> row_positions;
   int32_t vocab_size = 0;
   // Heavy-hitter statistics (only when a chunk's sequence has an h2o
   // policy): chunk i's attention mass per (KV head, slot) starts at
@@ -54,6 +60,7 @@ class ModelRunner {
   ThreadPool* pool_;
   // Reused across steps.
   std::vector<int32_t> tokens_, token_seq_, positions_, slots_, logit_rows_;
+  std::vector<int32_t> row_offsets_, row_positions_;
   std::vector<int32_t> block_ids_, block_offsets_;
   std::vector<float> logits_, mass_;
   std::vector<uint8_t> mass_wanted_;  // per chunk: an h2o sequence

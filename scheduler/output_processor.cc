@@ -23,41 +23,49 @@ SeqEvent OutputProcessor::Event(const Sequence& s) const {
   ev.completion_tokens = s.num_generated();
   ev.cached_tokens = s.num_cached_prompt;
   ev.dropped_tokens = s.kv.position_shift;
+  ev.draft_accepted = s.draft_accepted;
   return ev;
 }
 
 void OutputProcessor::Process(const BatchPlan& plan, const StepResult& result) {
   const absl::Span<const float> logits = result.logits;
   const int32_t vocab_size = result.vocab_size;
-  // Every scheduled input token is a committed token (no drafts yet): the
+  // Every scheduled input token but a draft's is a committed token: the
   // K/V the forward wrote are final, and blocks they complete become
   // shareable at once — a request with the same prefix arriving now reuses
-  // them even while this one still runs.
+  // them even while this one still runs. Draft tokens commit once accepted.
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& c = plan.chunks[i];
     Sequence* s = c.seq;
     kv_->MarkComputed(&s->kv, c.num_tokens);
-    kv_->Commit(&s->kv, s->group()->salt(), s->tokens(), c.num_tokens);
+    CommitFinal(s);
     if (result.attention_mass != nullptr &&
         s->group()->request.kv_policy.kind == KvPolicy::Kind::kH2O) {
       evictor_.AddAttention(s, result.attention_mass + i * result.n_kv_heads * result.mass_stride,
                             result.n_kv_heads, result.mass_stride, c.first_slot, c.num_tokens);
     }
   }
-  size_t row = 0;
-  for (const ScheduledChunk& c : plan.chunks) {
-    if (!c.sample) continue;
-    Sequence* s = c.seq;
-    const absl::Span<const float> r = logits.subspan(row++ * static_cast<size_t>(vocab_size),
-                                                     static_cast<size_t>(vocab_size));
+  auto row_at = [&](int32_t row) {
+    return logits.subspan(static_cast<size_t>(row) * static_cast<size_t>(vocab_size),
+                          static_cast<size_t>(vocab_size));
+  };
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    Sequence* s = plan.chunks[i].seq;
+    const int32_t first_row = result.row_offsets[i], end_row = result.row_offsets[i + 1];
+    if (first_row == end_row) continue;
     if (s->finished()) continue;  // e.g. cancelled by a callback during this step
+    if (s->num_speculative() > 0) {
+      Verify(s, result.row_positions[i], first_row, end_row, row_at);
+      continue;
+    }
+    const absl::Span<const float> r = row_at(first_row);
     SequenceGroup* g = s->group();
     // A request with n > 1 forks when its prompt is in: the samples share
     // every prompt block and copy only the partial last one.
     const size_t first_child = g->seqs.size();
     if (!g->forked && g->request.n > 1) Fork(s);
     std::vector<Sequence*> targets = {s};
-    for (size_t i = first_child; i < g->seqs.size(); ++i) targets.push_back(g->seqs[i].get());
+    for (size_t j = first_child; j < g->seqs.size(); ++j) targets.push_back(g->seqs[j].get());
     for (Sequence* t : targets) {
       const SampleResult res = t->sampler().Sample(r, t->prompt(), t->generated());
       EmitToken(t, res.token, res.logprob);
@@ -70,6 +78,44 @@ void OutputProcessor::Process(const BatchPlan& plan, const StepResult& result) {
       evictor_.MaybeCompact(s);
     }
   }
+}
+
+void OutputProcessor::CommitFinal(Sequence* s) {
+  // Slots past tokens() hold draft tokens: computed, not final.
+  const int32_t final_slots = std::min(s->kv.num_computed, s->num_tokens());
+  if (final_slots > s->kv.num_committed) {
+    kv_->Commit(&s->kv, s->group()->salt(), s->tokens(), final_slots - s->kv.num_committed);
+  }
+}
+
+void OutputProcessor::Verify(Sequence* s, int32_t first_position, int32_t first_row,
+                             int32_t end_row,
+                             const std::function<absl::Span<const float>(int32_t)>& row_at) {
+  // Row k holds the logits at position first_position + k, which decide the
+  // token at the next position. Each one the sampler would pick is kept as
+  // if decoded (EmitToken: stop strings, EOS and max_tokens apply); the
+  // first disagreement keeps the sampler's token instead and drops the rest
+  // of the draft with its KV.
+  for (int32_t row = first_row; row < end_row && !s->finished(); ++row) {
+    const int32_t position = first_position + (row - first_row);
+    if (position != s->num_tokens() - 1) break;  // the draft was rejected before this row
+    const SampleResult res = s->sampler().Sample(row_at(row), s->prompt(), s->generated());
+    if (s->num_speculative() == 0) {
+      EmitToken(s, res.token, res.logprob);  // the draft is all in: the next token
+      break;
+    }
+    if (res.token == s->draft().front()) {
+      s->PopDraftFront();
+      ++s->draft_accepted;
+      EmitToken(s, res.token, res.logprob);
+      continue;
+    }
+    s->ClearDraft();
+    kv_->Truncate(&s->kv, s->num_tokens());
+    EmitToken(s, res.token, res.logprob);
+    break;
+  }
+  if (!s->finished()) CommitFinal(s);
 }
 
 void OutputProcessor::Fork(Sequence* parent) {
@@ -111,6 +157,7 @@ void OutputProcessor::EmitToken(Sequence* s, int32_t token, float logprob) {
 
 void OutputProcessor::FinishSequence(Sequence* s, FinishReason reason) {
   if (s->finished()) return;
+  s->ClearDraft();  // unverified: never cached (Free keeps committed slots only)
   if (reason == FinishReason::kStop || reason == FinishReason::kLength) {
     // Release what the detokenizer and the stop matcher held back.
     if (!s->stops().stopped()) {

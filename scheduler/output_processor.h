@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/types/span.h"
 #include "model/tokenizer.h"
@@ -53,6 +54,13 @@ class OutputProcessor {
 
  private:
   void Fork(Sequence* parent);
+  // Commits the computed slots that hold final tokens (not draft tokens).
+  void CommitFinal(Sequence* s);
+  // Accepts the longest prefix of s's draft its sampler reproduces from the
+  // rows [first_row, end_row) (the first at position first_position), then
+  // emits the sampler's next token; drops the rest of the draft and its KV.
+  void Verify(Sequence* s, int32_t first_position, int32_t first_row, int32_t end_row,
+              const std::function<absl::Span<const float>(int32_t)>& row_at);
   void EmitToken(Sequence* s, int32_t token, float logprob);
   SeqEvent Event(const Sequence& s) const;
 

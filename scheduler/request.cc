@@ -111,6 +111,29 @@ absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLi
     }
     held = most;
   }
+  if (!request.draft_tokens.empty()) {
+    // Verification must reproduce what decoding would: one deterministic
+    // sampler run per position, one sequence, every slot kept.
+    if (request.params.temperature != 0.0f) {
+      return absl::InvalidArgumentError("draft_tokens: only greedy requests (temperature 0)");
+    }
+    if (request.n != 1) return absl::InvalidArgumentError("draft_tokens: only with n = 1");
+    if (request.kv_policy.kind != KvPolicy::Kind::kNone) {
+      return absl::InvalidArgumentError("draft_tokens: only with kv_policy none");
+    }
+    if (static_cast<int64_t>(request.draft_tokens.size()) > request.params.max_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("draft_tokens: ", request.draft_tokens.size(),
+                                                     " tokens; at most max_tokens (",
+                                                     request.params.max_tokens, ")"));
+    }
+    for (int32_t t : request.draft_tokens) {
+      if (t < 0 || t >= limits.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("draft_tokens: token id ", t,
+                                                       " is outside the vocabulary [0, ",
+                                                       limits.vocab_size, ")"));
+      }
+    }
+  }
   // A sequence that could never fit would wait forever.
   const int64_t blocks = (held + limits.block_size - 1) / limits.block_size;
   if (limits.num_blocks > 0 && blocks > limits.num_blocks) {

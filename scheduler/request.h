@@ -62,6 +62,14 @@ struct EngineRequest {
   // of the same salt (tenant isolation).
   std::string cache_salt{};
   KvPolicy kv_policy{};
+  // A guess at the answer's first tokens (the response cache's semantic
+  // candidate). The engine prefills them after the prompt in the same
+  // forward, keeps the longest prefix its own sampler produces from those
+  // logits (emitting each kept token as if decoded), rolls the KV of the rest
+  // back and decodes on from there: the output is exactly the output without
+  // a draft, only sooner. Greedy (temperature 0), n = 1, kv_policy none, at
+  // most max_tokens tokens.
+  std::vector<int32_t> draft_tokens{};
 };
 
 // What a request is checked against: the model's and the engine's limits.
@@ -106,6 +114,7 @@ struct SeqEvent {
   int32_t completion_tokens = 0;   // so far
   int32_t cached_tokens = 0;       // prompt tokens served from the prefix cache
   int32_t dropped_tokens = 0;      // tokens this sample's KV policy evicted so far
+  int32_t draft_accepted = 0;      // of EngineRequest::draft_tokens, those kept so far
 };
 using EventCallback = std::function<void(const SeqEvent&)>;
 

@@ -145,6 +145,24 @@ void Scheduler::PollArrivals() {
   }
 }
 
+namespace {
+
+// Draft tokens (EngineRequest::draft_tokens) verified per step at most: a
+// draft rejected at its first token wastes at most this many positions of
+// forward and output-head rows (every draft position needs its logits), and a
+// right one still turns N decode steps into N / 16.
+constexpr int32_t kDraftTokensPerStep = 16;
+
+// The input `s` may compute this step: all of it, but a draft in pieces.
+int32_t InputThisStep(const Sequence* s) {
+  const int32_t rest = s->remaining_input();
+  if (s->num_speculative() == 0) return rest;
+  const int32_t verified_left = std::max(0, s->num_tokens() - s->num_computed_tokens());
+  return std::min(rest, verified_left + kDraftTokensPerStep);
+}
+
+}  // namespace
+
 void Scheduler::Schedule(Sequence* s, int32_t take, BatchPlan* plan) {
   ScheduledChunk c;
   c.seq = s;
@@ -268,7 +286,7 @@ void Scheduler::Admit(BatchPlan* plan) {
   // reserved yet (their remaining prompt chunks).
   int32_t pending_blocks = 0;
   for (Sequence* r : running_) {
-    const int32_t unreserved = r->num_tokens() - r->kv.table.num_tokens();
+    const int32_t unreserved = r->num_input_tokens() - r->kv.table.num_tokens();
     if (unreserved > 1) pending_blocks += r->kv.table.BlocksNeeded(unreserved);
   }
   // Seats: running sequences count one each, and a request that has not
@@ -294,14 +312,14 @@ void Scheduler::Admit(BatchPlan* plan) {
     // pool can hold in full: the rest of the prompt plus what the sequence
     // generated before a preemption. FCFS: no overtaking.
     kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), s->num_tokens() - 1);
-    const int32_t need = kv_->BlocksNeeded(s->kv, s->num_tokens() - s->kv.num_computed);
+    const int32_t need = kv_->BlocksNeeded(s->kv, s->num_input_tokens() - s->kv.num_computed);
     const int32_t free_before = kv_->num_free_blocks();
     if (!kv_->EnsureFree(need + pending_blocks)) {
       kv_->Discard(&s->kv);  // unpin the match; it is looked up again next time
       break;
     }
     bool parked = StartLoad(s);
-    const int32_t take = parked ? 0 : std::min(budget, s->remaining_input());
+    const int32_t take = parked ? 0 : std::min(budget, InputThisStep(s));
     if (!parked && !kv_->AllocateSlots(&s->kv, take).ok()) {
       kv_->Discard(&s->kv);
       break;
@@ -366,7 +384,7 @@ BatchPlan Scheduler::Schedule() {
       if (s->state() != SeqState::kRunning) continue;  // preempted by an earlier reservation
       const bool one_token = s->remaining_input() == 1;
       if (one_token != (pass == 0)) continue;
-      const int32_t take = std::min(budget, s->remaining_input());
+      const int32_t take = std::min(budget, InputThisStep(s));
       if (Reserve(s, take, &plan)) Schedule(s, take, &plan);
     }
   }

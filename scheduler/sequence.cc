@@ -76,7 +76,7 @@ void Sequence::CheckInvariants() const {
     std::abort();
   };
   // The KV counters' own invariants are KvCacheManager::CheckInvariants'.
-  if (num_computed_tokens() > num_tokens() + num_speculative) fail("computed past the tokens");
+  if (num_computed_tokens() > num_tokens() + num_speculative()) fail("computed past the tokens");
   if (num_cached_prompt > num_prompt_) fail("cached more than the prompt");
   if (waiting() && kv.table.num_blocks() > 0) fail("waiting with blocks");
   if (state_ == SeqState::kFinished && kv.table.num_blocks() > 0) fail("finished with blocks");

@@ -66,7 +66,13 @@ class Sequence {
   int32_t num_prompt() const { return num_prompt_; }
   int32_t num_generated() const { return num_tokens() - num_prompt_; }
   int32_t num_computed_tokens() const { return kv.num_computed + kv.position_shift; }
-  int32_t remaining_input() const { return num_tokens() - num_computed_tokens(); }
+  // Input: tokens() then the unverified draft.
+  int32_t num_input_tokens() const { return num_tokens() + num_speculative(); }
+  int32_t input_token(int32_t i) const {
+    return i < num_tokens() ? tokens_[static_cast<size_t>(i)]
+                            : draft_[static_cast<size_t>(i - num_tokens())];
+  }
+  int32_t remaining_input() const { return num_input_tokens() - num_computed_tokens(); }
   bool decoding() const { return remaining_input() == 1 && num_generated() > 0; }
   absl::Span<const int32_t> prompt() const {
     return absl::MakeConstSpan(tokens_).first(static_cast<size_t>(num_prompt_));
@@ -76,6 +82,15 @@ class Sequence {
   }
   // Appends one committed sampled token.
   void AppendToken(int32_t token) { tokens_.push_back(token); }
+  // Draft tokens (EngineRequest::draft_tokens) not yet verified: scheduled
+  // and computed past tokens(), never committed. The output processor pops
+  // the accepted ones (they become sampled tokens) and drops the rest.
+  const std::vector<int32_t>& draft() const { return draft_; }
+  int32_t num_speculative() const { return static_cast<int32_t>(draft_.size()); }
+  void SetDraft(std::vector<int32_t> draft) { draft_ = std::move(draft); }
+  void PopDraftFront() { draft_.erase(draft_.begin()); }
+  void ClearDraft() { draft_.clear(); }
+  int32_t draft_accepted = 0;  // draft tokens verified and kept
   // The sequence-level invariants above (the KV counters' own are
   // KvCacheManager::CheckInvariants'); aborts naming the broken one.
   void CheckInvariants() const;
@@ -83,7 +98,6 @@ class Sequence {
   // The sequence's KV state; only KvCacheManager changes it.
   SeqKv kv;
   int32_t num_cached_prompt = 0;  // prompt tokens the first admission found cached
-  int32_t num_speculative = 0;    // draft tokens scheduled past tokens() (none yet)
   bool ever_admitted = false;
   int64_t admit_order = 0;        // admission counter: later admitted, preempted first
   // Token eviction (group's request kv_policy): per slot, the attention mass
@@ -105,6 +119,7 @@ class Sequence {
   int32_t index_;
   SeqState state_ = SeqState::kWaiting;
   std::vector<int32_t> tokens_;
+  std::vector<int32_t> draft_;
   int32_t num_prompt_;
   std::unique_ptr<Sampler> sampler_;
   std::unique_ptr<StreamingDetokenizer> detok_;

@@ -19,6 +19,7 @@ bool ResponseAccumulator::Add(const SeqEvent& ev) {
   response_.request_id = ev.request_id;
   if (ev.prompt_tokens > 0) response_.prompt_tokens = ev.prompt_tokens;
   response_.cached_tokens = std::max(response_.cached_tokens, ev.cached_tokens);
+  response_.draft_accepted = std::max(response_.draft_accepted, ev.draft_accepted);
   if (ev.index < 0 || ev.index >= static_cast<int32_t>(response_.samples.size())) return false;
   CompletedSample& s = response_.samples[ev.index];
   s.token_ids.insert(s.token_ids.end(), ev.token_ids.begin(), ev.token_ids.end());

@@ -42,6 +42,9 @@ struct CompletedResponse {
   int32_t cached_tokens = 0;      // prompt tokens served from the prefix cache (the most reported)
   int64_t completion_tokens = 0;  // summed over the samples
   int64_t dropped_tokens = 0;     // evicted by the kv_policy, summed over the samples
+  // Of a draft the engine verified (a semantic-verified cache hit), the
+  // tokens the model kept (the most any event reported).
+  int32_t draft_accepted = 0;
   // The last cancelled or deadline finish of any sample, else kNone: a reply
   // with it set was cut short by the server or the deadline, not the model.
   FinishReason abort_reason = FinishReason::kNone;

@@ -13,6 +13,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "cache/memory_planner.h"
 #include "common/status.h"
 #include "model/chat_template.h"
 #include "server/engine_builder.h"
@@ -73,6 +75,24 @@ absl::StatusOr<ServiceLimits> ServiceLimitsFromFlags(const ServeFlags& f) {
   limits.default_max_tokens = f.default_max_tokens;
   ASSIGN_OR_RETURN(limits.kv_policy, KvPolicyDefaultsFromFlags(f.kv_policy));
   return limits;
+}
+
+absl::StatusOr<ResponseCacheOptions> ResponseCacheOptionsFromFlags(const ServeFlags& f) {
+  ResponseCacheOptions o;
+  // "0" is the off switch (ParseMemoryBudget wants a positive budget).
+  const absl::string_view text = absl::StripAsciiWhitespace(f.response_cache_bytes);
+  if (text == "0") return o;
+  absl::StatusOr<int64_t> bytes = ParseMemoryBudget(f.response_cache_bytes);
+  if (!bytes.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--response-cache-bytes: ", bytes.status().message()));
+  }
+  o.max_bytes = *bytes;
+  if (!(f.response_cache_ttl >= 0) || f.response_cache_ttl > 1e9) {
+    return absl::InvalidArgumentError("--response-cache-ttl must be seconds >= 0 (0: no expiry)");
+  }
+  o.ttl_ns = static_cast<int64_t>(f.response_cache_ttl * 1e9);
+  return o;
 }
 
 GrpcServerOptions GrpcOptionsFromFlags(const ServeFlags& f, const std::string& api_key) {
@@ -146,6 +166,61 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
                                                d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
+  ASSIGN_OR_RETURN(const ResponseCacheOptions cache_options, ResponseCacheOptionsFromFlags(f));
+  absl::StatusOr<SemanticMode> semantic_mode = ParseSemanticMode(f.semantic_cache_default);
+  if (!semantic_mode.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--semantic-cache-default: ", semantic_mode.status().message()));
+  }
+  const SemanticMode semantic_default = *semantic_mode;
+  if (!(f.semantic_cache_threshold >= -1 && f.semantic_cache_threshold <= 1)) {
+    return absl::InvalidArgumentError("--semantic-cache-threshold must be in [-1, 1]");
+  }
+  if (!f.semantic_cache_model.empty() && cache_options.max_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "--semantic-cache-model needs the response cache: give --response-cache-bytes too");
+  }
+  if (f.semantic_cache_model.empty() && semantic_default != SemanticMode::kOff) {
+    return absl::InvalidArgumentError(
+        "--semantic-cache-default other than off needs --semantic-cache-model");
+  }
+  if (cache_options.max_bytes > 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CacheIdentity identity;
+    ASSIGN_OR_RETURN(identity.model_fingerprint, ModelFingerprint(model_path));
+    // Anything that changes the bits of a reply for the same request.
+    const EngineOptions& eo = d->engine_->options();
+    identity.numerics = absl::StrCat(
+        "kv=", std::string(kernels::KvDTypeName(eo.kv_dtype)), ";block=", eo.block_size,
+        ";device=", eo.backend != nullptr ? eo.backend->name() : "cpu");
+    d->response_cache_ = std::make_unique<ResponseCache>(cache_options);
+    d->service_->EnableResponseCache(d->response_cache_.get(), identity);
+    if (!f.semantic_cache_model.empty()) {
+      absl::StatusOr<std::unique_ptr<TextEmbedder>> embedder = MakeEmbedder(f.semantic_cache_model);
+      if (!embedder.ok()) {
+        return absl::Status(embedder.status().code(),
+                            absl::StrCat("--semantic-cache-model ", f.semantic_cache_model, ": ",
+                                         embedder.status().message()));
+      }
+      d->embedder_ = std::move(embedder).value();
+      SemanticIndexOptions so;
+      // About one indexed query per 2 KiB of cached replies.
+      so.max_entries = std::max<int64_t>(1024, cache_options.max_bytes / 2048);
+      d->semantic_ =
+          std::make_unique<SemanticIndex>(d->embedder_->dim(), d->response_cache_.get(), so);
+      d->service_->EnableSemanticCache(d->semantic_.get(), d->embedder_.get(),
+                                       static_cast<float>(f.semantic_cache_threshold),
+                                       semantic_default);
+      spdlog::info("semantic cache: {} (dim {}), threshold {}, default mode {}",
+                   d->embedder_->fingerprint(), d->embedder_->dim(), f.semantic_cache_threshold,
+                   f.semantic_cache_default);
+    }
+    spdlog::info(
+        "response cache: {} bytes, ttl {} s (model {}, {}; fingerprint in {:.0f} ms)",
+        cache_options.max_bytes, f.response_cache_ttl, identity.model_fingerprint.substr(0, 16),
+        identity.numerics,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
   d->engine_->Start();
 
   ASSIGN_OR_RETURN(d->grpc_,

@@ -24,6 +24,8 @@
 #include "server/http_server.h"
 #include "server/metrics.h"
 #include "server/model_service.h"
+#include "server/response_cache.h"
+#include "server/semantic_cache.h"
 #include "server/serve_flags.h"
 
 namespace kvserve {
@@ -39,6 +41,10 @@ std::string ServedModelName(const ServeFlags& flags, const std::string& model_pa
 [[nodiscard]] absl::StatusOr<ServiceLimits> ServiceLimitsFromFlags(const ServeFlags& flags);
 GrpcServerOptions GrpcOptionsFromFlags(const ServeFlags& flags, const std::string& api_key);
 HttpServerOptions HttpOptionsFromFlags(const ServeFlags& flags, const std::string& api_key);
+// --response-cache-bytes and --response-cache-ttl (InvalidArgument naming the
+// flag); max_bytes 0 turns the cache off.
+[[nodiscard]] absl::StatusOr<ResponseCacheOptions> ResponseCacheOptionsFromFlags(
+    const ServeFlags& flags);
 
 class Daemon {
  public:
@@ -77,6 +83,9 @@ class Daemon {
   std::unique_ptr<KvEventLog> kv_events_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ResponseCache> response_cache_;  // null when off
+  std::unique_ptr<TextEmbedder> embedder_;         // null without --semantic-cache-model
+  std::unique_ptr<SemanticIndex> semantic_;
   std::unique_ptr<ModelService> service_;
   std::unique_ptr<GrpcServer> grpc_;
   std::unique_ptr<HttpServer> http_;

@@ -78,6 +78,18 @@ std::optional<KvPolicyParams> ToKvPolicy(bool has, const pb::KvPolicy& k) {
   return p;
 }
 
+absl::Status ApplyResponseCache(const pb::ResponseCacheOptions& o, ResponseCacheControl* c) {
+  if (o.has_lookup()) c->lookup = o.lookup();
+  if (o.has_store()) c->store = o.store();
+  if (!o.semantic().empty()) {
+    absl::StatusOr<SemanticMode> mode = ParseSemanticMode(o.semantic());
+    if (!mode.ok()) return mode.status();
+    c->semantic = *mode;
+  }
+  if (o.has_min_similarity()) c->min_similarity = o.min_similarity();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   CompletionParams p;
   p.model = r.model();
@@ -93,6 +105,9 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   p.cache_salt = r.cache_salt();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
   ApplySampling(r.sampling(), &p);
+  if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
+    return st;
+  }
   return p;
 }
 
@@ -106,6 +121,9 @@ absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
   p.cache_salt = r.cache_salt();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
   ApplySampling(r.sampling(), &p);
+  if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
+    return st;
+  }
   return p;
 }
 
@@ -130,9 +148,10 @@ std::chrono::steady_clock::time_point SteadyDeadline(std::chrono::system_clock::
 class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
   CompletionStream(ModelService* service, grpc::CallbackServerContext* ctx,
-                   absl::StatusOr<CompletionParams> params)
+                   absl::StatusOr<CompletionParams> params, const std::string& tenant)
       : service_(service), shared_(std::make_shared<Shared>()) {
     shared_->stream = this;
+    if (params.ok()) params->tenant = tenant;  // from the key Authorize() checked
     absl::StatusOr<PreparedRequest> prepared =
         params.ok() ? service->Prepare(*params) : absl::StatusOr<PreparedRequest>(params.status());
     if (!prepared.ok()) {
@@ -147,7 +166,8 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     }
     std::shared_ptr<Shared> shared = shared_;
     absl::StatusOr<uint64_t> id = service->Start(
-        std::move(prepared).value(), [shared](const SeqEvent& ev) { Shared::OnEvent(shared, ev); });
+        std::move(prepared).value(), [shared](const SeqEvent& ev) { Shared::OnEvent(shared, ev); },
+        &shared->cache);
     if (!id.ok()) {
       FinishNow(ToGrpc(id.status()));
       return;
@@ -213,6 +233,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     // The reply as a whole (made before the request starts): its usage
     // closes the stream, and a cancelled/deadline sample decides the status.
     std::optional<ResponseAccumulator> response;
+    CacheOutcome cache;                        // written by Start before any event
     FinishReason worst = FinishReason::kNone;  // cancelled/deadline outrank stop/length
     std::deque<pb::GenerateResponse> pending;
     // gRPC keeps a pointer to the message until OnWriteDone.
@@ -260,6 +281,13 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
           usage->set_completion_tokens(static_cast<int32_t>(done.completion_tokens));
           usage->set_dropped_tokens(static_cast<int32_t>(
               std::min<int64_t>(done.dropped_tokens, std::numeric_limits<int32_t>::max())));
+          if (self->cache.kind != CacheHitKind::kOff) {
+            pb::CacheInfo* info = chunk.mutable_cache();
+            info->set_kind(CacheHitKindName(self->cache.kind));
+            info->set_similarity(self->cache.similarity);
+            info->set_draft_tokens(self->cache.draft_tokens);
+            info->set_accepted_tokens(done.draft_accepted);
+          }
         }
         self->pending.push_back(std::move(chunk));
         next = self->NextWriteLocked();
@@ -561,14 +589,14 @@ class KvEventStream final : public grpc::ServerWriteReactor<pb::KvEventsResponse
 class KvserveService final : public pb::Kvserve::CallbackService {
  public:
   KvserveService(ModelService* service, std::string api_key)
-      : service_(service), api_key_(std::move(api_key)) {}
+      : service_(service), api_key_(std::move(api_key)), tenant_(TenantFromApiKey(api_key_)) {}
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Generate(
       grpc::CallbackServerContext* ctx, const pb::GenerateRequest* request) override {
     if (grpc::Status auth = Authorize(ctx); !auth.ok()) {
       return new RejectedStream<pb::GenerateResponse>(auth);
     }
-    return new CompletionStream(service_, ctx, ToParams(*request));
+    return new CompletionStream(service_, ctx, ToParams(*request), tenant_);
   }
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Chat(grpc::CallbackServerContext* ctx,
@@ -576,7 +604,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
     if (grpc::Status auth = Authorize(ctx); !auth.ok()) {
       return new RejectedStream<pb::GenerateResponse>(auth);
     }
-    return new CompletionStream(service_, ctx, ToParams(*request));
+    return new CompletionStream(service_, ctx, ToParams(*request), tenant_);
   }
 
   grpc::ServerWriteReactor<pb::KvEventsResponse>* SubscribeKvEvents(
@@ -748,6 +776,40 @@ class KvserveService final : public pb::Kvserve::CallbackService {
       response->set_kv_arriving(s.kv_arriving);
       response->set_kv_loads(s.kv_loads);
       response->set_kv_load_failures(s.kv_load_failures);
+      if (const ResponseCache* cache = service_->response_cache()) {
+        const ResponseCacheStats c = cache->Stats();
+        response->set_response_cache_lookups(c.lookups);
+        response->set_response_cache_hits_exact(c.hits_exact);
+        response->set_response_cache_hits_semantic_verified(c.hits_semantic_verified);
+        response->set_response_cache_hits_approximate(c.hits_approximate);
+        response->set_response_cache_misses(c.misses);
+        response->set_response_cache_stores(c.stores);
+        response->set_response_cache_evictions(c.evictions);
+        response->set_response_cache_entries(c.entries);
+        response->set_response_cache_bytes(c.bytes);
+        response->set_response_cache_bypassed(c.bypassed);
+        response->set_response_cache_expirations(c.expirations);
+        response->set_response_cache_verify_draft_tokens(c.verify_draft_tokens);
+        response->set_response_cache_verify_accepted_tokens(c.verify_accepted_tokens);
+      }
+      return grpc::Status::OK;
+    });
+  }
+
+  grpc::ServerUnaryReactor* PurgeResponseCache(grpc::CallbackServerContext* ctx,
+                                               const pb::PurgeResponseCacheRequest* request,
+                                               pb::PurgeResponseCacheResponse* response) override {
+    return Unary(ctx, [&]() -> grpc::Status {
+      if (request->all() && request->has_cache_salt()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "all, cache_salt: give one of them, not both");
+      }
+      absl::StatusOr<int64_t> purged = service_->PurgeResponseCache(
+          request->all() ? std::nullopt : std::optional<std::string>(tenant_),
+          request->has_cache_salt() ? std::optional<std::string>(request->cache_salt())
+                                    : std::nullopt);
+      if (!purged.ok()) return ToGrpc(purged.status());
+      response->set_purged(*purged);
       return grpc::Status::OK;
     });
   }
@@ -788,6 +850,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
 
   ModelService* service_;
   std::string api_key_;
+  std::string tenant_;  // the response cache's scope for the checked key
   BackgroundThreads threads_;
   std::mutex subscribers_mu_;
   std::vector<std::weak_ptr<KvEventStream::Shared>> subscribers_;  // guarded by subscribers_mu_

@@ -50,6 +50,7 @@
 #include "server/completed_response.h"
 #include "server/openai_request.h"
 #include "server/openai_response.h"
+#include "server/response_cache_api.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -284,6 +285,7 @@ void Call::Pump() {
     } else {
       HttpReply r;
       r.body = CompletionBody(meta, opts, done, piece);
+      if (meta.cache) r.headers.emplace_back(kCacheHeader, CacheHitKindName(meta.cache->kind));
       conn->Send(std::move(r));
     }
   }
@@ -821,6 +823,13 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
         HandleCompletion(conn, std::move(body), chat);
       });
     }
+    if (path == "/admin/response_cache/purge") {
+      // Admin: purges the response cache (server/response_cache_api.h).
+      return net::post(*handlers, [this, conn, body = std::move(req.body())] {
+        PurgeAnswer a = PurgeResponseCacheHttp(service, TenantFromApiKey(options.api_key), body);
+        conn->Send(TextReply(a.status, a.body.dump(), "application/json"));
+      });
+    }
     if (path == "/admin/clear_prefix_cache") {
       // Admin: empties the prefix cache. Waits for the engine's next step,
       // so it runs on the handler pool.
@@ -850,6 +859,7 @@ void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::
                                   bool chat) {
   OpenAiRequest parsed;
   if (auto err = ParseOpenAiRequest(body, chat, &parsed)) return conn->Send(ErrorReply(*err));
+  parsed.params.tenant = TenantFromApiKey(options.api_key);  // the key Authorize checked
   const CompletionParams& params = parsed.params;
   const HttpRequestOptions& opts = parsed.options;
   absl::StatusOr<PreparedRequest> prepared = service->Prepare(params);
@@ -891,11 +901,21 @@ void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::
     call->result = std::make_unique<ResponseAccumulator>(call->n, prompt_tokens);
   }
 
-  absl::StatusOr<uint64_t> started =
-      service->Start(std::move(prepared).value(), [call](const SeqEvent& ev) {
+  CacheOutcome cache;
+  // The encoder and accumulator exist already; the cache's verdict reaches
+  // the encoder through its meta below, before any event is encoded (events
+  // wait for Arm on the connection's strand).
+  absl::StatusOr<uint64_t> started = service->Start(
+      std::move(prepared).value(),
+      [call](const SeqEvent& ev) {
         call->Push(ev, call);  // engine thread: hand over and return at once
-      });
+      },
+      &cache);
   if (!started.ok()) return conn->Send(ErrorReply(ApiErrorFromStatus(started.status())));
+  if (cache.kind != CacheHitKind::kOff) {
+    call->meta.cache = cache;
+    if (call->encoder) call->encoder->set_cache(cache);
+  }
   call->request_id = *started;
   {
     // Registering and checking under one lock: either Stop sees this call
@@ -912,6 +932,9 @@ void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::
       head.content_type = "text/event-stream";
       head.headers = {{"Cache-Control", "no-cache"},
                       {"X-Accel-Buffering", "no"}};  // proxies must not hold the stream back
+      if (call->meta.cache) {
+        head.headers.emplace_back(kCacheHeader, CacheHitKindName(call->meta.cache->kind));
+      }
       call->conn->StartStream(std::move(head), SseEncoder::Heartbeat());
       std::string open = call->encoder->Open();
       if (!open.empty()) call->conn->Write(std::move(open));

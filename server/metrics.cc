@@ -163,11 +163,18 @@ void Metrics::AddGenerationTokens(int64_t n) {
   generation_tokens_ += static_cast<uint64_t>(n);
 }
 
+void Metrics::AddSection(Section section) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sections_.push_back(std::move(section));
+}
+
 std::string Metrics::Render(const EngineStats& stats) const {
   std::vector<std::pair<std::string, uint64_t>> outcomes;
   uint64_t prompt_tokens, generation_tokens;
+  std::vector<Section> sections;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    sections = sections_;
     outcomes = outcomes_;
     prompt_tokens = prompt_tokens_;
     generation_tokens = generation_tokens_;
@@ -292,6 +299,7 @@ std::string Metrics::Render(const EngineStats& stats) const {
               static_cast<double>(stats.prefix_evictable_blocks), &out);
   AppendGauge("kvserve:prefix_cache_enabled", "1 when the prefix cache is on.", l,
               stats.prefix_cache_enabled ? 1.0 : 0.0, &out);
+  for (const Section& section : sections) section(l, &out);
   return out;
 }
 

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -71,6 +72,11 @@ class Metrics {
 
   std::string Render(const EngineStats& stats) const;
 
+  // Another component's series (the response cache's), appended to every
+  // Render; called with this object's labels. The section must outlive it.
+  using Section = std::function<void(const std::string& labels, std::string* out)>;
+  void AddSection(Section section);
+
   const std::string& model_name() const { return model_name_; }
 
   // The bucket bounds used (vLLM's, with finer low buckets for inter-token
@@ -86,6 +92,7 @@ class Metrics {
   std::vector<std::pair<std::string, uint64_t>> outcomes_;  // guarded by mu_
   uint64_t prompt_tokens_ = 0;                              // guarded by mu_
   uint64_t generation_tokens_ = 0;                          // guarded by mu_
+  std::vector<Section> sections_;  // guarded by mu_
   Histogram ttft_;
   Histogram itl_;
   Histogram e2e_;

@@ -3,13 +3,61 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <deque>
 #include <future>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
 namespace kvserve {
+
+// One thread that runs cache replays in order. Stop runs what is queued
+// first, so no accepted request loses its events.
+class ReplayThread {
+ public:
+  ReplayThread() : thread_([this] { Run(); }) {}
+  ~ReplayThread() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Post(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;  // guarded by mu_
+  bool stop_ = false;                        // guarded by mu_
+  std::thread thread_;
+};
+
+ModelService::~ModelService() = default;
 
 ModelService::ModelService(std::string model_name, LlamaModel* model, const Tokenizer* tokenizer,
                            std::optional<ChatTemplate> chat_template, Engine* engine,
@@ -40,9 +88,16 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   const LlamaConfig& c = model_->config();
   PreparedRequest out;
   EngineRequest& r = out.engine;
+  out.cache = p.response_cache;
+  out.tenant = p.tenant;
+  if (p.response_cache.min_similarity &&
+      !(*p.response_cache.min_similarity >= -1.0f && *p.response_cache.min_similarity <= 1.0f)) {
+    return absl::InvalidArgumentError("response_cache.min_similarity must be in [-1, 1]");
+  }
   if (p.prompt_text) {
     // Checked before tokenizing: BOS alone would make an empty text a prompt.
     if (p.prompt_text->empty()) return absl::InvalidArgumentError("prompt is empty");
+    out.semantic_text = *p.prompt_text;
     r.prompt = tokenizer_->Encode(*p.prompt_text, p.add_special_tokens && tokenizer_->add_bos_default(),
                                   /*parse_special=*/false);
   } else if (p.prompt_ids) {
@@ -57,6 +112,25 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
         return absl::InvalidArgumentError(
             absl::StrCat("messages: role must be system, user or assistant (got '", m.role, "')"));
       }
+    }
+    // The last user message is what a semantic lookup embeds; every other
+    // message (the system prompt, earlier turns) must match exactly.
+    size_t last_user = p.messages->size();
+    for (size_t i = p.messages->size(); i-- > 0;) {
+      if ((*p.messages)[i].role == "user") {
+        last_user = i;
+        break;
+      }
+    }
+    for (size_t i = 0; i < p.messages->size(); ++i) {
+      const ChatMessage& m = (*p.messages)[i];
+      if (i == last_user) {
+        out.semantic_text = m.content;
+        absl::StrAppend(&out.semantic_context, "<query>\n");
+        continue;
+      }
+      absl::StrAppend(&out.semantic_context, m.role.size(), ":", m.role, m.content.size(), ":",
+                      m.content, "\n");
     }
     ASSIGN_OR_RETURN(std::string text, chat_template_->Render(*p.messages, true));
     r.prompt = tokenizer_->Encode(text, /*add_bos=*/false, /*parse_special=*/true);
@@ -120,11 +194,166 @@ struct StreamTiming {
 
 }  // namespace
 
-absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink sink) {
+void ModelService::EnableResponseCache(ResponseCache* cache, CacheIdentity identity) {
+  response_cache_ = cache;
+  cache_identity_ = std::move(identity);
+  if (replay_ == nullptr) replay_ = std::make_unique<ReplayThread>();
+  metrics_->AddSection(
+      [cache](const std::string& labels, std::string* out) { cache->RenderMetrics(labels, out); });
+}
+
+void ModelService::EnableSemanticCache(SemanticIndex* index, const TextEmbedder* embedder,
+                                       float default_threshold, SemanticMode default_mode) {
+  semantic_ = index;
+  embedder_ = embedder;
+  embedder_fingerprint_ = embedder->fingerprint();
+  semantic_threshold_ = default_threshold;
+  semantic_default_ = default_mode;
+}
+
+absl::StatusOr<int64_t> ModelService::PurgeResponseCache(
+    const std::optional<std::string>& tenant, const std::optional<std::string>& cache_salt) {
+  if (response_cache_ == nullptr || !response_cache_->enabled()) {
+    return absl::FailedPreconditionError(
+        "the response cache is off (start the server with --response-cache-bytes > 0)");
+  }
+  if (!tenant) return response_cache_->Purge();
+  if (cache_salt) {
+    return response_cache_->Purge(std::nullopt,
+                                  ResponseCacheScope(cache_identity_, *tenant, *cache_salt));
+  }
+  return response_cache_->Purge(*tenant);
+}
+
+absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink sink,
+                                             CacheOutcome* outcome) {
   if (draining()) {
     metrics_->RequestFinished("rejected");
     return absl::UnavailableError("the server is shutting down");
   }
+  // The exact cache, before the engine and before admission: a hit costs no
+  // KV and no queue slot.
+  CacheOutcome local;
+  CacheOutcome& oc = outcome != nullptr ? *outcome : local;
+  oc = CacheOutcome{};
+  const bool cache_on = response_cache_ != nullptr && response_cache_->enabled();
+  if (!cache_on) return Submit(std::move(request), std::move(sink));
+  const bool cacheable = CacheableRequest(request.engine);
+  std::string cache_key;
+  if (cacheable) cache_key = ResponseCacheKey(cache_identity_, request.tenant, request.engine);
+  if (!request.cache.lookup || !cacheable) {
+    oc.kind = CacheHitKind::kBypass;
+    response_cache_->CountBypass();
+  } else if (std::shared_ptr<const CachedReply> hit = response_cache_->Lookup(cache_key)) {
+    oc.kind = CacheHitKind::kExact;
+    return Replay(std::move(hit), std::move(sink));
+  } else {
+    oc.kind = CacheHitKind::kMiss;
+  }
+
+  // The semantic layer, for requests that opt in (or whose server does).
+  // Sampled requests without a seed may only take `approximate` answers.
+  const SemanticMode mode = request.cache.semantic.value_or(semantic_default_);
+  std::vector<float> embedding;
+  std::string semantic_scope;
+  // Embedded to look up (lookup on), or to index the reply (store on).
+  const bool semantic_lookup =
+      request.cache.lookup && (cacheable || mode == SemanticMode::kApproximate);
+  const bool semantic_store = request.cache.store && cacheable;
+  if (semantic_ != nullptr && mode != SemanticMode::kOff && !request.semantic_text.empty() &&
+      (semantic_lookup || semantic_store)) {
+    absl::StatusOr<std::vector<float>> e = embedder_->Embed(request.semantic_text);
+    if (e.ok() && static_cast<int32_t>(e->size()) == semantic_->dim()) {
+      embedding = std::move(e).value();
+      semantic_scope = SemanticScope(cache_identity_, request.tenant, request.engine,
+                                     request.semantic_context, embedder_fingerprint_);
+    }
+  }
+  if (!embedding.empty() && semantic_lookup) {
+    const float threshold = request.cache.min_similarity.value_or(semantic_threshold_);
+    std::optional<SemanticCandidate> c = semantic_->Find(semantic_scope, embedding, threshold);
+    response_cache_->CountSemanticLookup(c.has_value());
+    const EngineRequest& r = request.engine;
+    if (c && mode == SemanticMode::kApproximate &&
+        static_cast<int32_t>(c->reply->response.samples.size()) == r.n &&
+        c->reply->response.completion_tokens <= static_cast<int64_t>(r.n) * r.params.max_tokens) {
+      // Served as is: the client asked for it and is told so.
+      oc.kind = CacheHitKind::kApproximate;
+      oc.similarity = c->similarity;
+      response_cache_->CountSemanticHit(oc.kind, 0, 0);
+      return Replay(c->reply, std::move(sink));
+    }
+    if (c && mode == SemanticMode::kVerified && r.params.temperature == 0.0f && r.n == 1 &&
+        r.kv_policy.kind == KvPolicy::Kind::kNone && c->reply->response.samples.size() == 1) {
+      // Verified: the cached answer is only a draft the model checks
+      // (EngineRequest::draft_tokens); the reply is the model's own.
+      std::vector<int32_t> draft = c->reply->response.samples[0].token_ids;
+      if (static_cast<int32_t>(draft.size()) > r.params.max_tokens) {
+        draft.resize(static_cast<size_t>(r.params.max_tokens));
+      }
+      if (!draft.empty()) {
+        oc.kind = CacheHitKind::kSemanticVerified;
+        oc.similarity = c->similarity;
+        oc.draft_tokens = static_cast<int32_t>(draft.size());
+        request.engine.draft_tokens = std::move(draft);
+      }
+    }
+  }
+
+  const bool store = cacheable && request.cache.store;
+  if (!store) response_cache_->CountStoreRejected();
+  if (store || oc.kind == CacheHitKind::kSemanticVerified) {
+    // Records the stream beside the front end's sink and, once every sample
+    // finished by the model, stores the reply (and indexes its query when
+    // the request used the semantic layer).
+    auto recorder = std::make_shared<ReplyRecorder>(request.engine.n, request.prompt_tokens);
+    std::string scope =
+        ResponseCacheScope(cache_identity_, request.tenant, request.engine.cache_salt);
+    ResponseCache* cache = response_cache_;
+    SemanticIndex* semantic = embedding.empty() ? nullptr : semantic_;
+    const CacheHitKind kind = oc.kind;
+    const int32_t draft_tokens = oc.draft_tokens;
+    sink = [recorder, cache, semantic, kind, draft_tokens, store, key = std::move(cache_key),
+            scope = std::move(scope), tenant = request.tenant,
+            semantic_scope = std::move(semantic_scope), embedding = std::move(embedding),
+            inner = std::move(sink)](const SeqEvent& ev) {
+      if (recorder->Add(ev)) {
+        auto reply = std::make_shared<CachedReply>(recorder->Take());
+        if (kind == CacheHitKind::kSemanticVerified) {
+          cache->CountSemanticHit(kind, draft_tokens, reply->response.draft_accepted);
+        }
+        if (!store) {
+          // Counted at Start.
+        } else if (StorableResponse(reply->response)) {
+          reply->scope = scope;
+          reply->tenant = tenant;
+          if (cache->Insert(key, std::move(reply)) && semantic != nullptr) {
+            semantic->Insert(semantic_scope, embedding, key);
+          }
+        } else {
+          cache->CountStoreRejected();
+        }
+      }
+      inner(ev);
+    };
+  }
+  return Submit(std::move(request), std::move(sink));
+}
+
+uint64_t ModelService::Replay(std::shared_ptr<const CachedReply> hit, StreamSink sink) {
+  const uint64_t id = next_replay_id_.fetch_add(1);
+  in_flight_.fetch_add(1);
+  replay_->Post([this, hit = std::move(hit), id, sink = std::move(sink)] {
+    for (const SeqEvent& ev : hit->Replay(id)) {
+      if (ev.finish != FinishReason::kNone) metrics_->RequestFinished(FinishReasonName(ev.finish));
+      sink(ev);
+    }
+    in_flight_.fetch_sub(1);
+  });
+  return id;
+}
+
+absl::StatusOr<uint64_t> ModelService::Submit(PreparedRequest request, StreamSink sink) {
   // Requests accepted but not yet running, counted from our own in-flight
   // number (exact under a burst) minus the engine's last published running
   // count (which lags by at most one step).

@@ -28,6 +28,8 @@
 #include "scheduler/engine.h"
 #include "server/kv_policy.h"
 #include "server/metrics.h"
+#include "server/response_cache.h"
+#include "server/semantic_cache.h"
 
 namespace kvserve {
 
@@ -66,11 +68,24 @@ struct CompletionParams {
   std::string cache_salt;          // prefix-cache namespace (tenant isolation)
   // Token eviction; unset (or any field of it unset): ServiceLimits::kv_policy.
   std::optional<KvPolicyParams> kv_policy;
+  // The response cache: the request's own say (bypass, no-store, semantic).
+  ResponseCacheControl response_cache;
+  // The authenticated tenant (TenantFromApiKey), set by the front end from
+  // the credentials it checked, never from the request body: it scopes the
+  // response cache, so one tenant never reads another's entries.
+  std::string tenant;
 };
 
 struct PreparedRequest {
   EngineRequest engine;
   int32_t prompt_tokens = 0;
+  ResponseCacheControl cache;
+  std::string tenant;
+  // Semantic lookups: the text embedded (a completion's prompt, a chat's last
+  // user message) and everything else the answer depends on that the
+  // embedding does not see (the other messages), which scopes the index.
+  std::string semantic_text;
+  std::string semantic_context;
 };
 
 // One stream event as the front ends see it (an engine event plus timing).
@@ -84,11 +99,14 @@ struct ModelInfo {
   std::string kv_dtype;
 };
 
+class ReplayThread;
+
 class ModelService {
  public:
   ModelService(std::string model_name, LlamaModel* model, const Tokenizer* tokenizer,
                std::optional<ChatTemplate> chat_template, Engine* engine, ServiceLimits limits,
                Metrics* metrics);
+  ~ModelService();
 
   // InvalidArgument naming the field (NotFound for an unknown model): the
   // request as the engine's Submit would judge it, with max_n the tighter of
@@ -98,9 +116,29 @@ class ModelService {
 
   // Submits; events arrive on `sink` (the last per sample has a finish
   // reason). ResourceExhausted past max_queued waiting requests; Unavailable
-  // while draining.
-  [[nodiscard]] absl::StatusOr<uint64_t> Start(PreparedRequest request, StreamSink sink);
+  // while draining. With the response cache on, a hit is replayed (from
+  // another thread, like the engine's events) instead of computed, and a
+  // completed deterministic reply is stored; `outcome`, when given, says
+  // which (before the first event can arrive).
+  [[nodiscard]] absl::StatusOr<uint64_t> Start(PreparedRequest request, StreamSink sink,
+                                               CacheOutcome* outcome = nullptr);
   void Cancel(uint64_t request_id);
+
+  // Turns the response cache on (`cache` outlives the service). Call before
+  // serving.
+  void EnableResponseCache(ResponseCache* cache, CacheIdentity identity);
+  ResponseCache* response_cache() const { return response_cache_; }
+  // Turns the semantic layer on (after EnableResponseCache; both pointers
+  // outlive the service): requests whose mode (their own, else
+  // `default_mode`) is verified or approximate look up and index replies by
+  // their query's embedding.
+  void EnableSemanticCache(SemanticIndex* index, const TextEmbedder* embedder,
+                           float default_threshold, SemanticMode default_mode);
+  // Admin purge: every entry (`tenant` unset), or the entries of `tenant`
+  // (every salt, or only `cache_salt` when set). Returns the entries dropped;
+  // FailedPrecondition when the cache is off.
+  [[nodiscard]] absl::StatusOr<int64_t> PurgeResponseCache(
+      const std::optional<std::string>& tenant, const std::optional<std::string>& cache_salt);
 
   [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text,
                                                               bool add_special,
@@ -128,6 +166,11 @@ class ModelService {
   Metrics* metrics() { return metrics_; }
 
  private:
+  // Hands a cache hit to the replay thread; returns its request id.
+  uint64_t Replay(std::shared_ptr<const CachedReply> hit, StreamSink sink);
+  // The engine path of Start (admission, timing, metrics).
+  absl::StatusOr<uint64_t> Submit(PreparedRequest request, StreamSink sink);
+
   std::string model_name_;
   LlamaModel* model_;
   const Tokenizer* tokenizer_;
@@ -138,6 +181,17 @@ class ModelService {
   KvEventLog* kv_events_ = nullptr;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};
+  ResponseCache* response_cache_ = nullptr;
+  CacheIdentity cache_identity_;
+  SemanticIndex* semantic_ = nullptr;
+  const TextEmbedder* embedder_ = nullptr;
+  std::string embedder_fingerprint_;
+  float semantic_threshold_ = 0.92f;
+  SemanticMode semantic_default_ = SemanticMode::kOff;
+  // Replays cache hits off the caller's thread (front ends register a
+  // request after Start returns, as with the engine).
+  std::unique_ptr<ReplayThread> replay_;
+  std::atomic<uint64_t> next_replay_id_{uint64_t{1} << 62};
 };
 
 }  // namespace kvserve

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "server/response_cache_api.h"
 
 namespace kvserve {
 namespace {
@@ -302,6 +303,7 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     }
   }
   ReadKvPolicy(r, p);
+  if (auto e = ParseResponseCacheJson(body, &p->response_cache)) r.Fail("response_cache", *e);
   r.Bool("stream", &o->stream);
   ReadStop(r, p);
   if (const json* ids = r.Get("stop_token_ids")) {

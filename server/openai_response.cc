@@ -1,6 +1,8 @@
 // OpenAI response and SSE encoding (see openai_response.h).
 #include "server/openai_response.h"
 
+#include "server/response_cache_api.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -232,6 +234,7 @@ std::string CompletionBody(const ResponseMeta& meta, const HttpRequestOptions& o
               {"choices", std::move(out_choices)},
               {"usage", Usage(done, meta.kv_policy)}};
   if (meta.chat) out["system_fingerprint"] = nullptr;
+  if (meta.cache) out["kvserve_cache"] = CacheOutcomeJson(*meta.cache, done);
   return Dump(out);
 }
 
@@ -298,6 +301,7 @@ std::string SseEncoder::Add(const std::vector<SeqEvent>& events) {
       const CompletedResponse done = response_->Take();  // the stream ends here
       json u = ChunkJson(meta_, json::array());
       u["usage"] = Usage(done, meta_.kv_policy);
+      if (meta_.cache) u["kvserve_cache"] = CacheOutcomeJson(*meta_.cache, done);
       out += Event(u);
     }
     out += "data: [DONE]\n\n";

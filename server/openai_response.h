@@ -11,11 +11,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "server/completed_response.h"
+#include "server/response_cache.h"
 #include "server/openai_request.h"
 
 namespace kvserve {
@@ -40,6 +42,10 @@ struct ResponseMeta {
   bool chat = false;
   bool kv_policy = false;  // usage carries kv_dropped_tokens
   std::string echo_text;   // prepended to completions when the request echoes
+  // The response cache's verdict (server/response_cache_api.h), reported as
+  // the kvserve_cache object of the body (streams: of the usage chunk);
+  // unset when the cache is off.
+  std::optional<CacheOutcome> cache;
 
   // A fresh random id and the current time.
   static ResponseMeta New(bool chat, std::string model);
@@ -69,6 +75,9 @@ class SseEncoder {
   bool aborted() const { return aborted_; }
   // An SSE comment clients skip: sent while the stream is silent.
   static const std::string& Heartbeat();
+  // The response cache's verdict, known only once the request started.
+  // REQUIRES: before the first Add.
+  void set_cache(const CacheOutcome& c) { meta_.cache = c; }
 
  private:
   ResponseMeta meta_;

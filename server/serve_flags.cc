@@ -138,6 +138,21 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
   app->add_option("--kv-events-retain", f->kv_events_retain,
                   "KV events kept for reconnecting subscribers (0: no event stream)")
       ->capture_default_str();
+  app->add_option("--response-cache-bytes", f->response_cache_bytes,
+                  "Bytes of completed deterministic replies kept for exact-match reuse "
+                  "(0: no response cache; e.g. 64MiB)")
+      ->capture_default_str();
+  app->add_option("--response-cache-ttl", f->response_cache_ttl,
+                  "Seconds a cached reply may be served (0: until evicted)")
+      ->capture_default_str();
+  app->add_option("--semantic-cache-model", f->semantic_cache_model,
+                  "Sentence-encoder directory for the semantic response cache (empty: none)");
+  app->add_option("--semantic-cache-threshold", f->semantic_cache_threshold,
+                  "Cosine similarity a semantic candidate needs")
+      ->capture_default_str();
+  app->add_option("--semantic-cache-default", f->semantic_cache_default,
+                  "Semantic mode of requests that name none: off, verified, approximate")
+      ->capture_default_str();
   AddKvPolicyFlags(app, &f->kv_policy);
 }
 

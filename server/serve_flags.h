@@ -83,6 +83,17 @@ struct ServeFlags {
   int32_t default_max_tokens = 256;
   int64_t kv_events_retain = 65536;
   KvPolicyFlags kv_policy;
+  // The response cache (server/response_cache.h): off by default (see
+  // docs/response-cache.md: benchmarks replay identical greedy prompts, and
+  // storing users' replies is the operator's choice).
+  std::string response_cache_bytes = "0";
+  double response_cache_ttl = 3600;  // seconds; 0: no expiry (LRU only)
+  // The semantic cache (server/semantic_cache.h): the sentence-encoder
+  // directory (empty: none), the similarity threshold, and the mode of a
+  // request that names none.
+  std::string semantic_cache_model;
+  double semantic_cache_threshold = 0.92;
+  std::string semantic_cache_default = "off";
 };
 
 // Registers the daemon's flags (the kv-policy ones included) on `app`, bound
