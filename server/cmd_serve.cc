@@ -10,8 +10,10 @@
 
 #include "CLI/CLI.hpp"
 #include "common/thread_pool.h"
+#include "embed/sentence_encoder.h"
 #include "server/command.h"
 #include "server/daemon.h"
+#include "server/semantic_cache.h"
 #include "server/serve_flags.h"
 #include "spdlog/spdlog.h"
 
@@ -50,6 +52,8 @@ class ServeCommand final : public Command {
   }
 
   int Run(const GlobalFlags& global) override {
+    // --semantic-cache-model: kvserve's own sentence encoder (embed/).
+    SetEmbedderFactory([](const std::string& dir) { return embed::LoadSentenceEncoder(dir); });
     LoadedModel l = LoadModelOrDie(global.model_path);
     std::unique_ptr<Daemon> daemon = ValueOrDie(
         Daemon::Start(l, global.model_path, flags_, *engine_flags_, &ThreadPool::Global()));

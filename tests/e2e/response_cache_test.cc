@@ -310,6 +310,50 @@ TEST(ResponseCacheE2eTest, TheSystemPromptIsPartOfTheKey) {
             "miss");
 }
 
+// The semantic cache through the daemon with kvserve's own sentence encoder
+// (all-MiniLM-L6-v2 beside SmolLM2 in models/): a paraphrase of a cached
+// question is a semantic-verified hit, and so is a trap that looks alike
+// (another country) — but verification by the model means each answer is
+// exactly the greedy answer the same request gets with the cache bypassed.
+TEST(ResponseCacheE2eTest, SemanticHitsAreVerifiedByTheModel) {
+  const std::string model = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(model, "SmolLM2-135M-Instruct.Q4_1.gguf");
+  const std::string encoder = model.substr(0, model.rfind('/')) + "/all-MiniLM-L6-v2";
+  KVSERVE_SKIP_IF_MISSING(encoder + "/model.safetensors", "models/all-MiniLM-L6-v2");
+  auto d = StartDaemon(model, {"--semantic-cache-model", encoder});
+  ASSERT_TRUE(d);
+  auto chat = [](const std::string& q, const json& cache) {
+    return json{{"messages", {{{"role", "user"}, {"content", q}}}},
+                {"max_tokens", 16},
+                {"temperature", 0},
+                {"response_cache", cache}};
+  };
+  const json verified = {{"semantic", "verified"}, {"min_similarity", 0.5}};
+  const std::string cached = "What is the capital of France?";
+  const std::vector<std::string> asks = {"What's the capital city of France?",
+                                         "What is the capital of Germany?"};
+  // The model's own answers, with the cache bypassed (neither read nor written).
+  std::vector<std::string> own;
+  for (const std::string& q : asks) {
+    const Reply r = Post(d->http_port(), "/v1/chat/completions", chat(q, false));
+    ASSERT_EQ(r.status, 200) << r.raw;
+    EXPECT_EQ(r.cache_header, "bypass");
+    own.push_back(r.body["choices"][0]["message"]["content"]);
+  }
+  const Reply first = Post(d->http_port(), "/v1/chat/completions", chat(cached, verified));
+  ASSERT_EQ(first.status, 200) << first.raw;
+  EXPECT_EQ(first.cache_header, "miss");
+  for (size_t i = 0; i < asks.size(); ++i) {
+    const Reply r = Post(d->http_port(), "/v1/chat/completions", chat(asks[i], verified));
+    ASSERT_EQ(r.status, 200) << r.raw;
+    EXPECT_EQ(r.cache_header, "semantic-verified") << asks[i];
+    EXPECT_EQ(r.body["choices"][0]["message"]["content"], own[i]) << asks[i];
+    ASSERT_TRUE(r.body.contains("kvserve_cache")) << r.raw;
+    EXPECT_GT(r.body["kvserve_cache"]["similarity"].get<double>(), 0.5);
+    EXPECT_GE(r.body["kvserve_cache"]["accepted_tokens"].get<int>(), 0);
+  }
+}
+
 TEST(ResponseCacheE2eTest, OffByDefault) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = testing::Daemon::Start(
