@@ -60,11 +60,19 @@ std::vector<float> MakeActs(int64_t n) {
 }
 
 void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, int n_tokens,
-               bool reference, int threads) {
+               bool reference, int threads, bool packed = false) {
   const auto w = MakeWeights(type, rows, cols);
   const auto x = MakeActs(n_tokens * cols);
   std::vector<float> y(n_tokens * rows);
-  const WeightView view{type, w.data(), rows, cols};
+  WeightView view{type, w.data(), rows, cols};
+  // packed: the 16-row panels the model loads (VNNI panel kernel, AMX from
+  // AmxMinTokens() tokens where the CPU has it); else the GGUF rows.
+  const std::shared_ptr<const PackedWeight> pw = packed ? PackWeight(view) : nullptr;
+  if (packed && pw == nullptr) {
+    state.SkipWithError("no AVX-512 VNNI: nothing to pack for");
+    return;
+  }
+  view.packed = pw.get();
   ThreadPool* pool = Pool(threads);
   for (auto _ : state) {
     if (reference) {
@@ -234,12 +242,23 @@ void RegisterAll() {
         benchmark::RegisterBenchmark(
             (base + "/t" + std::to_string(n_tokens) + "/threads:" + std::to_string(threads))
                 .c_str(),
-            BM_MatMul, s.type, s.rows, s.cols, n_tokens, false, threads)
+            BM_MatMul, s.type, s.rows, s.cols, n_tokens, false, threads, false)
             ->UseRealTime();
       }
     }
+    if (s.type == DType::kQ4_1 || s.type == DType::kQ4_0 || s.type == DType::kQ8_0) {
+      // One thread, CPU time: GGUF rows (the row kernels) against packed
+      // panels, side by side in one run.
+      for (int n_tokens : {1, 8, 32, 128}) {
+        for (bool packed : {false, true}) {
+          benchmark::RegisterBenchmark(
+              (base + "/t" + std::to_string(n_tokens) + (packed ? "/panels" : "/rows")).c_str(),
+              BM_MatMul, s.type, s.rows, s.cols, n_tokens, false, 1, packed);
+        }
+      }
+    }
     benchmark::RegisterBenchmark((base + "/t1/reference").c_str(), BM_MatMul, s.type, s.rows,
-                                 s.cols, 1, true, 1)
+                                 s.cols, 1, true, 1, false)
         ->UseRealTime();
   }
   for (bool fused : {false, true}) {

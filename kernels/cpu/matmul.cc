@@ -27,6 +27,7 @@ using internal::QuantizedActs;
 struct ActsScratch {
   std::vector<int8_t> qs;
   std::vector<float> ds;
+  std::vector<int32_t> sums;
 };
 
 ActsScratch& Scratch() {
@@ -99,7 +100,8 @@ void FloatRowsScalar(const WeightView& w, const float* x, int64_t x_stride, int6
 
 namespace internal {
 
-void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds) {
+void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds,
+                        int32_t* sums) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     const float* xb = x + b * kQK;
     float amax = 0.0f;
@@ -112,6 +114,7 @@ void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, 
       qs[b * kQK + j] = static_cast<int8_t>(q);
       sum += q;
     }
+    if (sums != nullptr) sums[b] = sum;
     const float d16 = Fp16ToFp32(Fp32ToFp16(scale));
     ds[2 * b] = d16;
     ds[2 * b + 1] = sum_mode == ActSum::kQ8_1
@@ -177,28 +180,27 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
         const int8_t* x = xq + b * kQK;
         if (w.type == DType::kQ8_0) {
           const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
-          for (int j = 0; j < kQK; ++j) isum += (blk->qs[j] + 128) * x[j];
+          for (int j = 0; j < kQK; ++j) isum += blk->qs[j] * x[j];
           d = Scale16(blk->d);
-          m = -128.0f * d;
         } else {
           const uint8_t* qs;
           if (w.type == DType::kQ4_0) {
             const auto* blk = reinterpret_cast<const BlockQ4_0*>(row) + b;
             qs = blk->qs;
             d = Scale16(blk->d);
-            m = -8.0f * d;
           } else {
             const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
             qs = blk->qs;
             d = Scale16(blk->d);
             m = Scale16(blk->m);
           }
+          const int off = w.type == DType::kQ4_0 ? 8 : 0;
           for (int j = 0; j < kQK / 2; ++j) {
-            isum += (qs[j] & 0x0F) * x[j] + (qs[j] >> 4) * x[j + kQK / 2];
+            isum += ((qs[j] & 0x0F) - off) * x[j] + ((qs[j] >> 4) - off) * x[j + kQK / 2];
           }
         }
         acc = std::fma(static_cast<float>(isum), d * xds[2 * b], acc);
-        acc = std::fma(m, xds[2 * b + 1], acc);
+        if (w.type == DType::kQ4_1) acc = std::fma(m, xds[2 * b + 1], acc);
       }
       y[t * y_stride + r] = acc;
     }
@@ -440,9 +442,16 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
   // Q4_1 alone wants ggml's Q8_1 sum; with other formats present the exact
   // sum keeps their offset terms exact (Q4_1 then differs from ggml only in
   // the last bits of its min term).
+  // Panel kernels (packed weights) need no s for Q8_0/Q4_0 (their block
+  // dots are exact signed integers) and take Q4_1's ggml value always.
   bool all_q4_1 = true;
+  bool any_packed = false;
   for (int i = 0; i < n_weights; ++i) {
-    if (internal::IsQuantized(ws[i].type) && ws[i].type != DType::kQ4_1) all_q4_1 = false;
+    const bool panels = vnni && ws[i].packed != nullptr;
+    any_packed = any_packed || panels;
+    if (internal::IsQuantized(ws[i].type) && ws[i].type != DType::kQ4_1 && !panels) {
+      all_q4_1 = false;
+    }
   }
   const internal::ActSum sum_mode = all_q4_1 ? internal::ActSum::kQ8_1 : internal::ActSum::kExact;
 
@@ -455,18 +464,21 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
     // Slack at the ends lets vector kernels over-read past the last block.
     if (scratch.qs.size() < n_blocks * kQK + 64) scratch.qs.resize(n_blocks * kQK + 64);
     if (scratch.ds.size() < 2 * n_blocks + 16) scratch.ds.resize(2 * n_blocks + 16);
+    if (any_packed && scratch.sums.size() < n_blocks) scratch.sums.resize(n_blocks);
     for (int64_t t = 0; t < n_tokens; ++t) {
       int8_t* qs = scratch.qs.data() + t * nb * kQK;
       float* ds = scratch.ds.data() + t * 2 * nb;
+      int32_t* sums = any_packed ? scratch.sums.data() + t * nb : nullptr;
       if (simd) {
-        internal::QuantizeActsAvx2(x + t * x_stride, cols, sum_mode, qs, ds);
+        internal::QuantizeActsAvx2(x + t * x_stride, cols, sum_mode, qs, ds, sums);
       } else {
-        internal::QuantizeActsScalar(x + t * x_stride, cols, sum_mode, qs, ds);
+        internal::QuantizeActsScalar(x + t * x_stride, cols, sum_mode, qs, ds, sums);
       }
     }
     acts.n_blocks = nb;
     acts.qs = scratch.qs.data();
     acts.ds = scratch.ds.data();
+    acts.sums = any_packed ? scratch.sums.data() : nullptr;
   }
 
   // Packed weights go to AMX from AmxMinTokens() tokens (prefill chunks,

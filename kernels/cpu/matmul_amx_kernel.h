@@ -98,6 +98,7 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
       const int64_t nt = std::min<int64_t>(16, n_tokens - t0);
       const int8_t* arows = c < full_chunks ? a.qs + t0 * act_stride : pad.data();
       const float* xds = a.ds + t0 * 2 * nb;
+      const int32_t* xsum = a.sums + t0 * nb;
       __m512 acc[16];
       for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
       auto epilogue = [&](int64_t b, const int32_t (*isums)[16]) {
@@ -107,8 +108,8 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
         for (int t = 0; t < 16; ++t) {
           if (t >= nt) break;
           const __m512i isum = _mm512_load_si512(isums[t]);
-          acc[t] = PanelBlockEpilogue(acc[t], isum, dw, mw, xds[t * 2 * nb + 2 * b],
-                                      xds[t * 2 * nb + 2 * b + 1]);
+          acc[t] = PanelBlockEpilogue<kType>(acc[t], isum, dw, mw, xds[t * 2 * nb + 2 * b],
+                                             xds[t * 2 * nb + 2 * b + 1], xsum[t * nb + b]);
         }
       };
       int64_t b = 0;

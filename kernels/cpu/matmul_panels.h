@@ -14,11 +14,16 @@
 //     qs[4j + i] of row n, so packing Q4 only interleaves.
 // After all blocks' weights: d as 16 fp16 per block, then (Q4_1) m likewise.
 //
-// Expression. For row r, token t, blocks b = 0..nb-1 in order, with
-// isum = sum over the block of w_u8 * x_s8 (exact int32):
-//   acc = fma(float(isum), d_w * d_a, acc);  acc = fma(m_w, s_a, acc);
-// from acc = +0, where m_w is Q4_1's m, -8 d_w (Q4_0) or -128 d_w (Q8_0) and
-// (d_a, s_a) the activation block's scale and sum term (QuantizedActs).
+// Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
+//   Q8_0, Q4_0: isum = sum over the block of w * x with the signed weights
+//     (q for Q8_0, q - 8 for Q4_0): an exact int32, formed from the unsigned
+//     dot as isum_u - 128 * sum(x) (resp. 8 * sum(x));
+//     acc = fma(float(isum), d_w * d_a, acc);
+//   Q4_1: isum = sum of q * x (q = 0..15), exact;
+//     acc = fma(float(isum), d_w * d_a, acc);  acc = fma(m_w, s_a, acc);
+// with (d_a, s_a, sum(x)) the activation block's scale, ggml Q8_1 sum term and
+// integer sum (QuantizedActs). Signed dots keep Q8_0/Q4_0 free of the large
+// offset terms that cancel only in exact arithmetic.
 #pragma once
 
 #include <cstdint>
@@ -76,24 +81,30 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
 namespace kvserve::kernels::internal {
 namespace {  // internal linkage: each ISA's translation unit keeps its own copy
 
-// The block epilogue of the expression for 16 row-lanes of one token. dw, mw:
-// the block's d_w and m_w of the 16 rows; da, sa: the token's d_a, s_a.
-inline __m512 PanelBlockEpilogue(__m512 acc, __m512i isum, __m512 dw, __m512 mw, float da,
-                                 float sa) {
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
-  return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
+// The block epilogue of the expression for 16 row-lanes of one token. isum_u:
+// the unsigned-weight block dots; dw, mw: the block's d_w and (Q4_1) m_w of
+// the 16 rows; da, sa, xsum: the token's d_a, s_a and integer sum(x).
+template <DType kType>
+inline __m512 PanelBlockEpilogue(__m512 acc, __m512i isum_u, __m512 dw, __m512 mw, float da,
+                                 float sa, int32_t xsum) {
+  if constexpr (kType == DType::kQ4_1) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_u), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
+    return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
+  } else {
+    constexpr int32_t kOffset = kType == DType::kQ8_0 ? 128 : 8;
+    const __m512i isum = _mm512_sub_epi32(isum_u, _mm512_set1_epi32(kOffset * xsum));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
+  }
 }
 
-// d_w and m_w of block b of a panel, as 16 floats each.
+// d_w and (Q4_1; else zero) m_w of block b of a panel, 16 floats each.
 template <DType kType>
 inline void PanelScales(const PackedWeight& w, int64_t p, int64_t b, __m512* dw, __m512* mw) {
   *dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.D(p) + b * 16)));
   if constexpr (kType == DType::kQ4_1) {
     *mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.M(p) + b * 16)));
-  } else if constexpr (kType == DType::kQ4_0) {
-    *mw = _mm512_mul_ps(*dw, _mm512_set1_ps(-8.0f));
   } else {
-    *mw = _mm512_mul_ps(*dw, _mm512_set1_ps(-128.0f));
+    *mw = _mm512_setzero_ps();
   }
 }
 

@@ -33,9 +33,11 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
   }
   const int8_t* xq[T];
   const float* xds[T];
+  const int32_t* xsum[T];
   for (int t = 0; t < T; ++t) {
     xq[t] = a.qs + (t0 + t) * nb * kQK;
     xds[t] = a.ds + (t0 + t) * 2 * nb;
+    xsum[t] = a.sums + (t0 + t) * nb;
   }
   for (int64_t b = 0; b < nb; ++b) {
     __m512i isum[P][T];
@@ -76,8 +78,8 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
       __m512 mw;
       PanelScales<kType>(w, p0 + p, b, &dw, &mw);
       for (int t = 0; t < T; ++t) {
-        acc[p][t] = PanelBlockEpilogue(acc[p][t], isum[p][t], dw, mw, xds[t][2 * b],
-                                       xds[t][2 * b + 1]);
+        acc[p][t] = PanelBlockEpilogue<kType>(acc[p][t], isum[p][t], dw, mw, xds[t][2 * b],
+                                              xds[t][2 * b + 1], xsum[t][b]);
       }
     }
   }

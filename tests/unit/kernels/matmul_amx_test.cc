@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/half.h"
 #include "common/thread_pool.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/matmul.h"
@@ -83,6 +84,7 @@ struct Case {
   std::vector<float> x;
   std::vector<int8_t> qs;
   std::vector<float> ds;
+  std::vector<int32_t> sums;
   internal::QuantizedActs acts;
 
   Case(DType t, int64_t r, int64_t c, int64_t n, uint32_t seed)
@@ -95,13 +97,16 @@ struct Case {
     const int64_t nb = c / kQK;
     qs.assign(n * c + 64, 0);
     ds.assign(2 * n * nb + 16, 0.0f);
+    sums.assign(n * nb, 0);
     const auto mode = t == DType::kQ4_1 ? internal::ActSum::kQ8_1 : internal::ActSum::kExact;
     for (int64_t i = 0; i < n; ++i) {
-      internal::QuantizeActsAvx2(x.data() + i * c, c, mode, qs.data() + i * c, ds.data() + i * 2 * nb);
+      internal::QuantizeActsAvx2(x.data() + i * c, c, mode, qs.data() + i * c, ds.data() + i * 2 * nb,
+                                 sums.data() + i * nb);
     }
     acts.n_blocks = nb;
     acts.qs = qs.data();
     acts.ds = ds.data();
+    acts.sums = sums.data();
   }
   std::vector<float> Out() const { return std::vector<float>(n_tokens * rows, 0.0f); }
 };
@@ -251,6 +256,62 @@ TEST(PanelMatMulManyTest, OutputsDoNotDependOnBatchSize) {
     MatMul(c.view, c.x.data() + t * c.cols, 1, c.cols, one.data(), c.rows, Pool());
     EXPECT_EQ(std::memcmp(one.data(), all.data() + t * c.rows, c.rows * sizeof(float)), 0)
         << "token " << t;
+  }
+}
+
+// Mean |error| of y against the same quantized product in double: exact
+// block dots times the same scales (Q4_1's min term with its ggml s).
+double MeanAbsErrorVsExact(const Case& c, const std::vector<float>& y) {
+  const int64_t nb = c.cols / kQK;
+  const int64_t row_bytes = RowBytes(c.type, c.cols);
+  std::vector<float> deq(c.cols);
+  double err = 0.0;
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const uint8_t* row = c.q.data() + r * row_bytes;
+    DequantizeRow(c.type, row, deq.data(), c.cols);
+    for (int64_t t = 0; t < c.n_tokens; ++t) {
+      const int8_t* xq = c.qs.data() + t * c.cols;
+      const float* xds = c.ds.data() + t * 2 * nb;
+      double s = 0.0;
+      for (int64_t b = 0; b < nb; ++b) {
+        double block = 0.0;
+        if (c.type == DType::kQ4_1) {
+          const BlockQ4_1& blk = reinterpret_cast<const BlockQ4_1*>(row)[b];
+          for (int j = 0; j < kQK / 2; ++j) {
+            block += static_cast<double>(blk.qs[j] & 0x0F) * xq[b * kQK + j] +
+                     static_cast<double>(blk.qs[j] >> 4) * xq[b * kQK + j + kQK / 2];
+          }
+          s += block * Fp16ToFp32(blk.d) * xds[2 * b] +
+               static_cast<double>(Fp16ToFp32(blk.m)) * xds[2 * b + 1];
+        } else {
+          for (int j = 0; j < kQK; ++j) block += static_cast<double>(deq[b * kQK + j]) * xq[b * kQK + j];
+          s += block * xds[2 * b];
+        }
+      }
+      err += std::fabs(y[t * c.rows + r] - s);
+    }
+  }
+  return err / static_cast<double>(c.rows * c.n_tokens);
+}
+
+// The panel expression (exact block integers, signed for Q8_0/Q4_0, blocks
+// accumulated in order) is at least as close to exact arithmetic on the
+// same 8-bit activations as the row kernels it replaces for model weights;
+// measured: Q4_1 4.8e-6 vs 8.8e-6, Q8_0 and Q4_0 3.5e-6 vs 1.1e-5 (|y| ~ 31).
+TEST(PanelAccuracyTest, AtLeastAsCloseToExactArithmeticAsTheRowKernels) {
+  SKIP_WITHOUT_VNNI();
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1}) {
+    const Case c(type, 256, 1536, 8, 1);
+    std::vector<float> rows = c.Out();
+    WeightView unpacked = c.view;
+    unpacked.packed = nullptr;
+    MatMul(unpacked, c.x.data(), c.n_tokens, c.cols, rows.data(), c.rows, nullptr);
+    std::vector<float> panels = c.Out();
+    MatMul(c.view, c.x.data(), c.n_tokens, c.cols, panels.data(), c.rows, nullptr);
+    const double e_rows = MeanAbsErrorVsExact(c, rows);
+    const double e_panels = MeanAbsErrorVsExact(c, panels);
+    EXPECT_LE(e_panels, e_rows) << DTypeName(type);
+    EXPECT_LT(e_panels, 1e-5) << DTypeName(type);
   }
 }
 
