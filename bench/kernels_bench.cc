@@ -93,7 +93,8 @@ void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, 
 // ~96 MB, so nothing stays in cache between layers as in the real forward.
 // items/s = decode tokens/s of the matmul share of a forward. `fused` runs
 // q/k/v and gate/up through MatMulMany (one dispatch each).
-void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused) {
+void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused,
+                             bool packed = false) {
   struct Mat {
     int64_t rows, cols;
   };
@@ -112,6 +113,13 @@ void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused) {
   views.push_back({DType::kQ8_0, owned.back().data(), 49152, 576});
   size_t bytes = 0;
   for (const auto& o : owned) bytes += o.size();
+  std::vector<std::shared_ptr<const PackedWeight>> packs;
+  if (packed) {
+    for (WeightView& v : views) {
+      packs.push_back(PackWeight(v));
+      v.packed = packs.back().get();
+    }
+  }
   const auto x = MakeActs(n_tokens * 1536);
   std::vector<float> y(n_tokens * 49152);
   ThreadPool* pool = Pool(threads);
@@ -267,13 +275,24 @@ void RegisterAll() {
           (std::string("SmolLM2DecodeMatMuls/") + (fused ? "fused" : "separate") +
            "/threads:" + std::to_string(threads))
               .c_str(),
-          BM_SmolLM2DecodeMatMuls, threads, fused)
+          BM_SmolLM2DecodeMatMuls, threads, fused, false)
           ->Arg(1)
           ->Arg(8)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
   }
+  // The model's layout: every matrix in 16-row panels (VNNI / AMX kernels).
+  benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/panels/threads:1",
+                               BM_SmolLM2DecodeMatMuls, 1, true, true)
+      ->Arg(1)
+      ->Arg(8)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/rows/threads:1",
+                               BM_SmolLM2DecodeMatMuls, 1, true, false)
+      ->Arg(1)
+      ->Arg(8)
+      ->Unit(benchmark::kMillisecond);
   const char* op_names[] = {"RmsNorm/576", "SiluMul/1536", "Rope/9x64", "Softmax/49152"};
   for (int which = 0; which < 4; ++which) {
     benchmark::RegisterBenchmark((std::string("Ops/") + op_names[which]).c_str(), BM_Ops, which,

@@ -233,7 +233,8 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
   p->n_panels = (w.rows + kP - 1) / kP;
   p->qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : 4 * 64;
   const int64_t scale_bytes = (w.type == DType::kQ4_1 ? 2 : 1) * kP * 2;
-  p->panel_bytes = (p->n_blocks * (p->qs_bytes + scale_bytes) + 63) / 64 * 64;
+  p->block_bytes = (p->qs_bytes + scale_bytes + 63) / 64 * 64;
+  p->panel_bytes = p->n_blocks * p->block_bytes;
   const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
   p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
   if (!p->storage) return nullptr;
@@ -241,29 +242,29 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
   const int64_t nb = p->n_blocks;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
     uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
-    auto* d = reinterpret_cast<uint16_t*>(panel + nb * p->qs_bytes);
-    uint16_t* m = d + nb * kP;
     for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
       const int64_t r = pi * kP + n;
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* qs = panel + b * p->qs_bytes;
+        uint8_t* qs = panel + b * p->block_bytes;
+        auto* d = reinterpret_cast<uint16_t*>(qs + p->qs_bytes);
+        uint16_t* m = d + kP;
         if (w.type == DType::kQ8_0) {
           const BlockQ8_0& blk = RowBlocks<BlockQ8_0>(w, r)[b];
           for (int e = 0; e < kQK; ++e) {
             qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(blk.qs[e] + 128);
           }
-          d[b * kP + n] = blk.d;
+          d[n] = blk.d;
         } else {
           const uint8_t* src;
           if (w.type == DType::kQ4_0) {
             const BlockQ4_0& blk = RowBlocks<BlockQ4_0>(w, r)[b];
             src = blk.qs;
-            d[b * kP + n] = blk.d;
+            d[n] = blk.d;
           } else {
             const BlockQ4_1& blk = RowBlocks<BlockQ4_1>(w, r)[b];
             src = blk.qs;
-            d[b * kP + n] = blk.d;
-            m[b * kP + n] = blk.m;
+            d[n] = blk.d;
+            m[n] = blk.m;
           }
           for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = src[e];
         }

@@ -12,7 +12,9 @@
 //   Q4_0/Q4_1: 4 x 64 = 256 bytes, byte (j, n, i) holds groups j (low
 //     nibble) and j + 4 (high nibble), which is exactly the GGUF byte
 //     qs[4j + i] of row n, so packing Q4 only interleaves.
-// After all blocks' weights: d as 16 fp16 per block, then (Q4_1) m likewise.
+// Each block's weights are followed by its d as 16 fp16 and (Q4_1) m likewise,
+// padded to 64 bytes (Q8_0 576, Q4_0 320, Q4_1 320 bytes per block), so a
+// panel is one linear stream, as a one-token product reads it.
 //
 // Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
 //   Q8_0, Q4_0: isum = sum over the block of w * x with the signed weights
@@ -40,16 +42,17 @@ struct PackedWeight {
   int64_t n_blocks = 0;     // cols / 32
   int64_t n_panels = 0;     // ceil(rows / 16)
   int64_t qs_bytes = 0;     // per block per panel: 512 (Q8_0) or 256 (Q4)
-  int64_t panel_bytes = 0;  // qs, then d, then m (Q4_1)
+  int64_t block_bytes = 0;  // qs, d, m (Q4_1), padded to 64
+  int64_t panel_bytes = 0;  // n_blocks * block_bytes
   std::unique_ptr<uint8_t, void (*)(void*)> storage{nullptr, nullptr};
 
   const uint8_t* Panel(int64_t p) const { return storage.get() + p * panel_bytes; }
-  const uint8_t* Qs(int64_t p, int64_t b) const { return Panel(p) + b * qs_bytes; }
-  const uint16_t* D(int64_t p) const {
-    return reinterpret_cast<const uint16_t*>(Panel(p) + n_blocks * qs_bytes);
+  const uint8_t* Qs(int64_t p, int64_t b) const { return Panel(p) + b * block_bytes; }
+  const uint16_t* D(int64_t p, int64_t b) const {
+    return reinterpret_cast<const uint16_t*>(Qs(p, b) + qs_bytes);
   }
   // Q4_1 only.
-  const uint16_t* M(int64_t p) const { return D(p) + n_blocks * 16; }
+  const uint16_t* M(int64_t p, int64_t b) const { return D(p, b) + 16; }
 };
 
 namespace internal {
@@ -100,9 +103,9 @@ inline __m512 PanelBlockEpilogue(__m512 acc, __m512i isum_u, __m512 dw, __m512 m
 // d_w and (Q4_1; else zero) m_w of block b of a panel, 16 floats each.
 template <DType kType>
 inline void PanelScales(const PackedWeight& w, int64_t p, int64_t b, __m512* dw, __m512* mw) {
-  *dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.D(p) + b * 16)));
+  *dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.D(p, b))));
   if constexpr (kType == DType::kQ4_1) {
-    *mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.M(p) + b * 16)));
+    *mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.M(p, b))));
   } else {
     *mw = _mm512_setzero_ps();
   }
