@@ -12,13 +12,24 @@
 namespace kvserve::kernels::internal {
 namespace {
 
+// GCC 12's tile load/store intrinsics are asm statements without a memory
+// clobber: the compiler may move ordinary loads and stores across them (read
+// cbuf before TILESTORED wrote it, or sink the Q4 unpack stores past the
+// TILELOADD that reads them). A compiler barrier on each side keeps C++
+// memory accesses ordered with the tile instructions; it emits no code.
+inline void CompilerBarrier() { __asm__ __volatile__("" ::: "memory"); }
+
 // Tile numbers must be immediates in the intrinsics, hence one branch per
 // index rather than a template argument pasted into the instruction.
 struct HardwareTiles {
-  static void Configure(const AmxTileConfig& c) { _tile_loadconfig(&c); }
+  static void Configure(const AmxTileConfig& c) {
+    CompilerBarrier();
+    _tile_loadconfig(&c);
+  }
   static void Release() { _tile_release(); }
   template <int I>
   static void LoadA(const void* p, int64_t stride) {
+    CompilerBarrier();
     if constexpr (I == 0) {
       _tile_loadd(2, p, stride);
     } else {
@@ -27,6 +38,7 @@ struct HardwareTiles {
   }
   template <int I>
   static void LoadB(const void* p, int64_t stride) {
+    CompilerBarrier();
     if constexpr (I == 0) {
       _tile_loadd(4, p, stride);
     } else {
@@ -57,6 +69,7 @@ struct HardwareTiles {
     } else {
       _tile_stored(1, p, stride);
     }
+    CompilerBarrier();
   }
 };
 
