@@ -60,11 +60,19 @@ std::vector<float> MakeActs(int64_t n) {
 }
 
 void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, int n_tokens,
-               bool reference, int threads) {
+               bool reference, int threads, bool packed = false) {
   const auto w = MakeWeights(type, rows, cols);
   const auto x = MakeActs(n_tokens * cols);
   std::vector<float> y(n_tokens * rows);
-  const WeightView view{type, w.data(), rows, cols};
+  WeightView view{type, w.data(), rows, cols};
+  // packed: the 16-row panels the model loads (VNNI panel kernel, AMX from
+  // AmxMinTokens() tokens where the CPU has it); else the GGUF rows.
+  const std::shared_ptr<const PackedWeight> pw = packed ? PackWeight(view) : nullptr;
+  if (packed && pw == nullptr) {
+    state.SkipWithError("no AVX-512 VNNI: nothing to pack for");
+    return;
+  }
+  view.packed = pw.get();
   ThreadPool* pool = Pool(threads);
   for (auto _ : state) {
     if (reference) {
@@ -85,7 +93,8 @@ void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, 
 // ~96 MB, so nothing stays in cache between layers as in the real forward.
 // items/s = decode tokens/s of the matmul share of a forward. `fused` runs
 // q/k/v and gate/up through MatMulMany (one dispatch each).
-void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused) {
+void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused,
+                             bool packed = false) {
   struct Mat {
     int64_t rows, cols;
   };
@@ -104,6 +113,13 @@ void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused) {
   views.push_back({DType::kQ8_0, owned.back().data(), 49152, 576});
   size_t bytes = 0;
   for (const auto& o : owned) bytes += o.size();
+  std::vector<std::shared_ptr<const PackedWeight>> packs;
+  if (packed) {
+    for (WeightView& v : views) {
+      packs.push_back(PackWeight(v));
+      v.packed = packs.back().get();
+    }
+  }
   const auto x = MakeActs(n_tokens * 1536);
   std::vector<float> y(n_tokens * 49152);
   ThreadPool* pool = Pool(threads);
@@ -234,12 +250,23 @@ void RegisterAll() {
         benchmark::RegisterBenchmark(
             (base + "/t" + std::to_string(n_tokens) + "/threads:" + std::to_string(threads))
                 .c_str(),
-            BM_MatMul, s.type, s.rows, s.cols, n_tokens, false, threads)
+            BM_MatMul, s.type, s.rows, s.cols, n_tokens, false, threads, false)
             ->UseRealTime();
       }
     }
+    if (s.type == DType::kQ4_1 || s.type == DType::kQ4_0 || s.type == DType::kQ8_0) {
+      // One thread, CPU time: GGUF rows (the row kernels) against packed
+      // panels, side by side in one run.
+      for (int n_tokens : {1, 8, 32, 128}) {
+        for (bool packed : {false, true}) {
+          benchmark::RegisterBenchmark(
+              (base + "/t" + std::to_string(n_tokens) + (packed ? "/panels" : "/rows")).c_str(),
+              BM_MatMul, s.type, s.rows, s.cols, n_tokens, false, 1, packed);
+        }
+      }
+    }
     benchmark::RegisterBenchmark((base + "/t1/reference").c_str(), BM_MatMul, s.type, s.rows,
-                                 s.cols, 1, true, 1)
+                                 s.cols, 1, true, 1, false)
         ->UseRealTime();
   }
   for (bool fused : {false, true}) {
@@ -248,13 +275,24 @@ void RegisterAll() {
           (std::string("SmolLM2DecodeMatMuls/") + (fused ? "fused" : "separate") +
            "/threads:" + std::to_string(threads))
               .c_str(),
-          BM_SmolLM2DecodeMatMuls, threads, fused)
+          BM_SmolLM2DecodeMatMuls, threads, fused, false)
           ->Arg(1)
           ->Arg(8)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
   }
+  // The model's layout: every matrix in 16-row panels (VNNI / AMX kernels).
+  benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/panels/threads:1",
+                               BM_SmolLM2DecodeMatMuls, 1, true, true)
+      ->Arg(1)
+      ->Arg(8)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/rows/threads:1",
+                               BM_SmolLM2DecodeMatMuls, 1, true, false)
+      ->Arg(1)
+      ->Arg(8)
+      ->Unit(benchmark::kMillisecond);
   const char* op_names[] = {"RmsNorm/576", "SiluMul/1536", "Rope/9x64", "Softmax/49152"};
   for (int which = 0; which < 4; ++which) {
     benchmark::RegisterBenchmark((std::string("Ops/") + op_names[which]).c_str(), BM_Ops, which,

@@ -24,6 +24,19 @@ CpuFeatures Detect() {
   f.f16c = (c >> 29) & 1;
   __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
   f.avxvnni = (a >> 4) & 1;
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+  const unsigned max_leaf = a;
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+  const bool osxsave = (c >> 27) & 1;
+  if (max_leaf >= 7 && osxsave) {
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    const bool os_tiles = ((xcr0_lo >> 17) & 3) == 3;  // XTILECFG and XTILEDATA
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    f.amx_tile = os_tiles && ((d >> 24) & 1);
+    f.amx_int8 = f.amx_tile && ((d >> 25) & 1);
+    f.amx_bf16 = f.amx_tile && ((d >> 22) & 1);
+  }
 #endif
   return f;
 }
@@ -44,6 +57,9 @@ std::string CpuFeatures::ToString() const {
   add(avx512bw, "avx512bw");
   add(avx512vnni, "avx512vnni");
   add(avxvnni, "avxvnni");
+  add(amx_tile, "amx_tile");
+  add(amx_int8, "amx_int8");
+  add(amx_bf16, "amx_bf16");
   return s.empty() ? "none" : s;
 }
 

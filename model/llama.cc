@@ -181,6 +181,22 @@ absl::Status LlamaModel::Bind() {
     ASSIGN_OR_RETURN(L.w_up, matrix(p + "ffn_up.weight", c.dim, c.ffn_dim));
     ASSIGN_OR_RETURN(L.w_down, matrix(p + "ffn_down.weight", c.ffn_dim, c.dim));
   }
+  // Quantized matrices in the VNNI/AMX panel layout. The embedding table
+  // keeps only its mapped rows (lookups dequantize single rows); a tied
+  // output head gets its own packed copy.
+  packed_.clear();
+  packed_bytes_ = 0;
+  auto pack = [&](WeightView* v) {
+    std::shared_ptr<const kernels::PackedWeight> p = kernels::PackWeight(*v);
+    if (p == nullptr) return;
+    v->packed = p.get();
+    packed_bytes_ += kernels::PackedBytes(*p);
+    packed_.push_back(std::move(p));
+  };
+  pack(&output_);
+  for (Layer& L : layers_) {
+    for (WeightView* v : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) pack(v);
+  }
   return absl::OkStatus();
 }
 

@@ -97,6 +97,9 @@ class LlamaModel {
   std::shared_ptr<const GgufFile> shared_file() const { return file_; }
   // Bytes of weights the forward reads per token (for bandwidth figures).
   int64_t weight_bytes() const { return weight_bytes_; }
+  // Bytes of the weights repacked for the VNNI/AMX kernels at load (memory
+  // beside the mapped file; 0 where those kernels do not run).
+  int64_t packed_bytes() const { return packed_bytes_; }
 
   // Runs the batch: appends K/V of every token to `kv` and writes
   // logit_rows.size() rows of vocab_size logits to `logits`.
@@ -124,6 +127,9 @@ class LlamaModel {
   kernels::WeightView output_{};
   std::vector<Layer> layers_;
   int64_t weight_bytes_ = 0;
+  // Repacked quantized matrices the views' `packed` point into.
+  std::vector<std::shared_ptr<const kernels::PackedWeight>> packed_;
+  int64_t packed_bytes_ = 0;
 
   // Scratch, sized for the largest batch seen so far.
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, final_;

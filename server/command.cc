@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
+#include "kernels/cpu/matmul.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -43,6 +44,8 @@ LoadedModel LoadModelOrDie(const std::string& path) {
       "model {}: {} layers, dim {}, heads {}/{} (q/kv), head_dim {}, ffn {}, vocab {}, ctx {}",
       path, c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size,
       c.context_length);
+  spdlog::info("matmul kernels: {}; {:.1f} MiB of weights repacked for them",
+               kernels::MatMulPathDescription(), l.model->packed_bytes() / 1048576.0);
   return l;
 }
 

@@ -6,12 +6,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "common/cpu_features.h"
 #include "common/half.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/matmul_internal.h"
+#include "kernels/cpu/matmul_panels.h"
 
 namespace kvserve::kernels {
 namespace {
@@ -23,6 +27,7 @@ using internal::QuantizedActs;
 struct ActsScratch {
   std::vector<int8_t> qs;
   std::vector<float> ds;
+  std::vector<int32_t> sums;
 };
 
 ActsScratch& Scratch() {
@@ -95,7 +100,8 @@ void FloatRowsScalar(const WeightView& w, const float* x, int64_t x_stride, int6
 
 namespace internal {
 
-void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds) {
+void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds,
+                        int32_t* sums) {
   for (int64_t b = 0; b < n / kQK; ++b) {
     const float* xb = x + b * kQK;
     float amax = 0.0f;
@@ -108,6 +114,7 @@ void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, 
       qs[b * kQK + j] = static_cast<int8_t>(q);
       sum += q;
     }
+    if (sums != nullptr) sums[b] = sum;
     const float d16 = Fp16ToFp32(Fp32ToFp16(scale));
     ds[2 * b] = d16;
     ds[2 * b + 1] = sum_mode == ActSum::kQ8_1
@@ -155,6 +162,121 @@ void MatMulRowsScalar(const WeightView& w, const float* x, int64_t x_stride,
   }
 }
 
+
+void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                        int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+  const int64_t nb = acts.n_blocks;
+  const int64_t row_bytes = RowBytes(w.type, w.cols);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(w.data) + r * row_bytes;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const int8_t* xq = acts.qs + t * nb * kQK;
+      const float* xds = acts.ds + t * 2 * nb;
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t isum = 0;
+        float d = 0.0f;
+        float m = 0.0f;
+        const int8_t* x = xq + b * kQK;
+        if (w.type == DType::kQ8_0) {
+          const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
+          for (int j = 0; j < kQK; ++j) isum += blk->qs[j] * x[j];
+          d = Scale16(blk->d);
+        } else {
+          const uint8_t* qs;
+          if (w.type == DType::kQ4_0) {
+            const auto* blk = reinterpret_cast<const BlockQ4_0*>(row) + b;
+            qs = blk->qs;
+            d = Scale16(blk->d);
+          } else {
+            const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
+            qs = blk->qs;
+            d = Scale16(blk->d);
+            m = Scale16(blk->m);
+          }
+          const int off = w.type == DType::kQ4_0 ? 8 : 0;
+          for (int j = 0; j < kQK / 2; ++j) {
+            isum += ((qs[j] & 0x0F) - off) * x[j] + ((qs[j] >> 4) - off) * x[j + kQK / 2];
+          }
+        }
+        acc = std::fma(static_cast<float>(isum), d * xds[2 * b], acc);
+        if (w.type == DType::kQ4_1) acc = std::fma(m, xds[2 * b + 1], acc);
+      }
+      y[t * y_stride + r] = acc;
+    }
+  }
+}
+
+}  // namespace internal
+
+namespace {
+
+template <typename Block>
+const Block* RowBlocks(const WeightView& w, int64_t r) {
+  return reinterpret_cast<const Block*>(static_cast<const uint8_t*>(w.data) +
+                                        r * RowBytes(w.type, w.cols));
+}
+
+}  // namespace
+
+std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
+  if (!internal::IsQuantized(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
+      w.cols % kQK != 0) {
+    return nullptr;
+  }
+  constexpr int64_t kP = internal::kPanelRows;
+  auto p = std::make_shared<PackedWeight>();
+  p->type = w.type;
+  p->rows = w.rows;
+  p->cols = w.cols;
+  p->n_blocks = w.cols / kQK;
+  p->n_panels = (w.rows + kP - 1) / kP;
+  p->qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : 4 * 64;
+  const int64_t scale_bytes = (w.type == DType::kQ4_1 ? 2 : 1) * kP * 2;
+  p->block_bytes = (p->qs_bytes + scale_bytes + 63) / 64 * 64;
+  p->panel_bytes = p->n_blocks * p->block_bytes;
+  const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
+  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
+  if (!p->storage) return nullptr;
+  std::memset(p->storage.get(), 0, total);
+  const int64_t nb = p->n_blocks;
+  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
+    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
+    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
+      const int64_t r = pi * kP + n;
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* qs = panel + b * p->block_bytes;
+        auto* d = reinterpret_cast<uint16_t*>(qs + p->qs_bytes);
+        uint16_t* m = d + kP;
+        if (w.type == DType::kQ8_0) {
+          const BlockQ8_0& blk = RowBlocks<BlockQ8_0>(w, r)[b];
+          for (int e = 0; e < kQK; ++e) {
+            qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(blk.qs[e] + 128);
+          }
+          d[n] = blk.d;
+        } else {
+          const uint8_t* src;
+          if (w.type == DType::kQ4_0) {
+            const BlockQ4_0& blk = RowBlocks<BlockQ4_0>(w, r)[b];
+            src = blk.qs;
+            d[n] = blk.d;
+          } else {
+            const BlockQ4_1& blk = RowBlocks<BlockQ4_1>(w, r)[b];
+            src = blk.qs;
+            d[n] = blk.d;
+            m[n] = blk.m;
+          }
+          for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = src[e];
+        }
+      }
+    }
+  }
+  return p;
+}
+
+int64_t PackedBytes(const PackedWeight& p) { return p.n_panels * p.panel_bytes; }
+
+namespace internal {
 }  // namespace internal
 
 void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
@@ -321,9 +443,16 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
   // Q4_1 alone wants ggml's Q8_1 sum; with other formats present the exact
   // sum keeps their offset terms exact (Q4_1 then differs from ggml only in
   // the last bits of its min term).
+  // Panel kernels (packed weights) need no s for Q8_0/Q4_0 (their block
+  // dots are exact signed integers) and take Q4_1's ggml value always.
   bool all_q4_1 = true;
+  bool any_packed = false;
   for (int i = 0; i < n_weights; ++i) {
-    if (internal::IsQuantized(ws[i].type) && ws[i].type != DType::kQ4_1) all_q4_1 = false;
+    const bool panels = vnni && ws[i].packed != nullptr;
+    any_packed = any_packed || panels;
+    if (internal::IsQuantized(ws[i].type) && ws[i].type != DType::kQ4_1 && !panels) {
+      all_q4_1 = false;
+    }
   }
   const internal::ActSum sum_mode = all_q4_1 ? internal::ActSum::kQ8_1 : internal::ActSum::kExact;
 
@@ -336,19 +465,27 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
     // Slack at the ends lets vector kernels over-read past the last block.
     if (scratch.qs.size() < n_blocks * kQK + 64) scratch.qs.resize(n_blocks * kQK + 64);
     if (scratch.ds.size() < 2 * n_blocks + 16) scratch.ds.resize(2 * n_blocks + 16);
+    if (any_packed && scratch.sums.size() < n_blocks) scratch.sums.resize(n_blocks);
     for (int64_t t = 0; t < n_tokens; ++t) {
       int8_t* qs = scratch.qs.data() + t * nb * kQK;
       float* ds = scratch.ds.data() + t * 2 * nb;
+      int32_t* sums = any_packed ? scratch.sums.data() + t * nb : nullptr;
       if (simd) {
-        internal::QuantizeActsAvx2(x + t * x_stride, cols, sum_mode, qs, ds);
+        internal::QuantizeActsAvx2(x + t * x_stride, cols, sum_mode, qs, ds, sums);
       } else {
-        internal::QuantizeActsScalar(x + t * x_stride, cols, sum_mode, qs, ds);
+        internal::QuantizeActsScalar(x + t * x_stride, cols, sum_mode, qs, ds, sums);
       }
     }
     acts.n_blocks = nb;
     acts.qs = scratch.qs.data();
     acts.ds = scratch.ds.data();
+    acts.sums = any_packed ? scratch.sums.data() : nullptr;
   }
+
+  // Packed weights go to AMX from AmxMinTokens() tokens (prefill chunks,
+  // batched decode), to the VNNI panel kernel below: same bits either way.
+  const AmxKernel amx =
+      vnni && n_tokens >= AmxMinTokens() ? ActiveAmxKernel() : AmxKernel::kOff;
 
   // [r0, r1) indexes the weights' rows stacked one after another; each
   // weight gets the part of the range that falls on it.
@@ -358,7 +495,16 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
       const int64_t lo = std::max(r0, base) - base;
       const int64_t hi = std::min(r1, base + ws[i].rows) - base;
       if (lo >= hi) continue;
-      if (vnni) {
+      if (vnni && ws[i].packed != nullptr) {
+        const PackedWeight& pw = *ws[i].packed;
+        if (amx == AmxKernel::kHardware) {
+          internal::MatMulPanelsAmx(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+        } else if (amx == AmxKernel::kEmulated) {
+          internal::MatMulPanelsAmxEmulated(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+        } else {
+          internal::MatMulPanelsVnni(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+        }
+      } else if (vnni) {
         internal::MatMulRowsAvx512Vnni(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i],
                                        y_strides[i]);
       } else if (simd) {
@@ -377,6 +523,17 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
   } else {
     rows_fn(0, total_rows);
   }
+}
+
+std::string MatMulPathDescription() {
+  if (!UseAvx2()) return "portable (no AVX2)";
+  if (!UseAvx512Vnni()) return "avx2";
+  if (UseAmx()) {
+    return "amx-int8 for >= " + std::to_string(AmxMinTokens()) +
+           " tokens, avx512-vnni below (packed 16-row panels, same bits)";
+  }
+  return "avx512-vnni (packed 16-row panels; AMX: " +
+         std::string(GetCpuFeatures().amx_int8 ? "off" : "not on this CPU") + ")";
 }
 
 void MatMul(const WeightView& w, const float* x, int64_t n_tokens, int64_t x_stride, float* y,

@@ -8,20 +8,44 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
 
 #include "common/thread_pool.h"
 #include "kernels/dtype.h"
 
 namespace kvserve::kernels {
 
+// A quantized weight repacked into 16-row panels (matmul_panels.h) for the
+// AVX-512 VNNI and AMX kernels; made by PackWeight, owned by the caller.
+struct PackedWeight;
+
 // A row-major weight matrix of `rows` output features by `cols` input
-// features; row r starts at data + r * RowBytes(type, cols).
+// features; row r starts at data + r * RowBytes(type, cols). `packed`, when
+// set, is the same matrix as PackWeight made it: the VNNI and AMX kernels
+// then read it instead of `data` (the other paths keep reading `data`).
 struct WeightView {
   DType type;
   const void* data;
   int64_t rows;
   int64_t cols;
+  const PackedWeight* packed = nullptr;
 };
+
+// Repacks a Q8_0/Q4_0/Q4_1 weight into 16-row panels when the AVX-512 VNNI
+// kernels will run (UseAvx512Vnni()); null for other types or CPUs. Every
+// matmul through a packed view computes each output with one expression
+// (per 32-element block: the exact int32 dot, then
+// acc = fma(float(isum), d_w * d_a, acc); acc = fma(m_w, s_a, acc), blocks in
+// order), whichever of the VNNI and AMX kernels runs and whatever the batch,
+// so the two are bit-identical.
+std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w);
+// Bytes a packed weight holds (the extra memory next to the mapped file).
+int64_t PackedBytes(const PackedWeight& p);
+
+// The quantized-matmul kernels this process uses, for the start-up log:
+// e.g. "amx-int8 for >= 16 tokens, avx512-vnni below".
+std::string MatMulPathDescription();
 
 // x: n_tokens rows of `cols` floats, x_stride floats apart.
 // y: n_tokens rows of `rows` floats, y_stride floats apart.

@@ -345,7 +345,8 @@ void RowsForType(const WeightView& w, const float* x, int64_t x_stride, const Qu
 
 }  // namespace
 
-void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds) {
+void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds,
+                      int32_t* sums) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < n / kQK; ++b) {
@@ -378,6 +379,7 @@ void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, fl
     const __m256i p16b = _mm256_packs_epi32(i2, i3);
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * kQK), p8);
+    if (sums != nullptr) sums[b] = _mm_cvtsi128_si32(s4);
     const float sum = static_cast<float>(_mm_cvtsi128_si32(s4));
     const float d16 = RoundToHalf(scale);
     ds[2 * b] = d16;

@@ -20,6 +20,9 @@ struct QuantizedActs {
   int64_t n_blocks = 0;        // blocks per token
   const int8_t* qs = nullptr;  // token t: qs + t * n_blocks * kQK
   const float* ds = nullptr;   // token t: ds + t * 2 * n_blocks; block b: d, s
+  // Exact sum(qs) per block (token t: sums + t * n_blocks), for the panel
+  // kernels' signed Q8_0/Q4_0 block dots; null where no panel kernel runs.
+  const int32_t* sums = nullptr;
 };
 
 // Quantizes n floats (n % kQK == 0) of one token: qs[n], ds[2 * n / kQK].
@@ -33,8 +36,11 @@ struct QuantizedActs {
 //   kQ8_1: s = fp16(d * sum(q)) with the unrounded d, ggml's Q8_1 value,
 //     whose `m * s` is Q4_1's min term.
 enum class ActSum : uint8_t { kExact, kQ8_1 };
-void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds);
-void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds);
+// sums, when not null, gets the exact sum(q) of each block.
+void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds,
+                        int32_t* sums = nullptr);
+void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds,
+                      int32_t* sums = nullptr);
 
 // Computes y[t][r] for rows [r0, r1) and all n_tokens tokens. Quantized weight
 // types read `acts`; float weight types read x directly.

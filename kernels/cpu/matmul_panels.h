@@ -1,0 +1,126 @@
+// The 16-row panel layout of packed quantized weights and the one float
+// expression every panel kernel (AVX-512 VNNI, AMX, AMX emulated, the scalar
+// check) evaluates, so their outputs are bit-identical.
+//
+// Layout. Rows are grouped 16 at a time (panel p: rows 16p..16p+15, the last
+// panel zero-padded). Within a panel, block b (32 elements) of the 16 rows is
+// stored as 4-byte groups interleaved across rows -- byte (g, n, i) is
+// element 4g + i of row n -- which is at once a zmm of 16 row-lanes for
+// vpdpbusd against one broadcast 4-byte activation group, and the AMX B tile
+// of TDPBSUD (K/4 rows of 16 columns x 4 bytes). Weights are unsigned:
+//   Q8_0: 8 groups x 64 bytes = 512 bytes per block, each byte w + 128;
+//   Q4_0/Q4_1: 4 x 64 = 256 bytes, byte (j, n, i) holds groups j (low
+//     nibble) and j + 4 (high nibble), which is exactly the GGUF byte
+//     qs[4j + i] of row n, so packing Q4 only interleaves.
+// Each block's weights are followed by its d as 16 fp16 and (Q4_1) m likewise,
+// padded to 64 bytes (Q8_0 576, Q4_0 320, Q4_1 320 bytes per block), so a
+// panel is one linear stream, as a one-token product reads it.
+//
+// Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
+//   Q8_0, Q4_0: isum = sum over the block of w * x with the signed weights
+//     (q for Q8_0, q - 8 for Q4_0): an exact int32, formed from the unsigned
+//     dot as isum_u - 128 * sum(x) (resp. 8 * sum(x));
+//     acc = fma(float(isum), d_w * d_a, acc);
+//   Q4_1: isum = sum of q * x (q = 0..15), exact;
+//     acc = fma(float(isum), d_w * d_a, acc);  acc = fma(m_w, s_a, acc);
+// with (d_a, s_a, sum(x)) the activation block's scale, ggml Q8_1 sum term and
+// integer sum (QuantizedActs). Signed dots keep Q8_0/Q4_0 free of the large
+// offset terms that cancel only in exact arithmetic.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "kernels/cpu/matmul_internal.h"
+
+namespace kvserve::kernels {
+
+struct PackedWeight {
+  DType type = DType::kQ8_0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t n_blocks = 0;     // cols / 32
+  int64_t n_panels = 0;     // ceil(rows / 16)
+  int64_t qs_bytes = 0;     // per block per panel: 512 (Q8_0) or 256 (Q4)
+  int64_t block_bytes = 0;  // qs, d, m (Q4_1), padded to 64
+  int64_t panel_bytes = 0;  // n_blocks * block_bytes
+  std::unique_ptr<uint8_t, void (*)(void*)> storage{nullptr, nullptr};
+
+  const uint8_t* Panel(int64_t p) const { return storage.get() + p * panel_bytes; }
+  const uint8_t* Qs(int64_t p, int64_t b) const { return Panel(p) + b * block_bytes; }
+  const uint16_t* D(int64_t p, int64_t b) const {
+    return reinterpret_cast<const uint16_t*>(Qs(p, b) + qs_bytes);
+  }
+  // Q4_1 only.
+  const uint16_t* M(int64_t p, int64_t b) const { return D(p, b) + 16; }
+};
+
+namespace internal {
+
+constexpr int kPanelRows = 16;
+
+// Rows [r0, r1) of y for all n_tokens tokens from a packed weight. The
+// VNNI kernel serves any n_tokens; the AMX kernels are meant for many
+// (MatMulMany routes by AmxMinTokens()).
+void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t n_tokens,
+                      int64_t r0, int64_t r1, float* y, int64_t y_stride);
+void MatMulPanelsAmx(const PackedWeight& w, const QuantizedActs& acts, int64_t n_tokens,
+                     int64_t r0, int64_t r1, float* y, int64_t y_stride);
+// The AMX kernel's code over a software model of the tile registers, so its
+// tiling, padding and epilogue are checked on CPUs without AMX. Tests only.
+void MatMulPanelsAmxEmulated(const PackedWeight& w, const QuantizedActs& acts, int64_t n_tokens,
+                             int64_t r0, int64_t r1, float* y, int64_t y_stride);
+// The expression above in plain loops with std::fma: the tests' bit-exact
+// yardstick for the vector kernels. Reads the unpacked GGUF rows of w.
+void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                        int64_t r0, int64_t r1, float* y, int64_t y_stride);
+
+}  // namespace internal
+}  // namespace kvserve::kernels
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace kvserve::kernels::internal {
+namespace {  // internal linkage: each ISA's translation unit keeps its own copy
+
+// The block epilogue of the expression for 16 row-lanes of one token. isum_u:
+// the unsigned-weight block dots; dw, mw: the block's d_w and (Q4_1) m_w of
+// the 16 rows; da, sa, xsum: the token's d_a, s_a and integer sum(x).
+template <DType kType>
+inline __m512 PanelBlockEpilogue(__m512 acc, __m512i isum_u, __m512 dw, __m512 mw, float da,
+                                 float sa, int32_t xsum) {
+  if constexpr (kType == DType::kQ4_1) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_u), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
+    return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
+  } else {
+    constexpr int32_t kOffset = kType == DType::kQ8_0 ? 128 : 8;
+    const __m512i isum = _mm512_sub_epi32(isum_u, _mm512_set1_epi32(kOffset * xsum));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
+  }
+}
+
+// d_w and (Q4_1; else zero) m_w of block b of a panel, 16 floats each.
+template <DType kType>
+inline void PanelScales(const PackedWeight& w, int64_t p, int64_t b, __m512* dw, __m512* mw) {
+  *dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.D(p, b))));
+  if constexpr (kType == DType::kQ4_1) {
+    *mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.M(p, b))));
+  } else {
+    *mw = _mm512_setzero_ps();
+  }
+}
+
+// Lanes of panel p that fall in [r0, r1).
+inline __mmask16 PanelRowMask(int64_t p, int64_t r0, int64_t r1) {
+  const int64_t base = p * kPanelRows;
+  const int64_t lo = r0 > base ? r0 - base : 0;
+  const int64_t hi = r1 - base < kPanelRows ? r1 - base : kPanelRows;
+  if (hi <= lo) return 0;
+  const uint32_t bits = ((1u << (hi - lo)) - 1u) << lo;
+  return static_cast<__mmask16>(bits);
+}
+
+}  // namespace
+}  // namespace kvserve::kernels::internal
+#endif
