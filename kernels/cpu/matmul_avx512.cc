@@ -288,22 +288,32 @@ namespace {
 //   (row, token), reduced with _mm512_reduce_add_ps;
 // - otherwise (ggml_vec_dot_f32): four accumulators over 64-element steps,
 //   summed pairwise, reduced, then a fused multiply-add tail.
+// The R x T accumulators must live in registers: GCC 12 at -O2 leaves
+// these constant-trip loops rolled (accumulators spilled to memory) unless
+// told to unroll; measured 2.1-2.3x on the sentence encoder, same bits.
 template <int R, int T>
 void F32Tile16(const float* w, int64_t cols, const float* x, int64_t x_stride, int64_t t0,
                float* y, int64_t y_stride) {
   __m512 acc[R][T];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   for (int64_t i = 0; i < cols; i += 16) {
     __m512 xv[T];
+#pragma GCC unroll 4
     for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_ps(x + (t0 + t) * x_stride + i);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 wv = _mm512_loadu_ps(w + r * cols + i);
+#pragma GCC unroll 4
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
     for (int t = 0; t < T; ++t) y[(t0 + t) * y_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
   }
 }
