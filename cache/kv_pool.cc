@@ -151,6 +151,12 @@ void KvPool::CopyBlock(BlockHandle src, BlockHandle dst) {
               static_cast<size_t>(block_bytes_));
 }
 
+const uint8_t* KvPool::HostBlockData(BlockHandle h) const {
+  if (!IsLive(h)) DieOnBadHandle("HostBlockData", h, "is not live");
+  if (on_device()) DieOnBadHandle("HostBlockData", h, "lives in device memory");
+  return storage_ + static_cast<int64_t>(h.id) * block_bytes_;
+}
+
 kernels::PagedKvView KvPool::View(const int32_t* block_ids, const int32_t* seq_block_offsets,
                                   int32_t n_seqs) const {
   kernels::PagedKvView v;

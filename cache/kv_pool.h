@@ -84,6 +84,9 @@ class KvPool {
   // Copies every layer's K and V of src into dst (copy-on-write).
   // REQUIRES: both live, src != dst.
   void CopyBlock(BlockHandle src, BlockHandle dst);
+  // The bytes of a live block in host memory (every layer, block_bytes()
+  // long), for copies to the tiers below. REQUIRES: live, !on_device().
+  const uint8_t* HostBlockData(BlockHandle h) const;
 
   // Registers or removes an observer. REQUIRES: a registered observer stays
   // alive until removed.
