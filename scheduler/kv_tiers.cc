@@ -181,8 +181,31 @@ absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
   return absl::OkStatus();
 }
 
+int64_t KvTiers::TakeGhostHits(uint64_t hash) {
+  auto it = ghost_hits_.find(hash);
+  if (it == ghost_hits_.end()) return 0;
+  const int64_t hits = it->second;
+  ghost_hits_.erase(it);  // its ghost_order_ entry goes stale; skipped when trimmed
+  return hits;
+}
+
+void KvTiers::RememberGhost(uint64_t hash, int64_t hits) {
+  constexpr size_t kMaxGhosts = 1 << 16;
+  ghost_hits_[hash] = hits + 1;
+  ghost_order_.push_back(hash);
+  while (ghost_order_.size() > 2 * kMaxGhosts || ghost_hits_.size() > kMaxGhosts) {
+    if (ghost_order_.empty()) break;
+    if (ghost_hits_.size() > kMaxGhosts) ghost_hits_.erase(ghost_order_.front());
+    ghost_order_.pop_front();
+  }
+}
+
 void KvTiers::SpillToDisk(EvictedPage page) {
-  if (disk_ == nullptr || page.hits < options_.disk_min_hits) return;
+  if (disk_ == nullptr) return;
+  if (page.hits < options_.disk_min_hits) {
+    RememberGhost(page.hash, page.hits);
+    return;
+  }
   if (pending_disk_bytes_.load() + page_bytes_ > options_.max_pending_disk_bytes) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.dropped_demotions;
@@ -210,8 +233,10 @@ void KvTiers::SpillToDisk(EvictedPage page) {
   });
 }
 
-KvTier KvTiers::Demote(const EvictedBlock& b) {
-  if (b.bytes != page_bytes_ || b.data == nullptr) return KvTier::kNone;
+KvTier KvTiers::Demote(const EvictedBlock& evicted) {
+  if (evicted.bytes != page_bytes_ || evicted.data == nullptr) return KvTier::kNone;
+  EvictedBlock b = evicted;
+  b.hits += TakeGhostHits(b.hash);
   if (host_ != nullptr) {
     uint8_t* page = nullptr;
     std::vector<EvictedPage> evicted;
@@ -243,6 +268,8 @@ KvTier KvTiers::Demote(const EvictedBlock& b) {
       SpillToDisk(EvictedPage{b.hash, checksum, b.hits, std::move(copy)});
       return KvTier::kDisk;
     }
+  } else if (disk_ != nullptr) {
+    RememberGhost(b.hash, b.hits);
   }
   std::lock_guard<std::mutex> lock(stats_mu_);
   ++stats_.dropped_demotions;
@@ -386,9 +413,11 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
   Flush();
   int64_t written = 0;
   auto store = [&](uint64_t hash, const uint8_t* data, int64_t hits) {
-    if (hits < options_.disk_min_hits || disk_->Contains(hash)) return;
+    auto ghost = ghost_hits_.find(hash);
+    const int64_t all = hits + (ghost == ghost_hits_.end() ? 0 : ghost->second);
+    if (all < options_.disk_min_hits || disk_->Contains(hash)) return;
     const uint64_t checksum = XXH3_64bits(data, static_cast<size_t>(page_bytes_));
-    if (disk_->Store(hash, data, checksum, hits).ok()) {
+    if (disk_->Store(hash, data, checksum, all).ok()) {
       ++written;
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.demotions_disk;

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cache/disk_tier.h"
@@ -130,6 +131,11 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   void HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
                  std::vector<uint64_t>* out) const;
   void SpillToDisk(EvictedPage page);
+  // Hits of a block that left every tier without qualifying for the disk,
+  // plus one: seeing the hash again means it was recomputed, i.e. reused
+  // (ARC's ghost list, bounded). Engine thread only.
+  int64_t TakeGhostHits(uint64_t hash);
+  void RememberGhost(uint64_t hash, int64_t hits);
   void RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items);
 
   KvTiersOptions options_;
@@ -141,6 +147,8 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   std::unique_ptr<Worker> writer_;  // host checksums, disk stores
   std::unique_ptr<Worker> loader_;  // loads into the pool
   std::atomic<int64_t> pending_disk_bytes_{0};
+  absl::flat_hash_map<uint64_t, int64_t> ghost_hits_;  // engine thread
+  std::deque<uint64_t> ghost_order_;                   // oldest first
 
   mutable std::mutex stats_mu_;
   KvTiersStats stats_;  // guarded by stats_mu_ (tier occupancy filled in by stats())

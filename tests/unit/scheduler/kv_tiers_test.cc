@@ -242,6 +242,21 @@ TEST(KvTiersTest, TheDiskTakesOnlyBlocksHitAtLeastTwice) {
   EXPECT_EQ(Generate(*e, p1).last.cached_disk_tokens, 63);
 }
 
+TEST(KvTiersTest, HitsBeforeAnEvictionCountTowardsTheDiskAfterARecompute) {
+  const std::vector<int32_t> p1 = PromptOf(14), p2 = PromptOf(15);
+  auto tiers = DiskTiers(ScratchDir("ghost"), nullptr, 0, /*min_hits=*/2);
+  auto e = MakeEngine(tiers, kBlocks + 1);
+  Generate(*e, p1);
+  Generate(*e, p1);  // one hit
+  Generate(*e, p2);  // evicts p1 with one hit: not yet for the disk
+  tiers->Flush();
+  EXPECT_FALSE(tiers->disk()->Contains(Chain(*e, p1)[1]));
+  Generate(*e, p1);  // recomputed: a second use
+  Generate(*e, p2);  // evicts it again: now it has proved useful
+  tiers->Flush();
+  EXPECT_TRUE(tiers->disk()->Contains(Chain(*e, p1)[1]));
+}
+
 TEST(KvTiersTest, CancelDuringADiskLoadKeepsBlocksPinnedUntilItEnds) {
   const std::vector<int32_t> p1 = PromptOf(10), p2 = PromptOf(11);
   GatedFiles files;
