@@ -181,6 +181,7 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(DiskTierOptions options
     e.ready = true;
     e.lru = t->lru_.insert(t->lru_.end(), hash);
     t->entries_.emplace(hash, std::move(e));
+    ++t->ready_files_;
     ++rec.recovered;
   }
   if (recovery != nullptr) *recovery = rec;
@@ -190,6 +191,7 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(DiskTierOptions options
 void DiskTier::EraseLocked(uint64_t hash, std::vector<std::string>* remove) {
   auto it = entries_.find(hash);
   if (it == entries_.end()) return;
+  if (it->second.ready) --ready_files_;
   lru_.erase(it->second.lru);
   entries_.erase(it);
   remove->push_back(PathOf(hash, ".kv"));
@@ -255,6 +257,7 @@ absl::Status DiskTier::Store(uint64_t hash, const uint8_t* data, uint64_t checks
   }
   e.checksum = checksum;
   e.ready = true;  // published: durable and renamed
+  ++ready_files_;
   ++stats_.writes;
   stats_.bytes_written += file_bytes();
   return absl::OkStatus();
@@ -311,8 +314,7 @@ void DiskTier::Remove(uint64_t hash) {
 DiskTierStats DiskTier::stats() const {
   absl::MutexLock lock(&mu_);
   DiskTierStats s = stats_;
-  s.files = 0;
-  for (const auto& [h, e] : entries_) s.files += e.ready ? 1 : 0;
+  s.files = ready_files_;
   s.capacity_files = capacity_files_;
   return s;
 }

@@ -125,6 +125,7 @@ class DiskTier {
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
   std::list<uint64_t> lru_ ABSL_GUARDED_BY(mu_);
   DiskTierStats stats_ ABSL_GUARDED_BY(mu_);
+  int64_t ready_files_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // The file header, little-endian: what makes a file self-checking.
