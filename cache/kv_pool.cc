@@ -194,6 +194,12 @@ void KvPool::MoveRows(absl::Span<const int32_t> block_ids, absl::Span<const int3
   }
 }
 
+const uint8_t* KvPool::HostBlockData(BlockHandle h) const {
+  if (!IsLive(h)) DieOnBadHandle("HostBlockData", h, "is not live");
+  if (on_device()) DieOnBadHandle("HostBlockData", h, "lives in device memory");
+  return storage_ + static_cast<int64_t>(h.id) * block_bytes_;
+}
+
 kernels::PagedKvView KvPool::View(const int32_t* block_ids, const int32_t* seq_block_offsets,
                                   int32_t n_seqs) const {
   kernels::PagedKvView v;

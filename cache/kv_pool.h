@@ -91,6 +91,9 @@ class KvPool {
   // are the caller's). REQUIRES: as kernels::MoveKvRows.
   void MoveRows(absl::Span<const int32_t> block_ids, absl::Span<const int32_t> from,
                 absl::Span<const int32_t> to);
+  // The bytes of a live block in host memory (every layer, block_bytes()
+  // long), for copies to the tiers below. REQUIRES: live, !on_device().
+  const uint8_t* HostBlockData(BlockHandle h) const;
 
   // Registers or removes an observer. REQUIRES: a registered observer stays
   // alive until removed.

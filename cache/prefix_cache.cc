@@ -68,6 +68,22 @@ int32_t SharedPrefix(absl::Span<const int32_t> a, absl::Span<const int32_t> b) {
 
 }  // namespace
 
+const char* KvTierName(KvTier t) {
+  switch (t) {
+    case KvTier::kHost:
+      return "host";
+    case KvTier::kDisk:
+      return "disk";
+    case KvTier::kNone:
+      break;
+  }
+  return "none";
+}
+
+uint64_t PrefixCache::BlockHash(uint64_t parent_hash, absl::Span<const int32_t> tokens) {
+  return ChainHash(parent_hash, tokens);
+}
+
 Clock* SteadyClock() {
   static SteadyClockImpl clock;
   return &clock;
@@ -495,10 +511,25 @@ int32_t PrefixCache::Evict(int32_t n) {
     Node* victim = std::get<2>(heap.back());
     heap.pop_back();
     Node* parent = victim->parent;
+    KvTier moved_to = KvTier::kNone;
+    // Write-back: a full block's K/V goes to the tier below before its pool
+    // block is released (the sink copies it now; the block is still live).
+    if (m.options.demotion != nullptr && !m.pool->on_device() &&
+        static_cast<int32_t>(victim->tokens.size()) == m.pool->block_size()) {
+      EvictedBlock b;
+      b.hash = victim->hash;
+      b.depth = victim->depth;
+      b.hits = victim->hits;
+      b.data = m.pool->HostBlockData(victim->block);
+      b.bytes = m.pool->block_bytes();
+      moved_to = m.options.demotion->Demote(b);
+      if (moved_to != KvTier::kNone) ++m.stats.demoted_blocks;
+    }
     if (m.options.events != nullptr) {
       KvCacheEvent e;
       e.kind = KvCacheEvent::Kind::kBlockRemoved;
       e.block_hash = victim->hash;
+      e.moved_to = moved_to;
       events.push_back(std::move(e));
     }
     const bool parent_is_root = parent->parent == nullptr;
@@ -558,6 +589,21 @@ PrefixCacheStats PrefixCache::stats() const {
 }
 
 const EvictionPolicy& PrefixCache::policy() const { return *impl_->options.policy; }
+
+void PrefixCache::ForEachFullBlock(const std::function<void(const EvictedBlock&)>& fn) const {
+  const Impl& m = *impl_;
+  if (m.pool->on_device()) return;
+  for (const Node* n = m.oldest; n != nullptr; n = n->next) {
+    if (static_cast<int32_t>(n->tokens.size()) != m.pool->block_size()) continue;
+    EvictedBlock b;
+    b.hash = n->hash;
+    b.depth = n->depth;
+    b.hits = n->hits;
+    b.data = m.pool->HostBlockData(n->block);
+    b.bytes = m.pool->block_bytes();
+    fn(b);
+  }
+}
 
 std::vector<KvCacheEvent> PrefixCache::Dump() const {
   std::vector<KvCacheEvent> out;

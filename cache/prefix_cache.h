@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -57,6 +58,11 @@ class EvictionPolicy {
 };
 std::unique_ptr<EvictionPolicy> MakeLruPolicy();
 
+// The tiers a block's K/V can live in below the primary pool (cache/host_tier.h,
+// cache/disk_tier.h). kNone: nowhere (dropped).
+enum class KvTier : int8_t { kNone = 0, kHost = 1, kDisk = 2 };
+const char* KvTierName(KvTier t);  // "none", "host", "disk"
+
 // One change to the index, as the KV event stream publishes it.
 struct KvCacheEvent {
   enum class Kind { kBlockStored, kBlockRemoved, kAllCleared };
@@ -64,6 +70,28 @@ struct KvCacheEvent {
   uint64_t block_hash = 0;          // stored / removed
   uint64_t parent_hash = 0;         // stored: 0 for a block under a namespace root
   std::vector<int32_t> token_ids;   // stored: the block's tokens (block_size of them)
+  // removed: the tier the evicted block's K/V moved to (kNone: dropped), so
+  // a router knows the block is still a (slower) hit on this node.
+  KvTier moved_to = KvTier::kNone;
+};
+
+// A full block leaving the primary pool (PrefixCache::Evict), offered to the
+// tiers below it before its pool block is released.
+struct EvictedBlock {
+  uint64_t hash = 0;           // the chained hash (names the whole prefix)
+  int32_t depth = 0;
+  int64_t hits = 0;            // Matches that used the block while cached
+  const uint8_t* data = nullptr;  // the block's bytes (host memory), valid during the call
+  int64_t bytes = 0;
+};
+
+// Takes evicted blocks into a lower tier (write-back on eviction). Called on
+// the engine thread; must copy what it keeps before returning and must not
+// block on I/O. Returns the tier that took the block (kNone: dropped).
+class BlockDemotionSink {
+ public:
+  virtual ~BlockDemotionSink() = default;
+  virtual KvTier Demote(const EvictedBlock& block) = 0;
 };
 
 // Receives index changes, in order, on the engine thread; must not block.
@@ -78,6 +106,9 @@ struct PrefixCacheOptions {
   Clock* clock = nullptr;            // nullptr: SteadyClock()
   std::unique_ptr<EvictionPolicy> policy;  // nullptr: LRU
   KvEventSink* events = nullptr;     // optional
+  // Optional: evicted full blocks are offered here first (host memory pools
+  // only; a partly filled tail block is never offered).
+  BlockDemotionSink* demotion = nullptr;
 };
 
 struct PrefixMatch {
@@ -91,6 +122,7 @@ struct PrefixCacheStats {
   int64_t hit_tokens = 0;      // tokens Match returned
   int64_t inserted_blocks = 0;
   int64_t evicted_blocks = 0;
+  int64_t demoted_blocks = 0;  // of the evicted, taken by a lower tier
   int32_t cached_blocks = 0;   // nodes in the tree now
 };
 
@@ -159,6 +191,10 @@ class PrefixCache {
   PrefixCacheStats stats() const;
   const EvictionPolicy& policy() const;
 
+  // Calls fn for every cached full block (host memory pools only), parents
+  // first, without changing anything: what a shutdown persists.
+  void ForEachFullBlock(const std::function<void(const EvictedBlock&)>& fn) const;
+
   // Every node as a BlockStored event, parents before children (the snapshot
   // a new subscriber starts from, and what tests compare replicas with).
   std::vector<KvCacheEvent> Dump() const;
@@ -169,6 +205,8 @@ class PrefixCache {
   // Block: XXH3_64bits(parent's hash as 8 bytes, then its int32 tokens), all
   // in host byte order (little-endian on every machine we run on).
   uint64_t RootHash(std::string_view salt) const;
+  // The chained hash of a block of `tokens` under a parent (or root) hash.
+  static uint64_t BlockHash(uint64_t parent_hash, absl::Span<const int32_t> tokens);
 
  private:
   struct Node;

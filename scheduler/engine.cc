@@ -55,8 +55,24 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   ko.prefix.model_identity = o.model_identity;
   ko.prefix.clock = o.clock;
   ko.prefix.events = o.kv_events;
+  KvLoader* loader = o.kv_loader;
+  if (o.kv_tiers != nullptr) {
+    if (o.kv_loader != nullptr) {
+      return absl::InvalidArgumentError("an engine takes KV tiers or another KV loader, not both");
+    }
+    if (!o.prefix_cache) {
+      return absl::InvalidArgumentError(
+          "KV tiers (--kv-host-memory, --kv-disk-dir) need the prefix cache (drop --no-prefix-cache)");
+    }
+    ko.prefix.demotion = o.kv_tiers.get();
+    loader = o.kv_tiers.get();
+  }
+  // The cache and its tiers are complete before the Engine exists (its
+  // destructor assumes a whole engine).
+  ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> kv, KvCacheManager::Create(std::move(ko)));
+  if (o.kv_tiers != nullptr) RETURN_IF_ERROR(o.kv_tiers->Attach(kv->pool(), kv->prefix_cache()));
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
-  ASSIGN_OR_RETURN(e->kv_, KvCacheManager::Create(std::move(ko)));
+  e->kv_ = std::move(kv);
   SchedulerOptions so;
   so.max_batched_tokens = o.max_batched_tokens;
   so.max_seqs = o.max_seqs;
@@ -66,7 +82,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   so.target_itl_ms = o.target_itl_ms;
   so.max_stall_factor = o.max_stall_factor;
   so.min_prefill_tokens = o.min_prefill_tokens;
-  e->scheduler_ = std::make_unique<Scheduler>(so, e->kv_.get(), o.kv_loader);
+  e->scheduler_ = std::make_unique<Scheduler>(so, e->kv_.get(), loader);
   e->runner_ = std::make_unique<ModelRunner>(std::move(backend), e->kv_.get(), pool);
   e->output_ = std::make_unique<OutputProcessor>(e->kv_.get(), e->scheduler_.get(), tokenizer,
                                                  e->EvictorOptions());
@@ -88,6 +104,10 @@ Engine::~Engine() {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   RemoveFinished();
+  // The disk tier outlives the process: leave the hot prefixes there.
+  if (options_.kv_tiers != nullptr && kv_->prefix_cache() != nullptr) {
+    options_.kv_tiers->PersistForRestart(*kv_->prefix_cache());
+  }
   output_.reset();
   runner_.reset();
   scheduler_.reset();
@@ -342,6 +362,7 @@ void Engine::PublishStats(const BatchPlan* plan) {
   st.kv_arriving = static_cast<int32_t>(scheduler_->arriving().size());
   st.kv_loads = scheduler_->kv_loads();
   st.kv_load_failures = scheduler_->kv_load_failures();
+  if (options_.kv_tiers != nullptr) st.tiers = options_.kv_tiers->stats();
   st.kv_evicted_tokens = output_->evictor().evicted_tokens();
   st.kv_compactions = output_->evictor().compactions();
   st.kv_rotated_keys = output_->evictor().rotated_keys();

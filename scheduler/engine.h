@@ -47,6 +47,7 @@
 #include "scheduler/batch_plan.h"
 #include "scheduler/kv_cache_manager.h"
 #include "scheduler/kv_loader.h"
+#include "scheduler/kv_tiers.h"
 #include "scheduler/request.h"
 #include "scheduler/scheduler.h"
 
@@ -91,8 +92,13 @@ struct EngineOptions {
   double max_stall_factor = 0;
   // Prefill tokens a step with decoders gets at least, whatever the target.
   int32_t min_prefill_tokens = 16;
-  // KV arriving from elsewhere (tiers, a prefill node); null: none.
+  // KV arriving from elsewhere (a prefill node); null: none.
   KvLoader* kv_loader = nullptr;
+  // The host and disk tiers under the pool (scheduler/kv_tiers.h): the
+  // prefix cache demotes evicted blocks into them and they load matches
+  // back (they are the engine's KvLoader; kv_loader must then be null).
+  // Needs the prefix cache and host KV memory. Null: no tiers.
+  std::shared_ptr<KvTiers> kv_tiers;
   // Testing and introspection: sees each step's plan before it runs (engine
   // thread; must not block or call back into the engine).
   std::function<void(const BatchPlan&)> plan_observer;
@@ -146,6 +152,8 @@ struct EngineStats {
   int32_t kv_arriving = 0;
   int64_t kv_loads = 0;
   int64_t kv_load_failures = 0;
+  // KV tiers (all zero without them).
+  KvTiersStats tiers;
   // Token eviction (KV policies): tokens dropped and compactions so far.
   int64_t kv_evicted_tokens = 0;
   int64_t kv_compactions = 0;

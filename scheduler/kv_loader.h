@@ -37,6 +37,13 @@ struct KvLoadTarget {
   kernels::PagedKvView view;  // valid until the load is Done (blocks stay pinned)
 };
 
+// A finished load's tokens by the tier they came from (zeros for a loader
+// that is not a tier, e.g. a prefill node).
+struct KvLoadSources {
+  int32_t host_tokens = 0;
+  int32_t disk_tokens = 0;
+};
+
 class KvLoad {
  public:
   virtual ~KvLoad() = default;
@@ -44,6 +51,8 @@ class KvLoad {
   virtual bool Done() = 0;
   // After Done: OK when every slot was written.
   virtual absl::Status status() = 0;
+  // After a successful Done: where the tokens came from.
+  virtual KvLoadSources sources() { return {}; }
 };
 
 class KvLoader {

@@ -22,6 +22,8 @@ SeqEvent OutputProcessor::Event(const Sequence& s) const {
   ev.prompt_tokens = s.num_prompt();
   ev.completion_tokens = s.num_generated();
   ev.cached_tokens = s.num_cached_prompt;
+  ev.cached_host_tokens = s.num_cached_host;
+  ev.cached_disk_tokens = s.num_cached_disk;
   ev.dropped_tokens = s.kv.position_shift;
   ev.draft_accepted = s.draft_accepted;
   return ev;
@@ -124,6 +126,8 @@ void OutputProcessor::Fork(Sequence* parent) {
     std::unique_ptr<Sequence> child = NewSample(g, i, parent->tokens());
     child->kv = kv_->Fork(parent->kv);
     child->num_cached_prompt = parent->num_cached_prompt;
+    child->num_cached_host = parent->num_cached_host;
+    child->num_cached_disk = parent->num_cached_disk;
     child->ever_admitted = true;
     child->admit_order = parent->admit_order;
     child->set_state(SeqState::kRunning);

@@ -113,6 +113,9 @@ struct SeqEvent {
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;   // so far
   int32_t cached_tokens = 0;       // prompt tokens served from the prefix cache
+  // Of cached_tokens, loaded from the host and the disk KV tier.
+  int32_t cached_host_tokens = 0;
+  int32_t cached_disk_tokens = 0;
   int32_t dropped_tokens = 0;      // tokens this sample's KV policy evicted so far
   int32_t draft_accepted = 0;      // of EngineRequest::draft_tokens, those kept so far
 };

@@ -130,7 +130,16 @@ void Scheduler::PollArrivals() {
       kv_->MarkComputed(&s->kv, s->arriving_tokens);
       kv_->Commit(&s->kv, s->group()->salt(), s->tokens(), s->arriving_tokens);
       if (s->num_cached_prompt < s->num_prompt()) {
+        const int32_t before = s->num_cached_prompt;
         s->num_cached_prompt = std::min(s->num_prompt(), s->kv.num_computed);
+        // Loaded prompt tokens count as cached (the total over every tier)
+        // and, split by tier, in the sequence's own counters.
+        const int32_t gained = s->num_cached_prompt - before;
+        const KvLoadSources src = s->arriving->sources();
+        const int32_t host = std::min(gained, src.host_tokens);
+        s->num_cached_host += host;
+        s->num_cached_disk += std::min(gained - host, src.disk_tokens);
+        if (kv_->prefix_cache_enabled()) prefix_hit_tokens_ += gained;
       }
     } else {
       // Recompute what did not arrive; its slots are dropped.
@@ -268,6 +277,7 @@ bool Scheduler::StartLoad(Sequence* s) {
     std::shared_ptr<std::vector<int32_t>> ids, offsets;
     bool Done() override { return inner->Done(); }
     absl::Status status() override { return inner->status(); }
+    KvLoadSources sources() override { return inner->sources(); }
   };
   auto h = std::make_shared<Holder>();
   h->inner = std::move(load);

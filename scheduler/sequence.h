@@ -98,6 +98,9 @@ class Sequence {
   // The sequence's KV state; only KvCacheManager changes it.
   SeqKv kv;
   int32_t num_cached_prompt = 0;  // prompt tokens the first admission found cached
+  // Of those, loaded from the host and the disk tier (the rest: the primary pool).
+  int32_t num_cached_host = 0;
+  int32_t num_cached_disk = 0;
   bool ever_admitted = false;
   int64_t admit_order = 0;        // admission counter: later admitted, preempted first
   // Token eviction (group's request kv_policy): per slot, the attention mass

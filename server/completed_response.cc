@@ -20,6 +20,8 @@ bool ResponseAccumulator::Add(const SeqEvent& ev) {
   if (ev.prompt_tokens > 0) response_.prompt_tokens = ev.prompt_tokens;
   response_.cached_tokens = std::max(response_.cached_tokens, ev.cached_tokens);
   response_.draft_accepted = std::max(response_.draft_accepted, ev.draft_accepted);
+  response_.cached_host_tokens = std::max(response_.cached_host_tokens, ev.cached_host_tokens);
+  response_.cached_disk_tokens = std::max(response_.cached_disk_tokens, ev.cached_disk_tokens);
   if (ev.index < 0 || ev.index >= static_cast<int32_t>(response_.samples.size())) return false;
   CompletedSample& s = response_.samples[ev.index];
   s.token_ids.insert(s.token_ids.end(), ev.token_ids.begin(), ev.token_ids.end());

@@ -40,6 +40,9 @@ struct CompletedResponse {
   std::vector<CompletedSample> samples;  // samples[i].index == i
   int32_t prompt_tokens = 0;
   int32_t cached_tokens = 0;      // prompt tokens served from the prefix cache (the most reported)
+  // Of cached_tokens, loaded from the host and the disk KV tier.
+  int32_t cached_host_tokens = 0;
+  int32_t cached_disk_tokens = 0;
   int64_t completion_tokens = 0;  // summed over the samples
   int64_t dropped_tokens = 0;     // evicted by the kv_policy, summed over the samples
   // Of a draft the engine verified (a semantic-verified cache hit), the

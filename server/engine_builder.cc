@@ -46,6 +46,45 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
   return o;
 }
 
+absl::StatusOr<std::shared_ptr<KvTiers>> KvTiersFromFlags(const EngineFlags& flags,
+                                                           const std::string& model_path) {
+  const bool host = !flags.kv_host_memory.empty() && flags.kv_host_memory != "0";
+  const bool disk = !flags.kv_disk_dir.empty();
+  if (!host && !disk) return std::shared_ptr<KvTiers>();
+  KvTiersOptions t;
+  if (host) {
+    auto bytes = ParseMemoryBudget(flags.kv_host_memory);
+    if (!bytes.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-host-memory: ", bytes.status().message()));
+    }
+    t.host_bytes = *bytes;
+  }
+  if (disk) {
+    auto bytes = ParseMemoryBudget(flags.kv_disk_bytes);
+    if (!bytes.ok() || *bytes <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv-disk-bytes: ", bytes.ok() ? "must be > 0" : bytes.status().message()));
+    }
+    t.disk_dir = flags.kv_disk_dir;
+    t.disk_bytes = *bytes;
+    t.disk_min_hits = flags.kv_disk_min_hits;
+    // The weights' and tokenizer's content (both live in the GGUF file), not
+    // its name: a renamed copy finds its blocks, an edited file does not.
+    auto content = FileContentHash(model_path);
+    if (!content.ok()) {
+      return absl::Status(content.status().code(),
+                          absl::StrCat("--kv-disk-dir: cannot fingerprint the model: ",
+                                       content.status().message()));
+    }
+    t.model_fingerprint = *content;
+  }
+  if (flags.prefix_cache == false) {
+    return absl::InvalidArgumentError(
+        "--kv-host-memory and --kv-disk-dir need the prefix cache (drop --no-prefix-cache)");
+  }
+  return KvTiers::Create(std::move(t));
+}
+
 EngineBuilder::EngineBuilder(const EngineFlags& flags, LlamaModel* model,
                              const Tokenizer* tokenizer)
     : flags_(flags), model_(model), tokenizer_(tokenizer) {}
@@ -62,6 +101,16 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
   ASSIGN_OR_RETURN(EngineOptions o, EngineOptionsFromFlags(flags_, plan));
   o.kv_events = kv_events;
   o.model_identity = std::move(model_identity);
+  ASSIGN_OR_RETURN(o.kv_tiers, KvTiersFromFlags(flags_, model_->file().path()));
+  if (o.kv_tiers != nullptr && o.kv_tiers->disk_enabled_requested()) {
+    // Blocks on disk outlive the process: their hashes must not depend on
+    // the model's file name.
+    o.model_identity = "content:" + o.kv_tiers->model_fingerprint();
+  }
+  if (o.kv_tiers != nullptr) {
+    spdlog::info("KV tiers: host {} bytes, disk {}", o.kv_tiers->host_bytes(),
+                 flags_.kv_disk_dir.empty() ? std::string("off") : flags_.kv_disk_dir);
+  }
   if (backend_ == nullptr) {
     ASSIGN_OR_RETURN(backend_, CreateBackend(flags_.device, model_, o.kv_dtype, flags_.block_size));
     spdlog::info("device: {} (--device {})", backend_->name(), flags_.device);

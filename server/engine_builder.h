@@ -38,6 +38,11 @@ namespace kvserve {
 [[nodiscard]] absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
                                                                    const MemoryPlan& plan);
 
+// The KV tiers --kv-host-memory / --kv-disk-dir ask for (null: none); the
+// disk tier's fingerprint hashes the model file at model_path.
+[[nodiscard]] absl::StatusOr<std::shared_ptr<KvTiers>> KvTiersFromFlags(
+    const EngineFlags& flags, const std::string& model_path);
+
 class EngineBuilder {
  public:
   // `model` and `tokenizer` must outlive the builder and its engines.

@@ -278,6 +278,8 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
           pb::Usage* usage = chunk.mutable_usage();
           usage->set_prompt_tokens(done.prompt_tokens);
           usage->set_cached_prompt_tokens(std::min(done.cached_tokens, done.prompt_tokens));
+          usage->set_cached_host_tokens(done.cached_host_tokens);
+          usage->set_cached_disk_tokens(done.cached_disk_tokens);
           usage->set_completion_tokens(static_cast<int32_t>(done.completion_tokens));
           usage->set_dropped_tokens(static_cast<int32_t>(
               std::min<int64_t>(done.dropped_tokens, std::numeric_limits<int32_t>::max())));
@@ -396,6 +398,7 @@ void ToProto(const SequencedKvEvent& e, pb::KvEvent* out) {
       break;
     case KvCacheEvent::Kind::kBlockRemoved:
       out->mutable_block_removed()->set_block_hash(e.event.block_hash);
+      out->mutable_block_removed()->set_moved_to(static_cast<pb::KvTier>(e.event.moved_to));
       break;
     case KvCacheEvent::Kind::kAllCleared:
       out->mutable_all_cleared();
@@ -776,6 +779,24 @@ class KvserveService final : public pb::Kvserve::CallbackService {
       response->set_kv_arriving(s.kv_arriving);
       response->set_kv_loads(s.kv_loads);
       response->set_kv_load_failures(s.kv_load_failures);
+      const KvTiersStats& t = s.tiers;
+      response->set_host_tier_blocks(t.host_blocks);
+      response->set_host_tier_capacity_blocks(t.host_capacity_blocks);
+      response->set_disk_tier_blocks(t.disk_blocks);
+      response->set_disk_tier_capacity_blocks(t.disk_capacity_blocks);
+      response->set_host_tier_demotions(t.demotions_host);
+      response->set_disk_tier_demotions(t.demotions_disk);
+      response->set_host_tier_promotions(t.promotions_host);
+      response->set_disk_tier_promotions(t.promotions_disk);
+      response->set_tier_bytes_written(t.bytes_to_host + t.bytes_to_disk);
+      response->set_tier_bytes_read(t.bytes_from_host + t.bytes_from_disk);
+      response->set_host_tier_hit_tokens(t.hit_tokens_host);
+      response->set_disk_tier_hit_tokens(t.hit_tokens_disk);
+      response->set_tier_checksum_failures(t.checksum_failures);
+      response->set_disk_tier_write_failures(t.disk_write_failures);
+      response->set_tier_dropped_demotions(t.dropped_demotions);
+      response->set_tier_loads(t.loads);
+      response->set_tier_load_mean_ms(t.loads > 0 ? t.load_latency_sum_s * 1e3 / t.loads : 0);
       if (const ResponseCache* cache = service_->response_cache()) {
         const ResponseCacheStats c = cache->Stats();
         response->set_response_cache_lookups(c.lookups);

@@ -267,6 +267,61 @@ std::string Metrics::Render(const EngineStats& stats) const {
                 "KV loads that failed (their tokens were recomputed).", l,
                 static_cast<double>(stats.kv_load_failures), &out);
 
+  // KV tiers under the primary pool (host, disk); per-tier series carry a
+  // tier label, and everything reads zero without tiers.
+  {
+    const KvTiersStats& t = stats.tiers;
+    const std::string host = absl::StrCat(l, l.empty() ? "" : ",", "tier=\"host\"");
+    const std::string disk = absl::StrCat(l, l.empty() ? "" : ",", "tier=\"disk\"");
+    auto per_tier = [&](const std::string& name, const char* help, const char* type, double h,
+                        double d) {
+      AppendHeader(name, help, type, &out);
+      AppendSample(name, host, h, &out);
+      AppendSample(name, disk, d, &out);
+    };
+    per_tier("kvserve:kv_tier_blocks", "KV blocks held by the tier.", "gauge",
+             static_cast<double>(t.host_blocks), static_cast<double>(t.disk_blocks));
+    per_tier("kvserve:kv_tier_capacity_blocks", "KV blocks the tier can hold.", "gauge",
+             static_cast<double>(t.host_capacity_blocks),
+             static_cast<double>(t.disk_capacity_blocks));
+    per_tier("kvserve:kv_tier_demotions_total", "KV blocks written into the tier.", "counter",
+             static_cast<double>(t.demotions_host), static_cast<double>(t.demotions_disk));
+    per_tier("kvserve:kv_tier_promotions_total",
+             "KV blocks loaded from the tier into the primary pool.", "counter",
+             static_cast<double>(t.promotions_host), static_cast<double>(t.promotions_disk));
+    per_tier("kvserve:kv_tier_bytes_written_total", "Bytes copied into the tier.", "counter",
+             static_cast<double>(t.bytes_to_host), static_cast<double>(t.bytes_to_disk));
+    per_tier("kvserve:kv_tier_bytes_read_total",
+             "Bytes copied from the tier into the primary pool.", "counter",
+             static_cast<double>(t.bytes_from_host), static_cast<double>(t.bytes_from_disk));
+    per_tier("kvserve:kv_tier_hit_tokens_total",
+             "Prompt tokens loaded from the tier instead of computed.", "counter",
+             static_cast<double>(t.hit_tokens_host), static_cast<double>(t.hit_tokens_disk));
+    AppendCounter("kvserve:kv_tier_checksum_failures_total",
+                  "Tier blocks whose checksum failed on load (their tokens were recomputed).", l,
+                  static_cast<double>(t.checksum_failures), &out);
+    AppendCounter("kvserve:kv_tier_disk_write_failures_total",
+                  "Disk tier writes that failed (never visible to lookups).", l,
+                  static_cast<double>(t.disk_write_failures), &out);
+    AppendCounter("kvserve:kv_tier_dropped_demotions_total",
+                  "Evicted KV blocks no tier could take (full of blocks in use, or not hit "
+                  "often enough for the disk).",
+                  l, static_cast<double>(t.dropped_demotions), &out);
+    const std::string name = "kvserve:kv_tier_load_latency_seconds";
+    AppendHeader(name, "Time from starting a tier load to its completion.", "histogram", &out);
+    int64_t cumulative = 0;
+    for (int i = 0; i <= kTierLoadLatencyBuckets; ++i) {
+      cumulative += t.load_latency_buckets[i];
+      const std::string le = i < kTierLoadLatencyBuckets
+                                 ? FormatMetricValue(kTierLoadLatencyBounds[i])
+                                 : std::string("+Inf");
+      AppendSample(name + "_bucket", absl::StrCat(l, l.empty() ? "" : ",", "le=\"", le, "\""),
+                   static_cast<double>(cumulative), &out);
+    }
+    AppendSample(name + "_sum", l, t.load_latency_sum_s, &out);
+    AppendSample(name + "_count", l, static_cast<double>(t.loads), &out);
+  }
+
   // The prefix cache (all zero when it is off). vLLM's two counters count
   // tokens; the rest are ours.
   AppendCounter("kvserve:prefix_cache_queries_total",

@@ -2,6 +2,7 @@
 #include "server/openai_response.h"
 
 #include "server/response_cache_api.h"
+#include "server/tier_usage.h"
 
 #include <algorithm>
 #include <chrono>
@@ -124,6 +125,7 @@ json Usage(const CompletedResponse& done, bool kv_policy) {
                 {"prompt_tokens_details",
                  {{"cached_tokens", std::clamp(done.cached_tokens, 0, prompt_tokens)}}}};
   if (kv_policy) usage["kv_dropped_tokens"] = done.dropped_tokens;
+  AddKvTierUsage(done, &usage);  // kvserve's own: cached tokens per KV tier, when tiers served any
   return usage;
 }
 

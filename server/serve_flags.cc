@@ -57,6 +57,22 @@ void AddEngineFlags(CLI::App* app, EngineFlags* f) {
                   "Prefill tokens a step with decoders still gets, whatever --target-itl-ms says")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app->add_option("--kv-host-memory", f->kv_host_memory,
+                  "Host KV tier under the KV cache: blocks evicted from the cache are kept here "
+                  "and loaded back on a prefix hit; bytes (1GiB) or a fraction of available "
+                  "memory (0.25); 0: off")
+      ->capture_default_str();
+  app->add_option("--kv-disk-dir", f->kv_disk_dir,
+                  "Disk KV tier: directory for blocks that left the host tier (or the cache) "
+                  "after at least --kv-disk-min-hits hits; found again after a restart on the "
+                  "same model (empty: off)");
+  app->add_option("--kv-disk-bytes", f->kv_disk_bytes,
+                  "Disk KV tier budget in bytes (64GiB), with --kv-disk-dir")
+      ->capture_default_str();
+  app->add_option("--kv-disk-min-hits", f->kv_disk_min_hits,
+                  "Prefix hits a block needs before it is written to the disk KV tier")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
 }
 
 void AddKvPolicyFlags(CLI::App* app, KvPolicyFlags* f) {

@@ -35,12 +35,18 @@ struct EngineFlags {
   double target_itl_ms = 0;
   double max_stall_factor = 2.5;
   int32_t min_prefill_tokens = 16;
+  // KV tiers under the primary pool (scheduler/kv_tiers.h): "0" / "" off.
+  std::string kv_host_memory = "0";
+  std::string kv_disk_dir;
+  std::string kv_disk_bytes = "8GiB";
+  int32_t kv_disk_min_hits = 2;
 };
 
 // Registers --device, --block-size, --kv-cache-memory, --kv-cache-dtype,
 // --max-batched-tokens, --max-seqs, --static-batching, --[no-]prefix-cache,
-// --schedule-policy, --target-itl-ms, --max-stall-factor and
-// --min-prefill-tokens on `app`, bound to `flags` (which must outlive it).
+// --schedule-policy, --target-itl-ms, --max-stall-factor,
+// --min-prefill-tokens and the KV tier flags (--kv-host-memory,
+// --kv-disk-dir, --kv-disk-bytes, --kv-disk-min-hits) on `app`, bound to `flags` (which must outlive it).
 void AddEngineFlags(CLI::App* app, EngineFlags* flags);
 
 // The default token-eviction policy (`serve` and `generate`): what a request

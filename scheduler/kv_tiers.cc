@@ -1,0 +1,486 @@
+#include "scheduler/kv_tiers.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/kv_view.h"
+#include "spdlog/spdlog.h"
+
+namespace kvserve {
+
+// One thread running posted jobs in order. Flush waits for the queue to
+// drain and the running job to end.
+class KvTiers::Worker {
+ public:
+  explicit Worker(const char* name) : thread_([this] { Loop(); }) { (void)name; }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Post(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
+  void Flush() {
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_cv_.wait(lock, [&] { return jobs_.empty() && !busy_; });
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_, and every queued job ran
+      std::function<void()> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      job();
+      lock.lock();
+      busy_ = false;
+      if (jobs_.empty()) idle_cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the rest is built
+};
+
+// A load in flight: completed once by the loader thread, polled by the
+// engine thread.
+class KvTiers::TierLoad final : public KvLoad {
+ public:
+  bool Done() override { return done_.load(std::memory_order_acquire); }
+  absl::Status status() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+  KvLoadSources sources() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sources_;
+  }
+  void Finish(absl::Status s, KvLoadSources src) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      status_ = std::move(s);
+      sources_ = src;
+    }
+    done_.store(true, std::memory_order_release);
+  }
+
+ private:
+  std::mutex mu_;
+  absl::Status status_;
+  KvLoadSources sources_;
+  std::atomic<bool> done_{false};
+};
+
+struct KvTiers::LoadItem {
+  uint64_t hash = 0;
+  KvTier tier = KvTier::kNone;
+  const uint8_t* host_page = nullptr;  // pinned, when tier == kHost
+  uint64_t checksum = 0;
+  uint8_t* dest = nullptr;             // the primary block's bytes
+  int32_t tokens = 0;                  // of the load's tokens this block carries
+};
+
+KvTiers::KvTiers(KvTiersOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::shared_ptr<KvTiers>> KvTiers::Create(KvTiersOptions options) {
+  if (options.host_bytes < 0) return absl::InvalidArgumentError("--kv-host-memory must be >= 0");
+  if (!options.disk_dir.empty() && options.disk_bytes <= 0) {
+    return absl::InvalidArgumentError("--kv-disk-bytes must be > 0 with --kv-disk-dir");
+  }
+  if (!options.disk_dir.empty() && options.model_fingerprint.empty()) {
+    return absl::InvalidArgumentError("the disk tier needs a model fingerprint");
+  }
+  if (options.disk_min_hits < 0) return absl::InvalidArgumentError("disk_min_hits must be >= 0");
+  return std::shared_ptr<KvTiers>(new KvTiers(std::move(options)));
+}
+
+KvTiers::~KvTiers() {
+  // Workers finish what is queued (a queued host checksum or disk store
+  // still names tier memory) before the tiers go.
+  loader_.reset();
+  writer_.reset();
+}
+
+absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
+  if (cache_ != nullptr) return absl::FailedPreconditionError("KvTiers attached twice");
+  if (cache == nullptr) {
+    return absl::InvalidArgumentError("KV tiers (--kv-host-memory, --kv-disk-dir) need the prefix cache");
+  }
+  if (pool.on_device()) {
+    return absl::UnimplementedError(
+        "KV tiers (--kv-host-memory, --kv-disk-dir) run with --device cpu only for now");
+  }
+  cache_ = cache;
+  block_size_ = pool.block_size();
+  page_bytes_ = pool.block_bytes();
+  if (options_.host_bytes > 0) {
+    host_ = std::make_unique<HostTier>(options_.host_bytes, page_bytes_);
+    if (host_->capacity_pages() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-host-memory ", options_.host_bytes,
+                                                     " bytes holds no block (one is ", page_bytes_,
+                                                     " bytes)"));
+    }
+  }
+  if (!options_.disk_dir.empty()) {
+    // The directory name: everything that makes a block's bytes mean what
+    // they mean (the model's content and tokenizer, the KV codec, block
+    // size and shape), never the model's file name.
+    const KvPoolOptions& po = pool.options();
+    const std::string key = absl::StrCat(
+        options_.model_fingerprint, "/", std::string(kernels::KvDTypeName(po.dtype)), "/bs",
+        po.block_size, "/", po.n_layers, "x", po.n_kv_heads, "x", po.head_dim, "/", page_bytes_);
+    DiskTierOptions d;
+    d.dir = options_.disk_dir;
+    d.capacity_bytes = options_.disk_bytes;
+    d.fingerprint = absl::StrFormat("%016x", XXH3_64bits(key.data(), key.size()));
+    d.page_bytes = page_bytes_;
+    d.files = options_.disk_files;
+    DiskTierRecovery rec;
+    auto disk = DiskTier::Open(std::move(d), &rec);
+    if (!disk.ok()) return disk.status();
+    disk_ = std::move(disk).value();
+    stats_.disk_recovered = rec.recovered;
+    spdlog::info("KV disk tier {}: {} blocks found from an earlier run, {} files discarded",
+                 disk_->directory(), rec.recovered, rec.discarded);
+    if (rec.other_fingerprints > 0) {
+      spdlog::info(
+          "KV disk tier: ignoring {} directories under {} written for another model, tokenizer, "
+          "KV dtype or block size",
+          rec.other_fingerprints, options_.disk_dir);
+    }
+  }
+  if (host_ || disk_) {
+    writer_ = std::make_unique<Worker>("kv-tier-writer");
+    loader_ = std::make_unique<Worker>("kv-tier-loader");
+  }
+  return absl::OkStatus();
+}
+
+int64_t KvTiers::TakeGhostHits(uint64_t hash) {
+  auto it = ghost_hits_.find(hash);
+  if (it == ghost_hits_.end()) return 0;
+  const int64_t hits = it->second;
+  ghost_hits_.erase(it);  // its ghost_order_ entry goes stale; skipped when trimmed
+  return hits;
+}
+
+void KvTiers::RememberGhost(uint64_t hash, int64_t hits) {
+  constexpr size_t kMaxGhosts = 1 << 16;
+  ghost_hits_[hash] = hits + 1;
+  ghost_order_.push_back(hash);
+  while (ghost_order_.size() > 2 * kMaxGhosts || ghost_hits_.size() > kMaxGhosts) {
+    if (ghost_order_.empty()) break;
+    if (ghost_hits_.size() > kMaxGhosts) ghost_hits_.erase(ghost_order_.front());
+    ghost_order_.pop_front();
+  }
+}
+
+void KvTiers::SpillToDisk(EvictedPage page) {
+  if (disk_ == nullptr) return;
+  if (page.hits < options_.disk_min_hits) {
+    RememberGhost(page.hash, page.hits);
+    return;
+  }
+  if (pending_disk_bytes_.load() + page_bytes_ > options_.max_pending_disk_bytes) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.dropped_demotions;
+    return;
+  }
+  pending_disk_bytes_ += page_bytes_;
+  auto shared = std::make_shared<EvictedPage>(std::move(page));
+  writer_->Post([this, shared] {
+    const absl::Status s = disk_->Store(shared->hash, shared->data.get(), shared->checksum,
+                                        shared->hits);
+    pending_disk_bytes_ -= page_bytes_;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    if (s.ok()) {
+      ++stats_.demotions_disk;
+      stats_.bytes_to_disk += page_bytes_;
+    } else if (!absl::IsResourceExhausted(s)) {
+      // Never visible: the tier removed the partial file.
+      if (stats_.disk_write_failures++ % 100 == 0) {
+        spdlog::warn("KV disk tier: block {:016x} not stored ({} failures so far): {}",
+                     shared->hash, stats_.disk_write_failures, s.ToString());
+      }
+    } else {
+      ++stats_.dropped_demotions;
+    }
+  });
+}
+
+KvTier KvTiers::Demote(const EvictedBlock& evicted) {
+  if (evicted.bytes != page_bytes_ || evicted.data == nullptr) return KvTier::kNone;
+  EvictedBlock b = evicted;
+  b.hits += TakeGhostHits(b.hash);
+  if (host_ != nullptr) {
+    uint8_t* page = nullptr;
+    std::vector<EvictedPage> evicted;
+    const HostTier::ReserveResult r = host_->Reserve(b.hash, b.hits, &page, &evicted);
+    for (EvictedPage& p : evicted) SpillToDisk(std::move(p));
+    if (r == HostTier::ReserveResult::kPresent) return KvTier::kHost;  // a second eviction is free
+    if (r == HostTier::ReserveResult::kReserved) {
+      // The pool block is released when we return: copy now, on the engine
+      // thread; checksum and publication happen on the writer, and until
+      // then the page is invisible and pinned.
+      std::memcpy(page, b.data, static_cast<size_t>(page_bytes_));
+      const uint64_t hash = b.hash;
+      writer_->Post([this, hash, page] {
+        host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
+      });
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.demotions_host;
+      stats_.bytes_to_host += page_bytes_;
+      return KvTier::kHost;
+    }
+    // kFull: every page is pinned. Fall through to the disk tier.
+  }
+  if (disk_ != nullptr && b.hits >= options_.disk_min_hits) {
+    PageBuffer copy = AllocatePage(page_bytes_);
+    if (copy != nullptr &&
+        pending_disk_bytes_.load() + page_bytes_ <= options_.max_pending_disk_bytes) {
+      std::memcpy(copy.get(), b.data, static_cast<size_t>(page_bytes_));
+      const uint64_t checksum = XXH3_64bits(copy.get(), static_cast<size_t>(page_bytes_));
+      SpillToDisk(EvictedPage{b.hash, checksum, b.hits, std::move(copy)});
+      return KvTier::kDisk;
+    }
+  } else if (disk_ != nullptr) {
+    RememberGhost(b.hash, b.hits);
+  }
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  ++stats_.dropped_demotions;
+  return KvTier::kNone;
+}
+
+void KvTiers::HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
+                        std::vector<uint64_t>* out) const {
+  uint64_t h = cache_->RootHash(salt);
+  for (int32_t i = 0; i < n; ++i) {
+    h = PrefixCache::BlockHash(h, tokens.subspan(static_cast<size_t>(i) * block_size_, block_size_));
+    out->push_back(h);
+  }
+}
+
+int32_t KvTiers::Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                        int32_t limit) {
+  if (cache_ == nullptr || (host_ == nullptr && disk_ == nullptr)) return 0;
+  if (from % block_size_ != 0 || from >= limit) return 0;
+  const int32_t bs = block_size_;
+  const int32_t full = static_cast<int32_t>(tokens.size()) / bs;
+  std::vector<uint64_t> chain;
+  HashChain(salt, tokens, full, &chain);
+  int32_t n = 0;
+  for (int32_t b = from / bs; b < full && b * bs < limit; ++b) {
+    const uint64_t h = chain[b];
+    if (!(host_ && host_->Contains(h)) && !(disk_ && disk_->Contains(h))) break;
+    n += bs;
+  }
+  return n;
+}
+
+std::shared_ptr<KvLoad> KvTiers::Start(const KvLoadTarget& t) {
+  if (cache_ == nullptr || t.num_tokens <= 0 || t.first_slot % block_size_ != 0) return nullptr;
+  const int32_t bs = block_size_;
+  const int32_t first = t.first_slot / bs;
+  const int32_t end = t.first_slot + t.num_tokens;
+  const int32_t last = (end + bs - 1) / bs;  // exclusive
+  if (static_cast<int64_t>(t.tokens.size()) < static_cast<int64_t>(last) * bs) return nullptr;
+  if (t.view.n_seqs != 1 || t.view.seq_block_offsets[1] < last) return nullptr;
+  std::vector<uint64_t> chain;
+  HashChain(t.salt, t.tokens, last, &chain);
+  std::vector<LoadItem> items;
+  auto unpin = [&] {
+    for (const LoadItem& it : items) {
+      if (it.tier == KvTier::kHost) host_->Unpin(it.hash);
+      if (it.tier == KvTier::kDisk) disk_->Unpin(it.hash);
+    }
+  };
+  for (int32_t b = first; b < last; ++b) {
+    LoadItem it;
+    it.hash = chain[b];
+    it.dest = t.view.pool + static_cast<int64_t>(t.view.block_ids[b]) * t.view.block_bytes;
+    it.tokens = std::min(end, (b + 1) * bs) - b * bs;
+    if (host_ && (it.host_page = host_->Pin(it.hash, &it.checksum)) != nullptr) {
+      it.tier = KvTier::kHost;
+    } else if (disk_ && disk_->Pin(it.hash, &it.checksum)) {
+      it.tier = KvTier::kDisk;
+    } else {
+      unpin();  // evicted since Lookup: the caller recomputes instead
+      return nullptr;
+    }
+    items.push_back(it);
+  }
+  auto load = std::make_shared<TierLoad>();
+  loader_->Post([this, load, items = std::move(items)]() mutable { RunLoad(load, std::move(items)); });
+  return load;
+}
+
+void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items) {
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status status;
+  KvLoadSources src;
+  int64_t from_host = 0, from_disk = 0;
+  for (const LoadItem& it : items) {
+    if (status.ok()) {
+      absl::Status s;
+      if (it.tier == KvTier::kHost) {
+        std::memcpy(it.dest, it.host_page, static_cast<size_t>(page_bytes_));
+      } else {
+        s = disk_->Read(it.hash, it.dest);
+      }
+      // Verified where the bytes landed: this covers the tier's memory or
+      // file and the copy itself.
+      if (s.ok() && XXH3_64bits(it.dest, static_cast<size_t>(page_bytes_)) != it.checksum) {
+        s = absl::DataLossError(absl::StrFormat("KV %s tier block %016x failed its checksum",
+                                                KvTierName(it.tier), it.hash));
+        {
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          ++stats_.checksum_failures;
+        }
+        spdlog::warn("{}; recomputing its tokens", std::string(s.message()));
+        if (it.tier == KvTier::kHost) host_->Remove(it.hash);
+        if (it.tier == KvTier::kDisk) disk_->Remove(it.hash);
+      }
+      if (s.ok()) {
+        if (it.tier == KvTier::kHost) {
+          src.host_tokens += it.tokens;
+          ++from_host;
+        } else {
+          src.disk_tokens += it.tokens;
+          ++from_disk;
+        }
+      } else {
+        status = s;
+      }
+    }
+    if (it.tier == KvTier::kHost) host_->Unpin(it.hash);
+    if (it.tier == KvTier::kDisk) disk_->Unpin(it.hash);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.loads;
+    int bucket = 0;
+    while (bucket < kTierLoadLatencyBuckets && seconds > kTierLoadLatencyBounds[bucket]) ++bucket;
+    ++stats_.load_latency_buckets[bucket];
+    stats_.load_latency_sum_s += seconds;
+    if (status.ok()) {
+      stats_.promotions_host += from_host;
+      stats_.promotions_disk += from_disk;
+      stats_.bytes_from_host += from_host * page_bytes_;
+      stats_.bytes_from_disk += from_disk * page_bytes_;
+      stats_.hit_tokens_host += src.host_tokens;
+      stats_.hit_tokens_disk += src.disk_tokens;
+    }
+  }
+  load->Finish(status, status.ok() ? src : KvLoadSources{});
+}
+
+void KvTiers::Flush() {
+  // A load never posts writes and a write never posts loads, so one pass
+  // over each settles both.
+  if (loader_) loader_->Flush();
+  if (writer_) writer_->Flush();
+}
+
+int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
+  if (disk_ == nullptr) return 0;
+  Flush();
+  int64_t written = 0;
+  auto store = [&](uint64_t hash, const uint8_t* data, int64_t hits) {
+    auto ghost = ghost_hits_.find(hash);
+    const int64_t all = hits + (ghost == ghost_hits_.end() ? 0 : ghost->second);
+    if (all < options_.disk_min_hits || disk_->Contains(hash)) return;
+    const uint64_t checksum = XXH3_64bits(data, static_cast<size_t>(page_bytes_));
+    if (disk_->Store(hash, data, checksum, all).ok()) {
+      ++written;
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.demotions_disk;
+      stats_.bytes_to_disk += page_bytes_;
+    }
+  };
+  // Radix blocks first: a prefix's first blocks are what every later block
+  // of it needs to be found.
+  cache.ForEachFullBlock([&](const EvictedBlock& b) { store(b.hash, b.data, b.hits); });
+  if (host_ != nullptr) {
+    for (const auto& [hash, hits] : host_->ReadyPages()) {
+      uint64_t checksum = 0;
+      const uint8_t* page = host_->Pin(hash, &checksum);
+      if (page == nullptr) continue;
+      store(hash, page, hits);
+      host_->Unpin(hash);
+    }
+  }
+  spdlog::info("KV disk tier: {} blocks written at shutdown for the next start", written);
+  return written;
+}
+
+KvTiersStats KvTiers::stats() const {
+  KvTiersStats s;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    s = stats_;
+  }
+  s.host_enabled = host_ != nullptr;
+  s.disk_enabled = disk_ != nullptr;
+  if (host_) {
+    const HostTierStats h = host_->stats();
+    s.host_blocks = h.pages;
+    s.host_capacity_blocks = h.capacity_pages;
+  }
+  if (disk_) {
+    const DiskTierStats d = disk_->stats();
+    s.disk_blocks = d.files;
+    s.disk_capacity_blocks = d.capacity_files;
+  }
+  return s;
+}
+
+absl::StatusOr<std::string> FileContentHash(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("cannot stat ", path));
+  }
+  XXH128_hash_t h = XXH3_128bits(nullptr, 0);
+  if (st.st_size > 0) {
+    void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      ::close(fd);
+      return absl::InternalError(absl::StrCat("cannot map ", path));
+    }
+    h = XXH3_128bits(p, static_cast<size_t>(st.st_size));
+    ::munmap(p, static_cast<size_t>(st.st_size));
+  }
+  ::close(fd);
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
+
+}  // namespace kvserve

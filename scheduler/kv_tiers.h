@@ -1,0 +1,161 @@
+// KvTiers: the host and disk tiers under the primary KV pool, joined to the
+// engine through its two seams. As the prefix cache's BlockDemotionSink it
+// takes every evicted full block (write-back): the engine thread copies the
+// block into a host page, a writer thread checksums and publishes it; pages
+// the host tier evicts go on to the disk tier when they proved useful (hit
+// at least disk_min_hits times, Dynamo's rule), or blocks go there straight
+// from the pool when there is no host tier. As the scheduler's KvLoader it
+// answers, for a request whose radix match stops short, how many following
+// blocks the tiers hold (by the same chained hash the radix index uses), and
+// loads them into the request's fresh primary blocks on a loader thread,
+// verifying each block's checksum in place; on completion the scheduler
+// commits them, which publishes them to the radix index. A mismatch fails
+// the load (the tokens are recomputed), counts, logs and drops the page.
+//
+// Pages being written or read are pinned in their tier and never evicted;
+// a full tier refuses new pages instead of waiting, so nothing here blocks
+// the engine thread on another thread's progress.
+//
+// Thread-safety: Demote, Lookup and Start run on the engine thread; the
+// workers synchronize with it through the tiers' own mutexes and the loads'
+// completion flags; stats() may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cache/disk_tier.h"
+#include "cache/host_tier.h"
+#include "cache/kv_pool.h"
+#include "cache/prefix_cache.h"
+#include "scheduler/kv_loader.h"
+
+namespace kvserve {
+
+struct KvTiersOptions {
+  int64_t host_bytes = 0;     // --kv-host-memory; 0: no host tier
+  std::string disk_dir;       // --kv-disk-dir; empty: no disk tier
+  int64_t disk_bytes = 0;     // --kv-disk-bytes
+  // The model's identity for the disk tier (weights content hash and
+  // tokenizer; server/ computes it); the pool's dtype, block size and shape
+  // are mixed in at Attach.
+  std::string model_fingerprint;
+  int32_t disk_min_hits = 2;
+  DiskFileLayer* disk_files = nullptr;  // tests: an injected file layer
+  // Demoted bytes queued for the disk writer at most; past it demotions to
+  // disk are dropped (counted) rather than queued without bound.
+  int64_t max_pending_disk_bytes = int64_t{256} << 20;
+};
+
+// Upper bounds (seconds) of the load-latency histogram's buckets.
+inline constexpr double kTierLoadLatencyBounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                                    0.05,   0.1,   0.25,   0.5,   1,    2.5};
+inline constexpr int kTierLoadLatencyBuckets =
+    sizeof(kTierLoadLatencyBounds) / sizeof(kTierLoadLatencyBounds[0]);
+
+struct KvTiersStats {
+  bool host_enabled = false, disk_enabled = false;
+  int64_t host_blocks = 0, host_capacity_blocks = 0;
+  int64_t disk_blocks = 0, disk_capacity_blocks = 0;
+  int64_t demotions_host = 0, demotions_disk = 0;    // blocks written into each tier
+  int64_t promotions_host = 0, promotions_disk = 0;  // blocks loaded from each tier
+  int64_t bytes_to_host = 0, bytes_from_host = 0;
+  int64_t bytes_to_disk = 0, bytes_from_disk = 0;
+  int64_t hit_tokens_host = 0, hit_tokens_disk = 0;  // prompt tokens loaded instead of computed
+  int64_t checksum_failures = 0;
+  int64_t disk_write_failures = 0;
+  int64_t dropped_demotions = 0;  // evicted blocks no tier could take
+  int64_t disk_recovered = 0;     // blocks found on disk at start
+  int64_t loads = 0;
+  // Load latency (Start to completion): per bucket (not cumulative), sum, count.
+  int64_t load_latency_buckets[kTierLoadLatencyBuckets + 1] = {};
+  double load_latency_sum_s = 0;
+};
+
+class KvTiers final : public KvLoader, public BlockDemotionSink {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::shared_ptr<KvTiers>> Create(KvTiersOptions options);
+  ~KvTiers() override;  // finishes queued writes and loads
+
+  // Engine::Create, once: the primary pool (page size, shape) and the radix
+  // index (root hashes). Opens the disk tier and indexes what it holds.
+  // REQUIRES: both outlive every later call.
+  [[nodiscard]] absl::Status Attach(const KvPool& pool, const PrefixCache* cache);
+
+  // BlockDemotionSink (engine thread).
+  KvTier Demote(const EvictedBlock& block) override;
+  // KvLoader (engine thread). Lookup supplies whole blocks from a block
+  // boundary only.
+  int32_t Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                 int32_t limit) override;
+  std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) override;
+
+  // Waits until every queued write and load has finished (tests; shutdown).
+  void Flush();
+  // Shutdown with a disk tier: writes every block that qualifies for the
+  // disk (hit at least disk_min_hits times) from the radix index and the
+  // host tier to disk, so a restart finds the hot prefixes, not only those
+  // that happened to be evicted. Blocking; engine thread (or engine
+  // stopped). Returns the blocks written.
+  int64_t PersistForRestart(const PrefixCache& cache);
+  KvTiersStats stats() const;
+  // From the options (before Attach).
+  bool disk_enabled_requested() const { return !options_.disk_dir.empty(); }
+  const std::string& model_fingerprint() const { return options_.model_fingerprint; }
+  int64_t host_bytes() const { return options_.host_bytes; }
+  bool host_enabled() const { return host_ != nullptr; }
+  bool disk_enabled() const { return disk_ != nullptr; }
+  // The disk tier's directory (dir/fingerprint), empty without one.
+  std::string disk_directory() const { return disk_ ? disk_->directory() : std::string(); }
+  // Tests: the tiers themselves.
+  HostTier* host() { return host_.get(); }
+  DiskTier* disk() { return disk_.get(); }
+
+ private:
+  explicit KvTiers(KvTiersOptions options);
+  class Worker;
+  class TierLoad;
+  struct LoadItem;
+  // The chained hashes of blocks [0, n) of tokens under salt's root.
+  void HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
+                 std::vector<uint64_t>* out) const;
+  void SpillToDisk(EvictedPage page);
+  // Hits of a block that left every tier without qualifying for the disk,
+  // plus one: seeing the hash again means it was recomputed, i.e. reused
+  // (ARC's ghost list, bounded). Engine thread only.
+  int64_t TakeGhostHits(uint64_t hash);
+  void RememberGhost(uint64_t hash, int64_t hits);
+  void RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items);
+
+  KvTiersOptions options_;
+  const PrefixCache* cache_ = nullptr;
+  int32_t block_size_ = 0;
+  int64_t page_bytes_ = 0;
+  std::unique_ptr<HostTier> host_;
+  std::unique_ptr<DiskTier> disk_;
+  std::unique_ptr<Worker> writer_;  // host checksums, disk stores
+  std::unique_ptr<Worker> loader_;  // loads into the pool
+  std::atomic<int64_t> pending_disk_bytes_{0};
+  absl::flat_hash_map<uint64_t, int64_t> ghost_hits_;  // engine thread
+  std::deque<uint64_t> ghost_order_;                   // oldest first
+
+  mutable std::mutex stats_mu_;
+  KvTiersStats stats_;  // guarded by stats_mu_ (tier occupancy filled in by stats())
+};
+
+// XXH3-128 of a file's content, as 32 hex digits: the weights part of a
+// model fingerprint (the name plays no part).
+[[nodiscard]] absl::StatusOr<std::string> FileContentHash(const std::string& path);
+
+}  // namespace kvserve
