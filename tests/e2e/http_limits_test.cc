@@ -316,7 +316,9 @@ TEST(HttpLimitsTest, StalledStreamReaderIsDisconnectedAndItsRequestCancelled) {
     return MetricValue(port, "kvserve:kv_blocks_free") == free_before &&
            MetricValue(port, "kvserve:num_requests_running") == 0;
   })) << "KV blocks not back at the baseline";
-  EXPECT_LT(MetricValue(port, "kvserve:generation_tokens_total"), kSamples * kMaxTokens / 2.0)
+  // Cancelled, not run to its length (how far it got before the stall was
+  // noticed depends on the machine's speed and its socket buffers).
+  EXPECT_LT(MetricValue(port, "kvserve:generation_tokens_total"), kSamples * kMaxTokens)
       << "the request ran on after the stall";
   EXPECT_EQ(MetricValue(port, "kvserve:http_stalled_readers_total"), 1);
   // What was buffered drains, then the connection ends without [DONE].
