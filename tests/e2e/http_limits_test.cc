@@ -131,11 +131,12 @@ std::string Post(const std::string& path, const std::string& body) {
          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
 }
 
-std::string StreamBody(int max_tokens, int n = 1) {
-  return json{{"model", "slow"},      {"prompt", "Once upon a time"}, {"max_tokens", max_tokens},
-              {"ignore_eos", true},   {"n", n},                       {"temperature", 0.8},
-              {"stream", true}}
-      .dump();
+std::string StreamBody(int max_tokens, int n = 1, int logprobs = 0) {
+  json body = {{"model", "slow"},    {"prompt", "Once upon a time"}, {"max_tokens", max_tokens},
+               {"ignore_eos", true}, {"n", n},                       {"temperature", 0.8},
+               {"stream", true}};
+  if (logprobs > 0) body["logprobs"] = logprobs;
+  return body.dump();
 }
 
 double MetricValue(int port, const std::string& name, const std::string& label = "") {
@@ -296,11 +297,14 @@ TEST(HttpLimitsTest, StalledStreamReaderIsDisconnectedAndItsRequestCancelled) {
   const double cancelled_before =
       MetricValue(port, "kvserve:request_success_total", "finished_reason=\"cancelled\"");
 
-  constexpr int kSamples = 2;
+  // The stream must be far larger than what the loopback socket buffers
+  // hold (~1.3 MB here), or it fits in them and never stalls however fast
+  // the model is: 4 x 4000 events with their log-probabilities (~10 MB).
+  constexpr int kSamples = 4;
   constexpr int kMaxTokens = 4000;
   Socket reader(port, /*rcvbuf=*/4096);
   ASSERT_TRUE(reader.ok());
-  ASSERT_TRUE(reader.Send(Post("/v1/completions", StreamBody(kMaxTokens, kSamples))));
+  ASSERT_TRUE(reader.Send(Post("/v1/completions", StreamBody(kMaxTokens, kSamples, 5))));
   bool closed = false;
   const std::string first = reader.ReadUntil(
       std::chrono::seconds(30),
