@@ -31,14 +31,6 @@ const char* CacheHitKindName(CacheHitKind k) {
   return "off";
 }
 
-absl::StatusOr<SemanticMode> ParseSemanticMode(std::string_view name) {
-  if (name == "off") return SemanticMode::kOff;
-  if (name == "verified") return SemanticMode::kVerified;
-  if (name == "approximate") return SemanticMode::kApproximate;
-  return absl::InvalidArgumentError(absl::StrCat("response_cache.semantic: unknown mode '",
-                                                 std::string(name),
-                                                 "' (expected off, verified or approximate)"));
-}
 
 namespace {
 
