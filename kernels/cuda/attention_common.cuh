@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 
 namespace kvserve::cuda::internal {
@@ -60,6 +61,27 @@ __device__ __forceinline__ float QueryElem(float q) {
 template <>
 __device__ __forceinline__ float QueryElem<__half>(float q) {
   return __half2float(__float2half_rn(q));
+}
+
+// Block-wide reduction (max or sum) of one float per thread through shared
+// memory `red` (at least kThreads / 32 floats); every thread gets the result.
+// REQUIRES: all kThreads threads of the block call it.
+template <int kThreads, bool kMax>
+__device__ float BlockReduce(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // red may still be read by a previous reduction
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < kThreads / 32 ? red[lane] : (kMax ? -FLT_MAX : 0.0f);
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  return v;
 }
 
 }  // namespace kvserve::cuda::internal

@@ -10,6 +10,7 @@
 #include <cfloat>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/launch.cuh"
 
@@ -58,26 +59,6 @@ __device__ __forceinline__ const uint8_t* KeyRow(const GenericArgs& a, int32_t s
          (static_cast<int64_t>(kvh) * a.block_size + pos % a.block_size) * a.row_bytes;
 }
 
-// Block-wide reduction (max or sum) through shared memory; every thread gets
-// the result.
-template <bool kMax>
-__device__ float BlockReduce(float v, float* red) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = kMax ? fmaxf(v, w) : v + w;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // red may still be read by a previous reduction
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = lane < kThreads / 32 ? red[lane] : (kMax ? -FLT_MAX : 0.0f);
-  for (int o = 16; o > 0; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = kMax ? fmaxf(v, w) : v + w;
-  }
-  return v;
-}
-
 template <kernels::KvDType D>
 __global__ void __launch_bounds__(kThreads) GenericAttentionKernel(GenericArgs a) {
   __shared__ float qs[kGenericMaxHeadDim];
@@ -104,10 +85,10 @@ __global__ void __launch_bounds__(kThreads) GenericAttentionKernel(GenericArgs a
 
   float mx = -FLT_MAX;
   for (int32_t p = threadIdx.x; p < len; p += kThreads) mx = fmaxf(mx, score(p));
-  mx = BlockReduce<true>(mx, red);
+  mx = internal::BlockReduce<kThreads, true>(mx, red);
   float sum = 0.0f;
   for (int32_t p = threadIdx.x; p < len; p += kThreads) sum += expf(score(p) - mx);
-  sum = BlockReduce<false>(sum, red);
+  sum = internal::BlockReduce<kThreads, false>(sum, red);
   const float inv = 1.0f / sum;
 
   // Weighted values: tiles of kThreads positions; thread (lane, channel)

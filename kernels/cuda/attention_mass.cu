@@ -37,23 +37,6 @@ struct MassArgs {
   int64_t mass_stride;
 };
 
-__device__ float MassReduce(bool is_max, float v, float* red) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? fmaxf(v, w) : v + w;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // red may still be read by the previous reduction
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = lane < kThreads / 32 ? red[lane] : (is_max ? -FLT_MAX : 0.0f);
-  for (int o = 16; o > 0; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? fmaxf(v, w) : v + w;
-  }
-  return v;
-}
-
 template <typename C>
 __global__ void __launch_bounds__(kThreads) AttentionMassKernel(MassArgs a) {
   __shared__ float qs[kMaxHeadDim];
@@ -98,10 +81,10 @@ __global__ void __launch_bounds__(kThreads) AttentionMassKernel(MassArgs a) {
       __syncthreads();
       float mx = -FLT_MAX;
       for (int32_t p = threadIdx.x; p < len; p += kThreads) mx = fmaxf(mx, score(p));
-      mx = MassReduce(true, mx, red);
+      mx = internal::BlockReduce<kThreads, true>(mx, red);
       float sum = 0.0f;
       for (int32_t p = threadIdx.x; p < len; p += kThreads) sum += expf(score(p) - mx);
-      sum = MassReduce(false, sum, red);
+      sum = internal::BlockReduce<kThreads, false>(sum, red);
       const float inv = 1.0f / sum;
       for (int32_t p = threadIdx.x; p < len; p += kThreads) m[p] += expf(score(p) - mx) * inv;
     }
