@@ -168,11 +168,13 @@ def one_request(rng, args, client, stats):
     body, key = completion_body(rng, args, chat, stream, n)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     if cancel:
-        # Hang up after a random number of bytes of the stream.
+        # Hang up after a random number of bytes of the stream. "Connection:
+        # close" makes a stream shorter than `want` end in EOF; without it the
+        # kept-alive connection stays open and recv waits for the idle timeout.
         s = socket.create_connection((client.host, client.port), timeout=60)
         data = json.dumps(body).encode()
         head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n")
+                f"Connection: close\r\nContent-Length: {len(data)}\r\n")
         if args.api_key:
             head += f"Authorization: Bearer {args.api_key}\r\n"
         s.sendall(head.encode() + b"\r\n" + data)
