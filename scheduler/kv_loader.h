@@ -62,6 +62,17 @@ class KvLoader {
   // supply for this salt (0: none).
   virtual int32_t Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
                          int32_t limit) = 0;
+  // Of what Lookup would supply, the tokens worth loading when recomputing
+  // costs recompute_seconds_per_token each (0: not measured yet; everything
+  // is worth loading). A loader that knows its own load cost stops where
+  // loading a block would take longer than computing it; the scheduler
+  // recomputes the rest. Default: Lookup.
+  virtual int32_t LookupWorthLoading(std::string_view salt, absl::Span<const int32_t> tokens,
+                                     int32_t from, int32_t limit,
+                                     double recompute_seconds_per_token) {
+    (void)recompute_seconds_per_token;
+    return Lookup(salt, tokens, from, limit);
+  }
   // Starts writing the target's slots. The returned load is polled until
   // Done; the blocks stay pinned until then even if the request is cancelled.
   virtual std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) = 0;

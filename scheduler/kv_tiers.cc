@@ -138,6 +138,15 @@ absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
   cache_ = cache;
   block_size_ = pool.block_size();
   page_bytes_ = pool.block_bytes();
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.host_block_load_s = options_.host_block_load_s > 0
+                                   ? options_.host_block_load_s
+                                   : static_cast<double>(page_bytes_) / 4e9;
+    stats_.disk_block_load_s = options_.disk_block_load_s > 0
+                                   ? options_.disk_block_load_s
+                                   : static_cast<double>(page_bytes_) / 4e8;
+  }
   if (options_.host_bytes > 0) {
     host_ = std::make_unique<HostTier>(options_.host_bytes, page_bytes_);
     if (host_->capacity_pages() == 0) {
@@ -302,6 +311,64 @@ int32_t KvTiers::Lookup(std::string_view salt, absl::Span<const int32_t> tokens,
   return n;
 }
 
+double KvTiers::BlockLoadSecondsLocked(KvTier tier) const {
+  return tier == KvTier::kHost ? stats_.host_block_load_s : stats_.disk_block_load_s;
+}
+
+void KvTiers::RecordBlockLoadLocked(KvTier tier, double seconds) {
+  // A moving average: a fifth of each new timing, so a page-cache hit or a
+  // cold read moves the estimate without one outlier owning it.
+  double& e = tier == KvTier::kHost ? stats_.host_block_load_s : stats_.disk_block_load_s;
+  e = 0.8 * e + 0.2 * seconds;
+}
+
+int32_t KvTiers::LookupWorthLoading(std::string_view salt, absl::Span<const int32_t> tokens,
+                                    int32_t from, int32_t limit,
+                                    double recompute_seconds_per_token) {
+  if (cache_ == nullptr || (host_ == nullptr && disk_ == nullptr)) return 0;
+  if (from % block_size_ != 0 || from >= limit) return 0;
+  const int32_t bs = block_size_;
+  const int32_t full = static_cast<int32_t>(tokens.size()) / bs;
+  std::vector<uint64_t> chain;
+  HashChain(salt, tokens, full, &chain);
+  double host_s = 0, disk_s = 0;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    host_s = BlockLoadSecondsLocked(KvTier::kHost);
+    disk_s = BlockLoadSecondsLocked(KvTier::kDisk);
+  }
+  const double recompute_block_s = recompute_seconds_per_token * bs;
+  int32_t n = 0;
+  int64_t left = 0;  // held by a tier, but cheaper to recompute
+  bool worth = true;
+  for (int32_t b = from / bs; b < full && b * bs < limit; ++b) {
+    const uint64_t h = chain[b];
+    // The tier Start would load it from: the host tier first.
+    KvTier tier = KvTier::kNone;
+    if (host_ && host_->Contains(h)) {
+      tier = KvTier::kHost;
+    } else if (disk_ && disk_->Contains(h)) {
+      tier = KvTier::kDisk;
+    } else {
+      break;
+    }
+    if (worth && recompute_seconds_per_token > 0 &&
+        (tier == KvTier::kHost ? host_s : disk_s) > recompute_block_s) {
+      worth = false;  // the rest of the chain is recomputed with this block
+    }
+    if (worth) {
+      n += bs;
+    } else {
+      ++left;
+    }
+  }
+  if (left > 0) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.recompute_chosen_blocks += left;
+  }
+  return n;
+}
+
 std::shared_ptr<KvLoad> KvTiers::Start(const KvLoadTarget& t) {
   if (cache_ == nullptr || t.num_tokens <= 0 || t.first_slot % block_size_ != 0) return nullptr;
   const int32_t bs = block_size_;
@@ -334,6 +401,10 @@ std::shared_ptr<KvLoad> KvTiers::Start(const KvLoadTarget& t) {
     }
     items.push_back(it);
   }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    for (const LoadItem& it : items) stats_.load_predicted_sum_s += BlockLoadSecondsLocked(it.tier);
+  }
   auto load = std::make_shared<TierLoad>();
   loader_->Post([this, load, items = std::move(items)]() mutable { RunLoad(load, std::move(items)); });
   return load;
@@ -346,6 +417,7 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
   int64_t from_host = 0, from_disk = 0;
   for (const LoadItem& it : items) {
     if (status.ok()) {
+      const auto b0 = std::chrono::steady_clock::now();
       absl::Status s;
       if (it.tier == KvTier::kHost) {
         std::memcpy(it.dest, it.host_page, static_cast<size_t>(page_bytes_));
@@ -366,6 +438,12 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
         if (it.tier == KvTier::kDisk) disk_->Remove(it.hash);
       }
       if (s.ok()) {
+        const double block_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - b0).count();
+        {
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          RecordBlockLoadLocked(it.tier, block_s);
+        }
         if (it.tier == KvTier::kHost) {
           src.host_tokens += it.tokens;
           ++from_host;

@@ -52,6 +52,12 @@ struct KvTiersOptions {
   // are mixed in at Attach.
   std::string model_fingerprint;
   int32_t disk_min_hits = 2;
+  // The load cost model's starting point (seconds to load one block from
+  // each tier) until loads have been timed; 0: estimated from the page size
+  // (host 4 GB/s, disk 400 MB/s). Each timed block load then updates the
+  // tier's estimate (moving average).
+  double host_block_load_s = 0;
+  double disk_block_load_s = 0;
   DiskFileLayer* disk_files = nullptr;  // tests: an injected file layer
   // Demoted bytes queued for the disk writer at most; past it demotions to
   // disk are dropped (counted) rather than queued without bound.
@@ -81,6 +87,13 @@ struct KvTiersStats {
   // Load latency (Start to completion): per bucket (not cumulative), sum, count.
   int64_t load_latency_buckets[kTierLoadLatencyBuckets + 1] = {};
   double load_latency_sum_s = 0;
+  // The load-vs-recompute cost model: the current estimate of one block's
+  // load from each tier, the predicted seconds of the loads started (their
+  // sum, next to load_latency_sum_s for predicted vs actual), and the blocks
+  // the tiers held but left to be recomputed because recomputing was cheaper.
+  double host_block_load_s = 0, disk_block_load_s = 0;
+  double load_predicted_sum_s = 0;
+  int64_t recompute_chosen_blocks = 0;
 };
 
 class KvTiers final : public KvLoader, public BlockDemotionSink {
@@ -99,6 +112,12 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   // boundary only.
   int32_t Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
                  int32_t limit) override;
+  // Lookup under the cost model: stops at the first block whose tier's
+  // estimated load time exceeds recomputing its tokens (a prefix chain: the
+  // blocks after it are recomputed too). Counts what it leaves.
+  int32_t LookupWorthLoading(std::string_view salt, absl::Span<const int32_t> tokens,
+                             int32_t from, int32_t limit,
+                             double recompute_seconds_per_token) override;
   std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) override;
 
   // Waits until every queued write and load has finished (tests; shutdown).
@@ -137,6 +156,9 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   int64_t TakeGhostHits(uint64_t hash);
   void RememberGhost(uint64_t hash, int64_t hits);
   void RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items);
+  // The cost model's estimate for one block from `tier` (stats_mu_).
+  double BlockLoadSecondsLocked(KvTier tier) const;
+  void RecordBlockLoadLocked(KvTier tier, double seconds);
 
   KvTiersOptions options_;
   const PrefixCache* cache_ = nullptr;

@@ -251,8 +251,10 @@ bool Scheduler::StartLoad(Sequence* s) {
   const int32_t from = s->kv.num_computed;
   const int32_t limit = s->num_tokens() - 1;  // the last token is computed here: its logits
   if (from >= limit) return false;
-  const int32_t n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit),
-                             limit - from);
+  const int32_t n =
+      std::min(loader_->LookupWorthLoading(s->group()->salt(), s->tokens(), from, limit,
+                                           cost_.prefill_seconds_per_token()),
+               limit - from);
   if (n <= 0) return false;
   if (!kv_->AllocateSlots(&s->kv, 0, 0, n).ok()) return false;
   std::vector<int32_t> ids;

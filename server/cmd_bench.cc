@@ -1,7 +1,11 @@
 // `kvserve bench`: prefill and decode throughput of the engine at several
 // batch sizes, on synthetic prompts, stepping the engine by hand and timing
 // each step (steps that carry prompt tokens count as prefill). Prints a
-// Markdown table; the best of --repeat runs is reported.
+// Markdown table; the best of --repeat runs is reported. The --kv-* flags
+// (the daemon's kv-policy defaults) give every sequence a token-eviction
+// policy, so the table shows what eviction does to decode speed at long
+// context; the last column is the most KV blocks the batch held in a decode
+// step, per sequence.
 //
 // Thread-safety: runs on the main thread; the engine is stepped here.
 #include <algorithm>
@@ -15,6 +19,7 @@
 #include "scheduler/engine.h"
 #include "server/command.h"
 #include "server/engine_builder.h"
+#include "server/kv_policy.h"
 
 namespace kvserve {
 namespace {
@@ -32,6 +37,7 @@ class BenchCommand final : public Command {
     app_->add_option("--repeat", reps_, "Runs per batch size (best is reported)")
         ->capture_default_str();
     AddEngineFlags(app_, engine_flags_);
+    AddKvPolicyFlags(app_, &kv_policy_flags_);
   }
 
   int Run(const GlobalFlags& global) override {
@@ -43,10 +49,19 @@ class BenchCommand final : public Command {
           absl::InvalidArgumentError("need prompt-tokens >= 1, gen-tokens >= 2 and their sum "
                                      "within the context length"));
     }
+    const KvPolicyDefaults kv_defaults = ValueOrDie(KvPolicyDefaultsFromFlags(kv_policy_flags_));
+    const KvPolicy kv_policy = ValueOrDie(ResolveKvPolicy(std::nullopt, kv_defaults));
+    std::printf("kv policy: %s", KvPolicyName(kv_policy.kind));
+    if (kv_policy.kind != KvPolicy::Kind::kNone) {
+      std::printf(" (keeps at most %d tokens)", kv_policy.capacity());
+    }
+    std::printf("\n\n");
     std::printf(
-        "| batch | prompt tok | gen tok | prefill tok/s | decode tok/s | decode ms/step |\n");
+        "| batch | prompt tok | gen tok | prefill tok/s | decode tok/s | decode ms/step | "
+        "peak KV blocks/seq |\n");
     std::printf(
-        "|------:|-----------:|--------:|--------------:|-------------:|---------------:|\n");
+        "|------:|-----------:|--------:|--------------:|-------------:|---------------:|"
+        "-------------------:|\n");
     for (int batch : batches_) {
       if (batch < 1) continue;
       EngineFlags flags = *engine_flags_;
@@ -59,6 +74,7 @@ class BenchCommand final : public Command {
       // One backend per batch size, shared by its repeats.
       EngineBuilder builder(flags, l.model.get(), l.tokenizer.get());
       double best_prefill = 0, best_decode = 0, best_step = 1e30;
+      int64_t peak_blocks = 0;
       for (int rep = 0; rep < std::max(1, reps_); ++rep) {
         std::unique_ptr<Engine> engine = ValueOrDie(builder.Build(pool));
         for (int i = 0; i < batch; ++i) {
@@ -72,6 +88,7 @@ class BenchCommand final : public Command {
           r.params.temperature = 0;
           r.params.max_tokens = gen_;
           r.params.ignore_eos = true;
+          r.kv_policy = kv_policy;
           if (!engine->Submit(std::move(r), [](const SeqEvent&) {}).ok()) {
             Die(absl::InternalError("submit"));
           }
@@ -91,14 +108,16 @@ class BenchCommand final : public Command {
             decode_s += dt;
             ++decode_steps;
             decode_tokens += st.last_batch_tokens;
+            peak_blocks = std::max(peak_blocks, st.blocks_used);
           }
         }
         best_prefill = std::max(best_prefill, batch * prompt_ / std::max(1e-9, prefill_s));
         best_decode = std::max(best_decode, decode_tokens / std::max(1e-9, decode_s));
         best_step = std::min(best_step, 1000.0 * decode_s / std::max<int64_t>(1, decode_steps));
       }
-      std::printf("| %5d | %10d | %7d | %13.1f | %12.1f | %14.2f |\n", batch, prompt_, gen_,
-                  best_prefill, best_decode, best_step);
+      std::printf("| %5d | %10d | %7d | %13.1f | %12.1f | %14.2f | %18.1f |\n", batch, prompt_,
+                  gen_, best_prefill, best_decode, best_step,
+                  static_cast<double>(peak_blocks) / batch);
       std::fflush(stdout);
     }
     return 0;
@@ -110,6 +129,7 @@ class BenchCommand final : public Command {
   int gen_ = 64;
   int reps_ = 1;
   EngineFlags* engine_flags_;
+  KvPolicyFlags kv_policy_flags_;
 };
 
 }  // namespace

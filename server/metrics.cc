@@ -307,6 +307,18 @@ std::string Metrics::Render(const EngineStats& stats) const {
                   "Evicted KV blocks no tier could take (full of blocks in use, or not hit "
                   "often enough for the disk).",
                   l, static_cast<double>(t.dropped_demotions), &out);
+    per_tier("kvserve:kv_tier_block_load_seconds",
+             "The load cost model's estimate of one block's load from the tier (moving "
+             "average of timed loads).",
+             "gauge", t.host_block_load_s, t.disk_block_load_s);
+    AppendCounter("kvserve:kv_tier_load_predicted_seconds_total",
+                  "Predicted seconds of the tier loads started (next to the load latency "
+                  "histogram's sum: predicted vs actual).",
+                  l, t.load_predicted_sum_s, &out);
+    AppendCounter("kvserve:kv_tier_recompute_chosen_blocks_total",
+                  "KV blocks a tier held that were recomputed instead, because loading them "
+                  "was predicted to take longer.",
+                  l, static_cast<double>(t.recompute_chosen_blocks), &out);
     const std::string name = "kvserve:kv_tier_load_latency_seconds";
     AppendHeader(name, "Time from starting a tier load to its completion.", "histogram", &out);
     int64_t cumulative = 0;

@@ -20,6 +20,7 @@ namespace kvserve {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::unique_ptr<testing::Daemon> StartStories(const std::vector<std::string>& serve_args) {
   auto d = testing::Daemon::Start(KVSERVE_BINARY,
@@ -164,6 +165,43 @@ TEST(DaemonTest, BadKvPolicyDefaultsStopStartUpNamingTheFlag) {
                                    {"--kv-policy", "sinks", "--kv-window", "32"});
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ((*ok)->StopWith(SIGTERM, 30), 0) << (*ok)->Log();
+}
+
+// `kvserve plan` and `kvserve bench` take the --kv-* defaults: the plan
+// counts the blocks a sequence holds under the policy, and the bench runs
+// its sequences with it and reports the blocks they held while decoding.
+TEST(DaemonTest, PlanAndBenchCountTheKvPolicy) {
+  const std::string model = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(model, "stories260K.gguf");
+  const std::string bin = std::string(KVSERVE_BINARY) + " --log-level warn -m " + model;
+  const testing::CommandResult plain =
+      testing::RunCommand(bin + " plan --kv-cache-memory 1MiB --block-size 16 2>&1");
+  ASSERT_EQ(plain.exit_code, 0) << plain.out;
+  EXPECT_THAT(plain.out, Not(HasSubstr("kv policy")));
+  const testing::CommandResult plan = testing::RunCommand(
+      bin + " plan --kv-cache-memory 1MiB --block-size 16 --kv-policy window --kv-window 32 2>&1");
+  ASSERT_EQ(plan.exit_code, 0) << plan.out;
+  // 32 tokens kept: 2 blocks + 1 of slack, against 128 / 16 = 8 at full context.
+  EXPECT_THAT(plan.out, HasSubstr("window: keeps at most 32 tokens"));
+  EXPECT_THAT(plan.out, HasSubstr("blocks per seq  3 at 128 tokens of context (8 without"));
+  const testing::CommandResult bench = testing::RunCommand(
+      bin + " bench -b 2 --prompt-tokens 96 --gen-tokens 24 --block-size 16 "
+            "--kv-policy window --kv-window 32 2>&1");
+  ASSERT_EQ(bench.exit_code, 0) << bench.out;
+  EXPECT_THAT(bench.out, HasSubstr("kv policy: window (keeps at most 32 tokens)"));
+  // The last cell: blocks per sequence while decoding, at most 3 (not 8).
+  const size_t row = bench.out.find("|     2 |");
+  ASSERT_NE(row, std::string::npos) << bench.out;
+  const std::string line = bench.out.substr(row, bench.out.find('\n', row) - row);
+  const size_t last = line.find_last_of('|', line.size() - 2);
+  const double peak = std::stod(line.substr(last + 1));
+  EXPECT_GT(peak, 0) << line;
+  EXPECT_LE(peak, 3.0) << line;
+  const testing::CommandResult bad =
+      testing::RunCommand(
+          bin + " bench -b 1 --prompt-tokens 32 --gen-tokens 8 --kv-policy bogus 2>&1");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.out, HasSubstr("--kv-policy"));
 }
 
 // Past --max-queued waiting requests, new ones are refused at once (429 over

@@ -226,6 +226,53 @@ TEST(KvTiersTest, ThePrefixComesBackFromTheDiskTierWithoutAHostTier) {
   ExpectBaseline(*e);
 }
 
+// The load-vs-recompute cost model: a tier whose block loads are predicted
+// slower than recomputing the block's tokens is left alone (the tokens are
+// recomputed, counted), a fast one is loaded, and each timed load moves the
+// tier's estimate.
+TEST(KvTiersTest, ABlockSlowerToLoadThanToRecomputeIsRecomputed) {
+  const std::vector<int32_t> p1 = PromptOf(31), p2 = PromptOf(32);
+  KvTiersOptions slow;
+  slow.disk_dir = ScratchDir("slow-disk");
+  slow.disk_bytes = 64 << 20;
+  slow.model_fingerprint = "test-model";
+  slow.disk_min_hits = 0;
+  slow.disk_block_load_s = 1000;  // far slower than any recompute
+  auto tiers = KvTiers::Create(slow).value();
+  auto e = MakeEngine(tiers);
+  const Result first = Generate(*e, p1);
+  Generate(*e, p2);
+  tiers->Flush();
+  ASSERT_GE(tiers->stats().demotions_disk, 4);
+  const Result again = Generate(*e, p1);
+  EXPECT_EQ(again.tokens, first.tokens);
+  EXPECT_EQ(again.last.cached_disk_tokens, 0) << "recomputed, not loaded";
+  const KvTiersStats st = tiers->stats();
+  EXPECT_EQ(st.promotions_disk, 0);
+  EXPECT_GE(st.recompute_chosen_blocks, 4);
+  EXPECT_EQ(st.disk_block_load_s, 1000) << "no load timed: the estimate stays";
+  ExpectBaseline(*e);
+
+  // The same with a prior far faster than recomputing: loaded, and the one
+  // timed load pulls the estimate up from the prior.
+  KvTiersOptions fast = slow;
+  fast.disk_dir = ScratchDir("fast-disk");
+  fast.disk_block_load_s = 1e-12;
+  auto tiers2 = KvTiers::Create(fast).value();
+  auto e2 = MakeEngine(tiers2);
+  Generate(*e2, p1);
+  Generate(*e2, p2);
+  tiers2->Flush();
+  const Result again2 = Generate(*e2, p1);
+  EXPECT_EQ(again2.tokens, first.tokens);
+  EXPECT_EQ(again2.last.cached_disk_tokens, 63);
+  const KvTiersStats st2 = tiers2->stats();
+  EXPECT_EQ(st2.recompute_chosen_blocks, 0);
+  EXPECT_GT(st2.disk_block_load_s, 1e-12);
+  EXPECT_NEAR(st2.load_predicted_sum_s, 4e-12, 1e-13) << "4 blocks at the prior";
+  ExpectBaseline(*e2);
+}
+
 TEST(KvTiersTest, TheDiskTakesOnlyBlocksHitAtLeastTwice) {
   const std::vector<int32_t> p1 = PromptOf(7), p2 = PromptOf(8), p3 = PromptOf(9);
   auto tiers = DiskTiers(ScratchDir("min-hits"), nullptr, 0, /*min_hits=*/2);
