@@ -284,7 +284,7 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
     r.detail = absl::StrCat("all ", r.prompt_tokens, " prompt tokens are cached");
     return r;
   }
-  if (p.diverged && r.host_tokens + r.disk_tokens == 0) {
+  if (p.diverged && p.matched_tokens > 0 && r.host_tokens + r.disk_tokens == 0) {
     r.reason = "diverged";
     r.diverged_at = p.matched_tokens;
     r.cached_next = p.cached_next;

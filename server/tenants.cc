@@ -84,7 +84,8 @@ std::optional<std::string> TenantKeys::TenantForAuthorization(std::string_view a
 
 std::string TenantCacheScope(std::string_view tenant, std::string_view cache_salt) {
   if (tenant.empty()) return std::string(cache_salt);
-  std::string s = absl::StrCat("tenant:", tenant);
+  std::string s = "tenant:";
+  s.append(tenant);
   s.push_back('\x1f');
   s.append(cache_salt);
   return s;
