@@ -247,6 +247,9 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.explains;
   }
+  // Sharing a BOS and a token or two with some cached prompt is no cached
+  // prefix to speak of: that is never_seen.
+  constexpr int32_t kMinDivergedTokens = 4;
   CacheReport r;
   r.prompt_tokens = static_cast<int32_t>(tokens.size());
   const PrefixCache* cache = kv.prefix_cache();
@@ -277,14 +280,21 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
   } else if (p.matched_tokens > p.next_block_start) {
     next = 1;  // the partly matched block
   }
+  // The engine computes a prompt's last token whatever is cached (its
+  // logits pick the next one): what a request gets is capped there.
+  const int32_t cap = std::max(0, r.prompt_tokens - 1);
+  r.primary_tokens = std::min(r.primary_tokens, cap);
+  r.host_tokens = std::min(r.host_tokens, cap - r.primary_tokens);
+  r.disk_tokens = std::min(r.disk_tokens, cap - r.primary_tokens - r.host_tokens);
   r.cached_tokens = r.primary_tokens + r.host_tokens + r.disk_tokens;
   const int32_t uncached = r.prompt_tokens - r.cached_tokens;
-  if (uncached <= 0) {
+  if (uncached <= 1 && p.matched_tokens >= cap) {
     r.reason = "hit";
-    r.detail = absl::StrCat("all ", r.prompt_tokens, " prompt tokens are cached");
+    r.detail = absl::StrCat("all ", r.prompt_tokens,
+                            " prompt tokens are cached (the last is computed anyway)");
     return r;
   }
-  if (p.diverged && p.matched_tokens > 0 && r.host_tokens + r.disk_tokens == 0) {
+  if (p.diverged && p.matched_tokens >= kMinDivergedTokens && r.host_tokens + r.disk_tokens == 0) {
     r.reason = "diverged";
     r.diverged_at = p.matched_tokens;
     r.cached_next = p.cached_next;
@@ -332,7 +342,7 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
     for (const std::string& other : bases) {
       if (!may_see(other)) continue;
       const int32_t m = cache->MatchLength(other, tokens, r.prompt_tokens);
-      if (m > r.cached_tokens && m > r.other_scope_tokens) {
+      if (m > r.cached_tokens && m >= kMinDivergedTokens && m > r.other_scope_tokens) {
         r.other_scope_tokens = m;
         r.other_scope = other;
       }
@@ -346,13 +356,16 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
       return r;
     }
   }
-  if (r.cached_tokens > 0) {
+  if (r.cached_tokens >= kMinDivergedTokens) {
     r.reason = "hit";
     r.detail = absl::StrCat(r.cached_tokens, " tokens cached; the remaining ", uncached,
                             " extend past everything cached (never seen)");
   } else {
     r.reason = "never_seen";
-    r.detail = "no prefix of this prompt was cached in this scope";
+    r.detail = r.cached_tokens == 0
+                   ? "no prefix of this prompt was cached in this scope"
+                   : absl::StrCat("only the first ", r.cached_tokens,
+                                  " tokens are shared with anything cached in this scope");
   }
   return r;
 }

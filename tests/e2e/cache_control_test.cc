@@ -102,7 +102,7 @@ class CacheControlE2eTest : public ::testing::Test {
                          << kBob << " bob 1KiB\n";
     auto d = testing::Daemon::Start(
         KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", testing::Stories260KPath()},
-        {"--kv-cache-memory", "16MiB", "--api-key", kAdmin, "--api-keys-file", keys_,
+        {"--kv-cache-memory", "64MiB", "--api-key", kAdmin, "--api-keys-file", keys_,
          "--drain-timeout", "2"});
     ASSERT_TRUE(d.ok()) << d.status();
     d_ = std::move(d).value();

@@ -186,11 +186,16 @@ TEST(CacheControlTest, ExplainNamesTheDivergenceTokenEvictionAndScope) {
   // All cached: a hit. Extending past: still a hit (the rest is new).
   r = f.Explain(first);
   EXPECT_EQ(r.reason, "hit");
-  EXPECT_EQ(r.cached_tokens, 14);
+  EXPECT_EQ(r.cached_tokens, 13) << "the last prompt token is always computed";
   // Cached under another salt only.
   r = f.Explain(first, "salt-b");
   EXPECT_EQ(r.reason, "scope_mismatch") << r.detail;
   EXPECT_EQ(r.other_scope_tokens, 14);
+  // Sharing a few leading tokens only is no divergence.
+  std::vector<int32_t> stranger(first.begin(), first.begin() + 2);
+  for (int i = 0; i < 10; ++i) stranger.push_back(4000 + i);
+  r = f.Explain(stranger);
+  EXPECT_EQ(r.reason, "never_seen") << r.detail;
   // A caller who may not see other scopes gets never_seen.
   r = f.cc->Explain(*f.kv, nullptr, "salt-b", first, [](const std::string&) { return false; });
   EXPECT_EQ(r.reason, "never_seen");
