@@ -128,7 +128,9 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
     ttl = options_.max_ttl_s;
     clipped.push_back(absl::StrCat("ttl capped at ", ttl, " s (--cache-retain-max-ttl)"));
   }
-  if (l.tokens < asked) {
+  // Whole blocks only: a range's partly filled last block is never
+  // retained, and leaving it out is no clip.
+  if (l.tokens < asked / bs * bs) {
     clipped.push_back(absl::StrCat("kept tokens [0, ", l.tokens, ") of the ", asked,
                                    " asked (whole cached blocks)"));
   }
@@ -139,8 +141,8 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
   a.outcome = clipped.empty() ? RetainAnswer::Outcome::kGranted : RetainAnswer::Outcome::kClipped;
   a.lease = Info(l, now);
   a.detail = clipped.empty()
-                 ? absl::StrCat("retained ", l.tokens, " tokens (", l.bytes, " bytes) for ", ttl,
-                                " s in the primary pool")
+                 ? absl::StrCat("retained ", l.tokens, " tokens (", l.bytes, " bytes, whole blocks of ",
+                                bs, ") for ", ttl, " s in the primary pool")
                  : absl::StrJoin(clipped, "; ");
   leases_.emplace(l.id, std::move(l));
   {
