@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <tuple>
 #include <utility>
@@ -121,6 +122,7 @@ struct PrefixCache::Node {
   bool pinned = false;
   int32_t blocked_children = 0;
   bool scratch_blocked = false;  // CountEvictableBlocksSlow only
+  bool is_public = false;        // MarkPublic: shared with every salt
   std::string salt;      // roots only: their key in Impl::roots
 };
 
@@ -143,6 +145,55 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   // list), so a refcount change the pool reports finds its node in O(1).
   std::vector<Node*> by_block;
   int32_t num_blocked = 0;  // block nodes that are blocked
+  int32_t num_public = 0;   // block nodes marked public
+
+  // Where a walk stopped (Probe).
+  struct WalkEnd {
+    const Node* node = nullptr;  // last full-block node, or the root (nullptr: no root)
+    int32_t full_pos = 0;        // tokens the full blocks covered (relative to offset)
+    const Node* partial = nullptr;
+    int32_t partial_shared = 0;
+    std::string ns;              // the namespace walked after the public part
+    int32_t offset = 0;          // tokens served by public blocks before it
+  };
+
+  static bool IsDerived(std::string_view salt) {
+    return salt.size() >= 5 && salt.substr(0, 5) == std::string_view("\0pub:", 5);
+  }
+
+  // The namespace a salt caches in after a public prefix ending at `last`.
+  static std::string DerivedSalt(std::string_view salt, uint64_t last_hash) {
+    std::string s("\0pub:", 5);
+    char hex[17];
+    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(last_hash));
+    s.append(hex);
+    s.push_back('\0');
+    s.append(salt);
+    return s;
+  }
+
+  // The public-marked full blocks the prompt starts with (none for the
+  // public namespace itself or a derived one). Returns the tokens they cover;
+  // *derived names the namespace the rest lives in.
+  int32_t ResolvePublic(std::string_view salt, absl::Span<const int32_t> tokens, int32_t limit,
+                        std::vector<Node*>* pub, std::string* derived) const {
+    if (num_public == 0 || salt == options.public_salt || IsDerived(salt)) return 0;
+    const Node* node = FindRoot(options.public_salt);
+    if (node == nullptr) return 0;
+    const int32_t bs = pool->block_size();
+    limit = std::max(0, std::min(static_cast<int32_t>(tokens.size()), limit));
+    int32_t pos = 0;
+    while (pos + bs <= limit) {
+      const absl::Span<const int32_t> block = tokens.subspan(pos, bs);
+      Node* child = FindChild(node, block, ChainHash(node->hash, block));
+      if (child == nullptr || !child->is_public) break;
+      pub->push_back(child);
+      node = child;
+      pos += bs;
+    }
+    if (pos > 0) *derived = DerivedSalt(salt, node->hash);
+    return pos;
+  }
 
   static bool Blocked(const Node* n) { return n->pinned || n->blocked_children > 0; }
 
@@ -234,9 +285,24 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   // Returns the tokens covered.
   template <typename Visit>
   int32_t Walk(std::string_view salt, absl::Span<const int32_t> tokens, int32_t max_tokens,
-               Visit visit) const {
+               Visit visit, WalkEnd* end = nullptr) const {
+    std::vector<Node*> pub;
+    std::string derived;
+    const int32_t pub_tokens = ResolvePublic(salt, tokens, max_tokens, &pub, &derived);
+    for (Node* n : pub) visit(n);
+    if (pub_tokens == 0) return WalkFrom(salt, tokens, max_tokens, visit, end);
+    if (end != nullptr) end->offset = pub_tokens;
+    return pub_tokens + WalkFrom(derived, tokens.subspan(pub_tokens), max_tokens - pub_tokens,
+                                 visit, end);
+  }
+
+  template <typename Visit>
+  int32_t WalkFrom(std::string_view salt, absl::Span<const int32_t> tokens, int32_t max_tokens,
+                   Visit visit, WalkEnd* end) const {
+    if (end != nullptr) end->ns = std::string(salt);
     const Node* node = FindRoot(salt);
     if (node == nullptr) return 0;
+    if (end != nullptr) end->node = node;
     const int32_t bs = pool->block_size();
     const int32_t limit =
         std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
@@ -248,6 +314,10 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       visit(child);
       node = child;
       pos += bs;
+    }
+    if (end != nullptr) {
+      end->node = node;
+      end->full_pos = pos;
     }
     if (pos == limit) return pos;
     // Past the full blocks: the child sharing the most leading tokens with
@@ -263,6 +333,10 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       }
     }
     if (best != nullptr) visit(best);
+    if (end != nullptr) {
+      end->partial = best;
+      end->partial_shared = best_shared;
+    }
     return pos + best_shared;
   }
 
@@ -317,6 +391,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     Unlink(n);
     // A blocked leaf is only ever pinned; it stops blocking its ancestors.
     SetPinned(n, false);
+    if (n->is_public) --num_public;
     UnregisterBlock(n);  // before Release: its callback must not find n
     pool->Release(n->block);
     nodes.erase(n->hash);  // destroys n
@@ -331,6 +406,18 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   // sibling already starts with its tokens. One walk, one Publish.
   int32_t InsertPath(std::string_view salt, absl::Span<const int32_t> tokens,
                      absl::Span<const BlockHandle> blocks, bool with_tail) {
+    // A prompt that starts with a public prefix keeps that part where it
+    // is and caches the rest in its salt's namespace derived from it.
+    std::vector<Node*> pub;
+    std::string derived;
+    const int32_t pub_tokens = ResolvePublic(salt, tokens, static_cast<int32_t>(tokens.size()),
+                                             &pub, &derived);
+    if (pub_tokens > 0) {
+      const int64_t t = clock->NowNanos();
+      for (Node* n : pub) n->last_access_ns = t;
+      return InsertPath(derived, tokens.subspan(pub_tokens),
+                        blocks.subspan(std::min(pub.size(), blocks.size())), with_tail);
+    }
     const int32_t bs = pool->block_size();
     const size_t full = tokens.size() / bs;
     const size_t n_blocks = std::min(full, blocks.size());
@@ -430,6 +517,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     // Unindexed first, so the releases' callbacks find no node.
     for (Node* n = oldest; n != nullptr; n = n->next) by_block[n->block.id] = nullptr;
     num_blocked = 0;
+    num_public = 0;
     for (Node* n = oldest; n != nullptr; n = n->next) pool->Release(n->block);
     nodes.clear();
     roots.clear();
@@ -472,6 +560,24 @@ PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> 
   ++m.stats.queries;
   m.stats.query_tokens += std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
   m.stats.hit_tokens += match.num_tokens;
+  return match;
+}
+
+PrefixMatch PrefixCache::Pin(std::string_view salt, absl::Span<const int32_t> tokens,
+                             int32_t max_tokens, std::vector<uint64_t>* hashes) {
+  Impl& m = *impl_;
+  PrefixMatch match;
+  const int32_t bs = m.pool->block_size();
+  std::vector<Node*> visited;
+  const int32_t covered = m.Walk(salt, tokens, max_tokens, [&](Node* n) { visited.push_back(n); });
+  // Full blocks only: a partly shared candidate comes last, past covered / bs.
+  const size_t full = std::min(visited.size(), static_cast<size_t>(covered / bs));
+  for (size_t i = 0; i < full; ++i) {
+    m.pool->AddRef(visited[i]->block);
+    match.blocks.push_back(visited[i]->block);
+    if (hashes != nullptr) hashes->push_back(visited[i]->hash);
+  }
+  match.num_tokens = static_cast<int32_t>(full) * bs;
   return match;
 }
 
@@ -525,6 +631,7 @@ int32_t PrefixCache::Evict(int32_t n) {
       moved_to = m.options.demotion->Demote(b);
       if (moved_to != KvTier::kNone) ++m.stats.demoted_blocks;
     }
+    if (m.options.on_evict) m.options.on_evict(victim->hash, moved_to);
     if (m.options.events != nullptr) {
       KvCacheEvent e;
       e.kind = KvCacheEvent::Kind::kBlockRemoved;
@@ -620,5 +727,96 @@ std::vector<KvCacheEvent> PrefixCache::Dump() const {
 }
 
 uint64_t PrefixCache::RootHash(std::string_view salt) const { return impl_->RootHash(salt); }
+
+PrefixProbe PrefixCache::Probe(std::string_view salt, absl::Span<const int32_t> tokens) const {
+  const Impl& m = *impl_;
+  PrefixProbe p;
+  Impl::WalkEnd end;
+  const int32_t n = static_cast<int32_t>(tokens.size());
+  int32_t public_tokens = 0;
+  p.matched_tokens = m.Walk(salt, tokens, n, [&](const Node* node) {
+    if (node->is_public) public_tokens += static_cast<int32_t>(node->tokens.size());
+  }, &end);
+  p.public_tokens = public_tokens;
+  const int32_t bs = m.pool->block_size();
+  const int32_t full_end = end.offset + end.full_pos;  // absolute
+  if (end.node != nullptr && full_end < n && !end.node->children.empty()) {
+    // Something cached continues here; the prompt went elsewhere unless the
+    // best partial candidate is a finished tail it covers whole.
+    const Node* best = end.partial;
+    const int32_t shared = end.partial_shared;
+    const bool tail_covered =
+        best != nullptr && shared == static_cast<int32_t>(best->tokens.size());
+    if (!tail_covered) {
+      p.diverged = true;
+      if (best == nullptr) {
+        for (const Node* c : end.node->children) {
+          if (best == nullptr || c->seq < best->seq) best = c;
+        }
+      }
+      for (int32_t i = shared; i < static_cast<int32_t>(best->tokens.size()) && i < shared + 8; ++i) {
+        p.cached_next.push_back(best->tokens[i]);
+      }
+    }
+  }
+  // Hashes of the full blocks past the match, in the namespace walked.
+  uint64_t h = end.node != nullptr ? end.node->hash : m.RootHash(end.ns);
+  p.next_block_start = full_end;
+  for (int32_t pos = full_end; pos + bs <= n && p.next_block_hashes.size() < 4096; pos += bs) {
+    h = ChainHash(h, tokens.subspan(pos, bs));
+    p.next_block_hashes.push_back(h);
+  }
+  return p;
+}
+
+std::vector<std::string> PrefixCache::Salts() const {
+  std::vector<std::string> out;
+  for (const auto& [salt, root] : impl_->roots) out.push_back(salt);
+  return out;
+}
+
+int32_t PrefixCache::MarkPublic(absl::Span<const int32_t> tokens) {
+  Impl& m = *impl_;
+  const Node* node = m.FindRoot(m.options.public_salt);
+  if (node == nullptr) return 0;
+  const int32_t bs = m.pool->block_size();
+  int32_t marked = 0;
+  for (size_t pos = 0; pos + bs <= tokens.size(); pos += bs) {
+    const absl::Span<const int32_t> block = tokens.subspan(pos, bs);
+    Node* child = m.FindChild(node, block, ChainHash(node->hash, block));
+    if (child == nullptr) break;
+    if (!child->is_public) {
+      child->is_public = true;
+      ++m.num_public;
+    }
+    ++marked;
+    node = child;
+  }
+  return marked;
+}
+
+int32_t PrefixCache::UnmarkPublic(absl::Span<const int32_t> tokens) {
+  Impl& m = *impl_;
+  const Node* node = m.FindRoot(m.options.public_salt);
+  if (node == nullptr) return 0;
+  const int32_t bs = m.pool->block_size();
+  int32_t unmarked = 0;
+  for (size_t pos = 0; pos + bs <= tokens.size(); pos += bs) {
+    const absl::Span<const int32_t> block = tokens.subspan(pos, bs);
+    Node* child = m.FindChild(node, block, ChainHash(node->hash, block));
+    if (child == nullptr) break;
+    if (child->is_public) {
+      child->is_public = false;
+      --m.num_public;
+      ++unmarked;
+    }
+    node = child;
+  }
+  return unmarked;
+}
+
+int32_t PrefixCache::num_public_blocks() const { return impl_->num_public; }
+
+const std::string& PrefixCache::public_salt() const { return impl_->options.public_salt; }
 
 }  // namespace kvserve

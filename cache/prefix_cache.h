@@ -109,6 +109,31 @@ struct PrefixCacheOptions {
   // Optional: evicted full blocks are offered here first (host memory pools
   // only; a partly filled tail block is never offered).
   BlockDemotionSink* demotion = nullptr;
+  // Optional: told about every block Evict removes (its chained hash and
+  // the tier it moved to), on the engine thread; the cache-miss explainer
+  // keeps a bounded history of these (scheduler/cache_control.h).
+  std::function<void(uint64_t hash, KvTier moved_to)> on_evict;
+  // The namespace of public prefixes (MarkPublic): every other salt reuses
+  // the public-marked blocks of a prompt's leading tokens, and caches what
+  // follows them in a namespace of its own derived from (salt, the public
+  // prefix), so only the public part is shared.
+  std::string public_salt = std::string("\0public", 7);
+};
+
+// What the index knows about a prompt beyond its longest match (Probe).
+struct PrefixProbe {
+  int32_t matched_tokens = 0;     // what MatchLength returns
+  int32_t public_tokens = 0;      // of those, served from public-marked blocks
+  // A cached path continues past the match with other tokens: the prompt
+  // diverged from it at matched_tokens; cached_next holds up to 8 of the
+  // cached path's tokens from there.
+  bool diverged = false;
+  std::vector<int32_t> cached_next;
+  // Chained hashes of the prompt's full blocks past the matched full blocks
+  // (what a lower tier or the eviction history would know them by), and the
+  // token index the first of them starts at.
+  std::vector<uint64_t> next_block_hashes;
+  int32_t next_block_start = 0;
 };
 
 struct PrefixMatch {
@@ -142,6 +167,11 @@ class PrefixCache {
   // Equally good partial candidates: the block cached first wins.
   // max_tokens <= 0 matches nothing.
   PrefixMatch Match(std::string_view salt, absl::Span<const int32_t> tokens, int32_t max_tokens);
+  // Match for a retention lease: the full blocks of the longest cached
+  // prefix of tokens[0, max_tokens), one reference each for the caller, with
+  // their chained hashes in *hashes; neither counted in stats nor touched.
+  PrefixMatch Pin(std::string_view salt, absl::Span<const int32_t> tokens, int32_t max_tokens,
+                  std::vector<uint64_t>* hashes);
   // The token count Match would return, without pinning or touching.
   int32_t MatchLength(std::string_view salt, absl::Span<const int32_t> tokens,
                       int32_t max_tokens) const;
@@ -190,6 +220,20 @@ class PrefixCache {
   int32_t CountEvictableBlocksSlow() const;
   PrefixCacheStats stats() const;
   const EvictionPolicy& policy() const;
+
+  // Probe: Match's walk without pinning or touching, plus what the index
+  // knows past the match (the cache-miss explainer).
+  PrefixProbe Probe(std::string_view salt, absl::Span<const int32_t> tokens) const;
+  // The salts (namespaces) that have cached blocks now.
+  std::vector<std::string> Salts() const;
+  // Marks the cached full blocks of tokens under public_salt public (from
+  // the first block on, as far as they are cached). Returns the blocks
+  // marked (0 when nothing of it is cached there).
+  int32_t MarkPublic(absl::Span<const int32_t> tokens);
+  // Unmarks them again; returns the blocks unmarked.
+  int32_t UnmarkPublic(absl::Span<const int32_t> tokens);
+  int32_t num_public_blocks() const;
+  const std::string& public_salt() const;
 
   // Calls fn for every cached full block (host memory pools only), parents
   // first, without changing anything: what a shutdown persists.

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <chrono>
 #include <cinttypes>
@@ -473,6 +474,110 @@ int RunClearPrefixCache(Client* client) {
 }
 
 // ---------------------------------------------------------------------------
+// cache: retention leases, public prefixes and the cache-miss explainer
+// (docs/cache-control.md), through the CacheControl call's JSON bodies.
+
+struct CacheFlags {
+  std::string prompt;
+  std::string ids;            // comma-separated token ids
+  std::string messages_file;  // a JSON array of {role, content}
+  std::string salt;
+  std::string tenant;         // operator: look at a tenant's scope
+  double ttl_s = 300;
+  int32_t tokens = 0;
+  bool no_warm = false;
+  bool unmark = false;
+  uint64_t lease = 0;
+};
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out.push_back(static_cast<char>(c));
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// The prompt part of a body: prompt, prompt_ids or messages.
+std::string PromptFields(const CacheFlags& f, std::string* error) {
+  std::string out;
+  int given = 0;
+  if (!f.prompt.empty()) {
+    out += ",\"prompt\":" + JsonString(f.prompt);
+    ++given;
+  }
+  if (!f.ids.empty()) {
+    out += ",\"prompt_ids\":[" + f.ids + "]";
+    for (char c : f.ids) {
+      if (!(std::isdigit(static_cast<unsigned char>(c)) || c == ',' || c == ' ')) {
+        *error = "--ids takes comma-separated token ids";
+        return "";
+      }
+    }
+    ++given;
+  }
+  if (!f.messages_file.empty()) {
+    std::ifstream in(f.messages_file);
+    if (!in) {
+      *error = "cannot read --messages-file " + f.messages_file;
+      return "";
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    out += ",\"messages\":" + ss.str();
+    ++given;
+  }
+  if (given != 1) *error = "give exactly one of --prompt, --ids, --messages-file";
+  if (!f.salt.empty()) out += ",\"cache_salt\":" + JsonString(f.salt);
+  if (!f.tenant.empty()) out += ",\"tenant\":" + JsonString(f.tenant);
+  return out;
+}
+
+int RunCache(Client* client, const std::string& op, const CacheFlags& f) {
+  std::string body = "{\"_\":0";
+  std::string error;
+  if (op == "retain" || op == "explain" || op == "public") {
+    body += PromptFields(f, &error);
+    if (!error.empty()) return Fail(error);
+  }
+  if (op == "retain") {
+    body += ",\"ttl_s\":" + std::to_string(f.ttl_s) + ",\"tokens\":" + std::to_string(f.tokens);
+    if (f.no_warm) body += ",\"warm\":false";
+  } else if (op == "renew" || op == "release") {
+    body += ",\"lease_id\":" + std::to_string(f.lease);
+    if (op == "renew") body += ",\"ttl_s\":" + std::to_string(f.ttl_s);
+  } else if (op == "public") {
+    if (f.unmark) body += ",\"public\":false";
+  }
+  body += "}";
+  pb::CacheControlRequest request;
+  request.set_op(op);
+  request.set_body_json(body);
+  pb::CacheControlResponse response;
+  auto ctx = client->Context(180);
+  grpc::Status s = client->stub()->CacheControl(ctx.get(), request, &response);
+  if (!s.ok()) return Fail(s);
+  std::printf("%s\n", response.body_json().c_str());
+  // A refused retention is an answer, but not a success for scripts.
+  if (response.body_json().find("\"outcome\":\"refused\"") != std::string::npos) return 3;
+  return 0;
+}
+
+// ---------------------------------------------------------------------------
 // kv-events: a replica of the daemon's prefix-cache index, kept from the
 // event stream alone, as a router would keep one.
 
@@ -798,6 +903,41 @@ int main(int argc, char** argv) {
   CLI::App* clear_prefix_cache = app.add_subcommand(
       "clear-prefix-cache", "Drop every prefix-cache block that no running request uses");
 
+  CLI::App* cache = app.add_subcommand(
+      "cache", "Cache control: retain, renew, release, list, explain, public (docs/cache-control.md)");
+  cache->require_subcommand(1);
+  CacheFlags cf;
+  std::string cache_op;
+  auto prompt_options = [&cf](CLI::App* sub) {
+    sub->add_option("--prompt,-p", cf.prompt, "The prompt as text");
+    sub->add_option("--ids", cf.ids, "The prompt as comma-separated token ids");
+    sub->add_option("--messages-file", cf.messages_file,
+                    "The prompt as chat messages: a file with a JSON array of {role, content}");
+    sub->add_option("--salt", cf.salt, "cache_salt (narrows the caller's scope)");
+    sub->add_option("--tenant", cf.tenant, "Operator key only: the tenant whose scope to use");
+  };
+  CLI::App* c_retain = cache->add_subcommand("retain", "Pin a cached prompt's blocks for a TTL");
+  prompt_options(c_retain);
+  c_retain->add_option("--ttl", cf.ttl_s, "Seconds to retain")->capture_default_str();
+  c_retain->add_option("--tokens", cf.tokens, "Retain the first N tokens only (0: all)");
+  c_retain->add_flag("--no-warm", cf.no_warm, "Do not compute the prompt when it is not cached");
+  CLI::App* c_renew = cache->add_subcommand("renew", "Extend a lease");
+  c_renew->add_option("lease", cf.lease, "Lease id")->required();
+  c_renew->add_option("--ttl", cf.ttl_s, "New TTL in seconds from now")->capture_default_str();
+  CLI::App* c_release = cache->add_subcommand("release", "Release a lease now");
+  c_release->add_option("lease", cf.lease, "Lease id")->required();
+  CLI::App* c_list = cache->add_subcommand("list", "List retention leases (a tenant sees its own)");
+  CLI::App* c_explain = cache->add_subcommand(
+      "explain", "What the cache holds for a prompt and why the rest misses (runs no model)");
+  prompt_options(c_explain);
+  CLI::App* c_public = cache->add_subcommand(
+      "public", "Operator: share a prompt prefix with every tenant (--unmark to stop)");
+  prompt_options(c_public);
+  c_public->add_flag("--unmark", cf.unmark, "Stop sharing it");
+  for (CLI::App* sub : {c_retain, c_renew, c_release, c_list, c_explain, c_public}) {
+    sub->callback([&cache_op, sub] { cache_op = sub->get_name(); });
+  }
+
   CLI11_PARSE(app, argc, argv);
 
   Client client(g);
@@ -812,5 +952,6 @@ int main(int argc, char** argv) {
   if (*health) return RunHealth(&client, health_service);
   if (*kv_events) return RunKvEvents(&client, kv);
   if (*clear_prefix_cache) return RunClearPrefixCache(&client);
+  if (*cache) return RunCache(&client, cache_op, cf);
   return 1;
 }

@@ -55,6 +55,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   ko.prefix.model_identity = o.model_identity;
   ko.prefix.clock = o.clock;
   ko.prefix.events = o.kv_events;
+  if (o.cache_control != nullptr) {
+    CacheControl* cc = o.cache_control.get();
+    // LRU is the only policy the engine builds (PrefixCacheOptions::policy).
+    ko.prefix.on_evict = [cc](uint64_t hash, KvTier to) { cc->OnEvict(hash, to, "lru"); };
+  }
   KvLoader* loader = o.kv_loader;
   if (o.kv_tiers != nullptr) {
     if (o.kv_loader != nullptr) {
@@ -104,10 +109,25 @@ Engine::~Engine() {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   RemoveFinished();
+  {
+    // Tasks posted after the thread stopped still get their answer.
+    std::vector<EngineTask> tasks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks.swap(tasks_);
+    }
+    for (EngineTask& t : tasks) {
+      t.fn(kv_.get(), options_.kv_tiers.get());
+      t.done.set_value();
+    }
+  }
   // The disk tier outlives the process: leave the hot prefixes there.
   if (options_.kv_tiers != nullptr && kv_->prefix_cache() != nullptr) {
     options_.kv_tiers->PersistForRestart(*kv_->prefix_cache());
   }
+  // Leases hold pool references: they go before the pool (the disk tier got
+  // their blocks above, as cached blocks).
+  if (options_.cache_control != nullptr) options_.cache_control->ReleaseAll(kv_.get());
   output_.reset();
   runner_.reset();
   scheduler_.reset();
@@ -183,6 +203,19 @@ std::future<int32_t> Engine::ClearPrefixCache() {
   return f;
 }
 
+std::future<void> Engine::RunOnEngineThread(
+    std::function<void(KvCacheManager*, KvTiers*)> fn) {
+  EngineTask t;
+  t.fn = std::move(fn);
+  std::future<void> f = t.done.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(t));
+  }
+  cv_.notify_one();
+  return f;
+}
+
 void Engine::CancelAll() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -196,8 +229,10 @@ void Engine::TakeInbox() {
   std::vector<uint64_t> cancels;
   bool cancel_all;
   std::vector<std::promise<int32_t>> clears;
+  std::vector<EngineTask> tasks;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    tasks.swap(tasks_);
     clears.swap(clear_requests_);
     inbox.swap(inbox_);
     cancels.swap(cancels_);
@@ -205,6 +240,11 @@ void Engine::TakeInbox() {
     cancel_all_ = false;
   }
   for (auto& p : clears) p.set_value(kv_->ClearPrefixCache());
+  if (options_.cache_control != nullptr) options_.cache_control->Expire(kv_.get());
+  for (EngineTask& t : tasks) {
+    t.fn(kv_.get(), options_.kv_tiers.get());
+    t.done.set_value();
+  }
   for (auto& g : inbox) {
     std::unique_ptr<Sequence> s = output_->NewSample(g.get(), 0, g->request.prompt);
     s->SetDraft(g->request.draft_tokens);
@@ -411,11 +451,16 @@ void Engine::Start() {
         cv_.wait_for(lock, std::chrono::microseconds(500));
       } else if (!more) {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock,
-                 [&] {
+        auto woken = [&] {
           return stop_ || !inbox_.empty() || !cancels_.empty() || cancel_all_ ||
-                 !clear_requests_.empty();
-        });
+                 !clear_requests_.empty() || !tasks_.empty();
+        };
+        if (options_.cache_control != nullptr) {
+          // Idle, leases still lapse on time (a step runs Expire).
+          cv_.wait_for(lock, std::chrono::seconds(1), woken);
+        } else {
+          cv_.wait(lock, woken);
+        }
       }
     }
   });

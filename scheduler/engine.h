@@ -45,6 +45,7 @@
 #include "model/tokenizer.h"
 #include "scheduler/kv_eviction.h"
 #include "scheduler/batch_plan.h"
+#include "scheduler/cache_control.h"
 #include "scheduler/kv_cache_manager.h"
 #include "scheduler/kv_loader.h"
 #include "scheduler/kv_tiers.h"
@@ -102,6 +103,10 @@ struct EngineOptions {
   // Testing and introspection: sees each step's plan before it runs (engine
   // thread; must not block or call back into the engine).
   std::function<void(const BatchPlan&)> plan_observer;
+  // Retention leases and the cache-miss explainer (scheduler/cache_control.h):
+  // sees every eviction, expires leases before each step, releases them
+  // before the pool goes. Null: none.
+  std::shared_ptr<CacheControl> cache_control;
 };
 
 // "fcfs" or "lpm".
@@ -187,6 +192,11 @@ class Engine {
   // -1 when the prefix cache is off.
   std::future<int32_t> ClearPrefixCache();
 
+  // Runs fn on the engine thread before its next step (with the KV cache
+  // manager and the tiers, null without them): the cache-control calls.
+  // The future is ready once fn ran.
+  std::future<void> RunOnEngineThread(std::function<void(KvCacheManager*, KvTiers*)> fn);
+
   // One scheduling iteration. Returns false when there was nothing to do.
   bool Step();
   // Runs Step on a dedicated thread until Stop.
@@ -234,6 +244,11 @@ class Engine {
   std::vector<uint64_t> cancels_;            // guarded by mu_
   bool cancel_all_ = false;                  // guarded by mu_
   std::vector<std::promise<int32_t>> clear_requests_;  // guarded by mu_
+  struct EngineTask {
+    std::function<void(KvCacheManager*, KvTiers*)> fn;
+    std::promise<void> done;
+  };
+  std::vector<EngineTask> tasks_;            // guarded by mu_
   EngineStats stats_;                        // guarded by mu_
   bool stop_ = false;                        // guarded by mu_
   std::thread thread_;

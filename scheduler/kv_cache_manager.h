@@ -167,6 +167,8 @@ class KvCacheManager {
   KvPool* mutable_pool() { return pool_.get(); }
   // nullptr when the prefix cache is off.
   const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
+  // Retention leases pin through it (scheduler/cache_control.h).
+  PrefixCache* mutable_prefix_cache() { return prefix_cache_.get(); }
 
  private:
   KvCacheManager() = default;

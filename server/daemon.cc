@@ -154,8 +154,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   // Checked before the engine is built (a typo should not wait for the KV
   // plan), and against the engine once it is.
   ASSIGN_OR_RETURN(const ServiceLimits limits, ServiceLimitsFromFlags(f));
+  // Cache control: tenant keys, retention budgets (docs/cache-control.md).
+  CacheControlOptions cco;
+  {
+    absl::StatusOr<int64_t> budget = ParseMemoryBudget(f.cache_retain_budget);
+    if (!budget.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cache-retain-budget: ", budget.status().message()));
+    }
+    cco.default_tenant_budget_bytes = *budget;
+  }
+  if (!(f.cache_retain_max_fraction >= 0 && f.cache_retain_max_fraction <= 1)) {
+    return absl::InvalidArgumentError("--cache-retain-max-fraction must be in [0, 1]");
+  }
+  if (!(f.cache_retain_max_ttl > 0)) {
+    return absl::InvalidArgumentError("--cache-retain-max-ttl must be > 0 seconds");
+  }
+  cco.max_pool_fraction = f.cache_retain_max_fraction;
+  cco.max_ttl_s = f.cache_retain_max_ttl;
+  if (!f.api_keys_file.empty()) {
+    ASSIGN_OR_RETURN(TenantKeys keys, TenantKeys::FromFile(f.api_keys_file));
+    cco.tenant_budgets = keys.budgets();
+    d->tenant_keys_ = std::make_shared<const TenantKeys>(std::move(keys));
+    spdlog::info("tenant keys: {} keys from {}; prefix-cache scopes derived per tenant",
+                 d->tenant_keys_->size(), f.api_keys_file);
+  }
+  std::shared_ptr<CacheControl> cache_control;
+  if (engine_flags.prefix_cache) cache_control = std::make_shared<CacheControl>(cco);
   EngineBuilder builder(engine_flags, l.model.get(), l.tokenizer.get());
-  ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path)));
+  ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path),
+                                             cache_control));
   RETURN_IF_ERROR(CheckKvPolicyDefaults(limits.kv_policy, d->engine_->limits()));
   if (limits.kv_policy.kind != KvPolicy::Kind::kNone) {
     spdlog::info("token eviction by default: --kv-policy {} (sinks {}, window {}, budget {})",
@@ -166,6 +194,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
                                                d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
+  d->drift_ = std::make_unique<TemplateDriftGuard>(f.chat_canonicalize_history);
+  if (cache_control != nullptr) {
+    d->service_->EnableCacheControl(cache_control, d->drift_.get());
+    d->cache_control_ = std::make_unique<CacheControlService>(d->service_.get(), d->engine_.get(),
+                                                              cache_control);
+  }
   ASSIGN_OR_RETURN(const ResponseCacheOptions cache_options, ResponseCacheOptionsFromFlags(f));
   absl::StatusOr<SemanticMode> semantic_mode = ParseSemanticMode(f.semantic_cache_default);
   if (!semantic_mode.ok()) {
@@ -224,9 +258,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   d->engine_->Start();
 
   ASSIGN_OR_RETURN(d->grpc_,
-                   GrpcServer::Start(d->service_.get(), GrpcOptionsFromFlags(f, api_key)));
+                   GrpcServer::Start(d->service_.get(), [&] {
+                     GrpcServerOptions o = GrpcOptionsFromFlags(f, api_key);
+                     o.tenant_keys = d->tenant_keys_;
+                     o.cache_control = d->cache_control_.get();
+                     return o;
+                   }()));
   ASSIGN_OR_RETURN(d->http_,
-                   HttpServer::Start(d->service_.get(), HttpOptionsFromFlags(f, api_key)));
+                   HttpServer::Start(d->service_.get(), [&] {
+                     HttpServerOptions o = HttpOptionsFromFlags(f, api_key);
+                     o.tenant_keys = d->tenant_keys_;
+                     o.cache_control = d->cache_control_.get();
+                     return o;
+                   }()));
   spdlog::info("serving '{}': gRPC on {} (port {}), HTTP on {}:{}{}", name, f.grpc_address,
                d->grpc_->port(), f.http_host, d->http_->port(),
                api_key.empty() ? "" : ", API key required");

@@ -87,6 +87,10 @@ class Daemon {
   std::unique_ptr<TextEmbedder> embedder_;         // null without --semantic-cache-model
   std::unique_ptr<SemanticIndex> semantic_;
   std::unique_ptr<ModelService> service_;
+  // Cache control (docs/cache-control.md).
+  std::shared_ptr<const TenantKeys> tenant_keys_;
+  std::unique_ptr<TemplateDriftGuard> drift_;
+  std::unique_ptr<CacheControlService> cache_control_;
   std::unique_ptr<GrpcServer> grpc_;
   std::unique_ptr<HttpServer> http_;
   bool stopped_ = false;

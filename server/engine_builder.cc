@@ -91,7 +91,8 @@ EngineBuilder::EngineBuilder(const EngineFlags& flags, LlamaModel* model,
 
 absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
                                                              KvEventSink* kv_events,
-                                                             std::string model_identity) {
+                                                             std::string model_identity,
+                                                             std::shared_ptr<CacheControl> cache_control) {
   ASSIGN_OR_RETURN(const MemoryPlan plan, PlanFromFlags(flags_, model_->config()));
   spdlog::info(
       "KV cache ({}): {} bytes/token, {} bytes/block of {} tokens, {} blocks, "
@@ -100,6 +101,7 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
       plan.num_blocks, plan.token_capacity, plan.full_context_sequences);
   ASSIGN_OR_RETURN(EngineOptions o, EngineOptionsFromFlags(flags_, plan));
   o.kv_events = kv_events;
+  o.cache_control = std::move(cache_control);
   o.model_identity = std::move(model_identity);
   ASSIGN_OR_RETURN(o.kv_tiers, KvTiersFromFlags(flags_, model_->file().path()));
   if (o.kv_tiers != nullptr && o.kv_tiers->disk_enabled_requested()) {

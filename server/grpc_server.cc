@@ -103,6 +103,8 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   }
   if (r.has_add_special_tokens()) p.add_special_tokens = r.add_special_tokens();
   p.cache_salt = r.cache_salt();
+  if (r.has_retain()) p.retain = RetainAsk{r.retain().ttl_s(), r.retain().tokens()};
+  p.cache_report = r.cache_report();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
   ApplySampling(r.sampling(), &p);
   if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
@@ -119,6 +121,8 @@ absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
   for (const pb::ChatMessage& m : r.messages()) messages.push_back({m.role(), m.content()});
   p.messages = std::move(messages);
   p.cache_salt = r.cache_salt();
+  if (r.has_retain()) p.retain = RetainAsk{r.retain().ttl_s(), r.retain().tokens()};
+  p.cache_report = r.cache_report();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
   ApplySampling(r.sampling(), &p);
   if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
@@ -148,10 +152,16 @@ std::chrono::steady_clock::time_point SteadyDeadline(std::chrono::system_clock::
 class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
   CompletionStream(ModelService* service, grpc::CallbackServerContext* ctx,
-                   absl::StatusOr<CompletionParams> params, const std::string& tenant)
+                   absl::StatusOr<CompletionParams> params, const std::string& tenant,
+                   const CallerAuth& auth = {}, CacheControlService* cache_control = nullptr)
       : service_(service), shared_(std::make_shared<Shared>()) {
     shared_->stream = this;
     if (params.ok()) params->tenant = tenant;  // from the key Authorize() checked
+    if (params.ok() && !auth.tenant.empty()) {
+      // A tenant key: the response cache and the prefix cache are the tenant's.
+      params->tenant = "tenant:" + auth.tenant;
+      params->cache_tenant = auth.tenant;
+    }
     absl::StatusOr<PreparedRequest> prepared =
         params.ok() ? service->Prepare(*params) : absl::StatusOr<PreparedRequest>(params.status());
     if (!prepared.ok()) {
@@ -160,9 +170,15 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     }
     prepared->engine.deadline =
         std::min(prepared->engine.deadline, SteadyDeadline(ctx->deadline()));
+    if (prepared->cache_report && cache_control != nullptr && prepared->notes) {
+      std::string report = cache_control->ReportJson(*prepared, auth);
+      std::lock_guard<std::mutex> lock(prepared->notes->mu);
+      prepared->notes->report_json = std::move(report);
+    }
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
       shared_->response.emplace(prepared->engine.n, prepared->prompt_tokens);
+      shared_->notes = prepared->notes;
     }
     std::shared_ptr<Shared> shared = shared_;
     absl::StatusOr<uint64_t> id = service->Start(
@@ -234,6 +250,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
     // closes the stream, and a cancelled/deadline sample decides the status.
     std::optional<ResponseAccumulator> response;
     CacheOutcome cache;                        // written by Start before any event
+    std::shared_ptr<CacheNotes> notes;         // cache control's, when asked
     FinishReason worst = FinishReason::kNone;  // cancelled/deadline outrank stop/length
     std::deque<pb::GenerateResponse> pending;
     // gRPC keeps a pointer to the message until OnWriteDone.
@@ -283,6 +300,18 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
           usage->set_completion_tokens(static_cast<int32_t>(done.completion_tokens));
           usage->set_dropped_tokens(static_cast<int32_t>(
               std::min<int64_t>(done.dropped_tokens, std::numeric_limits<int32_t>::max())));
+          if (self->notes != nullptr) {
+            std::lock_guard<std::mutex> nl(self->notes->mu);
+            std::string j = "{";
+            if (!self->notes->retention_json.empty()) {
+              j += "\"retention\":" + self->notes->retention_json;
+            }
+            if (!self->notes->report_json.empty()) {
+              if (j.size() > 1) j += ",";
+              j += "\"report\":" + self->notes->report_json;
+            }
+            chunk.set_cache_control_json(j + "}");
+          }
           if (self->cache.kind != CacheHitKind::kOff) {
             pb::CacheInfo* info = chunk.mutable_cache();
             info->set_kind(CacheHitKindName(self->cache.kind));
@@ -591,23 +620,73 @@ class KvEventStream final : public grpc::ServerWriteReactor<pb::KvEventsResponse
 
 class KvserveService final : public pb::Kvserve::CallbackService {
  public:
-  KvserveService(ModelService* service, std::string api_key)
-      : service_(service), api_key_(std::move(api_key)), tenant_(TenantFromApiKey(api_key_)) {}
+  KvserveService(ModelService* service, std::string api_key,
+                 std::shared_ptr<const TenantKeys> tenant_keys = nullptr,
+                 CacheControlService* cache_control = nullptr)
+      : service_(service),
+        api_key_(std::move(api_key)),
+        tenant_(TenantFromApiKey(api_key_)),
+        tenant_keys_(std::move(tenant_keys)),
+        cache_control_(cache_control) {}
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Generate(
       grpc::CallbackServerContext* ctx, const pb::GenerateRequest* request) override {
-    if (grpc::Status auth = Authorize(ctx); !auth.ok()) {
+    CallerAuth who;
+    if (grpc::Status auth = Authorize(ctx, &who, /*admin_only=*/false); !auth.ok()) {
       return new RejectedStream<pb::GenerateResponse>(auth);
     }
-    return new CompletionStream(service_, ctx, ToParams(*request), tenant_);
+    return new CompletionStream(service_, ctx, ToParams(*request), tenant_, who, cache_control_);
   }
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Chat(grpc::CallbackServerContext* ctx,
                                                        const pb::ChatRequest* request) override {
-    if (grpc::Status auth = Authorize(ctx); !auth.ok()) {
+    CallerAuth who;
+    if (grpc::Status auth = Authorize(ctx, &who, /*admin_only=*/false); !auth.ok()) {
       return new RejectedStream<pb::GenerateResponse>(auth);
     }
-    return new CompletionStream(service_, ctx, ToParams(*request), tenant_);
+    return new CompletionStream(service_, ctx, ToParams(*request), tenant_, who, cache_control_);
+  }
+
+  grpc::ServerUnaryReactor* CacheControl(grpc::CallbackServerContext* ctx,
+                                         const pb::CacheControlRequest* request,
+                                         pb::CacheControlResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    CallerAuth who;
+    if (grpc::Status auth = Authorize(ctx, &who, /*admin_only=*/false); !auth.ok()) {
+      reactor->Finish(auth);
+      return reactor;
+    }
+    if (cache_control_ == nullptr) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                   "cache control needs the prefix cache (drop --no-prefix-cache)"));
+      return reactor;
+    }
+    // Waits for the engine (and may warm a prompt): off the gRPC thread.
+    CacheControlService* cc = cache_control_;
+    const bool spawned = threads_.Spawn([cc, reactor, response, who, op = request->op(),
+                                         body = request->body_json()] {
+      JsonReply r = cc->Handle(op, body, who);
+      if (r.body.contains("error")) {
+        grpc::StatusCode code = grpc::StatusCode::INTERNAL;
+        switch (r.status) {
+          case 400: code = grpc::StatusCode::INVALID_ARGUMENT; break;
+          case 403: code = grpc::StatusCode::PERMISSION_DENIED; break;
+          case 404: code = grpc::StatusCode::NOT_FOUND; break;
+          case 409: code = grpc::StatusCode::FAILED_PRECONDITION; break;
+          case 503: code = grpc::StatusCode::UNAVAILABLE; break;
+          case 504: code = grpc::StatusCode::DEADLINE_EXCEEDED; break;
+          default: break;
+        }
+        reactor->Finish(grpc::Status(code, r.body["error"].value("message", std::string("error"))));
+        return;
+      }
+      response->set_body_json(r.body.dump());
+      reactor->Finish(grpc::Status::OK);
+    });
+    if (!spawned) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is shutting down"));
+    }
+    return reactor;
   }
 
   grpc::ServerWriteReactor<pb::KvEventsResponse>* SubscribeKvEvents(
@@ -832,23 +911,28 @@ class KvserveService final : public pb::Kvserve::CallbackService {
       if (!purged.ok()) return ToGrpc(purged.status());
       response->set_purged(*purged);
       return grpc::Status::OK;
-    });
+    }, /*admin_only=*/true);
   }
 
  private:
   // Unary calls are quick (no model forward), so they run on the gRPC
   // thread that received them and finish before returning.
   template <typename Fn>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Fn&& handle) {
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Fn&& handle,
+                                  bool admin_only = false) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    grpc::Status status = Authorize(ctx);
+    grpc::Status status = Authorize(ctx, nullptr, admin_only);
     if (status.ok()) status = handle();
     reactor->Finish(status);
     return reactor;
   }
 
-  grpc::Status Authorize(const grpc::CallbackServerContext* ctx) const {
-    if (api_key_.empty()) return grpc::Status::OK;
+  // With tenant keys, a tenant's key passes for its tenant (*who) and the
+  // operator's (--api-key) for everything; admin_only calls refuse tenants.
+  grpc::Status Authorize(const grpc::CallbackServerContext* ctx, CallerAuth* who = nullptr,
+                         bool admin_only = true) const {
+    const bool tenants = tenant_keys_ != nullptr && !tenant_keys_->empty();
+    if (api_key_.empty() && !tenants) return grpc::Status::OK;
     const auto& md = ctx->client_metadata();
     auto it = md.find("authorization");
     if (it == md.end()) {
@@ -856,10 +940,21 @@ class KvserveService final : public pb::Kvserve::CallbackService {
                           "missing metadata 'authorization: Bearer <api key>'");
     }
     const std::string_view value(it->second.data(), it->second.size());
-    if (!BearerTokenMatches(value, api_key_)) {
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid API key");
+    if (!api_key_.empty() && BearerTokenMatches(value, api_key_)) return grpc::Status::OK;
+    if (tenants) {
+      if (std::optional<std::string> t = tenant_keys_->TenantForAuthorization(value)) {
+        if (admin_only) {
+          return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                              "this admin call takes the operator's key (--api-key)");
+        }
+        if (who != nullptr) {
+          who->admin = false;
+          who->tenant = *t;
+        }
+        return grpc::Status::OK;
+      }
     }
-    return grpc::Status::OK;
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid API key");
   }
 
   grpc::Status CheckModel(const std::string& model) const {
@@ -872,6 +967,8 @@ class KvserveService final : public pb::Kvserve::CallbackService {
   ModelService* service_;
   std::string api_key_;
   std::string tenant_;  // the response cache's scope for the checked key
+  std::shared_ptr<const TenantKeys> tenant_keys_;
+  CacheControlService* cache_control_ = nullptr;
   BackgroundThreads threads_;
   std::mutex subscribers_mu_;
   std::vector<std::weak_ptr<KvEventStream::Shared>> subscribers_;  // guarded by subscribers_mu_
@@ -909,7 +1006,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(ModelService* serv
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   auto impl = std::make_unique<Impl>();
-  impl->service = std::make_unique<KvserveService>(service, options.api_key);
+  impl->service = std::make_unique<KvserveService>(service, options.api_key, options.tenant_keys,
+                                                   options.cache_control);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, creds, &impl->port);
   builder.RegisterService(impl->service.get());

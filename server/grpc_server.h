@@ -9,7 +9,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/cache_control_service.h"
 #include "server/model_service.h"
+#include "server/tenants.h"
 
 namespace kvserve {
 
@@ -18,6 +20,9 @@ struct GrpcServerOptions {
   std::string api_key;   // when set, required as metadata "authorization: Bearer <key>"
   std::string tls_cert;  // PEM files; both set enables TLS
   std::string tls_key;
+  // Cache control (docs/cache-control.md): tenant keys and the CacheControl call.
+  std::shared_ptr<const TenantKeys> tenant_keys;
+  CacheControlService* cache_control = nullptr;
 };
 
 class GrpcServer {

@@ -237,7 +237,8 @@ struct ServerCore {
   }
 
   void Route(const std::shared_ptr<Connection>& conn, Request req);
-  void HandleCompletion(const std::shared_ptr<Connection>& conn, std::string body, bool chat);
+  void HandleCompletion(const std::shared_ptr<Connection>& conn, std::string body, bool chat,
+                        CallerAuth auth = {});
   std::string ModelJson() const;
 };
 
@@ -786,8 +787,24 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
   if (size_t q = path.find('?'); q != std::string::npos) path.resize(q);
   const http::verb method = req.method() == http::verb::head ? http::verb::get : req.method();
 
-  if (path != "/health" &&
-      !BearerTokenMatches(std::string_view(req[http::field::authorization]), options.api_key)) {
+  // Who calls: the operator (--api-key, or anyone without keys) or, with
+  // tenant keys, the tenant its key names (server/tenants.h).
+  CallerAuth auth;
+  const std::string_view authorization(req[http::field::authorization]);
+  if (options.tenant_keys != nullptr && !options.tenant_keys->empty()) {
+    std::optional<std::string> tenant = options.tenant_keys->TenantForAuthorization(authorization);
+    const bool admin = !options.api_key.empty() && BearerTokenMatches(authorization, options.api_key);
+    if (path != "/health" && !tenant && !admin) {
+      return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                    "", "invalid_api_key"}));
+    }
+    auth.admin = admin && !tenant;
+    if (tenant) auth.tenant = *tenant;
+    if (!auth.admin && path.rfind("/admin/", 0) == 0 && path.rfind("/admin/cache/", 0) != 0) {
+      return conn->Send(ErrorReply({403, "this admin call takes the operator's key (--api-key)", "",
+                                    "forbidden"}));
+    }
+  } else if (path != "/health" && !BearerTokenMatches(authorization, options.api_key)) {
     return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                   "", "invalid_api_key"}));
   }
@@ -798,8 +815,15 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
       return conn->Send(TextReply(200, "ok", "text/plain"));
     }
     if (path == "/metrics") {
-      return conn->Send(TextReply(200, service->metrics()->Render(service->Stats()),
-                                  "text/plain; version=0.0.4"));
+      std::string text = service->metrics()->Render(service->Stats());
+      if (service->cache_control() != nullptr) text += service->cache_control()->RenderMetrics();
+      return conn->Send(TextReply(200, std::move(text), "text/plain; version=0.0.4"));
+    }
+    if (path == "/admin/cache/list" && options.cache_control != nullptr) {
+      return net::post(*handlers, [this, conn, auth] {
+        JsonReply r = options.cache_control->Handle("list", "", auth);
+        conn->Send(TextReply(r.status, r.body.dump(), "application/json"));
+      });
     }
     if (path == "/v1/models") {
       return conn->Send(TextReply(
@@ -819,8 +843,22 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
     if (path == "/v1/completions" || path == "/v1/chat/completions") {
       const bool chat = path == "/v1/chat/completions";
       // Parsing and tokenizing a long prompt takes a while: off the I/O threads.
-      return net::post(*handlers, [this, conn, body = std::move(req.body()), chat]() mutable {
-        HandleCompletion(conn, std::move(body), chat);
+      return net::post(*handlers, [this, conn, body = std::move(req.body()), chat, auth]() mutable {
+        HandleCompletion(conn, std::move(body), chat, auth);
+      });
+    }
+    constexpr std::string_view kCachePrefix = "/admin/cache/";
+    if (path.size() > kCachePrefix.size() && path.compare(0, kCachePrefix.size(), kCachePrefix) == 0) {
+      // Admin: cache control (server/cache_control_service.h); waits for the
+      // engine, so it runs on the handler pool.
+      if (options.cache_control == nullptr) {
+        return conn->Send(ErrorReply({409, "cache control needs the prefix cache (drop --no-prefix-cache)",
+                                      "", "prefix_cache_disabled"}));
+      }
+      return net::post(*handlers, [this, conn, auth, op = path.substr(kCachePrefix.size()),
+                                   body = std::move(req.body())] {
+        JsonReply r = options.cache_control->Handle(op, body, auth);
+        conn->Send(TextReply(r.status, r.body.dump(), "application/json"));
       });
     }
     if (path == "/admin/response_cache/purge") {
@@ -856,10 +894,15 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
 }
 
 void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::string body,
-                                  bool chat) {
+                                  bool chat, CallerAuth auth) {
   OpenAiRequest parsed;
   if (auto err = ParseOpenAiRequest(body, chat, &parsed)) return conn->Send(ErrorReply(*err));
   parsed.params.tenant = TenantFromApiKey(options.api_key);  // the key Authorize checked
+  if (!auth.tenant.empty()) {
+    // A tenant key: the response cache and the prefix cache are the tenant's.
+    parsed.params.tenant = absl::StrCat("tenant:", auth.tenant);
+    parsed.params.cache_tenant = auth.tenant;
+  }
   const CompletionParams& params = parsed.params;
   const HttpRequestOptions& opts = parsed.options;
   absl::StatusOr<PreparedRequest> prepared = service->Prepare(params);
@@ -879,6 +922,13 @@ void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::
   call->n = prepared->engine.n;
   call->opts = opts;
   call->meta = ResponseMeta::New(chat, service->model_name());
+  call->meta.cache_notes = prepared->notes;
+  if (prepared->cache_report && options.cache_control != nullptr && prepared->notes) {
+    // What the cache holds for this prompt as it is admitted.
+    std::string report = options.cache_control->ReportJson(*prepared, auth);
+    std::lock_guard<std::mutex> lock(prepared->notes->mu);
+    prepared->notes->report_json = std::move(report);
+  }
   // The policy the request runs with (its own or the server's default).
   call->meta.kv_policy = prepared->engine.kv_policy.kind != KvPolicy::Kind::kNone;
   if (opts.echo) {

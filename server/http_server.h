@@ -16,7 +16,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/cache_control_service.h"
 #include "server/model_service.h"
+#include "server/tenants.h"
 
 namespace kvserve {
 
@@ -42,6 +44,11 @@ struct HttpServerOptions {
   std::chrono::milliseconds header_timeout{std::chrono::seconds(10)};
   std::chrono::milliseconds body_timeout{std::chrono::seconds(30)};
   std::chrono::milliseconds write_timeout{std::chrono::seconds(30)};
+  // Cache control (docs/cache-control.md): tenant keys (--api-keys-file;
+  // each authenticates as its tenant, api_key stays the operator's) and the
+  // /admin/cache/... calls. Null: none.
+  std::shared_ptr<const TenantKeys> tenant_keys;
+  CacheControlService* cache_control = nullptr;
 };
 
 class HttpServer {

@@ -1,5 +1,8 @@
 #include "server/model_service.h"
 
+#include "server/cache_control_service.h"
+#include "server/tenants.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -133,6 +136,13 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
                       m.content, "\n");
     }
     ASSIGN_OR_RETURN(std::string text, chat_template_->Render(*p.messages, true));
+    if (drift_ != nullptr) {
+      // The scope keys the remembered renderings like the prefix cache.
+      out.drift = drift_->Check(TenantCacheScope(p.cache_tenant, p.cache_salt), *p.messages, text);
+      if (out.drift.drift && drift_->canonicalize()) text = out.drift.canonical;
+    }
+    out.messages = *p.messages;
+    out.rendered = text;
     r.prompt = tokenizer_->Encode(text, /*add_bos=*/false, /*parse_special=*/true);
   }
 
@@ -168,7 +178,23 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   }
   r.n = p.n;
   r.priority = p.priority;
-  r.cache_salt = p.cache_salt;
+  r.cache_salt = TenantCacheScope(p.cache_tenant, p.cache_salt);
+  out.cache_tenant = p.cache_tenant;
+  out.retain = p.retain;
+  out.cache_report = p.cache_report;
+  if (out.retain) {
+    if (!(out.retain->ttl_s > 0)) {
+      return absl::InvalidArgumentError("cache_control.retain.ttl_s must be > 0 seconds");
+    }
+    if (out.retain->tokens < 0) {
+      return absl::InvalidArgumentError("cache_control.retain.tokens must be >= 0");
+    }
+    if (cache_control_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "cache_control.retain: this server has no prefix cache to retain in");
+    }
+  }
+  if (out.retain || out.cache_report) out.notes = std::make_shared<CacheNotes>();
   ASSIGN_OR_RETURN(r.kv_policy, ResolveKvPolicy(p.kv_policy, limits_.kv_policy));
 
   RequestLimits limits = engine_->limits();
@@ -193,6 +219,34 @@ struct StreamTiming {
 };
 
 }  // namespace
+
+StreamSink ModelService::RetainingSink(const PreparedRequest& request, StreamSink sink) {
+  // The last sample's final event waits for the retention answer: by then
+  // the engine has cached the sequence's blocks (Free precedes the event),
+  // and the answer rides in the reply.
+  RetainRequest rr;
+  rr.tenant = request.cache_tenant;
+  rr.salt = request.engine.cache_salt;
+  rr.tokens = request.engine.prompt;
+  rr.max_tokens = request.retain->tokens;
+  rr.ttl_s = request.retain->ttl_s;
+  auto remaining = std::make_shared<std::atomic<int32_t>>(request.engine.n);
+  std::shared_ptr<CacheNotes> notes = request.notes;
+  Engine* engine = engine_;
+  std::shared_ptr<CacheControl> cc = cache_control_;
+  return [sink = std::move(sink), rr = std::move(rr), remaining, notes, engine,
+          cc](const SeqEvent& ev) {
+    if (ev.finish == FinishReason::kNone || remaining->fetch_sub(1) != 1) return sink(ev);
+    (void)engine->RunOnEngineThread([sink, rr, notes, cc, ev](KvCacheManager* kv, KvTiers*) {
+      const RetainAnswer a = cc->Retain(kv, rr);
+      if (notes != nullptr) {
+        std::lock_guard<std::mutex> lock(notes->mu);
+        notes->retention_json = RetainAnswerJson(a);
+      }
+      sink(ev);
+    });
+  };
+}
 
 void ModelService::EnableResponseCache(ResponseCache* cache, CacheIdentity identity) {
   response_cache_ = cache;
@@ -225,11 +279,24 @@ absl::StatusOr<int64_t> ModelService::PurgeResponseCache(
   return response_cache_->Purge(*tenant);
 }
 
+void ModelService::EnableCacheControl(std::shared_ptr<CacheControl> control,
+                                      TemplateDriftGuard* drift) {
+  cache_control_ = std::move(control);
+  drift_ = drift;
+}
+
 absl::StatusOr<uint64_t> ModelService::Start(PreparedRequest request, StreamSink sink,
                                              CacheOutcome* outcome) {
   if (draining()) {
     metrics_->RequestFinished("rejected");
     return absl::UnavailableError("the server is shutting down");
+  }
+  if (drift_ != nullptr && request.messages) {
+    // The next turn compares its rendering of this history with this one.
+    drift_->Remember(request.engine.cache_salt, *request.messages, request.rendered);
+  }
+  if (request.retain && cache_control_ != nullptr) {
+    sink = RetainingSink(request, std::move(sink));
   }
   // The exact cache, before the engine and before admission: a hit costs no
   // KV and no queue slot.

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,8 +31,25 @@
 #include "server/metrics.h"
 #include "server/response_cache.h"
 #include "server/semantic_cache.h"
+#include "server/template_drift.h"
 
 namespace kvserve {
+
+// Cache control on a request (docs/cache-control.md): the OpenAI extension
+// field cache_control.retain and the gRPC field retain.
+struct RetainAsk {
+  double ttl_s = 300;
+  int32_t tokens = 0;  // retain the prompt's first `tokens` tokens; 0: the whole prompt
+};
+
+// What cache control adds to a reply, filled before the reply's last event
+// (the retention answer) or before its first (the cache report), as JSON
+// text; the front ends add it to the body (kvserve_cache_control).
+struct CacheNotes {
+  std::mutex mu;
+  std::string retention_json;  // guarded by mu
+  std::string report_json;     // guarded by mu
+};
 
 struct ServiceLimits {
   // Samples per request; the engine's own max_n applies too (the tighter
@@ -74,6 +92,12 @@ struct CompletionParams {
   // the credentials it checked, never from the request body: it scopes the
   // response cache, so one tenant never reads another's entries.
   std::string tenant;
+  // With tenant keys (--api-keys-file): the tenant the key names, set by the
+  // front end; the prefix-cache scope is derived from it (server/tenants.h)
+  // and cache_salt only narrows it.
+  std::string cache_tenant;
+  std::optional<RetainAsk> retain;
+  bool cache_report = false;  // the reply carries a cache report
 };
 
 struct PreparedRequest {
@@ -86,6 +110,14 @@ struct PreparedRequest {
   // embedding does not see (the other messages), which scopes the index.
   std::string semantic_text;
   std::string semantic_context;
+  // Cache control (server/cache_control_service.h).
+  std::string cache_tenant;
+  std::optional<RetainAsk> retain;
+  bool cache_report = false;
+  std::optional<std::vector<ChatMessage>> messages;  // chat: what was rendered
+  std::string rendered;                               // chat: the prompt text
+  DriftCheck drift;                                   // chat: the template-drift check
+  std::shared_ptr<CacheNotes> notes;                  // set when retain or cache_report
 };
 
 // One stream event as the front ends see it (an engine event plus timing).
@@ -165,9 +197,17 @@ class ModelService {
 
   Metrics* metrics() { return metrics_; }
 
+  // Cache control (retention on requests, template-drift guard); both
+  // outlive the service. Call before serving.
+  void EnableCacheControl(std::shared_ptr<CacheControl> control, TemplateDriftGuard* drift);
+  CacheControl* cache_control() const { return cache_control_.get(); }
+  Engine* engine() const { return engine_; }
+
  private:
   // Hands a cache hit to the replay thread; returns its request id.
   uint64_t Replay(std::shared_ptr<const CachedReply> hit, StreamSink sink);
+  // Start with retain: the sink that retains before the last event.
+  StreamSink RetainingSink(const PreparedRequest& request, StreamSink sink);
   // The engine path of Start (admission, timing, metrics).
   absl::StatusOr<uint64_t> Submit(PreparedRequest request, StreamSink sink);
 
@@ -191,6 +231,8 @@ class ModelService {
   // Replays cache hits off the caller's thread (front ends register a
   // request after Start returns, as with the engine).
   std::unique_ptr<ReplayThread> replay_;
+  std::shared_ptr<CacheControl> cache_control_;
+  TemplateDriftGuard* drift_ = nullptr;
   std::atomic<uint64_t> next_replay_id_{uint64_t{1} << 62};
 };
 

@@ -14,6 +14,10 @@
 #include "server/response_cache_api.h"
 
 namespace kvserve {
+
+// The cache_control field (below ParseOpenAiRequest).
+std::optional<std::string> ReadCacheControl(const nlohmann::json& cc, CompletionParams* p);
+
 namespace {
 
 using json = nlohmann::json;
@@ -303,6 +307,11 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     }
   }
   ReadKvPolicy(r, p);
+  // Cache control (docs/cache-control.md): {"retain": {"ttl_s": s, "tokens": n}}.
+  if (const json* cc = r.Get("cache_control")) {
+    if (auto e = ReadCacheControl(*cc, p)) r.Fail("cache_control", *e);
+  }
+  r.Bool("cache_report", &p->cache_report);
   if (auto e = ParseResponseCacheJson(body, &p->response_cache)) r.Fail("response_cache", *e);
   r.Bool("stream", &o->stream);
   ReadStop(r, p);
@@ -332,6 +341,33 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
   return r.error;
 }
 }  // namespace
+
+std::optional<std::string> ReadCacheControl(const nlohmann::json& cc, CompletionParams* p) {
+  using json = nlohmann::json;
+  if (!cc.is_object()) return "cache_control must be an object like {\"retain\": {\"ttl_s\": 300}}";
+  for (const auto& [k, v] : cc.items()) {
+    if (k != "retain") return "cache_control: unknown field '" + k + "' (expected retain)";
+  }
+  auto it = cc.find("retain");
+  if (it == cc.end() || it->is_null()) return std::nullopt;
+  if (!it->is_object()) return "cache_control.retain must be an object {\"ttl_s\": s, \"tokens\": n}";
+  RetainAsk ask;
+  for (const auto& [k, v] : it->items()) {
+    if (k == "ttl_s") {
+      if (!v.is_number() || !(v.get<double>() > 0)) return "cache_control.retain.ttl_s must be a number > 0";
+      ask.ttl_s = v.get<double>();
+    } else if (k == "tokens") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (int64_t{1} << 30)) {
+        return "cache_control.retain.tokens must be an integer >= 0 (0: the whole prompt)";
+      }
+      ask.tokens = v.get<int32_t>();
+    } else {
+      return "cache_control.retain: unknown field '" + k + "' (expected ttl_s, tokens)";
+    }
+  }
+  p->retain = ask;
+  return std::nullopt;
+}
 
 std::optional<ApiError> ParseOpenAiRequest(std::string_view body, bool chat, OpenAiRequest* out) {
   json parsed = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);

@@ -212,6 +212,14 @@ ResponseMeta ResponseMeta::New(bool chat, std::string model) {
   return m;
 }
 
+static json CacheNotesJson(CacheNotes& notes) {
+  std::lock_guard<std::mutex> lock(notes.mu);
+  json j = json::object();
+  if (!notes.retention_json.empty()) j["retention"] = json::parse(notes.retention_json, nullptr, false);
+  if (!notes.report_json.empty()) j["report"] = json::parse(notes.report_json, nullptr, false);
+  return j;
+}
+
 std::string CompletionBody(const ResponseMeta& meta, const HttpRequestOptions& opts,
                            const CompletedResponse& done, const TokenPieceFn& piece) {
   json out_choices = json::array();
@@ -237,6 +245,7 @@ std::string CompletionBody(const ResponseMeta& meta, const HttpRequestOptions& o
               {"usage", Usage(done, meta.kv_policy)}};
   if (meta.chat) out["system_fingerprint"] = nullptr;
   if (meta.cache) out["kvserve_cache"] = CacheOutcomeJson(*meta.cache, done);
+  if (meta.cache_notes) out["kvserve_cache_control"] = CacheNotesJson(*meta.cache_notes);
   return Dump(out);
 }
 
@@ -304,6 +313,7 @@ std::string SseEncoder::Add(const std::vector<SeqEvent>& events) {
       json u = ChunkJson(meta_, json::array());
       u["usage"] = Usage(done, meta_.kv_policy);
       if (meta_.cache) u["kvserve_cache"] = CacheOutcomeJson(*meta_.cache, done);
+      if (meta_.cache_notes) u["kvserve_cache_control"] = CacheNotesJson(*meta_.cache_notes);
       out += Event(u);
     }
     out += "data: [DONE]\n\n";

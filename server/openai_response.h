@@ -46,6 +46,9 @@ struct ResponseMeta {
   // the kvserve_cache object of the body (streams: of the usage chunk);
   // unset when the cache is off.
   std::optional<CacheOutcome> cache;
+  // Cache control's notes (retention answer, cache report), reported as the
+  // kvserve_cache_control object of the body (streams: of the usage chunk).
+  std::shared_ptr<CacheNotes> cache_notes;
 
   // A fresh random id and the current time.
   static ResponseMeta New(bool chat, std::string model);

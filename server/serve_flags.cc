@@ -169,6 +169,23 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
   app->add_option("--semantic-cache-default", f->semantic_cache_default,
                   "Semantic mode of requests that name none: off, verified, approximate")
       ->capture_default_str();
+  // Cache control (docs/cache-control.md).
+  app->add_option("--api-keys-file", f->api_keys_file,
+                  "File of 'KEY TENANT [BUDGET]' lines: each key authenticates as its tenant, "
+                  "whose prefix-cache scope the server derives (--api-key stays the operator's)");
+  app->add_option("--cache-retain-budget", f->cache_retain_budget,
+                  "KV bytes a tenant may retain (pin) at once; a tenant's own figure in "
+                  "--api-keys-file wins; 0 refuses retention")
+      ->capture_default_str();
+  app->add_option("--cache-retain-max-fraction", f->cache_retain_max_fraction,
+                  "Fraction of the primary KV pool retention may pin, all tenants together")
+      ->capture_default_str();
+  app->add_option("--cache-retain-max-ttl", f->cache_retain_max_ttl,
+                  "Longest retention TTL in seconds (longer asks are clipped)")
+      ->capture_default_str();
+  app->add_flag("--chat-canonicalize-history", f->chat_canonicalize_history,
+                "When the chat template renders earlier turns differently from the cached "
+                "turn, render the history as it was cached");
   AddKvPolicyFlags(app, &f->kv_policy);
 }
 

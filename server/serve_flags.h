@@ -100,6 +100,13 @@ struct ServeFlags {
   std::string semantic_cache_model;
   double semantic_cache_threshold = 0.92;
   std::string semantic_cache_default = "off";
+  // Cache control (docs/cache-control.md): tenant keys, retention budgets,
+  // template-drift canonicalization.
+  std::string api_keys_file;
+  std::string cache_retain_budget = "256MiB";
+  double cache_retain_max_fraction = 0.5;
+  double cache_retain_max_ttl = 3600;
+  bool chat_canonicalize_history = false;
 };
 
 // Registers the daemon's flags (the kv-policy ones included) on `app`, bound
