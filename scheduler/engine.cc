@@ -183,6 +183,14 @@ std::future<int32_t> Engine::ClearPrefixCache() {
   return f;
 }
 
+void Engine::RunOnEngineThread(std::function<void(KvCacheManager*)> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
 void Engine::CancelAll() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -196,14 +204,17 @@ void Engine::TakeInbox() {
   std::vector<uint64_t> cancels;
   bool cancel_all;
   std::vector<std::promise<int32_t>> clears;
+  std::vector<std::function<void(KvCacheManager*)>> tasks;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    tasks.swap(tasks_);
     clears.swap(clear_requests_);
     inbox.swap(inbox_);
     cancels.swap(cancels_);
     cancel_all = cancel_all_;
     cancel_all_ = false;
   }
+  for (auto& t : tasks) t(kv_.get());
   for (auto& p : clears) p.set_value(kv_->ClearPrefixCache());
   for (auto& g : inbox) {
     std::unique_ptr<Sequence> s = output_->NewSample(g.get(), 0, g->request.prompt);
@@ -414,7 +425,7 @@ void Engine::Start() {
         cv_.wait(lock,
                  [&] {
           return stop_ || !inbox_.empty() || !cancels_.empty() || cancel_all_ ||
-                 !clear_requests_.empty();
+                 !clear_requests_.empty() || !tasks_.empty();
         });
       }
     }

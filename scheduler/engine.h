@@ -187,6 +187,12 @@ class Engine {
   // -1 when the prefix cache is off.
   std::future<int32_t> ClearPrefixCache();
 
+  // Runs `task` on the engine thread at the next step, with the KV cache
+  // manager (prefill/decode leases pin and release blocks through it). The
+  // task must not block. Tasks still queued when the engine is destroyed run
+  // in the destructor.
+  void RunOnEngineThread(std::function<void(KvCacheManager*)> task);
+
   // One scheduling iteration. Returns false when there was nothing to do.
   bool Step();
   // Runs Step on a dedicated thread until Stop.
@@ -234,6 +240,7 @@ class Engine {
   std::vector<uint64_t> cancels_;            // guarded by mu_
   bool cancel_all_ = false;                  // guarded by mu_
   std::vector<std::promise<int32_t>> clear_requests_;  // guarded by mu_
+  std::vector<std::function<void(KvCacheManager*)>> tasks_;  // guarded by mu_
   EngineStats stats_;                        // guarded by mu_
   bool stop_ = false;                        // guarded by mu_
   std::thread thread_;

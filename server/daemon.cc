@@ -155,7 +155,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   // plan), and against the engine once it is.
   ASSIGN_OR_RETURN(const ServiceLimits limits, ServiceLimitsFromFlags(f));
   EngineBuilder builder(engine_flags, l.model.get(), l.tokenizer.get());
-  ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path)));
+  // Prefill/decode disaggregation (server/pd_node.h): a decode node's engine
+  // loads leased KV through the node's KvLoader.
+  ASSIGN_OR_RETURN(const std::string pd_fingerprint,
+                   ModelFingerprint(model_path, int64_t{64} << 20));
+  ASSIGN_OR_RETURN(d->pd_, PdNode::Create(f.pd, pd_fingerprint, api_key));
+  ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path),
+                                             d->pd_->kv_loader()));
   RETURN_IF_ERROR(CheckKvPolicyDefaults(limits.kv_policy, d->engine_->limits()));
   if (limits.kv_policy.kind != KvPolicy::Kind::kNone) {
     spdlog::info("token eviction by default: --kv-policy {} (sinks {}, window {}, budget {})",
@@ -166,6 +172,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
                                                d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
+  RETURN_IF_ERROR(d->pd_->Attach(d->engine_.get(), d->service_.get()));
   ASSIGN_OR_RETURN(const ResponseCacheOptions cache_options, ResponseCacheOptionsFromFlags(f));
   absl::StatusOr<SemanticMode> semantic_mode = ParseSemanticMode(f.semantic_cache_default);
   if (!semantic_mode.ok()) {
@@ -223,8 +230,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   }
   d->engine_->Start();
 
-  ASSIGN_OR_RETURN(d->grpc_,
-                   GrpcServer::Start(d->service_.get(), GrpcOptionsFromFlags(f, api_key)));
+  GrpcServerOptions grpc_options = GrpcOptionsFromFlags(f, api_key);
+  grpc_options.extra_services.push_back(d->pd_->service());
+  ASSIGN_OR_RETURN(d->grpc_, GrpcServer::Start(d->service_.get(), grpc_options));
+  d->pd_->SetGrpcPort(d->grpc_->port());
   ASSIGN_OR_RETURN(d->http_,
                    HttpServer::Start(d->service_.get(), HttpOptionsFromFlags(f, api_key)));
   spdlog::info("serving '{}': gRPC on {} (port {}), HTTP on {}:{}{}", name, f.grpc_address,
@@ -241,6 +250,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
 }
 
 Daemon::~Daemon() {
+  // Leased blocks go back before the engine (and its pool) does.
+  if (pd_) pd_->Shutdown();
   if (stopped_) return;
   if (kv_events_) kv_events_->Close();
   if (grpc_) grpc_->Shutdown(std::chrono::system_clock::now());
@@ -286,6 +297,7 @@ void Daemon::Drain(const std::string& reason) {
   if (kv_events_) kv_events_->Close();
   grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   http_->Stop();
+  pd_->Shutdown();
   engine_->Stop();
   stopped_ = true;
   spdlog::info("stopped");

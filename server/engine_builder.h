@@ -53,7 +53,8 @@ class EngineBuilder {
   // creates the engine.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<Engine>> Build(ThreadPool* pool,
                                                               KvEventSink* kv_events = nullptr,
-                                                              std::string model_identity = "");
+                                                              std::string model_identity = "",
+                                                              KvLoader* kv_loader = nullptr);
 
   const EngineFlags& flags() const { return flags_; }
 

@@ -7,9 +7,17 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/model_service.h"
+
+namespace grpc {
+class Service;
+}  // namespace grpc
+namespace kvserve::v1 {
+class GenerateRequest;
+}  // namespace kvserve::v1
 
 namespace kvserve {
 
@@ -18,7 +26,15 @@ struct GrpcServerOptions {
   std::string api_key;   // when set, required as metadata "authorization: Bearer <key>"
   std::string tls_cert;  // PEM files; both set enables TLS
   std::string tls_key;
+  // More services on the same port (the prefill/decode KvTransfer service);
+  // not owned, they must outlive the server.
+  std::vector<grpc::Service*> extra_services;
 };
+
+// The CompletionParams of a kvserve.v1 GenerateRequest, as Generate reads it
+// (a prefill node prepares the prompt exactly as the decode node will).
+[[nodiscard]] absl::StatusOr<CompletionParams> GenerateRequestToParams(
+    const kvserve::v1::GenerateRequest& request);
 
 class GrpcServer {
  public:

@@ -170,6 +170,7 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
                   "Semantic mode of requests that name none: off, verified, approximate")
       ->capture_default_str();
   AddKvPolicyFlags(app, &f->kv_policy);
+  AddPdFlags(app, &f->pd);
 }
 
 void SetEnvNames(CLI::App* app) {

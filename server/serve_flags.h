@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <string>
 
+#include "server/pd_flags.h"
+
 namespace CLI {
 class App;
 }  // namespace CLI
@@ -100,6 +102,7 @@ struct ServeFlags {
   std::string semantic_cache_model;
   double semantic_cache_threshold = 0.92;
   std::string semantic_cache_default = "off";
+  PdFlags pd;  // --role and --pd-* (server/pd_flags.h)
 };
 
 // Registers the daemon's flags (the kv-policy ones included) on `app`, bound
