@@ -236,6 +236,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   d->pd_->SetGrpcPort(d->grpc_->port());
   ASSIGN_OR_RETURN(d->http_,
                    HttpServer::Start(d->service_.get(), HttpOptionsFromFlags(f, api_key)));
+  d->pd_->SetHttpPort(d->http_->port());
   spdlog::info("serving '{}': gRPC on {} (port {}), HTTP on {}:{}{}", name, f.grpc_address,
                d->grpc_->port(), f.http_host, d->http_->port(),
                api_key.empty() ? "" : ", API key required");

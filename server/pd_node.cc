@@ -31,7 +31,7 @@ namespace kvserve {
 
 namespace pb = ::kvserve::pd::v1;
 namespace kt = ::kvserve::transport;
-using Clock = std::chrono::steady_clock;
+using PdClock = std::chrono::steady_clock;
 
 absl::StatusOr<PdRole> ParsePdRole(const std::string& name) {
   if (name == "both") return PdRole::kBoth;
@@ -76,18 +76,20 @@ uint64_t LayoutHash(const pb::KvLayout& l) {
   return XXH3_64bits(s.data(), s.size());
 }
 
+template <typename Repeated>
+void AppendRepeated(const Repeated& v, std::string* s) {
+  s->append(std::to_string(v.size())).push_back(':');
+  for (auto x : v) s->append(reinterpret_cast<const char*>(&x), sizeof(x));
+}
+
 // The prefill node's digest over everything a decode node acts on.
 uint64_t LeaseDigest(const pb::Lease& l) {
   std::string s = absl::StrCat(l.transfer_id(), "|", l.node_id(), "|", l.incarnation(), "|",
                                l.layout().hash(), "|", l.cache_salt().size(), ":",
                                l.cache_salt(), "|", l.ttl_ms(), "|");
-  auto add = [&s](const auto& v) {
-    s.append(std::to_string(v.size())).push_back(':');
-    for (auto x : v) s.append(reinterpret_cast<const char*>(&x), sizeof(x));
-  };
-  add(l.tokens());
-  add(l.block_ids());
-  add(l.generations());
+  AppendRepeated(l.tokens(), &s);
+  AppendRepeated(l.block_ids(), &s);
+  AppendRepeated(l.generations(), &s);
   return XXH3_64bits(s.data(), s.size());
 }
 
@@ -99,7 +101,7 @@ grpc::Status ToGrpc(const absl::Status& s) {
 uint64_t RandomNonZero() {
   static std::mutex mu;
   static std::mt19937_64 rng(std::random_device{}() ^
-                             static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
+                             static_cast<uint64_t>(PdClock::now().time_since_epoch().count()));
   std::lock_guard<std::mutex> lock(mu);
   uint64_t v = 0;
   while (v == 0) v = rng();
@@ -146,7 +148,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     const KvPool& pool = engine->kv_pool();
     const KvPoolOptions& o = pool.options();
     layout_.set_model_fingerprint(fingerprint_);
-    layout_.set_kv_dtype(kernels::KvDTypeName(o.dtype));
+    layout_.set_kv_dtype(std::string(kernels::KvDTypeName(o.dtype)));
     layout_.set_block_size(o.block_size);
     layout_.set_block_bytes(pool.block_bytes());
     layout_.set_n_layers(o.n_layers);
@@ -206,6 +208,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
   }
 
+  void SetHttpPort(int port) {
+    std::lock_guard<std::mutex> lock(mu_);
+    http_address_ = absl::StrCat(flags_.advertise_host, ":", port);
+  }
+
   void Shutdown() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -239,6 +246,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     out->set_num_blocks(num_blocks_);
     *out->mutable_layout() = layout_;
     out->set_grpc_address(grpc_address_);
+    out->set_http_address(http_address_);
     out->set_leases_granted(leases_granted_);
     out->set_leases_active(static_cast<int64_t>(held_.size()));
     out->set_leases_released(leases_released_);
@@ -281,7 +289,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     er.n = 1;
     er.draft_tokens.clear();
     er.kv_policy = KvPolicy{};
-    const auto deadline = Clock::now() + std::chrono::seconds(120);
+    const auto deadline = PdClock::now() + std::chrono::seconds(120);
     er.deadline = deadline;
     auto finished = std::make_shared<std::promise<SeqEvent>>();
     auto fired = std::make_shared<std::atomic<bool>>(false);
@@ -291,7 +299,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     });
     if (!id.ok()) return ToGrpc(id.status());
     while (fin.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) {
-      if (ctx->IsCancelled() || Clock::now() > deadline) {
+      if (ctx->IsCancelled() || PdClock::now() > deadline) {
         engine_->Cancel(*id);
         return grpc::Status(grpc::StatusCode::CANCELLED, "Prefill: cancelled before it finished");
       }
@@ -357,7 +365,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     h.kv = std::move(p.kv);
     h.digest = l.digest();
     h.ttl = std::chrono::milliseconds(l.ttl_ms());
-    h.expiry = Clock::now() + h.ttl;
+    h.expiry = PdClock::now() + h.ttl;
     held_.emplace(l.transfer_id(), std::move(h));
     ++leases_granted_;
     return grpc::Status::OK;
@@ -382,7 +390,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                                        ": the lease was altered or forged (blocks, generations, "
                                        "tokens or salt differ from the grant)"));
     }
-    it->second.expiry = Clock::now() + it->second.ttl;
+    it->second.expiry = PdClock::now() + it->second.ttl;
     out->set_ttl_ms(static_cast<uint32_t>(it->second.ttl.count()));
     return grpc::Status::OK;
   }
@@ -444,7 +452,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     std::future<void> f = done->get_future();
     engine_->RunOnEngineThread([kv, done](KvCacheManager* m) {
       m->Discard(kv.get());
-      m->ClearPrefixCache();
+      (void)m->ClearPrefixCache();
       KvPool* pool = m->mutable_pool();
       std::vector<BlockHandle> hs;
       if (pool->Allocate(pool->num_free_blocks(), &hs).ok()) {
@@ -480,7 +488,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
     auto a = std::make_shared<Attached>();
     a->lease = *lease;
-    a->received = Clock::now();
+    a->received = PdClock::now();
     a->ttl = std::chrono::milliseconds(*ttl);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -531,11 +539,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     std::shared_ptr<SeqKv> kv;  // null once early-freed (test hook)
     uint64_t digest = 0;
     std::chrono::milliseconds ttl{0};
-    Clock::time_point expiry;
+    PdClock::time_point expiry;
   };
   struct Attached {
     pb::Lease lease;
-    Clock::time_point received;
+    PdClock::time_point received;
     std::chrono::milliseconds ttl{0};
     bool consumed = false;
   };
@@ -752,7 +760,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   absl::Status Pull(const Job& job) {
     const pb::Lease& l = job.lease->lease;
     const auto margin = std::chrono::milliseconds(std::min<int64_t>(2000, job.lease->ttl.count() / 4));
-    if (Clock::now() > job.lease->received + job.lease->ttl - margin) {
+    if (PdClock::now() > job.lease->received + job.lease->ttl - margin) {
       return absl::DeadlineExceededError(
           absl::StrCat("lease of transfer ", l.transfer_id(), " too close to expiry to pull"));
     }
@@ -826,9 +834,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         job = jobs_.front();
         jobs_.pop_front();
       }
-      const auto t0 = Clock::now();
+      const auto t0 = PdClock::now();
       absl::Status s = Pull(*job);
-      const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+      const double secs = std::chrono::duration<double>(PdClock::now() - t0).count();
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (s.ok()) {
@@ -845,12 +853,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       if (!s.ok()) {
         spdlog::warn("pd: pull of transfer {} from {} failed, recomputing locally: {}",
                      job->lease->lease.transfer_id(), job->lease->lease.node_id(), s.ToString());
-        if (s.code() != absl::StatusCode::kDataLoss &&
-            s.code() != absl::StatusCode::kDeadlineExceeded) {
-          DropPeer(job->lease->lease);
-        } else if (s.code() == absl::StatusCode::kDeadlineExceeded) {
-          DropPeer(job->lease->lease);
-        }
+        // A transport failure (dead or wedged peer): reconnect next time.
+        if (s.code() != absl::StatusCode::kDataLoss) DropPeer(job->lease->lease);
       }
       job->load->Finish(s);  // the blocks are ours alone again
       RemoteRelease(job->lease->lease, s.ok() ? "committed" : "failed");
@@ -862,7 +866,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     while (!shutdown_) {
       cv_.wait_for(lock, std::chrono::milliseconds(50));
       if (shutdown_) break;
-      const auto now = Clock::now();
+      const auto now = PdClock::now();
       for (auto it = held_.begin(); it != held_.end();) {
         if (now < it->second.expiry) {
           ++it;
@@ -913,7 +917,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   std::mutex mu_;
   std::condition_variable cv_;
   bool shutdown_ = false;                 // guarded by mu_
-  std::string node_id_, grpc_address_;    // guarded by mu_
+  std::string node_id_, grpc_address_, http_address_;  // guarded by mu_
   std::map<uint64_t, Held> held_;         // prefill: leases, guarded by mu_
   std::deque<uint64_t> gone_;             // prefill: released/expired ids, guarded by mu_
   std::vector<std::shared_ptr<Attached>> attached_;  // decode, guarded by mu_
@@ -948,6 +952,7 @@ absl::Status PdNode::Attach(Engine* engine, ModelService* service) {
   return impl_->Attach(engine, service);
 }
 void PdNode::SetGrpcPort(int port) { impl_->SetGrpcPort(port); }
+void PdNode::SetHttpPort(int port) { impl_->SetHttpPort(port); }
 grpc::Service* PdNode::service() { return impl_.get(); }
 void PdNode::Shutdown() { impl_->Shutdown(); }
 

@@ -72,6 +72,7 @@ class PdNode {
   [[nodiscard]] absl::Status Attach(Engine* engine, ModelService* service);
   // The gRPC server listens: the address peers reach it on.
   void SetGrpcPort(int port);
+  void SetHttpPort(int port);
   grpc::Service* service();
 
   // Drops every lease (their blocks are released on the engine thread, so

@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -25,6 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "httplib.h"
+#include "nlohmann/json.hpp"
 #include "proto/kvserve.grpc.pb.h"
 #include "proto/pd.grpc.pb.h"
 #include "server/auth.h"
@@ -34,9 +36,8 @@
 namespace kvserve {
 namespace {
 
-namespace v1 = ::kvserve::v1;
-namespace pd = ::kvserve::pd::v1;
-using Clock = std::chrono::steady_clock;
+namespace pdv1 = ::kvserve::pd::v1;
+using RouteClock = std::chrono::steady_clock;
 
 // A replica of one node's radix prefix index, built from its KV events:
 // blocks by hash, and children by (parent hash, hash of the block's tokens),
@@ -99,13 +100,13 @@ struct Node {
   std::string address;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Kvserve::Stub> api;
-  std::unique_ptr<pd::KvTransfer::Stub> pd;
+  std::unique_ptr<pdv1::KvTransfer::Stub> pd;
   Replica replica;
   // Guarded by Router::Impl::mu_.
   bool up = false;
   bool refused = false;
   std::string refused_reason;
-  pd::NodeInfo info;
+  pdv1::NodeInfo info;
   v1::Stats stats;
   int64_t pending_prefill_tokens = 0;  // sent here, first token not yet back
   int64_t in_flight = 0;
@@ -190,7 +191,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
     n->address = address;
     n->channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
     n->api = v1::Kvserve::NewStub(n->channel);
-    n->pd = pd::KvTransfer::NewStub(n->channel);
+    n->pd = pdv1::KvTransfer::NewStub(n->channel);
     Node* raw = n.get();
     n->subscriber = std::thread([this, raw] { Subscribe(raw); });
     return n;
@@ -247,11 +248,11 @@ struct Router::Impl final : public v1::Kvserve::Service {
   }
 
   void Poll(Node* n) {
-    pd::NodeInfo info;
+    pdv1::NodeInfo info;
     grpc::ClientContext c;
     AddAuth(&c);
     c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    grpc::Status s = n->pd->GetNodeInfo(&c, pd::GetNodeInfoRequest(), &info);
+    grpc::Status s = n->pd->GetNodeInfo(&c, pdv1::GetNodeInfoRequest(), &info);
     v1::Stats stats;
     grpc::Status ss = s;
     if (s.ok()) {
@@ -319,8 +320,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
       v1::SubscribeKvEventsRequest req;
       req.set_after_sequence(last);
       req.set_epoch(epoch);
-      std::unique_ptr<grpc::ClientReader<v1::KvEventsResponse>> reader =
-          n->api->SubscribeKvEvents(&c, req);
+      auto reader = n->api->SubscribeKvEvents(&c, req);
       v1::KvEventsResponse r;
       while (reader->Read(&r)) {
         if (r.has_snapshot()) {
@@ -430,7 +430,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
     p.prefill_tokens = best_uncached;
     if (prefillers.empty() || o.pd_mode == "never" || p.decode->info.role() != "decode") return p;
     // The decode node's measured pull bandwidth (bytes/s).
-    const pd::NodeInfo& di = p.decode->info;
+    const pdv1::NodeInfo& di = p.decode->info;
     const double bw = di.pull_seconds() > 0 && di.bytes_pulled() > 0
                           ? di.bytes_pulled() / di.pull_seconds()
                           : 1e9;
@@ -479,28 +479,29 @@ struct Router::Impl final : public v1::Kvserve::Service {
     AddAuth(to);
   }
 
-  void Release(Node* p, const pd::Lease& l, const char* reason) {
+  void Release(Node* p, const pdv1::Lease& l, const char* reason) {
     grpc::ClientContext c;
     AddAuth(&c);
     c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    pd::ReleaseLeaseRequest r;
+    pdv1::ReleaseLeaseRequest r;
     r.set_transfer_id(l.transfer_id());
     r.set_incarnation(l.incarnation());
     r.set_reason(reason);
-    pd::ReleaseLeaseResponse resp;
+    pdv1::ReleaseLeaseResponse resp;
     (void)p->pd->ReleaseLease(&c, r, &resp);
   }
 
   // Streams one request from node `d` back to the client.
-  template <typename Req>
-  grpc::Status Stream(grpc::ServerContext* ctx, CancelScope* scope, Node* d, const Req& req,
+  using ReaderFactory =
+      std::function<std::unique_ptr<grpc::ClientReaderInterface<v1::GenerateResponse>>(
+          grpc::ClientContext*)>;
+  grpc::Status Stream(grpc::ServerContext* ctx, CancelScope* scope, Node* d,
                       grpc::ServerWriter<v1::GenerateResponse>* w, int64_t charged,
-                      std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> (
-                          v1::Kvserve::Stub::*call)(grpc::ClientContext*, const Req&)) {
+                      const ReaderFactory& call) {
     grpc::ClientContext dc;
     CopyDeadline(ctx, &dc);
     scope->Add(&dc);
-    auto reader = ((*d->api).*call)(&dc, req);
+    auto reader = call(&dc);
     v1::GenerateResponse resp;
     bool first = true;
     while (reader->Read(&resp)) {
@@ -524,6 +525,148 @@ struct Router::Impl final : public v1::Kvserve::Service {
     return s;
   }
 
+  // Prefill on p.prefill and hand the lease to p.decode; nullopt (decode
+  // computes the prompt itself) when either step fails. `cancel` cancels
+  // the Prefill call when the client goes away (null: none).
+  std::optional<pdv1::Lease> PrefillAndAttach(Placement& p, const v1::GenerateRequest& req,
+                                              grpc::ServerContext* ctx, CancelScope* scope) {
+    if (p.prefill == nullptr) return std::nullopt;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      p.prefill->pending_prefill_tokens += p.prefill_tokens;
+    }
+    grpc::ClientContext pc;
+    if (ctx != nullptr) {
+      CopyDeadline(ctx, &pc);
+    } else {
+      AddAuth(&pc);
+      pc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+    }
+    if (scope != nullptr) scope->Add(&pc);
+    pdv1::PrefillRequest pr;
+    pr.set_generate_request(req.SerializeAsString());
+    pr.set_ttl_ms(o.lease_ttl_ms);
+    pdv1::Lease l;
+    grpc::Status s = p.prefill->pd->Prefill(&pc, pr, &l);
+    if (scope != nullptr) scope->Remove(&pc);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      p.prefill->pending_prefill_tokens -= p.prefill_tokens;
+    }
+    if (!s.ok()) {
+      if (scope == nullptr || !scope->cancelled()) {
+        spdlog::warn("route: prefill on {} failed: {}; decoding locally on {}",
+                     p.prefill->address, s.error_message(), p.decode->address);
+        ++pd_fallbacks_;
+      }
+      return std::nullopt;
+    }
+    grpc::ClientContext ac;
+    AddAuth(&ac);
+    ac.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    pdv1::AttachLeaseResponse ar;
+    grpc::Status as = p.decode->pd->AttachLease(&ac, l, &ar);
+    if (!as.ok()) {
+      spdlog::warn("route: decode node {} refused the lease of {}: {}; decoding locally",
+                   p.decode->address, p.prefill->address, as.error_message());
+      Release(p.prefill.get(), l, "attach failed");
+      ++pd_fallbacks_;
+      return std::nullopt;
+    }
+    return l;
+  }
+
+  // OpenAI HTTP: the body goes unchanged to the chosen decode-capable node's
+  // HTTP port (streams relayed chunk by chunk; a client that goes away
+  // closes the upstream connection, which cancels the request there). A
+  // completion with a text prompt is placed and disaggregated like Generate.
+  void ProxyHttp(const httplib::Request& req, httplib::Response& res) {
+    auto error = [&res](int status, const std::string& msg) {
+      res.status = status;
+      nlohmann::json j;
+      j["error"]["message"] = msg;
+      res.set_content(j.dump(), "application/json");
+    };
+    if (!o.api_key.empty() &&
+        !BearerTokenMatches(req.get_header_value("Authorization"), o.api_key)) {
+      return error(401, "missing or wrong 'Authorization: Bearer <api key>'");
+    }
+    nlohmann::json body = nlohmann::json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    if (body.is_discarded() || !body.is_object()) {
+      return error(400, "request body: not a JSON object");
+    }
+    v1::GenerateRequest gr;
+    const bool text_completion =
+        req.path == "/v1/completions" && body.contains("prompt") && body["prompt"].is_string();
+    if (text_completion) {
+      gr.set_prompt(body["prompt"].get<std::string>());
+      if (body.contains("cache_salt") && body["cache_salt"].is_string()) {
+        gr.set_cache_salt(body["cache_salt"].get<std::string>());
+      }
+    }
+    absl::StatusOr<Placement> placed = Place(text_completion ? &gr : nullptr);
+    if (!placed.ok()) return error(503, std::string(placed.status().message()));
+    auto p = std::make_shared<Placement>(std::move(*placed));
+    std::shared_ptr<std::optional<pdv1::Lease>> lease =
+        std::make_shared<std::optional<pdv1::Lease>>(
+            text_completion ? PrefillAndAttach(*p, gr, nullptr, nullptr) : std::nullopt);
+    if (*lease) {
+      ++disaggregated_;
+    } else {
+      ++local_;
+    }
+    std::string address;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      address = p->decode->info.http_address();
+    }
+    const size_t colon = address.rfind(':');
+    if (address.empty() || colon == std::string::npos) {
+      return error(503, "route: the chosen node reports no HTTP address");
+    }
+    const std::string host = address.substr(0, colon);
+    const int port = std::atoi(address.c_str() + colon + 1);
+    httplib::Headers headers;
+    if (req.has_header("Authorization")) {
+      headers.emplace("Authorization", req.get_header_value("Authorization"));
+    }
+    auto finish = [this, p, lease] {
+      if (*lease) Release(p->prefill.get(), **lease, "request ended");
+    };
+    const bool stream = body.contains("stream") && body["stream"].is_boolean() &&
+                        body["stream"].get<bool>();
+    if (!stream) {
+      httplib::Client cli(host, port);
+      cli.set_read_timeout(600, 0);
+      auto r = cli.Post(req.path.c_str(), headers, req.body, "application/json");
+      finish();
+      if (!r) return error(502, "route: node " + address + " did not answer");
+      res.status = r->status;
+      res.set_content(r->body, r->get_header_value("Content-Type").c_str());
+      return;
+    }
+    const std::string path = req.path, payload = req.body;
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [host, port, path, payload, headers, finish](size_t, httplib::DataSink& sink) {
+          httplib::Client cli(host, port);
+          cli.set_read_timeout(600, 0);
+          httplib::Request up;
+          up.method = "POST";
+          up.path = path;
+          up.headers = headers;
+          up.set_header("Content-Type", "application/json");
+          up.body = payload;
+          up.content_receiver = [&sink](const char* data, size_t len, uint64_t, uint64_t) {
+            return sink.write(data, len);  // false (client gone) aborts upstream
+          };
+          (void)cli.send(up);
+          finish();
+          sink.done();
+          return true;
+        });
+  }
+
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* w) override {
     if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
@@ -534,47 +677,9 @@ struct Router::Impl final : public v1::Kvserve::Service {
     }
     Placement p = std::move(*placed);
     CancelScope scope(ctx);
-    std::optional<pd::Lease> lease;
-    if (p.prefill != nullptr) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        p.prefill->pending_prefill_tokens += p.prefill_tokens;
-      }
-      grpc::ClientContext pc;
-      CopyDeadline(ctx, &pc);
-      scope.Add(&pc);
-      pd::PrefillRequest pr;
-      pr.set_generate_request(req->SerializeAsString());
-      pr.set_ttl_ms(o.lease_ttl_ms);
-      pd::Lease l;
-      grpc::Status s = p.prefill->pd->Prefill(&pc, pr, &l);
-      scope.Remove(&pc);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        p.prefill->pending_prefill_tokens -= p.prefill_tokens;
-      }
-      if (s.ok()) {
-        grpc::ClientContext ac;
-        CopyDeadline(ctx, &ac);
-        pd::AttachLeaseResponse ar;
-        grpc::Status as = p.decode->pd->AttachLease(&ac, l, &ar);
-        if (as.ok()) {
-          lease = std::move(l);
-        } else {
-          spdlog::warn("route: decode node {} refused the lease of {}: {}; decoding locally",
-                       p.decode->address, p.prefill->address, as.error_message());
-          Release(p.prefill.get(), l, "attach failed");
-          ++pd_fallbacks_;
-        }
-      } else if (scope.cancelled()) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-      } else {
-        // The prefill node failed (or died): the decode node computes the
-        // prompt itself.
-        spdlog::warn("route: prefill on {} failed: {}; decoding locally on {}",
-                     p.prefill->address, s.error_message(), p.decode->address);
-        ++pd_fallbacks_;
-      }
+    std::optional<pdv1::Lease> lease = PrefillAndAttach(p, *req, ctx, &scope);
+    if (!lease && scope.cancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
     }
     if (lease) {
       ++disaggregated_;
@@ -587,8 +692,10 @@ struct Router::Impl final : public v1::Kvserve::Service {
       p.decode->pending_prefill_tokens += charged;
       ++p.decode->in_flight;
     }
-    grpc::Status s = Stream<v1::GenerateRequest>(ctx, &scope, p.decode.get(), *req, w, charged,
-                                                 &v1::Kvserve::Stub::Generate);
+    Node* d = p.decode.get();
+    grpc::Status s = Stream(ctx, &scope, d, w, charged, [d, req](grpc::ClientContext* c) {
+      return d->api->Generate(c, *req);
+    });
     {
       std::lock_guard<std::mutex> lock(mu_);
       --p.decode->in_flight;
@@ -608,8 +715,9 @@ struct Router::Impl final : public v1::Kvserve::Service {
                           std::string(placed.status().message()));
     }
     CancelScope scope(ctx);
-    return Stream<v1::ChatRequest>(ctx, &scope, placed->decode.get(), *req, w, 0,
-                                   &v1::Kvserve::Stub::Chat);
+    Node* d = placed->decode.get();
+    return Stream(ctx, &scope, d, w, 0,
+                  [d, req](grpc::ClientContext* c) { return d->api->Chat(c, *req); });
   }
 
   std::shared_ptr<Node> AnyDecoder() {
@@ -713,6 +821,12 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(RouterOptions options) {
     return absl::UnavailableError("route: cannot listen on " + i->o.grpc_address);
   }
   if (i->o.http_port >= 0) {
+    i->http.Post("/v1/completions", [i](const httplib::Request& q, httplib::Response& r) {
+      i->ProxyHttp(q, r);
+    });
+    i->http.Post("/v1/chat/completions", [i](const httplib::Request& q, httplib::Response& r) {
+      i->ProxyHttp(q, r);
+    });
     i->http.Get("/health", [i](const httplib::Request&, httplib::Response& res) {
       bool ready = false;
       res.set_content(i->HealthJson(&ready), "application/json");

@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
 #include "gtest/gtest.h"
 #include "proto/kvserve.grpc.pb.h"
 #include "proto/pd.grpc.pb.h"
@@ -33,7 +35,7 @@ namespace kvserve {
 namespace {
 
 namespace v1 = ::kvserve::v1;
-namespace pd = ::kvserve::pd::v1;
+namespace pdv1 = ::kvserve::pd::v1;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
@@ -63,11 +65,11 @@ struct Client {
     channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
                                   grpc::InsecureChannelCredentials());
     api = v1::Kvserve::NewStub(channel);
-    pdx = pd::KvTransfer::NewStub(channel);
+    pdx = pdv1::KvTransfer::NewStub(channel);
   }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Kvserve::Stub> api;
-  std::unique_ptr<pd::KvTransfer::Stub> pdx;
+  std::unique_ptr<pdv1::KvTransfer::Stub> pdx;
 
   v1::GenerateRequest Request(const std::string& prompt) const {
     v1::GenerateRequest r;
@@ -99,45 +101,45 @@ struct Client {
     EXPECT_TRUE(api->GetStats(&c, v1::GetStatsRequest(), &s).ok());
     return s;
   }
-  pd::NodeInfo Info() {
+  pdv1::NodeInfo Info() {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 5s);
-    pd::NodeInfo i;
-    EXPECT_TRUE(pdx->GetNodeInfo(&c, pd::GetNodeInfoRequest(), &i).ok());
+    pdv1::NodeInfo i;
+    EXPECT_TRUE(pdx->GetNodeInfo(&c, pdv1::GetNodeInfoRequest(), &i).ok());
     return i;
   }
-  grpc::Status Prefill(const std::string& prompt, pd::Lease* lease, uint32_t ttl_ms = 0) {
+  grpc::Status Prefill(const std::string& prompt, pdv1::Lease* lease, uint32_t ttl_ms = 0) {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 30s);
-    pd::PrefillRequest r;
+    pdv1::PrefillRequest r;
     r.set_generate_request(Request(prompt).SerializeAsString());
     r.set_ttl_ms(ttl_ms);
     return pdx->Prefill(&c, r, lease);
   }
-  grpc::Status Attach(const pd::Lease& lease) {
+  grpc::Status Attach(const pdv1::Lease& lease) {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 10s);
-    pd::AttachLeaseResponse r;
+    pdv1::AttachLeaseResponse r;
     return pdx->AttachLease(&c, lease, &r);
   }
   grpc::Status Release(uint64_t id, uint64_t incarnation, bool* released = nullptr) {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 5s);
-    pd::ReleaseLeaseRequest r;
+    pdv1::ReleaseLeaseRequest r;
     r.set_transfer_id(id);
     r.set_incarnation(incarnation);
-    pd::ReleaseLeaseResponse resp;
+    pdv1::ReleaseLeaseResponse resp;
     grpc::Status s = pdx->ReleaseLease(&c, r, &resp);
     if (released) *released = resp.released();
     return s;
   }
-  grpc::Status EarlyFree(const pd::Lease& l) {
+  grpc::Status EarlyFree(const pdv1::Lease& l) {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 10s);
-    pd::ReleaseLeaseRequest r;
+    pdv1::ReleaseLeaseRequest r;
     r.set_transfer_id(l.transfer_id());
     r.set_incarnation(l.incarnation());
-    pd::ReleaseLeaseResponse resp;
+    pdv1::ReleaseLeaseResponse resp;
     return pdx->DebugEarlyFree(&c, r, &resp);
   }
   // Waits until no block is pinned (free or cached-evictable == total) and
@@ -146,7 +148,7 @@ struct Client {
     const auto deadline = std::chrono::steady_clock::now() + 15s;
     while (std::chrono::steady_clock::now() < deadline) {
       const v1::Stats s = Stats();
-      const pd::NodeInfo i = Info();
+      const pdv1::NodeInfo i = Info();
       if (s.blocks_free() == s.blocks_total() && s.running() == 0 && s.waiting() == 0 &&
           s.kv_arriving() == 0 && i.leases_active() == 0) {
         return true;
@@ -177,6 +179,15 @@ std::vector<std::string> Prompts(int n, const std::string& tag = "") {
     out.push_back(std::string(prefixes[i % 5]) + tag + " " + tails[(i / 5) % 5] + " number " +
                   std::to_string(i) + ",");
   }
+  return out;
+}
+
+// Prompts whose first block is their own (a leading number), so no node
+// holds any of their blocks before: every leased block is pulled.
+std::vector<std::string> UniquePrompts(int n, const std::string& tag) {
+  std::vector<std::string> base = Prompts(n);
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back(tag + " " + std::to_string(i) + ": " + base[i]);
   return out;
 }
 
@@ -258,7 +269,7 @@ TEST_F(PdTest, RouterPrefillDecodeOutputsEqualOneNode) {
   // Pass 1: prefix hits come from the five shared prefixes (on both sides);
   // pass 2 repeats every prompt (everything cached on the decode node).
   for (int pass = 0; pass < 2; ++pass) {
-    const pd::NodeInfo before = d.Info();
+    const pdv1::NodeInfo before = d.Info();
     int mismatches = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
       const std::string got = router.Generate(prompts[i]);
@@ -266,7 +277,7 @@ TEST_F(PdTest, RouterPrefillDecodeOutputsEqualOneNode) {
       mismatches += got != want[i];
     }
     EXPECT_EQ(mismatches, 0);
-    const pd::NodeInfo after = d.Info();
+    const pdv1::NodeInfo after = d.Info();
     EXPECT_EQ(after.generation_mismatches(), before.generation_mismatches());
     EXPECT_EQ(after.transfers_failed(), before.transfers_failed());
     if (pass == 0) {
@@ -285,11 +296,11 @@ TEST_F(PdTest, RouterPrefillDecodeOutputsEqualOneNode) {
 
 TEST_F(PdTest, EarlyFreeOnPrefillIsCaughtByTheGenerationFence) {
   Client p(prefill_->grpc_port()), d(decode_->grpc_port());
-  const std::vector<std::string> prompts = Prompts(10, " early free");
-  const pd::NodeInfo before = d.Info();
+  const std::vector<std::string> prompts = UniquePrompts(10, "Early free");
+  const pdv1::NodeInfo before = d.Info();
   int leased_blocks = 0;
   for (const auto& prompt : prompts) {
-    pd::Lease lease;
+    pdv1::Lease lease;
     ASSERT_TRUE(p.Prefill(prompt, &lease).ok());
     ASSERT_GT(lease.block_ids_size(), 0);
     leased_blocks += lease.block_ids_size();
@@ -300,7 +311,7 @@ TEST_F(PdTest, EarlyFreeOnPrefillIsCaughtByTheGenerationFence) {
     EXPECT_EQ(d.Generate(prompt), Reference(prompt)) << prompt;
     (void)p.Release(lease.transfer_id(), lease.incarnation());
   }
-  const pd::NodeInfo after = d.Info();
+  const pdv1::NodeInfo after = d.Info();
   // 100%: every one of the ten transfers failed the fence and recomputed.
   EXPECT_EQ(after.generation_mismatches() - before.generation_mismatches(), 10);
   EXPECT_EQ(after.transfers_ok(), before.transfers_ok());
@@ -312,11 +323,11 @@ TEST_F(PdTest, EarlyFreeOnPrefillIsCaughtByTheGenerationFence) {
 
 TEST_F(PdTest, BadLeasesAreRefusedNamingTheProblem) {
   Client p(prefill_->grpc_port()), d(decode_->grpc_port());
-  pd::Lease lease;
-  ASSERT_TRUE(p.Prefill(Prompts(1, " bad input")[0], &lease).ok());
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(1, "Bad input")[0], &lease).ok());
   ASSERT_GT(lease.block_ids_size(), 0);
 
-  pd::Lease forged = lease;
+  pdv1::Lease forged = lease;
   forged.set_generations(0, forged.generations(0) + 1);
   grpc::Status s = d.Attach(forged);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -328,13 +339,13 @@ TEST_F(PdTest, BadLeasesAreRefusedNamingTheProblem) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("digest mismatch"));
 
-  pd::Lease unknown = lease;
+  pdv1::Lease unknown = lease;
   unknown.set_transfer_id(12345);
   s = d.Attach(unknown);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(s.error_message(), HasSubstr("unknown transfer id 12345"));
 
-  pd::Lease malformed = lease;
+  pdv1::Lease malformed = lease;
   malformed.mutable_generations()->RemoveLast();
   s = d.Attach(malformed);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -346,7 +357,7 @@ TEST_F(PdTest, BadLeasesAreRefusedNamingTheProblem) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("lease.transfer_id"));
 
-  pd::Lease other_layout = lease;
+  pdv1::Lease other_layout = lease;
   other_layout.mutable_layout()->set_block_size(32);
   s = d.Attach(other_layout);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
@@ -378,7 +389,7 @@ TEST_F(PdTest, BadLeasesAreRefusedNamingTheProblem) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
 
   // Nothing else was disturbed.
-  const std::string prompt = Prompts(3, " after bad input")[2];
+  const std::string prompt = UniquePrompts(3, "After bad input")[2];
   EXPECT_EQ(Client(router_->grpc_port()).Generate(prompt), Reference(prompt));
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
@@ -387,8 +398,8 @@ TEST_F(PdTest, BadLeasesAreRefusedNamingTheProblem) {
 TEST_F(PdTest, UnclaimedLeaseExpiresAndFrees) {
   Client p(prefill_->grpc_port());
   const int64_t expired = p.Info().leases_expired();
-  pd::Lease lease;
-  ASSERT_TRUE(p.Prefill(Prompts(1, " expiry")[0], &lease, /*ttl_ms=*/400).ok());
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(1, "Expiry")[0], &lease, /*ttl_ms=*/400).ok());
   ASSERT_GT(lease.block_ids_size(), 0);
   EXPECT_EQ(p.Info().leases_active(), 1);
   EXPECT_TRUE(p.AtBaseline());
@@ -400,8 +411,8 @@ TEST_F(PdTest, DecodeKilledAfterAttachLeavesPrefillAtBaseline) {
   auto d2 = StartNode("decode");
   ASSERT_TRUE(d2);
   Client d(d2->grpc_port());
-  pd::Lease lease;
-  ASSERT_TRUE(p.Prefill(Prompts(1, " decode dies")[0], &lease, 1000).ok());
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(1, "Decode dies")[0], &lease, 1000).ok());
   ASSERT_TRUE(d.Attach(lease).ok());
   d2->StopWith(SIGKILL, 5);
   EXPECT_TRUE(p.AtBaseline());
@@ -412,8 +423,8 @@ TEST_F(PdTest, DecodeStoppedPastTtlRecomputesAndBothReturnToBaseline) {
   auto d3 = StartNode("decode");
   ASSERT_TRUE(d3);
   Client d(d3->grpc_port());
-  const std::string prompt = Prompts(1, " sigstop")[0];
-  pd::Lease lease;
+  const std::string prompt = UniquePrompts(1, "Sigstop")[0];
+  pdv1::Lease lease;
   ASSERT_TRUE(p.Prefill(prompt, &lease, 800).ok());
   ASSERT_TRUE(d.Attach(lease).ok());
   kill(d3->pid(), SIGSTOP);
@@ -443,8 +454,8 @@ TEST_F(PdTest, PrefillKilledAndRestartedOnSamePortFailsOldTransfersCleanly) {
   auto p2 = start_p2();
   ASSERT_TRUE(p2);
   ASSERT_EQ(p2->grpc_port(), port);
-  const std::string prompt = Prompts(1, " prefill dies")[0];
-  pd::Lease old_lease;
+  const std::string prompt = UniquePrompts(1, "Prefill dies")[0];
+  pdv1::Lease old_lease;
   {
     Client p(port);
     ASSERT_TRUE(p.Prefill(prompt, &old_lease).ok());
@@ -460,7 +471,7 @@ TEST_F(PdTest, PrefillKilledAndRestartedOnSamePortFailsOldTransfersCleanly) {
   p2 = start_p2();
   ASSERT_TRUE(p2);
   Client p(port);
-  const pd::NodeInfo info = p.Info();
+  const pdv1::NodeInfo info = p.Info();
   EXPECT_NE(info.incarnation(), old_lease.incarnation());
   grpc::Status s = p.Release(old_lease.transfer_id(), old_lease.incarnation());
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
@@ -469,14 +480,46 @@ TEST_F(PdTest, PrefillKilledAndRestartedOnSamePortFailsOldTransfersCleanly) {
   EXPECT_FALSE(s.ok());
   EXPECT_THAT(s.error_message(), HasSubstr("stale incarnation"));
   // The new incarnation serves new leases.
-  const std::string prompt2 = Prompts(2, " prefill restarted")[1];
-  pd::Lease lease;
+  const std::string prompt2 = UniquePrompts(2, "Prefill restarted")[1];
+  pdv1::Lease lease;
   ASSERT_TRUE(p.Prefill(prompt2, &lease).ok());
   const int64_t ok_before = d.Info().transfers_ok();
   ASSERT_TRUE(d.Attach(lease).ok());
   EXPECT_EQ(d.Generate(prompt2), Reference(prompt2));
   EXPECT_EQ(d.Info().transfers_ok(), ok_before + 1);
   EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// The OpenAI HTTP API through the router: the same text as the single
+// node, plain and streamed, and /health names the registered nodes.
+TEST_F(PdTest, OpenAiHttpThroughRouterEqualsOneNode) {
+  httplib::Client router("127.0.0.1", router_->http_port()), both("127.0.0.1", both_->http_port());
+  router.set_read_timeout(60, 0);
+  both.set_read_timeout(60, 0);
+  auto health = router.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_THAT(health->body, HasSubstr("\"role\":\"decode\""));
+  EXPECT_THAT(health->body, HasSubstr("\"role\":\"prefill\""));
+  Client d(decode_->grpc_port());
+  const int64_t attached = d.Info().leases_attached();
+  for (const std::string& prompt : UniquePrompts(5, "Over HTTP")) {
+    nlohmann::json body = {{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"temperature", 0},
+                           {"ignore_eos", true}};
+    auto want = both.Post("/v1/completions", body.dump(), "application/json");
+    auto got = router.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(want && got);
+    ASSERT_EQ(got->status, 200) << got->body;
+    EXPECT_EQ(nlohmann::json::parse(got->body)["choices"][0]["text"],
+              nlohmann::json::parse(want->body)["choices"][0]["text"]);
+    body["stream"] = true;
+    auto streamed = router.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(streamed);
+    EXPECT_THAT(streamed->body, HasSubstr("data: [DONE]"));
+  }
+  EXPECT_GE(d.Info().leases_attached() - attached, 5);
+  EXPECT_TRUE(Client(prefill_->grpc_port()).AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
 }
 
