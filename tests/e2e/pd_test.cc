@@ -14,7 +14,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -46,7 +48,7 @@ std::vector<std::string> GlobalArgs() {
 }
 
 std::vector<std::string> NodeArgs(const std::string& role, std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"--role",         role, "--kv-cache-memory", "4MiB",
+  std::vector<std::string> a = {"--role",         role, "--kv-cache-memory", "16MiB",
                                 "--drain-timeout", "2", "--pd-transfer-timeout", "3",
                                 "--pd-test-hooks"};
   a.insert(a.end(), extra.begin(), extra.end());
@@ -281,6 +283,14 @@ TEST_F(PdTest, RouterPrefillDecodeOutputsEqualOneNode) {
     EXPECT_EQ(after.generation_mismatches(), before.generation_mismatches());
     EXPECT_EQ(after.transfers_failed(), before.transfers_failed());
     if (pass == 0) {
+      // A figure, not an assertion: what the pulls achieved on this machine.
+      std::printf("pass 1: %lld transfers, %lld blocks, %.1f MB in %.3f s of pulls (%.1f MB/s)\n",
+                  static_cast<long long>(after.transfers_ok() - before.transfers_ok()),
+                  static_cast<long long>(after.blocks_pulled() - before.blocks_pulled()),
+                  (after.bytes_pulled() - before.bytes_pulled()) / 1e6,
+                  after.pull_seconds() - before.pull_seconds(),
+                  (after.bytes_pulled() - before.bytes_pulled()) / 1e6 /
+                      std::max(1e-9, after.pull_seconds() - before.pull_seconds()));
       EXPECT_GT(after.leases_attached() - before.leases_attached(), 90);
       EXPECT_GT(after.transfers_ok() - before.transfers_ok(), 0);
       EXPECT_GT(after.blocks_pulled() - before.blocks_pulled(), 0);
