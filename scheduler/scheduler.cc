@@ -248,11 +248,25 @@ void Scheduler::OrderWaiting() {
 
 bool Scheduler::StartLoad(Sequence* s) {
   if (loader_ == nullptr) return false;
-  const int32_t from = s->kv.num_computed;
+  int32_t from = s->kv.num_computed;
   const int32_t limit = s->num_tokens() - 1;  // the last token is computed here: its logits
   if (from >= limit) return false;
-  const int32_t n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit),
-                             limit - from);
+  int32_t n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit),
+                       limit - from);
+  const int32_t bs = kv_->block_size();
+  if (n <= 0 && from % bs != 0) {
+    // The radix match ended inside a block (a shared, partly matched one)
+    // and loaders supply whole blocks: when one supplies more from the
+    // block boundary below, match only whole blocks and load from there.
+    const int32_t aligned = from - from % bs;
+    const int32_t m = loader_->Lookup(s->group()->salt(), s->tokens(), aligned, limit);
+    if (aligned + m > from) {
+      kv_->Discard(&s->kv);
+      kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), aligned);
+      from = s->kv.num_computed;
+      n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit), limit - from);
+    }
+  }
   if (n <= 0) return false;
   if (!kv_->AllocateSlots(&s->kv, 0, 0, n).ok()) return false;
   std::vector<int32_t> ids;

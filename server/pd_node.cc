@@ -520,7 +520,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     auto job = std::make_shared<Job>();
     job->lease = a;
     job->first_block = t.first_slot / block_size_;
-    const int32_t n_blocks = t.num_tokens / block_size_;
+    const int32_t n_blocks = (t.first_slot + t.num_tokens) / block_size_ - job->first_block;
     const int32_t* ids = t.view.block_ids + t.view.seq_block_offsets[0];
     for (int32_t k = 0; k < n_blocks; ++k) job->local_ids.push_back(ids[job->first_block + k]);
     job->load = std::make_shared<PullLoad>();
@@ -653,7 +653,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     pb::RenewLeaseRequest r;
     r.set_transfer_id(l.transfer_id());
     r.set_incarnation(l.incarnation());
-    r.set_digest(l.digest());
+    // Our own digest of what we received: a lease altered on the way (or
+    // made up) does not match the grant the prefill node recorded.
+    r.set_digest(LeaseDigest(l));
     pb::RenewLeaseResponse resp;
     grpc::Status s = StubFor(l.grpc_address())->RenewLease(&c, r, &resp);
     if (!s.ok()) {
@@ -721,8 +723,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   }
 
   // REQUIRES: mu_ held. The unconsumed lease that supplies the most tokens
-  // of tokens[from, limit) (whole blocks from a block boundary); *end is the
-  // slot its supply ends at.
+  // of tokens[from, limit) (whole blocks from a block boundary: a pull
+  // writes whole blocks, and a block the sequence shares is never written);
+  // *end is the slot its supply ends at.
   std::shared_ptr<Attached> FindLease(std::string_view salt, absl::Span<const int32_t> tokens,
                                       int32_t from, int32_t limit, int32_t* end) {
     *end = 0;
