@@ -650,6 +650,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     grpc::ClientContext c;
     AddAuth(&c);
     c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    // A prefill node restarted on the same address: wait out the channel's
+    // reconnect backoff (within the deadline) instead of failing at once.
+    c.set_wait_for_ready(true);
     pb::RenewLeaseRequest r;
     r.set_transfer_id(l.transfer_id());
     r.set_incarnation(l.incarnation());
