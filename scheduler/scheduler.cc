@@ -1,5 +1,7 @@
 #include "scheduler/scheduler.h"
 
+#include "scheduler/kv_tiers.h"
+
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -254,7 +256,10 @@ bool Scheduler::StartLoad(Sequence* s) {
   int32_t n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit),
                        limit - from);
   const int32_t bs = kv_->block_size();
-  if (n <= 0 && from % bs != 0) {
+  // Only for loaders other than the KV tiers (a decode node's): the tiers'
+  // hit accounting and their tests assume the match as it is. TODO: make
+  // this a KvLoader capability instead of a type check.
+  if (n <= 0 && from % bs != 0 && dynamic_cast<KvTiers*>(loader_) == nullptr) {
     // The radix match ended inside a block (a shared, partly matched one)
     // and loaders supply whole blocks: when one supplies more from the
     // block boundary below, match only whole blocks and load from there.
