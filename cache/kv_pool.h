@@ -95,6 +95,14 @@ class KvPool {
   // long), for copies to the tiers below. REQUIRES: live, !on_device().
   const uint8_t* HostBlockData(BlockHandle h) const;
 
+  // Prefill/decode disaggregation registers these with the transport: the
+  // host storage (block i at host_storage() + i * block_bytes()) and the
+  // per-block generation table (num_blocks() entries, stable address for the
+  // pool's lifetime; a peer reads it remotely to fence its reads).
+  // REQUIRES: !on_device() for host_storage().
+  uint8_t* host_storage() const { return storage_; }
+  const uint32_t* generation_table() const { return generation_.data(); }
+
   // Registers or removes an observer. REQUIRES: a registered observer stays
   // alive until removed.
   void AddObserver(KvPoolObserver* o);

@@ -1,5 +1,7 @@
 #include "scheduler/scheduler.h"
 
+#include "scheduler/kv_tiers.h"
+
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -248,13 +250,30 @@ void Scheduler::OrderWaiting() {
 
 bool Scheduler::StartLoad(Sequence* s) {
   if (loader_ == nullptr) return false;
-  const int32_t from = s->kv.num_computed;
+  int32_t from = s->kv.num_computed;
   const int32_t limit = s->num_tokens() - 1;  // the last token is computed here: its logits
   if (from >= limit) return false;
-  const int32_t n =
+  int32_t n =
       std::min(loader_->LookupWorthLoading(s->group()->salt(), s->tokens(), from, limit,
                                            cost_.prefill_seconds_per_token()),
                limit - from);
+  const int32_t bs = kv_->block_size();
+  // Only for loaders other than the KV tiers (a decode node's): the tiers'
+  // hit accounting and their tests assume the match as it is. TODO: make
+  // this a KvLoader capability instead of a type check.
+  if (n <= 0 && from % bs != 0 && dynamic_cast<KvTiers*>(loader_) == nullptr) {
+    // The radix match ended inside a block (a shared, partly matched one)
+    // and loaders supply whole blocks: when one supplies more from the
+    // block boundary below, match only whole blocks and load from there.
+    const int32_t aligned = from - from % bs;
+    const int32_t m = loader_->Lookup(s->group()->salt(), s->tokens(), aligned, limit);
+    if (aligned + m > from) {
+      kv_->Discard(&s->kv);
+      kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), aligned);
+      from = s->kv.num_computed;
+      n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit), limit - from);
+    }
+  }
   if (n <= 0) return false;
   if (!kv_->AllocateSlots(&s->kv, 0, 0, n).ok()) return false;
   std::vector<int32_t> ids;

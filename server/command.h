@@ -69,6 +69,7 @@ std::unique_ptr<Command> NewPlanCommand(CLI::App* root, EngineFlags* engine_flag
 std::unique_ptr<Command> NewInfoCommand(CLI::App* root);
 std::unique_ptr<Command> NewProbeCommand(CLI::App* root);
 std::unique_ptr<Command> NewServeCommand(CLI::App* root, EngineFlags* engine_flags);
+std::unique_ptr<Command> NewRouteCommand(CLI::App* root);
 
 // $KVSERVE_MODEL, else $KVSERVE_MODEL_DIR (default "models") +
 // /SmolLM2-135M-Instruct.Q4_1.gguf.

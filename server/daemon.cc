@@ -182,8 +182,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   std::shared_ptr<CacheControl> cache_control;
   if (engine_flags.prefix_cache) cache_control = std::make_shared<CacheControl>(cco);
   EngineBuilder builder(engine_flags, l.model.get(), l.tokenizer.get());
+  // Prefill/decode disaggregation (server/pd_node.h): a decode node's engine
+  // loads leased KV through the node's KvLoader.
+  ASSIGN_OR_RETURN(const std::string pd_fingerprint,
+                   ModelFingerprint(model_path, int64_t{64} << 20));
+  ASSIGN_OR_RETURN(d->pd_, PdNode::Create(f.pd, pd_fingerprint, api_key));
   ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path),
-                                             cache_control));
+                                             cache_control, d->pd_->kv_loader()));
   RETURN_IF_ERROR(CheckKvPolicyDefaults(limits.kv_policy, d->engine_->limits()));
   if (limits.kv_policy.kind != KvPolicy::Kind::kNone) {
     spdlog::info("token eviction by default: --kv-policy {} (sinks {}, window {}, budget {})",
@@ -200,6 +205,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
     d->cache_control_ = std::make_unique<CacheControlService>(d->service_.get(), d->engine_.get(),
                                                               cache_control);
   }
+  RETURN_IF_ERROR(d->pd_->Attach(d->engine_.get(), d->service_.get()));
   ASSIGN_OR_RETURN(const ResponseCacheOptions cache_options, ResponseCacheOptionsFromFlags(f));
   absl::StatusOr<SemanticMode> semantic_mode = ParseSemanticMode(f.semantic_cache_default);
   if (!semantic_mode.ok()) {
@@ -262,8 +268,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                      GrpcServerOptions o = GrpcOptionsFromFlags(f, api_key);
                      o.tenant_keys = d->tenant_keys_;
                      o.cache_control = d->cache_control_.get();
+                     o.extra_services.push_back(d->pd_->service());
                      return o;
                    }()));
+  d->pd_->SetGrpcPort(d->grpc_->port());
   ASSIGN_OR_RETURN(d->http_,
                    HttpServer::Start(d->service_.get(), [&] {
                      HttpServerOptions o = HttpOptionsFromFlags(f, api_key);
@@ -271,6 +279,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                      o.cache_control = d->cache_control_.get();
                      return o;
                    }()));
+  d->pd_->SetHttpPort(d->http_->port());
   spdlog::info("serving '{}': gRPC on {} (port {}), HTTP on {}:{}{}", name, f.grpc_address,
                d->grpc_->port(), f.http_host, d->http_->port(),
                api_key.empty() ? "" : ", API key required");
@@ -285,6 +294,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
 }
 
 Daemon::~Daemon() {
+  // Leased blocks go back before the engine (and its pool) does.
+  if (pd_) pd_->Shutdown();
   if (stopped_) return;
   if (kv_events_) kv_events_->Close();
   if (grpc_) grpc_->Shutdown(std::chrono::system_clock::now());
@@ -330,6 +341,7 @@ void Daemon::Drain(const std::string& reason) {
   if (kv_events_) kv_events_->Close();
   grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   http_->Stop();
+  pd_->Shutdown();
   engine_->Stop();
   stopped_ = true;
   spdlog::info("stopped");

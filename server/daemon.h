@@ -24,6 +24,7 @@
 #include "server/http_server.h"
 #include "server/metrics.h"
 #include "server/model_service.h"
+#include "server/pd_node.h"
 #include "server/response_cache.h"
 #include "server/semantic_cache.h"
 #include "server/serve_flags.h"
@@ -81,6 +82,9 @@ class Daemon {
   ServeFlags flags_;
   // Declared in construction order; destroyed in reverse (servers first).
   std::unique_ptr<KvEventLog> kv_events_;
+  // Before the engine: a decode node's KvLoader must outlive it (Shutdown()
+  // releases the leases first).
+  std::unique_ptr<PdNode> pd_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ResponseCache> response_cache_;  // null when off

@@ -92,7 +92,8 @@ EngineBuilder::EngineBuilder(const EngineFlags& flags, LlamaModel* model,
 absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
                                                              KvEventSink* kv_events,
                                                              std::string model_identity,
-                                                             std::shared_ptr<CacheControl> cache_control) {
+                                                             std::shared_ptr<CacheControl> cache_control,
+                                                             KvLoader* kv_loader) {
   ASSIGN_OR_RETURN(const MemoryPlan plan, PlanFromFlags(flags_, model_->config()));
   spdlog::info(
       "KV cache ({}): {} bytes/token, {} bytes/block of {} tokens, {} blocks, "
@@ -112,6 +113,14 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
   if (o.kv_tiers != nullptr) {
     spdlog::info("KV tiers: host {} bytes, disk {}", o.kv_tiers->host_bytes(),
                  flags_.kv_disk_dir.empty() ? std::string("off") : flags_.kv_disk_dir);
+  }
+  if (kv_loader != nullptr) {
+    if (o.kv_tiers != nullptr) {
+      return absl::InvalidArgumentError(
+          "--role decode does not combine with the KV tiers (--kv-host-memory, --kv-disk-dir) "
+          "yet: both load KV through the engine's one KvLoader");
+    }
+    o.kv_loader = kv_loader;
   }
   if (backend_ == nullptr) {
     ASSIGN_OR_RETURN(backend_, CreateBackend(flags_.device, model_, o.kv_dtype, flags_.block_size));

@@ -54,7 +54,8 @@ class EngineBuilder {
   [[nodiscard]] absl::StatusOr<std::unique_ptr<Engine>> Build(ThreadPool* pool,
                                                               KvEventSink* kv_events = nullptr,
                                                               std::string model_identity = "",
-                                                              std::shared_ptr<CacheControl> cache_control = nullptr);
+                                                              std::shared_ptr<CacheControl> cache_control = nullptr,
+                                                              KvLoader* kv_loader = nullptr);
 
   const EngineFlags& flags() const { return flags_; }
 

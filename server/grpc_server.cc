@@ -1011,6 +1011,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(ModelService* serv
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, creds, &impl->port);
   builder.RegisterService(impl->service.get());
+  for (grpc::Service* extra : options.extra_services) builder.RegisterService(extra);
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr || impl->port == 0) {
     return absl::UnavailableError("grpc: cannot listen on " + options.address);
@@ -1022,6 +1023,10 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(ModelService* serv
                options.tls_cert.empty() ? "plaintext" : "TLS",
                options.api_key.empty() ? "" : ", API key required");
   return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(impl)));
+}
+
+absl::StatusOr<CompletionParams> GenerateRequestToParams(const v1::GenerateRequest& request) {
+  return ToParams(request);
 }
 
 GrpcServer::GrpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

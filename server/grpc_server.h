@@ -7,11 +7,19 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/cache_control_service.h"
 #include "server/model_service.h"
 #include "server/tenants.h"
+
+namespace grpc {
+class Service;
+}  // namespace grpc
+namespace kvserve::v1 {
+class GenerateRequest;
+}  // namespace kvserve::v1
 
 namespace kvserve {
 
@@ -23,7 +31,15 @@ struct GrpcServerOptions {
   // Cache control (docs/cache-control.md): tenant keys and the CacheControl call.
   std::shared_ptr<const TenantKeys> tenant_keys;
   CacheControlService* cache_control = nullptr;
+  // More services on the same port (the prefill/decode KvTransfer service);
+  // not owned, they must outlive the server.
+  std::vector<grpc::Service*> extra_services;
 };
+
+// The CompletionParams of a kvserve.v1 GenerateRequest, as Generate reads it
+// (a prefill node prepares the prompt exactly as the decode node will).
+[[nodiscard]] absl::StatusOr<CompletionParams> GenerateRequestToParams(
+    const kvserve::v1::GenerateRequest& request);
 
 class GrpcServer {
  public:

@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
   commands.push_back(NewInfoCommand(&app));
   commands.push_back(NewProbeCommand(&app));
   commands.push_back(NewServeCommand(&app, &engine_flags));
+  commands.push_back(NewRouteCommand(&app));
 
   app.add_option("--log-format", global.log_format, "text or json")->capture_default_str();
   app.set_config("--config", "", "Read options from a TOML/INI file (flags override it)");

@@ -187,6 +187,7 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
                 "When the chat template renders earlier turns differently from the cached "
                 "turn, render the history as it was cached");
   AddKvPolicyFlags(app, &f->kv_policy);
+  AddPdFlags(app, &f->pd);
 }
 
 void SetEnvNames(CLI::App* app) {

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <string>
 
+#include "server/pd_flags.h"
+
 namespace CLI {
 class App;
 }  // namespace CLI
@@ -107,6 +109,7 @@ struct ServeFlags {
   double cache_retain_max_fraction = 0.5;
   double cache_retain_max_ttl = 3600;
   bool chat_canonicalize_history = false;
+  PdFlags pd;  // --role and --pd-* (server/pd_flags.h)
 };
 
 // Registers the daemon's flags (the kv-policy ones included) on `app`, bound

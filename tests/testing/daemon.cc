@@ -1,5 +1,7 @@
 #include "tests/testing/daemon.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -20,6 +22,12 @@ namespace kvserve::testing {
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::string& binary,
                                                       const std::vector<std::string>& global_args,
                                                       const std::vector<std::string>& serve_args) {
+  return StartSubcommand(binary, global_args, "serve", serve_args);
+}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::StartSubcommand(
+    const std::string& binary, const std::vector<std::string>& global_args,
+    const std::string& subcommand, const std::vector<std::string>& serve_args) {
   static int counter = 0;
   std::unique_ptr<Daemon> d(new Daemon());
   d->dir_ = absl::StrCat(TempDir(), "/daemon-", getpid(), "-", counter++);
@@ -27,7 +35,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::string& binary,
   const std::string port_file = d->dir_ + "/ports.json";
   std::vector<std::string> args = {binary};
   args.insert(args.end(), global_args.begin(), global_args.end());
-  for (const char* a : {"serve", "--grpc-address", "127.0.0.1:0", "--http-port", "0", "--port-file"}) {
+  args.push_back(subcommand);
+  // A caller that names its own gRPC address (a fixed port) keeps it.
+  if (std::find(serve_args.begin(), serve_args.end(), "--grpc-address") == serve_args.end()) {
+    args.push_back("--grpc-address");
+    args.push_back("127.0.0.1:0");
+  }
+  for (const char* a : {"--http-port", "0", "--port-file"}) {
     args.push_back(a);
   }
   args.push_back(port_file);

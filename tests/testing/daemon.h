@@ -20,6 +20,11 @@ class Daemon {
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const std::string& binary,
                                                        const std::vector<std::string>& global_args,
                                                        const std::vector<std::string>& serve_args);
+  // The same for another subcommand that takes --grpc-address, --http-port
+  // and --port-file (e.g. `route`).
+  static absl::StatusOr<std::unique_ptr<Daemon>> StartSubcommand(
+      const std::string& binary, const std::vector<std::string>& global_args,
+      const std::string& subcommand, const std::vector<std::string>& args);
   ~Daemon();
 
   int grpc_port() const { return grpc_port_; }

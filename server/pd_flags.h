@@ -1,0 +1,30 @@
+// The `kvserve serve` flags of prefill/decode disaggregation (one block, so
+// the rest of serve_flags stays untouched). docs/disaggregation.md explains
+// them; docs/serving.md lists them.
+//
+// Plain data.
+#pragma once
+
+#include <string>
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace kvserve {
+
+struct PdFlags {
+  std::string role = "both";  // prefill | decode | both
+  std::string node_id;        // empty: <hostname>:<grpc port>
+  // The host peers and the router reach this node's gRPC port on.
+  std::string advertise_host = "127.0.0.1";
+  std::string ucx_tls;          // UCX_TLS for KV transfers; empty: UCX's choice
+  std::string ucx_net_devices;  // UCX_NET_DEVICES; empty: UCX's choice
+  double lease_ttl = 30;         // seconds a prefill node holds unclaimed blocks
+  double transfer_timeout = 10;  // seconds a decode node's pull may take
+  bool test_hooks = false;       // DebugEarlyFree (fault-injection tests only)
+};
+
+void AddPdFlags(CLI::App* app, PdFlags* flags);
+
+}  // namespace kvserve

@@ -1,0 +1,965 @@
+#include "server/pd_node.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+#include "proto/kvserve.pb.h"
+#include "proto/pd.grpc.pb.h"
+#include "server/auth.h"
+#include "server/grpc_server.h"
+#include "spdlog/spdlog.h"
+#include "transport/ucx_transport.h"
+
+namespace kvserve {
+
+namespace pb = ::kvserve::pd::v1;
+namespace kt = ::kvserve::transport;
+using PdClock = std::chrono::steady_clock;
+
+absl::StatusOr<PdRole> ParsePdRole(const std::string& name) {
+  if (name == "both") return PdRole::kBoth;
+  if (name == "prefill") return PdRole::kPrefill;
+  if (name == "decode") return PdRole::kDecode;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--role: '", name, "' is not one of both, prefill, decode"));
+}
+
+const char* PdRoleName(PdRole role) {
+  switch (role) {
+    case PdRole::kBoth: return "both";
+    case PdRole::kPrefill: return "prefill";
+    case PdRole::kDecode: return "decode";
+  }
+  return "?";
+}
+
+std::string KvLayoutDifference(const pb::KvLayout& a, const pb::KvLayout& b) {
+  std::vector<std::string> d;
+  auto cmp = [&](const char* name, const auto& x, const auto& y) {
+    if (x != y) d.push_back(absl::StrCat(name, " ", x, " (here) vs ", y, " (peer)"));
+  };
+  cmp("model_fingerprint", a.model_fingerprint().substr(0, 16),
+      b.model_fingerprint().substr(0, 16));
+  cmp("kv_dtype", a.kv_dtype(), b.kv_dtype());
+  cmp("block_size", a.block_size(), b.block_size());
+  cmp("block_bytes", a.block_bytes(), b.block_bytes());
+  cmp("n_layers", a.n_layers(), b.n_layers());
+  cmp("n_kv_heads", a.n_kv_heads(), b.n_kv_heads());
+  cmp("head_dim", a.head_dim(), b.head_dim());
+  if (d.empty() && a.hash() != b.hash()) d.push_back("layout hash differs");
+  return absl::StrJoin(d, "; ");
+}
+
+namespace {
+
+uint64_t LayoutHash(const pb::KvLayout& l) {
+  const std::string s = absl::StrCat(l.model_fingerprint(), "|", l.kv_dtype(), "|",
+                                     l.block_size(), "|", l.block_bytes(), "|", l.n_layers(), "|",
+                                     l.n_kv_heads(), "|", l.head_dim());
+  return XXH3_64bits(s.data(), s.size());
+}
+
+template <typename Repeated>
+void AppendRepeated(const Repeated& v, std::string* s) {
+  s->append(std::to_string(v.size())).push_back(':');
+  for (auto x : v) s->append(reinterpret_cast<const char*>(&x), sizeof(x));
+}
+
+// The prefill node's digest over everything a decode node acts on.
+uint64_t LeaseDigest(const pb::Lease& l) {
+  std::string s = absl::StrCat(l.transfer_id(), "|", l.node_id(), "|", l.incarnation(), "|",
+                               l.layout().hash(), "|", l.cache_salt().size(), ":",
+                               l.cache_salt(), "|", l.ttl_ms(), "|");
+  AppendRepeated(l.tokens(), &s);
+  AppendRepeated(l.block_ids(), &s);
+  AppendRepeated(l.generations(), &s);
+  return XXH3_64bits(s.data(), s.size());
+}
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+uint64_t RandomNonZero() {
+  static std::mutex mu;
+  static std::mt19937_64 rng(std::random_device{}() ^
+                             static_cast<uint64_t>(PdClock::now().time_since_epoch().count()));
+  std::lock_guard<std::mutex> lock(mu);
+  uint64_t v = 0;
+  while (v == 0) v = rng();
+  return v;
+}
+
+// A load the engine polls: done only once no transfer touches its blocks.
+class PullLoad final : public KvLoad {
+ public:
+  bool Done() override { return done_.load(std::memory_order_acquire); }
+  absl::Status status() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+  void Finish(absl::Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      status_ = std::move(s);
+    }
+    done_.store(true, std::memory_order_release);
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::mutex mu_;
+  absl::Status status_;
+};
+
+}  // namespace
+
+class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
+ public:
+  Impl(const PdFlags& flags, PdRole role, std::string fingerprint, std::string api_key)
+      : flags_(flags), role_(role), fingerprint_(std::move(fingerprint)),
+        api_key_(std::move(api_key)), incarnation_(RandomNonZero()) {}
+
+  ~Impl() override { Shutdown(); }
+
+  PdRole role() const { return role_; }
+
+  absl::Status Attach(Engine* engine, ModelService* service) {
+    engine_ = engine;
+    service_ = service;
+    const KvPool& pool = engine->kv_pool();
+    const KvPoolOptions& o = pool.options();
+    layout_.set_model_fingerprint(fingerprint_);
+    layout_.set_kv_dtype(std::string(kernels::KvDTypeName(o.dtype)));
+    layout_.set_block_size(o.block_size);
+    layout_.set_block_bytes(pool.block_bytes());
+    layout_.set_n_layers(o.n_layers);
+    layout_.set_n_kv_heads(o.n_kv_heads);
+    layout_.set_head_dim(o.head_dim);
+    layout_.set_hash(LayoutHash(layout_));
+    block_size_ = o.block_size;
+    block_bytes_ = pool.block_bytes();
+    num_blocks_ = pool.num_blocks();
+    if (role_ == PdRole::kBoth) return absl::OkStatus();
+    if (role_ == PdRole::kPrefill && !engine->options().prefix_cache) {
+      return absl::InvalidArgumentError(
+          "--role prefill needs the prefix cache (leases pin the prompt's cached blocks)");
+    }
+    if (pool.on_device()) {
+      return absl::UnimplementedError(
+          "--role prefill/decode: KV pools in device memory are not transferable yet "
+          "(use --device cpu)");
+    }
+    kt::UcxTransportOptions to;
+    to.name = absl::StrCat("kvserve-", PdRoleName(role_));
+    to.tls = flags_.ucx_tls;
+    to.net_devices = flags_.ucx_net_devices;
+    to.transfer_timeout = absl::Seconds(flags_.transfer_timeout);
+    ASSIGN_OR_RETURN(transport_, kt::CreateUcxTransport(to));
+    ASSIGN_OR_RETURN(ucx_address_, transport_->LocalAddress());
+    ASSIGN_OR_RETURN(kv_region_,
+                     transport_->RegisterRegion(pool.host_storage(),
+                                                static_cast<size_t>(num_blocks_) * block_bytes_,
+                                                kt::MemoryKind::kHost));
+    ASSIGN_OR_RETURN(kv_descriptor_, transport_->DescribeRegion(kv_region_.id));
+    if (role_ == PdRole::kPrefill) {
+      ASSIGN_OR_RETURN(gen_region_,
+                       transport_->RegisterRegion(const_cast<uint32_t*>(pool.generation_table()),
+                                                  static_cast<size_t>(num_blocks_) * 4,
+                                                  kt::MemoryKind::kHost));
+      ASSIGN_OR_RETURN(gen_descriptor_, transport_->DescribeRegion(gen_region_.id));
+    } else {
+      ASSIGN_OR_RETURN(gen_buffer_, transport_->AllocateRegion(kMaxLeaseBlocks * 4));
+      pull_thread_ = std::thread([this] { PullLoop(); });
+    }
+    housekeeping_ = std::thread([this] { HousekeepingLoop(); });
+    const kt::Capabilities caps = transport_->GetCapabilities();
+    spdlog::info("pd: role {} incarnation {:016x}, UCX transports '{}', {} blocks of {} bytes",
+                 PdRoleName(role_), incarnation_, caps.transports, num_blocks_, block_bytes_);
+    return absl::OkStatus();
+  }
+
+  void SetGrpcPort(int port) {
+    std::lock_guard<std::mutex> lock(mu_);
+    grpc_address_ = absl::StrCat(flags_.advertise_host, ":", port);
+    node_id_ = flags_.node_id;
+    if (node_id_.empty()) {
+      char host[256] = {};
+      gethostname(host, sizeof(host) - 1);
+      node_id_ = absl::StrCat(host, ":", port);
+    }
+  }
+
+  void SetHttpPort(int port) {
+    std::lock_guard<std::mutex> lock(mu_);
+    http_address_ = absl::StrCat(flags_.advertise_host, ":", port);
+  }
+
+  void Shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (shutdown_) return;
+      shutdown_ = true;
+      // Every held lease's blocks go back on the engine thread (run by the
+      // engine's destructor at the latest).
+      for (auto& [id, h] : held_) ReleaseBlocks(h.kv);
+      held_.clear();
+      for (auto& a : attached_) {
+        if (!a->consumed) a->consumed = true;
+      }
+    }
+    cv_.notify_all();
+    if (housekeeping_.joinable()) housekeeping_.join();
+    if (pull_thread_.joinable()) pull_thread_.join();
+  }
+
+  // ---- KvTransfer service ----
+
+  grpc::Status GetNodeInfo(grpc::ServerContext* ctx, const pb::GetNodeInfoRequest*,
+                           pb::NodeInfo* out) override {
+    if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
+    std::lock_guard<std::mutex> lock(mu_);
+    out->set_node_id(node_id_);
+    out->set_incarnation(incarnation_);
+    out->set_role(PdRoleName(role_));
+    out->set_ucx_address(ucx_address_);
+    out->set_kv_region(kv_descriptor_);
+    out->set_generation_region(gen_descriptor_);
+    out->set_num_blocks(num_blocks_);
+    *out->mutable_layout() = layout_;
+    out->set_grpc_address(grpc_address_);
+    out->set_http_address(http_address_);
+    out->set_leases_granted(leases_granted_);
+    out->set_leases_active(static_cast<int64_t>(held_.size()));
+    out->set_leases_released(leases_released_);
+    out->set_leases_expired(leases_expired_);
+    out->set_duplicate_releases(duplicate_releases_);
+    out->set_stale_releases(stale_releases_);
+    out->set_early_frees(early_frees_);
+    out->set_transfers_ok(transfers_ok_);
+    out->set_transfers_failed(transfers_failed_);
+    out->set_generation_mismatches(generation_mismatches_);
+    out->set_blocks_pulled(blocks_pulled_);
+    out->set_bytes_pulled(bytes_pulled_);
+    out->set_leases_attached(leases_attached_);
+    out->set_leases_unused(leases_unused_);
+    out->set_pull_seconds(pull_seconds_);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Prefill(grpc::ServerContext* ctx, const pb::PrefillRequest* req,
+                       pb::Lease* out) override {
+    if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
+    if (role_ != PdRole::kPrefill) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("Prefill: this node's role is ", PdRoleName(role_),
+                                       ", not prefill"));
+    }
+    v1::GenerateRequest gr;
+    if (!gr.ParseFromString(req->generate_request())) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "generate_request: not a serialized kvserve.v1.GenerateRequest");
+    }
+    absl::StatusOr<CompletionParams> params = GenerateRequestToParams(gr);
+    if (!params.ok()) return ToGrpc(params.status());
+    absl::StatusOr<PreparedRequest> prepared = service_->Prepare(*params);
+    if (!prepared.ok()) return ToGrpc(prepared.status());
+    EngineRequest er = std::move(prepared->engine);
+    const std::vector<int32_t> tokens = er.prompt;
+    const std::string salt = er.cache_salt;
+    er.params.max_tokens = 1;  // the prompt's KV is what this node makes
+    er.n = 1;
+    er.draft_tokens.clear();
+    er.kv_policy = KvPolicy{};
+    const auto deadline = PdClock::now() + std::chrono::seconds(120);
+    er.deadline = deadline;
+    auto finished = std::make_shared<std::promise<SeqEvent>>();
+    auto fired = std::make_shared<std::atomic<bool>>(false);
+    std::future<SeqEvent> fin = finished->get_future();
+    absl::StatusOr<uint64_t> id = engine_->Submit(std::move(er), [finished, fired](const SeqEvent& e) {
+      if (e.finish != FinishReason::kNone && !fired->exchange(true)) finished->set_value(e);
+    });
+    if (!id.ok()) return ToGrpc(id.status());
+    while (fin.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) {
+      if (ctx->IsCancelled() || PdClock::now() > deadline) {
+        engine_->Cancel(*id);
+        return grpc::Status(grpc::StatusCode::CANCELLED, "Prefill: cancelled before it finished");
+      }
+    }
+    const SeqEvent done = fin.get();
+    if (done.finish == FinishReason::kCancelled || done.finish == FinishReason::kDeadline) {
+      return grpc::Status(grpc::StatusCode::ABORTED,
+                          absl::StrCat("Prefill: the prompt's prefill ended ",
+                                       FinishReasonName(done.finish)));
+    }
+    // Pin the prompt's full blocks (all but the last token's block: decode
+    // computes the last token itself, its logits pick the first token).
+    struct Pinned {
+      std::shared_ptr<SeqKv> kv;
+      std::vector<BlockHandle> blocks;
+    };
+    auto pinned = std::make_shared<std::promise<Pinned>>();
+    std::future<Pinned> pinned_f = pinned->get_future();
+    const int32_t n_tokens = static_cast<int32_t>(tokens.size());
+    engine_->RunOnEngineThread([pinned, tokens, salt, n_tokens](KvCacheManager* m, KvTiers*) {
+      Pinned p;
+      p.kv = std::make_shared<SeqKv>(m->mutable_pool());
+      const int32_t bs = m->block_size();
+      const int32_t full = (n_tokens - 1) / bs;
+      int32_t matched = 0;
+      if (full > 0) matched = m->MatchPrefix(p.kv.get(), salt, tokens, full * bs);
+      const std::vector<BlockHandle>& hs = p.kv->table.blocks();
+      for (int32_t i = 0; i < matched / bs && i < static_cast<int32_t>(hs.size()); ++i) {
+        p.blocks.push_back(hs[i]);
+      }
+      pinned->set_value(std::move(p));
+    });
+    if (pinned_f.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Prefill: the engine did not answer");
+    }
+    Pinned p = pinned_f.get();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) {
+      ReleaseBlocks(p.kv);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Prefill: the node is shutting down");
+    }
+    pb::Lease& l = *out;
+    l.set_transfer_id(RandomNonZero());
+    l.set_node_id(node_id_);
+    l.set_incarnation(incarnation_);
+    l.set_grpc_address(grpc_address_);
+    l.set_ucx_address(ucx_address_);
+    l.set_kv_region(kv_descriptor_);
+    l.set_generation_region(gen_descriptor_);
+    *l.mutable_layout() = layout_;
+    l.set_cache_salt(salt);
+    const size_t leased_tokens = p.blocks.size() * static_cast<size_t>(block_size_);
+    for (size_t i = 0; i < leased_tokens; ++i) l.add_tokens(tokens[i]);
+    for (const BlockHandle& h : p.blocks) {
+      l.add_block_ids(h.id);
+      l.add_generations(h.generation);
+    }
+    const double ttl = req->ttl_ms() > 0 ? req->ttl_ms() / 1000.0 : flags_.lease_ttl;
+    l.set_ttl_ms(static_cast<uint32_t>(ttl * 1000));
+    l.set_prefill_cached_tokens(done.cached_tokens);
+    l.set_digest(LeaseDigest(l));
+    Held h;
+    h.kv = std::move(p.kv);
+    h.digest = l.digest();
+    h.ttl = std::chrono::milliseconds(l.ttl_ms());
+    h.expiry = PdClock::now() + h.ttl;
+    held_.emplace(l.transfer_id(), std::move(h));
+    ++leases_granted_;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RenewLease(grpc::ServerContext* ctx, const pb::RenewLeaseRequest* req,
+                          pb::RenewLeaseResponse* out) override {
+    if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (grpc::Status s = CheckIncarnation(req->incarnation(), "RenewLease"); !s.ok()) return s;
+    auto it = held_.find(req->transfer_id());
+    if (it == held_.end()) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("unknown transfer id ", req->transfer_id(),
+                                       " (released, expired, or never granted by node ", node_id_,
+                                       ")"));
+    }
+    if (it->second.digest != req->digest()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("lease digest mismatch for transfer id ",
+                                       req->transfer_id(),
+                                       ": the lease was altered or forged (blocks, generations, "
+                                       "tokens or salt differ from the grant)"));
+    }
+    it->second.expiry = PdClock::now() + it->second.ttl;
+    out->set_ttl_ms(static_cast<uint32_t>(it->second.ttl.count()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReleaseLease(grpc::ServerContext* ctx, const pb::ReleaseLeaseRequest* req,
+                            pb::ReleaseLeaseResponse* out) override {
+    if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (grpc::Status s = CheckIncarnation(req->incarnation(), "ReleaseLease"); !s.ok()) {
+      ++stale_releases_;
+      return s;
+    }
+    auto it = held_.find(req->transfer_id());
+    if (it == held_.end()) {
+      if (std::find(gone_.begin(), gone_.end(), req->transfer_id()) != gone_.end()) {
+        ++duplicate_releases_;
+        out->set_released(false);
+        return grpc::Status::OK;
+      }
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("unknown transfer id ", req->transfer_id(),
+                                       " (never granted by node ", node_id_, ")"));
+    }
+    ReleaseBlocks(it->second.kv);
+    held_.erase(it);
+    RememberGone(req->transfer_id());
+    ++leases_released_;
+    out->set_released(true);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status DebugEarlyFree(grpc::ServerContext* ctx, const pb::ReleaseLeaseRequest* req,
+                              pb::ReleaseLeaseResponse* out) override {
+    if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
+    if (!flags_.test_hooks) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "DebugEarlyFree needs --pd-test-hooks");
+    }
+    std::shared_ptr<SeqKv> kv;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (grpc::Status s = CheckIncarnation(req->incarnation(), "DebugEarlyFree"); !s.ok()) {
+        return s;
+      }
+      auto it = held_.find(req->transfer_id());
+      if (it == held_.end() || it->second.kv == nullptr) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                            absl::StrCat("unknown transfer id ", req->transfer_id()));
+      }
+      // The lease record stays (Renew still succeeds), as with a buggy
+      // node that freed the blocks but kept answering for them.
+      kv = std::move(it->second.kv);
+      ++early_frees_;
+    }
+    // Free the blocks (drop the lease's pin and the prefix cache's), then
+    // reuse every free block with other bytes: what a decode node reads
+    // from them now is someone else's KV.
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> f = done->get_future();
+    engine_->RunOnEngineThread([kv, done](KvCacheManager* m, KvTiers*) {
+      m->Discard(kv.get());
+      (void)m->ClearPrefixCache();
+      KvPool* pool = m->mutable_pool();
+      std::vector<BlockHandle> hs;
+      if (pool->Allocate(pool->num_free_blocks(), &hs).ok()) {
+        for (const BlockHandle& h : hs) {
+          std::memset(pool->host_storage() + static_cast<int64_t>(h.id) * pool->block_bytes(),
+                      0x5a, static_cast<size_t>(pool->block_bytes()));
+        }
+        pool->Release(hs);
+      }
+      done->set_value();
+    });
+    f.wait_for(std::chrono::seconds(30));
+    out->set_released(true);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status AttachLease(grpc::ServerContext* ctx, const pb::Lease* lease,
+                           pb::AttachLeaseResponse*) override {
+    if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
+    if (role_ != PdRole::kDecode) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("AttachLease: this node's role is ", PdRoleName(role_),
+                                       ", not decode"));
+    }
+    if (absl::Status s = CheckLeaseShape(*lease); !s.ok()) return ToGrpc(s);
+    // The prefill node confirms the lease is held exactly as described (a
+    // forged or altered one fails here) and restarts its ttl.
+    absl::StatusOr<uint32_t> ttl = RemoteRenew(*lease);
+    if (!ttl.ok()) return ToGrpc(ttl.status());
+    if (absl::Status s = EnsurePeer(*lease); !s.ok()) {
+      RemoteRelease(*lease, "decode could not connect");
+      return ToGrpc(s);
+    }
+    auto a = std::make_shared<Attached>();
+    a->lease = *lease;
+    a->received = PdClock::now();
+    a->ttl = std::chrono::milliseconds(*ttl);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      attached_.push_back(std::move(a));
+      ++leases_attached_;
+    }
+    return grpc::Status::OK;
+  }
+
+  // ---- KvLoader (engine thread) ----
+
+  int32_t Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                 int32_t limit) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    int32_t end = 0;
+    FindLease(salt, tokens, from, limit, &end);
+    return end > from ? end - from : 0;
+  }
+
+  std::shared_ptr<KvLoad> Start(const KvLoadTarget& t) override {
+    std::shared_ptr<Attached> a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      int32_t end = 0;
+      a = FindLease(t.salt, t.tokens, t.first_slot, t.first_slot + t.num_tokens, &end);
+      if (a == nullptr || end != t.first_slot + t.num_tokens || shutdown_) return nullptr;
+      a->consumed = true;
+    }
+    auto job = std::make_shared<Job>();
+    job->lease = a;
+    job->first_block = t.first_slot / block_size_;
+    const int32_t n_blocks = (t.first_slot + t.num_tokens) / block_size_ - job->first_block;
+    const int32_t* ids = t.view.block_ids + t.view.seq_block_offsets[0];
+    for (int32_t k = 0; k < n_blocks; ++k) job->local_ids.push_back(ids[job->first_block + k]);
+    job->load = std::make_shared<PullLoad>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(job);
+    }
+    cv_.notify_all();
+    return job->load;
+  }
+
+ private:
+  static constexpr size_t kMaxLeaseBlocks = 1 << 16;
+
+  struct Held {
+    std::shared_ptr<SeqKv> kv;  // null once early-freed (test hook)
+    uint64_t digest = 0;
+    std::chrono::milliseconds ttl{0};
+    PdClock::time_point expiry;
+  };
+  struct Attached {
+    pb::Lease lease;
+    PdClock::time_point received;
+    std::chrono::milliseconds ttl{0};
+    bool consumed = false;
+  };
+  struct Job {
+    std::shared_ptr<Attached> lease;
+    int32_t first_block = 0;
+    std::vector<int32_t> local_ids;
+    std::shared_ptr<PullLoad> load;
+  };
+  struct Peer {
+    kt::PeerId id = 0;
+    kt::RemoteRegionId kv = 0, gen = 0;
+  };
+
+  grpc::Status Authorize(grpc::ServerContext* ctx) const {
+    if (api_key_.empty()) return grpc::Status::OK;
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    if (it == md.end() ||
+        !BearerTokenMatches(std::string_view(it->second.data(), it->second.size()), api_key_)) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          "missing or wrong metadata 'authorization: Bearer <api key>'");
+    }
+    return grpc::Status::OK;
+  }
+
+  // REQUIRES: mu_ held.
+  grpc::Status CheckIncarnation(uint64_t incarnation, const char* what) const {
+    if (incarnation == incarnation_) return grpc::Status::OK;
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat(what, ": stale incarnation ", incarnation, "; node ",
+                                     node_id_, " is incarnation ", incarnation_,
+                                     " (it restarted: the old leases are gone)"));
+  }
+
+  // REQUIRES: mu_ held (or only this thread left).
+  void ReleaseBlocks(const std::shared_ptr<SeqKv>& kv) {
+    if (kv == nullptr || engine_ == nullptr) return;
+    engine_->RunOnEngineThread([kv](KvCacheManager* m, KvTiers*) { m->Discard(kv.get()); });
+  }
+
+  // REQUIRES: mu_ held.
+  void RememberGone(uint64_t id) {
+    gone_.push_back(id);
+    if (gone_.size() > 4096) gone_.pop_front();
+  }
+
+  absl::Status CheckLeaseShape(const pb::Lease& l) const {
+    if (l.transfer_id() == 0) return absl::InvalidArgumentError("lease.transfer_id: missing (0)");
+    if (l.incarnation() == 0) return absl::InvalidArgumentError("lease.incarnation: missing (0)");
+    if (l.grpc_address().empty()) {
+      return absl::InvalidArgumentError("lease.grpc_address: empty");
+    }
+    if (l.block_ids_size() != l.generations_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("lease.generations: ", l.generations_size(),
+                                                     " entries for ", l.block_ids_size(),
+                                                     " block_ids"));
+    }
+    if (static_cast<size_t>(l.block_ids_size()) > kMaxLeaseBlocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lease.block_ids: ", l.block_ids_size(), " blocks, at most ",
+                       kMaxLeaseBlocks));
+    }
+    if (const std::string d = KvLayoutDifference(layout_, l.layout()); !d.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "KV layout mismatch with prefill node ", l.node_id(), ": ", d));
+    }
+    if (l.tokens_size() != l.block_ids_size() * block_size_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lease.tokens: ", l.tokens_size(), " tokens for ", l.block_ids_size(),
+                       " blocks of ", block_size_));
+    }
+    for (int i = 0; i < l.block_ids_size(); ++i) {
+      // Block ids index the prefill node's pool, which has the same layout
+      // but maybe another size; the transport checks the range exactly.
+      if (l.block_ids(i) < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lease.block_ids[", i, "]: negative id ", l.block_ids(i)));
+      }
+    }
+    if (l.block_ids_size() > 0 && (l.ucx_address().empty() || l.kv_region().empty() ||
+                                   l.generation_region().empty())) {
+      return absl::InvalidArgumentError(
+          "lease.ucx_address/kv_region/generation_region: empty");
+    }
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<pb::KvTransfer::Stub> StubFor(const std::string& address) {
+    std::lock_guard<std::mutex> lock(stub_mu_);
+    auto& s = stubs_[address];
+    if (s == nullptr) {
+      s = pb::KvTransfer::NewStub(
+          grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    }
+    return s;
+  }
+
+  void AddAuth(grpc::ClientContext* c) const {
+    if (!api_key_.empty()) c->AddMetadata("authorization", "Bearer " + api_key_);
+  }
+
+  absl::StatusOr<uint32_t> RemoteRenew(const pb::Lease& l) {
+    grpc::ClientContext c;
+    AddAuth(&c);
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    // A prefill node restarted on the same address: wait out the channel's
+    // reconnect backoff (within the deadline) instead of failing at once.
+    c.set_wait_for_ready(true);
+    pb::RenewLeaseRequest r;
+    r.set_transfer_id(l.transfer_id());
+    r.set_incarnation(l.incarnation());
+    // Our own digest of what we received: a lease altered on the way (or
+    // made up) does not match the grant the prefill node recorded.
+    r.set_digest(LeaseDigest(l));
+    pb::RenewLeaseResponse resp;
+    grpc::Status s = StubFor(l.grpc_address())->RenewLease(&c, r, &resp);
+    if (!s.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                          absl::StrCat("prefill node ", l.node_id(), " (", l.grpc_address(),
+                                       "): ", s.error_message()));
+    }
+    return resp.ttl_ms();
+  }
+
+  void RemoteRelease(const pb::Lease& l, const std::string& reason) {
+    grpc::ClientContext c;
+    AddAuth(&c);
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    pb::ReleaseLeaseRequest r;
+    r.set_transfer_id(l.transfer_id());
+    r.set_incarnation(l.incarnation());
+    r.set_reason(reason);
+    pb::ReleaseLeaseResponse resp;
+    grpc::Status s = StubFor(l.grpc_address())->ReleaseLease(&c, r, &resp);
+    if (!s.ok()) {
+      spdlog::debug("pd: release of transfer {} at {}: {}", l.transfer_id(), l.grpc_address(),
+                    s.error_message());
+    }
+  }
+
+  static std::string PeerKey(const pb::Lease& l) {
+    return absl::StrCat(l.node_id(), "#", l.incarnation());
+  }
+
+  absl::Status EnsurePeer(const pb::Lease& l) {
+    if (l.block_ids_size() == 0) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(peer_mu_);
+    if (peers_.count(PeerKey(l)) > 0) return absl::OkStatus();
+    Peer p;
+    absl::StatusOr<kt::PeerId> id = transport_->Connect(l.ucx_address());
+    if (!id.ok()) {
+      return absl::UnavailableError(absl::StrCat("prefill node ", l.node_id(),
+                                                 ": UCX connect: ", id.status().message()));
+    }
+    p.id = *id;
+    absl::StatusOr<kt::RemoteRegionId> kv = transport_->ImportRegion(p.id, l.kv_region());
+    absl::StatusOr<kt::RemoteRegionId> gen =
+        kv.ok() ? transport_->ImportRegion(p.id, l.generation_region()) : kv;
+    if (!kv.ok() || !gen.ok()) {
+      (void)transport_->Disconnect(p.id);
+      return absl::InvalidArgumentError(
+          absl::StrCat("lease.kv_region/generation_region of prefill node ", l.node_id(), ": ",
+                       (kv.ok() ? gen : kv).status().message()));
+    }
+    p.kv = *kv;
+    p.gen = *gen;
+    peers_[PeerKey(l)] = p;
+    return absl::OkStatus();
+  }
+
+  void DropPeer(const pb::Lease& l) {
+    std::lock_guard<std::mutex> lock(peer_mu_);
+    auto it = peers_.find(PeerKey(l));
+    if (it == peers_.end()) return;
+    (void)transport_->ReleaseRemoteRegion(it->second.kv);
+    (void)transport_->ReleaseRemoteRegion(it->second.gen);
+    (void)transport_->Disconnect(it->second.id);
+    peers_.erase(it);
+  }
+
+  // REQUIRES: mu_ held. The unconsumed lease that supplies the most tokens
+  // of tokens[from, limit) (whole blocks from a block boundary: a pull
+  // writes whole blocks, and a block the sequence shares is never written);
+  // *end is the slot its supply ends at.
+  std::shared_ptr<Attached> FindLease(std::string_view salt, absl::Span<const int32_t> tokens,
+                                      int32_t from, int32_t limit, int32_t* end) {
+    *end = 0;
+    if (block_size_ <= 0 || from % block_size_ != 0) return nullptr;
+    std::shared_ptr<Attached> best;
+    for (const auto& a : attached_) {
+      if (a->consumed || a->lease.cache_salt() != salt) continue;
+      int32_t e = std::min<int32_t>(a->lease.tokens_size(), limit);
+      e = std::min<int32_t>(e, static_cast<int32_t>(tokens.size()));
+      e -= e % block_size_;
+      if (e <= from || e <= *end) continue;
+      if (!std::equal(tokens.begin(), tokens.begin() + e, a->lease.tokens().begin())) continue;
+      best = a;
+      *end = e;
+    }
+    return best;
+  }
+
+  absl::Status WaitDrained(kt::TransferId t, absl::Duration timeout) {
+    absl::Status s = transport_->Wait(t, timeout);
+    if (!s.ok()) {
+      // A failed transfer has not necessarily stopped: cancel and wait
+      // until the backend no longer touches our blocks before they go back.
+      (void)transport_->Cancel(t);
+      for (;;) {
+        absl::StatusOr<bool> p = transport_->Poll(t);
+        if (!p.ok() || *p) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    (void)transport_->ReleaseTransfer(t);
+    return s;
+  }
+
+  absl::Status Pull(const Job& job) {
+    const pb::Lease& l = job.lease->lease;
+    const auto margin = std::chrono::milliseconds(std::min<int64_t>(2000, job.lease->ttl.count() / 4));
+    if (PdClock::now() > job.lease->received + job.lease->ttl - margin) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("lease of transfer ", l.transfer_id(), " too close to expiry to pull"));
+    }
+    Peer peer;
+    {
+      std::lock_guard<std::mutex> lock(peer_mu_);
+      auto it = peers_.find(PeerKey(l));
+      if (it == peers_.end()) {
+        return absl::UnavailableError(absl::StrCat("no UCX endpoint to prefill node ",
+                                                   l.node_id()));
+      }
+      peer = it->second;
+    }
+    const int32_t n = static_cast<int32_t>(job.local_ids.size());
+    std::vector<kt::TransferOp> ops;
+    for (int32_t k = 0; k < n; ++k) {
+      const uint64_t local = static_cast<uint64_t>(job.local_ids[k]) * block_bytes_;
+      const uint64_t remote =
+          static_cast<uint64_t>(l.block_ids(job.first_block + k)) * block_bytes_;
+      if (!ops.empty() && ops.back().local_offset + ops.back().length == local &&
+          ops.back().remote_offset + ops.back().length == remote) {
+        ops.back().length += block_bytes_;  // contiguous on both sides: one op
+        continue;
+      }
+      ops.push_back({kv_region_.id, local, peer.kv, remote, static_cast<uint64_t>(block_bytes_)});
+    }
+    const absl::Duration timeout = absl::Seconds(flags_.transfer_timeout);
+    absl::StatusOr<kt::TransferId> t = transport_->PostTransfer(peer.id, kt::Direction::kRead, ops);
+    if (!t.ok()) return t.status();
+    RETURN_IF_ERROR(WaitDrained(*t, timeout));
+    // The fence: only now, after every data read completed, read the
+    // generations. A block freed at any time since the grant has advanced.
+    std::vector<kt::TransferOp> gops;
+    for (int32_t k = 0; k < n; ++k) {
+      gops.push_back({gen_buffer_.id, static_cast<uint64_t>(k) * 4, peer.gen,
+                      static_cast<uint64_t>(l.block_ids(job.first_block + k)) * 4, 4});
+    }
+    t = transport_->PostTransfer(peer.id, kt::Direction::kRead, gops);
+    if (!t.ok()) return t.status();
+    RETURN_IF_ERROR(WaitDrained(*t, timeout));
+    const auto* gens = static_cast<const uint32_t*>(gen_buffer_.address);
+    int32_t changed = 0;
+    std::string first;
+    for (int32_t k = 0; k < n; ++k) {
+      const uint32_t want = l.generations(job.first_block + k);
+      if (gens[k] != want) {
+        if (changed++ == 0) {
+          first = absl::StrCat("block ", l.block_ids(job.first_block + k), " generation ", want,
+                               " -> ", gens[k]);
+        }
+      }
+    }
+    if (changed > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++generation_mismatches_;
+      return absl::DataLossError(absl::StrCat(
+          "transfer ", l.transfer_id(), ": ", changed, " of ", n,
+          " leased blocks were freed on the prefill node during the pull (", first,
+          "); their KV is not committed"));
+    }
+    return absl::OkStatus();
+  }
+
+  void PullLoop() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return shutdown_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // shutdown with nothing left
+        job = jobs_.front();
+        jobs_.pop_front();
+      }
+      const auto t0 = PdClock::now();
+      absl::Status s = Pull(*job);
+      const double secs = std::chrono::duration<double>(PdClock::now() - t0).count();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (s.ok()) {
+          ++transfers_ok_;
+          blocks_pulled_ += static_cast<int64_t>(job->local_ids.size());
+          bytes_pulled_ += static_cast<int64_t>(job->local_ids.size()) * block_bytes_;
+          pull_seconds_ += secs;
+        } else {
+          ++transfers_failed_;
+        }
+        attached_.erase(std::remove(attached_.begin(), attached_.end(), job->lease),
+                        attached_.end());
+      }
+      if (!s.ok()) {
+        spdlog::warn("pd: pull of transfer {} from {} failed, recomputing locally: {}",
+                     job->lease->lease.transfer_id(), job->lease->lease.node_id(), s.ToString());
+        // A transport failure (dead or wedged peer): reconnect next time.
+        if (s.code() != absl::StatusCode::kDataLoss) DropPeer(job->lease->lease);
+      }
+      job->load->Finish(s);  // the blocks are ours alone again
+      RemoteRelease(job->lease->lease, s.ok() ? "committed" : "failed");
+    }
+  }
+
+  void HousekeepingLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!shutdown_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(50));
+      if (shutdown_) break;
+      const auto now = PdClock::now();
+      for (auto it = held_.begin(); it != held_.end();) {
+        if (now < it->second.expiry) {
+          ++it;
+          continue;
+        }
+        spdlog::info("pd: lease of transfer {} expired unreleased; freeing {} blocks", it->first,
+                     it->second.kv ? it->second.kv->table.num_blocks() : 0);
+        ReleaseBlocks(it->second.kv);
+        RememberGone(it->first);
+        ++leases_expired_;
+        it = held_.erase(it);
+      }
+      // Decode: leases no request claimed within their ttl go back.
+      std::vector<std::shared_ptr<Attached>> unused;
+      for (auto it = attached_.begin(); it != attached_.end();) {
+        if (!(*it)->consumed && now > (*it)->received + (*it)->ttl) {
+          unused.push_back(*it);
+          it = attached_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      leases_unused_ += static_cast<int64_t>(unused.size());
+      if (!unused.empty()) {
+        lock.unlock();
+        for (const auto& a : unused) RemoteRelease(a->lease, "unused");
+        lock.lock();
+      }
+    }
+  }
+
+  const PdFlags flags_;
+  const PdRole role_;
+  const std::string fingerprint_;
+  const std::string api_key_;
+  const uint64_t incarnation_;
+  Engine* engine_ = nullptr;
+  ModelService* service_ = nullptr;
+  pb::KvLayout layout_;
+  int32_t block_size_ = 0;
+  int64_t block_bytes_ = 0;
+  int32_t num_blocks_ = 0;
+
+  std::unique_ptr<kt::Transport> transport_;
+  std::string ucx_address_, kv_descriptor_, gen_descriptor_;
+  kt::LocalRegion kv_region_, gen_region_, gen_buffer_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool shutdown_ = false;                 // guarded by mu_
+  std::string node_id_, grpc_address_, http_address_;  // guarded by mu_
+  std::map<uint64_t, Held> held_;         // prefill: leases, guarded by mu_
+  std::deque<uint64_t> gone_;             // prefill: released/expired ids, guarded by mu_
+  std::vector<std::shared_ptr<Attached>> attached_;  // decode, guarded by mu_
+  std::deque<std::shared_ptr<Job>> jobs_;            // decode, guarded by mu_
+  int64_t leases_granted_ = 0, leases_released_ = 0, leases_expired_ = 0;
+  int64_t duplicate_releases_ = 0, stale_releases_ = 0, early_frees_ = 0;
+  int64_t transfers_ok_ = 0, transfers_failed_ = 0, generation_mismatches_ = 0;
+  int64_t blocks_pulled_ = 0, bytes_pulled_ = 0, leases_attached_ = 0, leases_unused_ = 0;
+  double pull_seconds_ = 0;
+
+  std::mutex peer_mu_;
+  std::map<std::string, Peer> peers_;  // guarded by peer_mu_
+  std::mutex stub_mu_;
+  std::map<std::string, std::shared_ptr<pb::KvTransfer::Stub>> stubs_;  // guarded by stub_mu_
+
+  std::thread housekeeping_, pull_thread_;
+};
+
+absl::StatusOr<std::unique_ptr<PdNode>> PdNode::Create(const PdFlags& flags,
+                                                       std::string model_fingerprint,
+                                                       std::string api_key) {
+  ASSIGN_OR_RETURN(const PdRole role, ParsePdRole(flags.role));
+  return std::unique_ptr<PdNode>(new PdNode(std::make_unique<Impl>(
+      flags, role, std::move(model_fingerprint), std::move(api_key))));
+}
+
+PdNode::PdNode(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PdNode::~PdNode() = default;
+PdRole PdNode::role() const { return impl_->role(); }
+KvLoader* PdNode::kv_loader() { return impl_->role() == PdRole::kDecode ? impl_.get() : nullptr; }
+absl::Status PdNode::Attach(Engine* engine, ModelService* service) {
+  return impl_->Attach(engine, service);
+}
+void PdNode::SetGrpcPort(int port) { impl_->SetGrpcPort(port); }
+void PdNode::SetHttpPort(int port) { impl_->SetHttpPort(port); }
+grpc::Service* PdNode::service() { return impl_.get(); }
+void PdNode::Shutdown() { impl_->Shutdown(); }
+
+}  // namespace kvserve

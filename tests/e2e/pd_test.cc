@@ -1,0 +1,560 @@
+// Prefill/decode disaggregation end to end, with real processes on
+// 127.0.0.1 (stories260K): a `both` node gives the reference outputs; a
+// prefill node, a decode node and `kvserve route` must reproduce them
+// exactly, through UCX pulls, with and without prefix-cache hits. Then the
+// faults: a prefill node that frees leased blocks early (the generation
+// fence must catch every one), leases nobody claims (expiry), a decode node
+// killed or stopped past the ttl, a prefill node killed after granting and
+// restarted on the same port (new incarnation), duplicate and stale
+// releases, and bad leases (forged, unknown, malformed, other layout).
+// After each: every survivor's free blocks are back at baseline.
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
+#include "gtest/gtest.h"
+#include "proto/kvserve.grpc.pb.h"
+#include "proto/pd.grpc.pb.h"
+#include "tests/testing/daemon.h"
+#include "tests/testing/test_models.h"
+
+namespace kvserve {
+namespace {
+
+namespace v1 = ::kvserve::v1;
+namespace pdv1 = ::kvserve::pd::v1;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+constexpr int kMaxTokens = 12;
+
+std::vector<std::string> GlobalArgs() {
+  return {"--log-level", "info", "-t", "1", "-m", testing::Stories260KPath()};
+}
+
+std::vector<std::string> NodeArgs(const std::string& role, std::vector<std::string> extra = {}) {
+  std::vector<std::string> a = {"--role",         role, "--kv-cache-memory", "16MiB",
+                                "--drain-timeout", "2", "--pd-transfer-timeout", "3",
+                                "--pd-test-hooks"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+std::unique_ptr<testing::Daemon> StartNode(const std::string& role,
+                                           std::vector<std::string> extra = {}) {
+  auto d = testing::Daemon::Start(KVSERVE_BINARY, GlobalArgs(), NodeArgs(role, std::move(extra)));
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? std::move(d).value() : nullptr;
+}
+
+struct Client {
+  explicit Client(int port) {
+    channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                  grpc::InsecureChannelCredentials());
+    api = v1::Kvserve::NewStub(channel);
+    pdx = pdv1::KvTransfer::NewStub(channel);
+  }
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Kvserve::Stub> api;
+  std::unique_ptr<pdv1::KvTransfer::Stub> pdx;
+
+  v1::GenerateRequest Request(const std::string& prompt) const {
+    v1::GenerateRequest r;
+    r.set_prompt(prompt);
+    r.mutable_sampling()->set_max_tokens(kMaxTokens);
+    r.mutable_sampling()->set_temperature(0);
+    r.mutable_sampling()->set_ignore_eos(true);
+    return r;
+  }
+  // Greedy token ids, or the error as text.
+  std::string Generate(const std::string& prompt, int32_t* cached = nullptr) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 60s);
+    auto reader = api->Generate(&c, Request(prompt));
+    v1::GenerateResponse resp;
+    std::string ids;
+    while (reader->Read(&resp)) {
+      for (int32_t t : resp.token_ids()) ids += std::to_string(t) + " ";
+      if (resp.has_usage() && cached) *cached = resp.usage().cached_prompt_tokens();
+    }
+    grpc::Status s = reader->Finish();
+    if (!s.ok()) return "error: " + s.error_message();
+    return ids;
+  }
+  v1::Stats Stats() {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 5s);
+    v1::Stats s;
+    EXPECT_TRUE(api->GetStats(&c, v1::GetStatsRequest(), &s).ok());
+    return s;
+  }
+  pdv1::NodeInfo Info() {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 5s);
+    pdv1::NodeInfo i;
+    EXPECT_TRUE(pdx->GetNodeInfo(&c, pdv1::GetNodeInfoRequest(), &i).ok());
+    return i;
+  }
+  grpc::Status Prefill(const std::string& prompt, pdv1::Lease* lease, uint32_t ttl_ms = 0) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 30s);
+    pdv1::PrefillRequest r;
+    r.set_generate_request(Request(prompt).SerializeAsString());
+    r.set_ttl_ms(ttl_ms);
+    return pdx->Prefill(&c, r, lease);
+  }
+  grpc::Status Attach(const pdv1::Lease& lease) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 10s);
+    pdv1::AttachLeaseResponse r;
+    return pdx->AttachLease(&c, lease, &r);
+  }
+  grpc::Status Release(uint64_t id, uint64_t incarnation, bool* released = nullptr) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 5s);
+    pdv1::ReleaseLeaseRequest r;
+    r.set_transfer_id(id);
+    r.set_incarnation(incarnation);
+    pdv1::ReleaseLeaseResponse resp;
+    grpc::Status s = pdx->ReleaseLease(&c, r, &resp);
+    if (released) *released = resp.released();
+    return s;
+  }
+  grpc::Status EarlyFree(const pdv1::Lease& l) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 10s);
+    pdv1::ReleaseLeaseRequest r;
+    r.set_transfer_id(l.transfer_id());
+    r.set_incarnation(l.incarnation());
+    pdv1::ReleaseLeaseResponse resp;
+    return pdx->DebugEarlyFree(&c, r, &resp);
+  }
+  // Waits until no block is pinned (free or cached-evictable == total) and
+  // no lease is held; false after 15 s.
+  bool AtBaseline() {
+    const auto deadline = std::chrono::steady_clock::now() + 15s;
+    while (std::chrono::steady_clock::now() < deadline) {
+      const v1::Stats s = Stats();
+      const pdv1::NodeInfo i = Info();
+      if (s.blocks_free() == s.blocks_total() && s.running() == 0 && s.waiting() == 0 &&
+          s.kv_arriving() == 0 && i.leases_active() == 0) {
+        return true;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    return false;
+  }
+};
+
+// A prompt set with shared prefixes (five "tenants" of ~60 tokens each) and
+// distinct tails, so leases span several blocks and repeats hit the caches.
+std::vector<std::string> Prompts(int n, const std::string& tag = "") {
+  const char* prefixes[] = {
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+      "park with her friends.",
+      "One day, a big brown dog came to the garden. The dog was very happy and wanted to play "
+      "with the ball.",
+      "Tom and Sue went to the beach with their mom. They saw a big red boat on the water and "
+      "waved at it.",
+      "There was a small bird who lived in a tall tree. Every morning the bird sang a song to "
+      "the sun.",
+      "Ben had a new toy car. He liked to drive it on the floor and make loud noises with his "
+      "mouth."};
+  const char* tails[] = {"Then", "But one day", "After that", "Suddenly", "So"};
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(std::string(prefixes[i % 5]) + tag + " " + tails[(i / 5) % 5] + " number " +
+                  std::to_string(i) + ",");
+  }
+  return out;
+}
+
+// Prompts whose first block is their own (a leading number), so no node
+// holds any of their blocks before: every leased block is pulled.
+std::vector<std::string> UniquePrompts(int n, const std::string& tag) {
+  std::vector<std::string> base = Prompts(n);
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back(tag + " " + std::to_string(i) + ": " + base[i]);
+  return out;
+}
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+class PdTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    both_ = StartNode("both").release();
+    prefill_ = StartNode("prefill").release();
+    decode_ = StartNode("decode").release();
+    ASSERT_TRUE(both_ && prefill_ && decode_);
+    auto r = testing::Daemon::StartSubcommand(
+        KVSERVE_BINARY, {"--log-level", "info"}, "route",
+        {"--nodes",
+         "127.0.0.1:" + std::to_string(prefill_->grpc_port()) + ",127.0.0.1:" +
+             std::to_string(decode_->grpc_port()),
+         "--pd-mode", "always"});
+    ASSERT_TRUE(r.ok()) << r.status();
+    router_ = r->release();
+    WaitForRouter();
+  }
+  static void TearDownTestSuite() {
+    delete router_;
+    delete decode_;
+    delete prefill_;
+    delete both_;
+  }
+  void SetUp() override {
+    if (both_ == nullptr || router_ == nullptr) GTEST_SKIP() << "daemons did not start";
+  }
+  // The reference: the same prompt on the `both` node.
+  static std::string Reference(const std::string& prompt) {
+    return Client(both_->grpc_port()).Generate(prompt);
+  }
+  // Waits until the router has registered its nodes (the first request
+  // otherwise finds none).
+  static void WaitForRouter() {
+    Client r(router_->grpc_port());
+    for (int i = 0; i < 200; ++i) {
+      v1::TokenizeRequest t;
+      t.set_text("x");
+      v1::TokenizeResponse resp;
+      grpc::ClientContext c;
+      if (r.api->Tokenize(&c, t, &resp).ok()) {
+        std::this_thread::sleep_for(700ms);  // both nodes polled
+        return;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+
+  static testing::Daemon* both_;
+  static testing::Daemon* prefill_;
+  static testing::Daemon* decode_;
+  static testing::Daemon* router_;
+};
+testing::Daemon* PdTest::both_ = nullptr;
+testing::Daemon* PdTest::prefill_ = nullptr;
+testing::Daemon* PdTest::decode_ = nullptr;
+testing::Daemon* PdTest::router_ = nullptr;
+
+TEST_F(PdTest, RouterPrefillDecodeOutputsEqualOneNode) {
+  Client router(router_->grpc_port()), p(prefill_->grpc_port()), d(decode_->grpc_port());
+  const std::vector<std::string> prompts = Prompts(100);
+  std::vector<std::string> want;
+  for (const auto& s : prompts) want.push_back(Reference(s));
+  // Pass 1: prefix hits come from the five shared prefixes (on both sides);
+  // pass 2 repeats every prompt (everything cached on the decode node).
+  for (int pass = 0; pass < 2; ++pass) {
+    const pdv1::NodeInfo before = d.Info();
+    int mismatches = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const std::string got = router.Generate(prompts[i]);
+      EXPECT_EQ(got, want[i]) << "pass " << pass << " prompt " << i;
+      mismatches += got != want[i];
+    }
+    EXPECT_EQ(mismatches, 0);
+    const pdv1::NodeInfo after = d.Info();
+    EXPECT_EQ(after.generation_mismatches(), before.generation_mismatches());
+    EXPECT_EQ(after.transfers_failed(), before.transfers_failed());
+    if (pass == 0) {
+      // A figure, not an assertion: what the pulls achieved on this machine.
+      std::printf("pass 1: %lld transfers, %lld blocks, %.1f MB in %.3f s of pulls (%.1f MB/s)\n",
+                  static_cast<long long>(after.transfers_ok() - before.transfers_ok()),
+                  static_cast<long long>(after.blocks_pulled() - before.blocks_pulled()),
+                  (after.bytes_pulled() - before.bytes_pulled()) / 1e6,
+                  after.pull_seconds() - before.pull_seconds(),
+                  (after.bytes_pulled() - before.bytes_pulled()) / 1e6 /
+                      std::max(1e-9, after.pull_seconds() - before.pull_seconds()));
+      EXPECT_GT(after.leases_attached() - before.leases_attached(), 90);
+      EXPECT_GT(after.transfers_ok() - before.transfers_ok(), 0);
+      EXPECT_GT(after.blocks_pulled() - before.blocks_pulled(), 0);
+    } else {
+      // Only blocks the decode node lacks move: it holds every prompt now.
+      EXPECT_EQ(after.blocks_pulled(), before.blocks_pulled());
+    }
+  }
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+  EXPECT_GT(p.Info().leases_granted(), 150);
+}
+
+TEST_F(PdTest, EarlyFreeOnPrefillIsCaughtByTheGenerationFence) {
+  Client p(prefill_->grpc_port()), d(decode_->grpc_port());
+  const std::vector<std::string> prompts = UniquePrompts(10, "Early free");
+  const pdv1::NodeInfo before = d.Info();
+  int leased_blocks = 0;
+  for (const auto& prompt : prompts) {
+    pdv1::Lease lease;
+    ASSERT_TRUE(p.Prefill(prompt, &lease).ok());
+    ASSERT_GT(lease.block_ids_size(), 0);
+    leased_blocks += lease.block_ids_size();
+    // The buggy prefill node frees (and reuses) the leased blocks but keeps
+    // answering for the lease.
+    ASSERT_TRUE(p.EarlyFree(lease).ok());
+    ASSERT_TRUE(d.Attach(lease).ok());
+    EXPECT_EQ(d.Generate(prompt), Reference(prompt)) << prompt;
+    (void)p.Release(lease.transfer_id(), lease.incarnation());
+  }
+  const pdv1::NodeInfo after = d.Info();
+  // 100%: every one of the ten transfers failed the fence and recomputed.
+  EXPECT_EQ(after.generation_mismatches() - before.generation_mismatches(), 10);
+  EXPECT_EQ(after.transfers_ok(), before.transfers_ok());
+  EXPECT_EQ(p.Info().early_frees(), 10);
+  EXPECT_GT(leased_blocks, 10);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+TEST_F(PdTest, BadLeasesAreRefusedNamingTheProblem) {
+  Client p(prefill_->grpc_port()), d(decode_->grpc_port());
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(1, "Bad input")[0], &lease).ok());
+  ASSERT_GT(lease.block_ids_size(), 0);
+
+  pdv1::Lease forged = lease;
+  forged.set_generations(0, forged.generations(0) + 1);
+  grpc::Status s = d.Attach(forged);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("forged"));
+
+  forged = lease;
+  forged.set_block_ids(0, (forged.block_ids(0) + 1) % 8);
+  s = d.Attach(forged);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("digest mismatch"));
+
+  pdv1::Lease unknown = lease;
+  unknown.set_transfer_id(12345);
+  s = d.Attach(unknown);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("unknown transfer id 12345"));
+
+  pdv1::Lease malformed = lease;
+  malformed.mutable_generations()->RemoveLast();
+  s = d.Attach(malformed);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("lease.generations"));
+
+  malformed = lease;
+  malformed.set_transfer_id(0);
+  s = d.Attach(malformed);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("lease.transfer_id"));
+
+  pdv1::Lease other_layout = lease;
+  other_layout.mutable_layout()->set_block_size(32);
+  s = d.Attach(other_layout);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("block_size 16 (here) vs 32 (peer)"));
+
+  // Leases go to decode nodes only.
+  s = p.Attach(lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("role is prefill"));
+
+  // Release: once, then duplicates are harmless no-ops; a stale
+  // incarnation and an id never granted are errors naming the problem.
+  const int64_t dups = p.Info().duplicate_releases();
+  bool released = false;
+  EXPECT_TRUE(p.Release(lease.transfer_id(), lease.incarnation(), &released).ok());
+  EXPECT_TRUE(released);
+  EXPECT_TRUE(p.Release(lease.transfer_id(), lease.incarnation(), &released).ok());
+  EXPECT_FALSE(released);
+  EXPECT_TRUE(p.Release(lease.transfer_id(), lease.incarnation(), &released).ok());
+  EXPECT_EQ(p.Info().duplicate_releases(), dups + 2);
+  s = p.Release(lease.transfer_id(), lease.incarnation() + 1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("stale incarnation"));
+  s = p.Release(777, lease.incarnation());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("unknown transfer id 777"));
+  // The released lease cannot be attached any more.
+  s = d.Attach(lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Nothing else was disturbed.
+  const std::string prompt = UniquePrompts(3, "After bad input")[2];
+  EXPECT_EQ(Client(router_->grpc_port()).Generate(prompt), Reference(prompt));
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+TEST_F(PdTest, UnclaimedLeaseExpiresAndFrees) {
+  Client p(prefill_->grpc_port());
+  const int64_t expired = p.Info().leases_expired();
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(1, "Expiry")[0], &lease, /*ttl_ms=*/400).ok());
+  ASSERT_GT(lease.block_ids_size(), 0);
+  EXPECT_EQ(p.Info().leases_active(), 1);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_EQ(p.Info().leases_expired(), expired + 1);
+}
+
+TEST_F(PdTest, DecodeKilledAfterAttachLeavesPrefillAtBaseline) {
+  Client p(prefill_->grpc_port());
+  auto d2 = StartNode("decode");
+  ASSERT_TRUE(d2);
+  Client d(d2->grpc_port());
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(1, "Decode dies")[0], &lease, 1000).ok());
+  ASSERT_TRUE(d.Attach(lease).ok());
+  d2->StopWith(SIGKILL, 5);
+  EXPECT_TRUE(p.AtBaseline());
+}
+
+TEST_F(PdTest, DecodeStoppedPastTtlRecomputesAndBothReturnToBaseline) {
+  Client p(prefill_->grpc_port());
+  auto d3 = StartNode("decode");
+  ASSERT_TRUE(d3);
+  Client d(d3->grpc_port());
+  const std::string prompt = UniquePrompts(1, "Sigstop")[0];
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(prompt, &lease, 800).ok());
+  ASSERT_TRUE(d.Attach(lease).ok());
+  kill(d3->pid(), SIGSTOP);
+  std::this_thread::sleep_for(1500ms);
+  EXPECT_TRUE(p.AtBaseline());  // the lease expired while decode slept
+  kill(d3->pid(), SIGCONT);
+  // The decode node never commits KV past the lease: it recomputes.
+  EXPECT_EQ(d.Generate(prompt), Reference(prompt));
+  EXPECT_TRUE(d.AtBaseline());
+  EXPECT_TRUE(p.AtBaseline());
+}
+
+TEST_F(PdTest, PrefillKilledAndRestartedOnSamePortFailsOldTransfersCleanly) {
+  Client d(decode_->grpc_port());
+  const int port = FreePort();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  auto start_p2 = [&] {
+    auto r = testing::Daemon::Start(KVSERVE_BINARY, GlobalArgs(), [&] {
+      auto a = NodeArgs("prefill");
+      a.push_back("--grpc-address");  // instead of the helper's port 0
+      a.push_back(address);
+      return a;
+    }());
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? std::move(r).value() : nullptr;
+  };
+  auto p2 = start_p2();
+  ASSERT_TRUE(p2);
+  ASSERT_EQ(p2->grpc_port(), port);
+  const std::string prompt = UniquePrompts(1, "Prefill dies")[0];
+  pdv1::Lease old_lease;
+  {
+    Client p(port);
+    ASSERT_TRUE(p.Prefill(prompt, &old_lease).ok());
+    ASSERT_GT(old_lease.block_ids_size(), 0);
+  }
+  ASSERT_TRUE(d.Attach(old_lease).ok());
+  p2->StopWith(SIGKILL, 5);
+  // The pull fails (or reads a dead peer's last bytes, fenced by the same
+  // generation check); either way the output is the reference one.
+  EXPECT_EQ(d.Generate(prompt), Reference(prompt));
+  EXPECT_TRUE(d.AtBaseline());
+
+  p2 = start_p2();
+  ASSERT_TRUE(p2);
+  Client p(port);
+  const pdv1::NodeInfo info = p.Info();
+  EXPECT_NE(info.incarnation(), old_lease.incarnation());
+  grpc::Status s = p.Release(old_lease.transfer_id(), old_lease.incarnation());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("stale incarnation"));
+  s = d.Attach(old_lease);
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.error_message(), HasSubstr("stale incarnation"));
+  // The new incarnation serves new leases.
+  const std::string prompt2 = UniquePrompts(2, "Prefill restarted")[1];
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(prompt2, &lease).ok());
+  const int64_t ok_before = d.Info().transfers_ok();
+  ASSERT_TRUE(d.Attach(lease).ok());
+  EXPECT_EQ(d.Generate(prompt2), Reference(prompt2));
+  EXPECT_EQ(d.Info().transfers_ok(), ok_before + 1);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// The OpenAI HTTP API through the router: the same text as the single
+// node, plain and streamed, and /health names the registered nodes.
+TEST_F(PdTest, OpenAiHttpThroughRouterEqualsOneNode) {
+  httplib::Client router("127.0.0.1", router_->http_port()), both("127.0.0.1", both_->http_port());
+  router.set_read_timeout(60, 0);
+  both.set_read_timeout(60, 0);
+  auto health = router.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_THAT(health->body, HasSubstr("\"role\":\"decode\""));
+  EXPECT_THAT(health->body, HasSubstr("\"role\":\"prefill\""));
+  Client d(decode_->grpc_port());
+  const int64_t attached = d.Info().leases_attached();
+  for (const std::string& prompt : UniquePrompts(5, "Over HTTP")) {
+    nlohmann::json body = {{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"temperature", 0},
+                           {"ignore_eos", true}};
+    auto want = both.Post("/v1/completions", body.dump(), "application/json");
+    auto got = router.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(want && got);
+    ASSERT_EQ(got->status, 200) << got->body;
+    EXPECT_EQ(nlohmann::json::parse(got->body)["choices"][0]["text"],
+              nlohmann::json::parse(want->body)["choices"][0]["text"]);
+    body["stream"] = true;
+    auto streamed = router.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(streamed);
+    EXPECT_THAT(streamed->body, HasSubstr("data: [DONE]"));
+  }
+  EXPECT_GE(d.Info().leases_attached() - attached, 5);
+  EXPECT_TRUE(Client(prefill_->grpc_port()).AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+TEST(PdRouterTest, LayoutMismatchIsRefusedAtRegistration) {
+  auto a = StartNode("both");
+  auto b = StartNode("both", {"--block-size", "32"});
+  ASSERT_TRUE(a && b);
+  auto r = testing::Daemon::StartSubcommand(
+      KVSERVE_BINARY, {"--log-level", "info"}, "route",
+      {"--nodes", "127.0.0.1:" + std::to_string(a->grpc_port()) + ",127.0.0.1:" +
+                      std::to_string(b->grpc_port())});
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::string log;
+  for (int i = 0; i < 100; ++i) {
+    log = (*r)->Log();
+    if (log.find("refusing node") != std::string::npos) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_THAT(log, HasSubstr("refusing node 127.0.0.1:" + std::to_string(b->grpc_port())));
+  EXPECT_THAT(log, HasSubstr("block_size"));
+  // Requests still go to the node that registered.
+  Client c((*r)->grpc_port());
+  const std::string prompt = Prompts(1)[0];
+  EXPECT_EQ(c.Generate(prompt), Client(a->grpc_port()).Generate(prompt));
+}
+
+}  // namespace
+}  // namespace kvserve
