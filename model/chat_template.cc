@@ -136,8 +136,8 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTemplateString(const std::string&
     }
     const bool cut = jinja.size() > kQuoteChars;
     return absl::InvalidArgumentError(absl::StrCat(
-        parsed.status().message(), " in tokenizer.chat_template "", jinja.substr(0, kQuoteChars),
-        cut ? "..."" : """, "; pass allow_fallback to use ChatML"));
+        parsed.status().message(), " in tokenizer.chat_template \"", jinja.substr(0, kQuoteChars),
+        cut ? "...\"" : "\"", "; pass allow_fallback to use ChatML"));
   }
   t.jinja_ = *std::move(parsed);
   t.bos_token_ = std::move(bos_token);

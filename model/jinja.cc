@@ -270,10 +270,17 @@ class Lexer {
       }
       Emit(kind == '{' ? Token::kVarBegin : Token::kBlockBegin, "", at);
       const char close = kind == '{' ? '}' : '%';
-      // Expression tokens up to the closing "}}" / "%}".
+      // Expression tokens up to the closing "}}" / "%}" (outside brackets:
+      // "{{ {'a': {'b': 1}} }}" closes a dict first, as jinja2's lexer
+      // balances them).
+      depth_ = 0;
       while (true) {
         while (p < src_.size() && IsSpace(src_[p])) ++p;
         if (p >= src_.size()) return Error("unclosed tag", at);
+        if (depth_ > 0) {
+          ASSIGN_OR_RETURN(p, LexOne(p));
+          continue;
+        }
         if (src_[p] == '-' && p + 2 < src_.size() && src_[p + 1] == close && src_[p + 2] == '}') {
           strip_next = true;
           p += 3;
@@ -412,6 +419,8 @@ class Lexer {
     for (const char* op : kOps) {
       const size_t n = std::strlen(op);
       if (src_.compare(p, n, op) == 0) {
+        if (n == 1 && (*op == '(' || *op == '[' || *op == '{')) ++depth_;
+        if (n == 1 && (*op == ')' || *op == ']' || *op == '}') && depth_ > 0) --depth_;
         Emit(Token::kOp, op, p);
         return p + n;
       }
@@ -423,6 +432,7 @@ class Lexer {
   std::vector<Token> tokens_;
   mutable size_t line_pos_ = 0;
   mutable int line_ = 1;
+  int depth_ = 0;  // open brackets in the current tag
 };
 
 }  // namespace
@@ -476,8 +486,8 @@ const std::set<std::string>& KnownFilters() {
   static const std::set<std::string> k = {
       "trim",  "length", "count",  "upper",      "lower", "tojson",     "string", "int",
       "float", "join",   "first",  "last",       "list",  "default",    "d",      "capitalize",
-      "title", "replace", "selectattr", "rejectattr", "map", "items", "safe", "abs", "reverse",
-      "unique", "sum"};
+      "title", "replace", "selectattr", "rejectattr", "select", "reject", "map", "items", "safe",
+      "abs", "reverse", "unique", "sum"};
   return k;
 }
 const std::set<std::string>& KnownTests() {
@@ -487,6 +497,13 @@ const std::set<std::string>& KnownTests() {
       "equalto", "eq", "ne", "sameas", "in", "divisibleby", "lower", "upper", "gt", "lt", "ge", "le"};
   return k;
 }
+
+// Nesting deeper than this (parentheses, blocks) is refused rather than
+// recursed into: a template from a model file must not overflow the stack.
+constexpr int kMaxDepth = 256;
+// Work per render: statements and expressions evaluated, and output bytes.
+constexpr int64_t kMaxSteps = 50'000'000;
+constexpr size_t kMaxOutputBytes = 64u << 20;
 
 class Parser {
  public:
@@ -529,12 +546,18 @@ class Parser {
   // Parses nodes until a block tag whose keyword is in `ends` (left
   // unconsumed after the keyword; *end gets the keyword).
   absl::StatusOr<std::vector<NodePtr>> ParseBody(const std::set<std::string>& ends, std::string* end) {
+    DepthGuard guard(&depth_);
+    if (depth_ > kMaxDepth) return Error("blocks nest too deeply");
     std::vector<NodePtr> out;
     while (true) {
       const Token& tok = Peek();
       if (tok.type == Token::kEof) {
         if (!ends.empty()) {
-          return Error(absl::StrCat("missing {% ", *ends.begin(), " %}"));
+          std::string closer = *ends.begin();
+          for (const std::string& e : ends) {
+            if (e.rfind("end", 0) == 0) closer = e;
+          }
+          return Error(absl::StrCat("missing {% ", closer, " %}"));
         }
         return out;
       }
@@ -770,7 +793,14 @@ class Parser {
   absl::StatusOr<ExprPtr> ParsePow() {
     return ParseBinaryLevel({"**"}, [this] { return ParseUnary(true); });
   }
+  struct DepthGuard {
+    explicit DepthGuard(int* d) : depth(d) { ++*depth; }
+    ~DepthGuard() { --*depth; }
+    int* depth;
+  };
   absl::StatusOr<ExprPtr> ParseUnary(bool with_filter) {
+    DepthGuard guard(&depth_);
+    if (depth_ > kMaxDepth) return Error("expressions nest too deeply");
     ExprPtr e;
     if (IsOp("-") || IsOp("+")) {
       auto u = Make(Expr::kUnary);
@@ -987,6 +1017,7 @@ class Parser {
 
   std::vector<Token> t_;
   size_t i_ = 0;
+  int depth_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -1011,7 +1042,14 @@ class Renderer {
     return absl::InvalidArgumentError(absl::StrCat("chat template line ", line, ": ", what));
   }
 
+  absl::Status Spend(int line) {
+    if (++steps_ > kMaxSteps) return ErrorAt(line, "template does too much work (step limit)");
+    return absl::OkStatus();
+  }
+
   absl::Status ExecNode(const Node& n, std::string* out, Flow* flow) {
+    RETURN_IF_ERROR(Spend(n.line));
+    if (out->size() > kMaxOutputBytes) return ErrorAt(n.line, "template output is too large");
     switch (n.type) {
       case Node::kText: out->append(n.text); return absl::OkStatus();
       case Node::kOutput: {
@@ -1065,6 +1103,7 @@ class Renderer {
     }
     const int64_t len = static_cast<int64_t>(items.size());
     for (int64_t k = 0; k < len; ++k) {
+      RETURN_IF_ERROR(Spend(n.line));
       RETURN_IF_ERROR(BindTargets(n, items[k]));
       Value loop = Value::MakeObject({{"index", Value::Int(k + 1)},
                                       {"index0", Value::Int(k)},
@@ -1146,6 +1185,7 @@ class Renderer {
   void Assign(const std::string& name, Value v) { scopes_.back()[name] = std::move(v); }
 
   absl::StatusOr<Value> Eval(const Expr& e) {
+    RETURN_IF_ERROR(Spend(e.line));
     switch (e.type) {
       case Expr::kLiteral: return e.literal;
       case Expr::kName: return Lookup(e.name);
@@ -1338,6 +1378,7 @@ class Renderer {
       for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
         a.push_back(Value::Int(k));
         if (a.size() > 100000) return ErrorAt(e.line, "range() is too long");
+        RETURN_IF_ERROR(Spend(e.line));
       }
       return Value::MakeArray(std::move(a));
     }
@@ -1532,15 +1573,24 @@ class Renderer {
       }
       return Value::Bool(found != e.negated);
     }
-    if (op == "~") return Value::String(ToText(l) + ToText(r));
+    auto too_long = [&](size_t n) { return n > kMaxOutputBytes; };
+    if (op == "~") {
+      std::string a = ToText(l), b = ToText(r);
+      if (too_long(a.size() + b.size())) return ErrorAt(e.line, "string too long");
+      return Value::String(a + b);
+    }
     auto undefined_operand = [&]() -> absl::Status {
       const Expr& side = l.is_undefined() ? *e.args[0] : *e.args[1];
       return ErrorAt(e.line, absl::StrCat("'", Describe(side), "' is undefined"));
     };
     if (l.is_undefined() || r.is_undefined()) return undefined_operand();
     if (op == "+") {
-      if (l.is_string() && r.is_string()) return Value::String(l.str() + r.str());
+      if (l.is_string() && r.is_string()) {
+        if (too_long(l.str().size() + r.str().size())) return ErrorAt(e.line, "string too long");
+        return Value::String(l.str() + r.str());
+      }
       if (l.is_array() && r.is_array()) {
+        if (too_long(l.array().size() + r.array().size())) return ErrorAt(e.line, "list too long");
         Array a = l.array();
         a.insert(a.end(), r.array().begin(), r.array().end());
         return Value::MakeArray(std::move(a));
@@ -1761,6 +1811,21 @@ class Renderer {
       if (args.empty() || !args[0].is_string()) return ErrorAt(line, "map needs a filter name or attribute=");
       return ErrorAt(line, absl::StrCat("unsupported construct map('", args[0].str(), "') (kvserve's Jinja subset)"));
     }
+    if (f == "select" || f == "reject") {
+      Array out;
+      for (const Value& x : items) {
+        bool keep;
+        if (args.empty()) {
+          keep = x.Truthy();
+        } else {
+          const std::string test = ToText(args[0]);
+          if (!KnownTests().count(test)) return ErrorAt(line, absl::StrCat("unsupported construct test '", test, "'"));
+          ASSIGN_OR_RETURN(keep, ApplyTest(test, x, {args.begin() + 1, args.end()}, line));
+        }
+        if (keep == (f == "select")) out.push_back(x);
+      }
+      return Value::MakeArray(std::move(out));
+    }
     if (f == "selectattr" || f == "rejectattr") {
       if (args.empty()) return ErrorAt(line, absl::StrCat(f, " needs an attribute name"));
       const std::string attr = ToText(args[0]);
@@ -1784,6 +1849,7 @@ class Renderer {
 
   const Context& ctx_;
   std::vector<std::map<std::string, Value>> scopes_;
+  int64_t steps_ = 0;
 };
 
 }  // namespace

@@ -166,6 +166,8 @@ TEST(JinjaTest, StringMethodsAndFilters) {
                        "{{ ms|selectattr('role', 'equalto', 'user')|list|length }}"
                        "{{ ms|rejectattr('role', 'equalto', 'user')|map(attribute='role')|join }}"),
             "2bot");
+  EXPECT_EQ(MustRender("{{ ['a', 'b', 'a']|reject('equalto', 'a')|join }}{{ [1, 2, 3]|select('odd')|list }}"),
+            "b[1, 3]");
   EXPECT_EQ(MustRender("{{ {'a': 1}.get('a') }} {{ {'a': 1}.get('b', 'no') }} {{ {'a': 1}.get('b') }}"), "1 no None");
   EXPECT_EQ(MustRender("{{ 1.5 }} {{ 2.0 }} {{ 1|string ~ '' }} {{ '3'|int + 1 }} {{ range(3)|list }}"),
             "1.5 2.0 1 4 [0, 1, 2]");
@@ -217,6 +219,23 @@ TEST(JinjaTest, UnsupportedConstructsAreRefusedByName) {
   EXPECT_FALSE(jinja::Template::Parse("{% if x %}no end").ok());
   EXPECT_FALSE(jinja::Template::Parse("{{ 'unterminated }}").ok());
   EXPECT_FALSE(jinja::Template::Parse("{{ x ").ok());
+}
+
+// A template is data from a model file: nesting, work and output are
+// bounded, so a hostile one returns an error instead of exhausting the stack
+// or memory.
+TEST(JinjaTest, HostileTemplatesAreBounded) {
+  EXPECT_FALSE(jinja::Template::Parse("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}").ok());
+  std::string deep;
+  for (int i = 0; i < 1000; ++i) deep += "{% if true %}";
+  EXPECT_FALSE(jinja::Template::Parse(deep).ok());
+  absl::StatusOr<std::string> r =
+      Render("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}");
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("too long"));
+  r = Render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("step limit"));
 }
 
 TEST(JinjaTest, ChatTemplateRefusesOutsideTheSubsetUnlessFallback) {
