@@ -114,6 +114,17 @@ absl::Status BlockTable::MakePrivate(int32_t index) {
   return absl::OkStatus();
 }
 
+void BlockTable::ReplaceBlock(int32_t index, BlockHandle shared) {
+  if (index < 0 || index >= num_blocks()) {
+    std::fprintf(stderr, "BlockTable::ReplaceBlock: no block %d in a table of %d\n", index,
+                 num_blocks());
+    std::abort();
+  }
+  pool_->AddRef(shared);
+  pool_->Release(blocks_[index]);
+  blocks_[index] = shared;
+}
+
 BlockTable BlockTable::Fork() const {
   BlockTable fork(pool_);
   for (const BlockHandle& h : blocks_) pool_->AddRef(h);

@@ -59,6 +59,11 @@ class BlockTable {
   // no free block; then nothing changes.
   [[nodiscard]] absl::Status MakePrivate(int32_t index);
 
+  // Points entry `index` at `shared` (one more reference on it) and drops
+  // this table's reference on the block it held: a sliding-window sequence
+  // parks blocks its window left on the manager's placeholder block.
+  void ReplaceBlock(int32_t index, BlockHandle shared);
+
   // A new table sharing every block of this one (reference counts +1).
   BlockTable Fork() const;
 

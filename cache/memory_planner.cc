@@ -1,5 +1,7 @@
 #include "cache/memory_planner.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -173,7 +175,30 @@ absl::StatusOr<MemoryPlan> PlanKvMemory(const KvShape& shape, int32_t block_size
   plan.token_capacity = plan.num_blocks * block_size;
   const int64_t blocks_per_context = (int64_t{shape.context_length} + block_size - 1) / block_size;
   plan.full_context_sequences = plan.num_blocks / blocks_per_context;
+  plan.n_layers = shape.n_layers;
+  plan.windowed_layers = shape.windowed_layers;
+  if (shape.sliding_window > 0) {
+    constexpr int64_t k32k = 32768;
+    const int64_t full_32k = (k32k + block_size - 1) / block_size;
+    plan.sliding_window = shape.sliding_window;
+    plan.sequences_at_32k_full_attention = plan.num_blocks / full_32k;
+    // Only a window on every layer frees blocks (a block holds all layers).
+    const bool frees = shape.windowed_layers == shape.n_layers;
+    plan.window_blocks_per_sequence =
+        frees ? std::min(WindowBlocks(shape.sliding_window, block_size), blocks_per_context)
+              : blocks_per_context;
+    const int64_t per_seq_32k =
+        frees ? std::min(WindowBlocks(shape.sliding_window, block_size), full_32k) : full_32k;
+    plan.sequences_at_32k_windowed = plan.num_blocks / per_seq_32k;
+    plan.full_context_sequences = plan.num_blocks / plan.window_blocks_per_sequence;
+  }
   return plan;
+}
+
+int64_t WindowBlocks(int32_t window, int32_t block_size) {
+  // Slots [L - window + 1, L] touch at most ceil((window - 1) / bs) + 1
+  // blocks; the block the next token lands in may be one more.
+  return (int64_t{window} - 1 + block_size - 1) / block_size + 2;
 }
 
 std::string MemoryPlan::ToString() const {
@@ -182,7 +207,19 @@ std::string MemoryPlan::ToString() const {
                       HumanBytes(kv_bytes_per_token), ")\n", "block: ", block_size, " tokens, ",
                       block_bytes, " bytes (", HumanBytes(block_bytes), ")\n",
                       "blocks: ", num_blocks, "\n", "token capacity: ", token_capacity, "\n",
-                      "full-context sequences: ", full_context_sequences, "\n");
+                      "full-context sequences: ", full_context_sequences, "\n",
+                      sliding_window == 0
+                          ? std::string()
+                          : absl::StrCat(
+                                "sliding window: ", sliding_window, " tokens on ",
+                                windowed_layers, " of ", n_layers, " layers",
+                                windowed_layers == n_layers
+                                    ? absl::StrCat(" (at most ", window_blocks_per_sequence,
+                                                   " blocks per sequence)")
+                                    : std::string(" (blocks hold every layer: none freed)"),
+                                "\n", "32k-token sequences: ", sequences_at_32k_windowed,
+                                " with the window, ", sequences_at_32k_full_attention,
+                                " with full attention\n"));
 }
 
 }  // namespace kvserve

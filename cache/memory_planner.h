@@ -17,6 +17,10 @@ struct KvShape {
   int32_t n_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t context_length = 0;
+  // > 0: every layer attends to the last sliding_window tokens only, so a
+  // sequence holds at most WindowBlocks() blocks however long it runs.
+  int32_t sliding_window = 0;
+  int32_t windowed_layers = 0;  // for the report: how many layers have a window
 };
 
 struct MemoryPlan {
@@ -27,6 +31,15 @@ struct MemoryPlan {
   int64_t num_blocks = 0;
   int64_t token_capacity = 0;       // num_blocks * block_size
   int64_t full_context_sequences = 0;  // sequences of context_length that fit
+  // Sliding-window models (0 otherwise): the window, the most blocks one
+  // sequence holds, and how many sequences of 32k tokens fit with the
+  // window freeing blocks versus full attention on the same budget.
+  int32_t sliding_window = 0;
+  int32_t windowed_layers = 0;
+  int32_t n_layers = 0;
+  int64_t window_blocks_per_sequence = 0;
+  int64_t sequences_at_32k_windowed = 0;
+  int64_t sequences_at_32k_full_attention = 0;
   std::string ToString() const;     // one human-readable line per figure
 };
 
@@ -37,6 +50,11 @@ struct MemoryPlan {
 
 // Bytes of memory the system reports available (MemAvailable), 0 if unknown.
 int64_t AvailableMemoryBytes();
+
+// Blocks a sliding-window sequence holds at most: the window's slots
+// (window - 1 earlier tokens and the newest) rounded out to whole blocks on
+// both ends, plus the block the next token opens.
+int64_t WindowBlocks(int32_t window, int32_t block_size);
 
 [[nodiscard]] absl::StatusOr<MemoryPlan> PlanKvMemory(const KvShape& shape, int32_t block_size,
                                                       kernels::KvDType dtype, int64_t budget_bytes);

@@ -6,14 +6,25 @@
 #   bash deploy/setup.sh            # packages + default model + embedding model
 #   KVSERVE_MODEL_DIR=/srv/models bash deploy/setup.sh
 #   bash deploy/setup.sh --no-model # packages only
+#   bash deploy/setup.sh --models all  # also the optional model-family files
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL_DIR="${KVSERVE_MODEL_DIR:-$ROOT/models}"
 WANT_MODEL=1
+WANT_ALL_MODELS=0
+expect_models=0
 for arg in "$@"; do
+  if [ "$expect_models" = 1 ]; then
+    [ "$arg" = all ] || { echo "setup.sh: --models takes 'all'" >&2; exit 2; }
+    WANT_ALL_MODELS=1
+    expect_models=0
+    continue
+  fi
   case "$arg" in
     --no-model) WANT_MODEL=0 ;;
+    --models) expect_models=1 ;;
+    --models=all) WANT_ALL_MODELS=1 ;;
     *) echo "setup.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -122,5 +133,54 @@ PY
   echo "setup: embedding model ready: $dir"
 }
 
+# Optional (--models all): the Llama 3 (llama-bpe) and Qwen2 (qwen2)
+# vocabularies, as the vocab-only GGUFs llama.cpp ships in its source for its
+# tokenizer tests (MIT), with llama.cpp's test vectors (.inp/.out). They come
+# from the llama-cpp-python 0.3.36 sdist on PyPI (vendor/llama.cpp/models/);
+# the sdist's and the files' sha256 were recorded from the first download.
+# tests/unit/model/bpe_pretokenizer_test.cc checks the tokenizer on them.
+# No small Llama 3.x, Qwen2 or sliding-window GGUF with weights kvserve can
+# run was found on PyPI (see docs/model-families.md).
+fetch_family_vocabs() {
+  local sdist_sha="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+  local sums="97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e  ggml-vocab-llama-bpe.gguf
+be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0  ggml-vocab-llama-bpe.gguf.inp
+118abf2034a197fc5c9dec5204dfdeee7004c7c70952ae577f66b99e212fab9b  ggml-vocab-llama-bpe.gguf.out
+44c2f46b715f585c6ab513970e8a006bfa5badd6108560054921cf598d154d8c  ggml-vocab-qwen2.gguf
+be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0  ggml-vocab-qwen2.gguf.inp
+de785bb305cc6fa9d43908ed5da337f853c0b79e971348fcfb9f0915a39c5363  ggml-vocab-qwen2.gguf.out"
+  mkdir -p "$MODEL_DIR"
+  if (cd "$MODEL_DIR" && echo "$sums" | sha256sum -c --status 2>/dev/null); then
+    echo "setup: family vocabularies present in $MODEL_DIR"
+    return 0
+  fi
+  local dl
+  dl="$(mktemp -d)"
+  echo "setup: fetching the llama-cpp-python==0.3.36 sdist from PyPI (vocabularies only)"
+  python3 -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+    --dest "$dl" "llama-cpp-python==0.3.36" 2>/dev/null ||
+    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$dl" "llama-cpp-python==0.3.36"
+  local sdist="$dl/llama_cpp_python-0.3.36.tar.gz"
+  if ! echo "$sdist_sha  $sdist" | sha256sum -c --status; then
+    rm -rf "$dl"
+    echo "setup: sha256 mismatch for llama_cpp_python-0.3.36.tar.gz (expected $sdist_sha)" >&2
+    exit 1
+  fi
+  tar -xzf "$sdist" -C "$dl" --wildcards \
+    'llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf*' \
+    'llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf*'
+  local src="$dl/llama_cpp_python-0.3.36/vendor/llama.cpp/models"
+  if ! (cd "$src" && echo "$sums" | sha256sum -c --status); then
+    rm -rf "$dl"
+    echo "setup: sha256 mismatch in the vocabularies of llama-cpp-python 0.3.36" >&2
+    exit 1
+  fi
+  cp "$src"/ggml-vocab-llama-bpe.gguf* "$src"/ggml-vocab-qwen2.gguf* "$MODEL_DIR/"
+  rm -rf "$dl"
+  echo "setup: family vocabularies ready in $MODEL_DIR"
+}
+
 fetch_smollm2
 fetch_minilm
+[ "$WANT_ALL_MODELS" = 1 ] && fetch_family_vocabs
+exit 0

@@ -88,6 +88,21 @@ std::string ExtractDefaultSystem(std::string_view jinja) {
 
 }  // namespace
 
+namespace {
+
+// The text of the token a metadata key names (tokenizer.ggml.bos_token_id),
+// or "" when the model has none.
+std::string SpecialTokenText(const GgufFile& file, const std::string& key) {
+  if (!file.Has(key) || !file.Has("tokenizer.ggml.tokens")) return "";
+  absl::StatusOr<int64_t> id = file.GetI64(key);
+  if (!id.ok() || *id < 0) return "";
+  absl::StatusOr<std::vector<std::string>> tokens = file.GetStringArray("tokenizer.ggml.tokens");
+  if (!tokens.ok() || *id >= static_cast<int64_t>(tokens->size())) return "";
+  return (*tokens)[*id];
+}
+
+}  // namespace
+
 absl::StatusOr<ChatTemplate> ChatTemplate::FromGguf(const GgufFile& file, bool allow_fallback) {
   if (!file.Has("tokenizer.chat_template")) {
     if (allow_fallback) return ChatTemplate();
@@ -95,30 +110,60 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromGguf(const GgufFile& file, bool a
         "model has no tokenizer.chat_template; pass allow_fallback to use ChatML");
   }
   ASSIGN_OR_RETURN(std::string jinja, file.GetString("tokenizer.chat_template"));
-  return FromTemplateString(jinja, allow_fallback);
+  return FromTemplateString(jinja, allow_fallback,
+                            SpecialTokenText(file, "tokenizer.ggml.bos_token_id"),
+                            SpecialTokenText(file, "tokenizer.ggml.eos_token_id"));
 }
 
 absl::StatusOr<ChatTemplate> ChatTemplate::FromTemplateString(const std::string& jinja,
-                                                              bool allow_fallback) {
+                                                              bool allow_fallback,
+                                                              std::string bos_token,
+                                                              std::string eos_token) {
   ChatTemplate t;
-  if (jinja.find(kImStart) != std::string::npos && jinja.find(kImEnd) != std::string::npos) {
-    t.family_ = Family::kChatML;
-    t.default_system_ = ExtractDefaultSystem(jinja);
-    return t;
-  }
-  if (allow_fallback) return t;  // plain ChatML, no default system prompt
+  const bool chatml =
+      jinja.find(kImStart) != std::string::npos && jinja.find(kImEnd) != std::string::npos;
+  if (chatml) t.default_system_ = ExtractDefaultSystem(jinja);
   if (jinja.empty()) {
+    if (allow_fallback) return t;
     return absl::InvalidArgumentError(
         "tokenizer.chat_template is empty; pass allow_fallback to use ChatML");
   }
-  const bool cut = jinja.size() > kQuoteChars;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unrecognized tokenizer.chat_template \"", jinja.substr(0, kQuoteChars),
-                   cut ? "...\"" : "\"", " (known: ChatML); pass allow_fallback to use ChatML"));
+  absl::StatusOr<std::shared_ptr<const jinja::Template>> parsed = jinja::Template::Parse(jinja);
+  if (!parsed.ok()) {
+    if (allow_fallback) {
+      t.fallback_reason_ = std::string(parsed.status().message());
+      return t;  // plain ChatML
+    }
+    const bool cut = jinja.size() > kQuoteChars;
+    return absl::InvalidArgumentError(absl::StrCat(
+        parsed.status().message(), " in tokenizer.chat_template \"", jinja.substr(0, kQuoteChars),
+        cut ? "...\"" : "\"", "; pass allow_fallback to use ChatML"));
+  }
+  t.jinja_ = *std::move(parsed);
+  t.bos_token_ = std::move(bos_token);
+  t.eos_token_ = std::move(eos_token);
+  return t;
 }
 
 absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>& messages,
                                                  bool add_generation_prompt) const {
+  if (jinja_ != nullptr) {
+    jinja::Context ctx;
+    jinja::Array msgs;
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (messages[i].role.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("messages[", i, "].role is empty"));
+      }
+      msgs.push_back(jinja::Value::MakeObject({{"role", jinja::Value::String(messages[i].role)},
+                                               {"content", jinja::Value::String(messages[i].content)}}));
+    }
+    ctx.variables = {{"messages", jinja::Value::MakeArray(std::move(msgs))},
+                     {"add_generation_prompt", jinja::Value::Bool(add_generation_prompt)},
+                     {"bos_token", jinja::Value::String(bos_token_)},
+                     {"eos_token", jinja::Value::String(eos_token_)}};
+    ctx.now = now_;
+    return jinja_->Render(ctx);
+  }
   std::string out;
   for (size_t i = 0; i < messages.size(); ++i) {
     const ChatMessage& m = messages[i];

@@ -1,15 +1,22 @@
 // Renders chat messages into a prompt string. The model's Jinja template
-// (tokenizer.chat_template) is recognized, not interpreted: known families
-// (ChatML, as SmolLM2 uses it, with its default system prompt) are rendered
-// natively; an unknown template is an error unless the caller opts into the
-// documented ChatML fallback.
+// (tokenizer.chat_template) is interpreted by model/jinja.h with the
+// variables Hugging Face's apply_chat_template gives it (messages,
+// add_generation_prompt, bos_token, eos_token, strftime_now). A template
+// outside the interpreter's subset is an error naming the construct,
+// unless the caller opts into the documented ChatML fallback (rendered
+// natively, as is a model without a template when the fallback is
+// allowed).
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include <ctime>
+#include <memory>
+
 #include "absl/status/statusor.h"
 #include "model/gguf.h"
+#include "model/jinja.h"
 
 namespace kvserve {
 
@@ -26,14 +33,25 @@ class ChatTemplate {
   // InvalidArgument naming it, unless allow_fallback (then ChatML).
   [[nodiscard]] static absl::StatusOr<ChatTemplate> FromGguf(const GgufFile& file,
                                                              bool allow_fallback = false);
+  // bos_token / eos_token: the texts of the model's BOS / EOS tokens, as
+  // the template sees them.
   [[nodiscard]] static absl::StatusOr<ChatTemplate> FromTemplateString(
-      const std::string& jinja, bool allow_fallback = false);
+      const std::string& jinja, bool allow_fallback = false, std::string bos_token = "",
+      std::string eos_token = "");
 
   // add_generation_prompt appends the opening of the assistant turn.
   [[nodiscard]] absl::StatusOr<std::string> Render(const std::vector<ChatMessage>& messages,
                                                    bool add_generation_prompt) const;
 
   Family family() const { return family_; }
+  // True when the model's own template is interpreted (false: the native
+  // ChatML fallback).
+  bool interpreted() const { return jinja_ != nullptr; }
+  // Why the model's template was not used (set when the fallback was taken
+  // for a template that does not parse).
+  const std::string& fallback_reason() const { return fallback_reason_; }
+  // Tests pin the clock strftime_now reads (0: the current time).
+  void set_now_for_testing(std::time_t now) { now_ = now; }
   // Default system prompt injected when the first message is not "system"
   // (empty when the template has none).
   const std::string& default_system() const { return default_system_; }
@@ -41,6 +59,10 @@ class ChatTemplate {
  private:
   Family family_ = Family::kChatML;
   std::string default_system_;
+  std::shared_ptr<const jinja::Template> jinja_;
+  std::string bos_token_, eos_token_;
+  std::string fallback_reason_;
+  std::time_t now_ = 0;
 };
 
 }  // namespace kvserve

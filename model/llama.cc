@@ -38,6 +38,32 @@ absl::StatusOr<int32_t> PositiveParam(const GgufFile& f, const std::string& key,
   return static_cast<int32_t>(v);
 }
 
+}  // namespace
+
+std::vector<float> Llama3RopeFactors(float freq_base, int32_t rope_dim, float factor,
+                                     float low_freq_factor, float high_freq_factor,
+                                     float original_context_length) {
+  const double low_wavelen = original_context_length / low_freq_factor;
+  const double high_wavelen = original_context_length / high_freq_factor;
+  std::vector<float> out(rope_dim / 2);
+  for (int32_t i = 0; i < rope_dim / 2; ++i) {
+    const double freq = std::pow(static_cast<double>(freq_base), -2.0 * i / rope_dim);
+    const double wavelen = 2 * 3.14159265358979323846 / freq;
+    if (wavelen < high_wavelen) {
+      out[i] = 1.0f;
+    } else if (wavelen > low_wavelen) {
+      out[i] = factor;
+    } else {
+      const double smooth = (original_context_length / wavelen - low_freq_factor) /
+                            (high_freq_factor - low_freq_factor);
+      out[i] = static_cast<float>(1.0 / ((1 - smooth) / factor + smooth));
+    }
+  }
+  return out;
+}
+
+namespace {
+
 absl::StatusOr<int32_t> OptionalPositiveParam(const GgufFile& f, const std::string& key,
                                               int64_t max, int32_t fallback) {
   if (!f.Has(key)) return fallback;
@@ -49,10 +75,11 @@ absl::StatusOr<int32_t> OptionalPositiveParam(const GgufFile& f, const std::stri
 absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
   LlamaConfig c;
   ASSIGN_OR_RETURN(c.architecture, f.GetString("general.architecture"));
-  // Architectures that share Llama's graph exactly (no biases, no QK norm).
-  if (c.architecture != "llama" && c.architecture != "mistral") {
-    return absl::UnimplementedError(
-        absl::StrCat("architecture '", c.architecture, "' is not supported (llama, mistral)"));
+  // Architectures that share Llama's graph: llama and mistral exactly,
+  // qwen2 with Q/K/V biases and NeoX-style RoPE.
+  if (c.architecture != "llama" && c.architecture != "mistral" && c.architecture != "qwen2") {
+    return absl::UnimplementedError(absl::StrCat("architecture '", c.architecture,
+                                                 "' is not supported (llama, mistral, qwen2)"));
   }
   if (f.Has("general.name")) {
     ASSIGN_OR_RETURN(c.name, f.GetString("general.name"));
@@ -99,14 +126,96 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
   if (!(c.rms_eps >= 0) || !std::isfinite(c.rms_eps)) {
     return absl::InvalidArgumentError("attention.layer_norm_rms_epsilon must be >= 0");
   }
-  if (f.Has(a + "rope.scaling.type")) {
-    ASSIGN_OR_RETURN(std::string scaling, f.GetString(a + "rope.scaling.type"));
-    if (scaling != "none") {
-      return absl::UnimplementedError(absl::StrCat("rope scaling '", scaling, "' is not supported"));
+  // Parts of other graphs that a GGUF of these architectures may name:
+  // refused by name rather than run wrongly.
+  for (const char* key : {"expert_count", "attn_logit_softcapping", "final_logit_softcapping",
+                          "attention.layer_norm_epsilon", "attention.clamp_kqv",
+                          "attention.q_lora_rank", "rope.scaling.attn_factor"}) {
+    if (f.Has(a + key)) {
+      if (std::string(key) == "expert_count") {
+        ASSIGN_OR_RETURN(int64_t n, f.GetI64(a + key));
+        if (n <= 1) continue;
+      }
+      return absl::UnimplementedError(absl::StrCat("metadata ", a, key, " is not supported"));
     }
   }
-  // GGUF's llama layout rotates adjacent pairs (the converter permutes Q/K).
-  c.rope_style = kernels::RopeStyle::kNorm;
+  std::string scaling = "none";
+  if (f.Has(a + "rope.scaling.type")) {
+    ASSIGN_OR_RETURN(scaling, f.GetString(a + "rope.scaling.type"));
+  }
+  const int32_t half = c.rope_dim / 2;
+  auto scaling_f32 = [&](const std::string& key, float fallback) -> absl::StatusOr<float> {
+    if (!f.Has(a + "rope.scaling." + key)) return fallback;
+    ASSIGN_OR_RETURN(float v, f.GetF32(a + "rope.scaling." + key));
+    if (!(v > 0) || !std::isfinite(v)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metadata ", a, "rope.scaling.", key, " must be a positive number"));
+    }
+    return v;
+  };
+  if (scaling == "linear") {
+    ASSIGN_OR_RETURN(const float factor, scaling_f32("factor", 1.0f));
+    c.rope_freq_factors.assign(half, factor);
+  } else if (scaling == "llama3") {
+    // Llama 3.1's scaling (as its config.json states it and the GGUF
+    // converter bakes into rope_freqs.weight): wavelengths beyond the
+    // original context are stretched by `factor`, short ones kept, the band
+    // between interpolated.
+    ASSIGN_OR_RETURN(const float factor, scaling_f32("factor", 8.0f));
+    ASSIGN_OR_RETURN(const float low, scaling_f32("low_freq_factor", 1.0f));
+    ASSIGN_OR_RETURN(const float high, scaling_f32("high_freq_factor", 4.0f));
+    ASSIGN_OR_RETURN(const float original, scaling_f32("original_context_length", 8192.0f));
+    if (!(high > low)) {
+      return absl::InvalidArgumentError(
+          "rope.scaling.high_freq_factor must exceed rope.scaling.low_freq_factor");
+    }
+    c.rope_freq_factors = Llama3RopeFactors(c.rope_freq_base, c.rope_dim, factor, low, high,
+                                            original);
+  } else if (scaling != "none") {
+    return absl::UnimplementedError(
+        absl::StrCat("rope scaling '", scaling, "' is not supported (none, linear, llama3)"));
+  }
+  c.rope_scaling = scaling;
+  // The converter's form of the same: per-pair divisors as a tensor.
+  if (const GgufTensorInfo* ff = f.FindTensor("rope_freqs.weight"); ff != nullptr) {
+    if (ff->type != GgmlType::kF32 || ff->shape.size() != 1 || ff->shape[0] != half) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rope_freqs.weight must be F32 with ", half, " elements"));
+    }
+    const float* data = reinterpret_cast<const float*>(ff->data);
+    c.rope_freq_factors.assign(data, data + half);
+    for (float v : c.rope_freq_factors) {
+      if (!(v > 0) || !std::isfinite(v)) {
+        return absl::InvalidArgumentError("rope_freqs.weight holds a factor that is not positive");
+      }
+    }
+    if (c.rope_scaling == "none") c.rope_scaling = "llama3";
+  }
+  // GGUF's llama layout rotates adjacent pairs (the converter permutes Q/K);
+  // qwen2 keeps Hugging Face's halves (NeoX style), as llama.cpp runs it.
+  c.rope_style = c.architecture == "qwen2" ? kernels::RopeStyle::kNeox : kernels::RopeStyle::kNorm;
+  c.qkv_bias = c.architecture == "qwen2";
+
+  // Sliding-window attention: every layer (Mistral v0.1's sliding_window),
+  // or with sliding_window_pattern N every layer but each N-th.
+  if (f.Has(a + "attention.sliding_window")) {
+    ASSIGN_OR_RETURN(int64_t w, f.GetI64(a + "attention.sliding_window"));
+    if (w < 0 || w > (1 << 24)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metadata ", a, "attention.sliding_window = ", w, " is out of range"));
+    }
+    c.sliding_window = static_cast<int32_t>(w);
+  }
+  c.layer_window.assign(c.n_layers, c.sliding_window > 0 ? 1 : 0);
+  if (c.sliding_window > 0 && f.Has(a + "attention.sliding_window_pattern")) {
+    ASSIGN_OR_RETURN(int32_t pattern,
+                     PositiveParam(f, a + "attention.sliding_window_pattern", 1024));
+    for (int32_t l = 0; l < c.n_layers; ++l) c.layer_window[l] = (l + 1) % pattern != 0;
+  }
+  if (c.sliding_window >= c.context_length) {  // a window that never drops anything
+    c.sliding_window = 0;
+    c.layer_window.assign(c.n_layers, 0);
+  }
 
   const GgufTensorInfo* embd = f.FindTensor("token_embd.weight");
   if (embd == nullptr) return absl::NotFoundError("missing tensor token_embd.weight");
@@ -176,6 +285,18 @@ absl::Status LlamaModel::Bind() {
     ASSIGN_OR_RETURN(L.wk, matrix(p + "attn_k.weight", c.dim, c.kv_dim()));
     ASSIGN_OR_RETURN(L.wv, matrix(p + "attn_v.weight", c.dim, c.kv_dim()));
     ASSIGN_OR_RETURN(L.wo, matrix(p + "attn_output.weight", c.n_heads * c.head_dim, c.dim));
+    if (c.qkv_bias) {
+      ASSIGN_OR_RETURN(L.bq, vector(p + "attn_q.bias", c.n_heads * c.head_dim));
+      ASSIGN_OR_RETURN(L.bk, vector(p + "attn_k.bias", c.kv_dim()));
+      ASSIGN_OR_RETURN(L.bv, vector(p + "attn_v.bias", c.kv_dim()));
+    } else {
+      for (const char* b : {"attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"}) {
+        if (f.FindTensor(p + b) != nullptr) {
+          return absl::UnimplementedError(
+              absl::StrCat("tensor ", p, b, ": attention biases are supported for qwen2 only"));
+        }
+      }
+    }
     ASSIGN_OR_RETURN(L.ffn_norm, vector(p + "ffn_norm.weight", c.dim));
     ASSIGN_OR_RETURN(L.w_gate, matrix(p + "ffn_gate.weight", c.dim, c.ffn_dim));
     ASSIGN_OR_RETURN(L.w_up, matrix(p + "ffn_up.weight", c.dim, c.ffn_dim));
@@ -284,7 +405,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
     kernels::DequantizeRow(token_embd_.type, row, x + i * c.dim, c.dim);
   }
 
-  const kernels::RopeParams rope{c.head_dim, c.rope_dim, c.rope_freq_base, c.rope_style};
+  const kernels::RopeParams rope = c.Rope();
   kernels::AttentionBatch attn_batch;
   attn_batch.n_tokens = static_cast<int32_t>(n);
   attn_batch.token_seq = b.token_seq.data();
@@ -305,12 +426,20 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
       const int64_t strides[3] = {q_dim, kv_dim, kv_dim};
       kernels::MatMulMany(ws, 3, xn, n, c.dim, ys, strides, pool);
     }
+    if (L.bq != nullptr) {
+      for (int64_t i = 0; i < n; ++i) {
+        kernels::AddInPlace(q_.data() + i * q_dim, L.bq, q_dim);
+        kernels::AddInPlace(k_.data() + i * kv_dim, L.bk, kv_dim);
+        kernels::AddInPlace(v_.data() + i * kv_dim, L.bv, kv_dim);
+      }
+    }
     for (int64_t i = 0; i < n; ++i) {
       kernels::Rope(q_.data() + i * q_dim, c.n_heads, b.positions[i], rope);
       kernels::Rope(k_.data() + i * kv_dim, c.n_kv_heads, b.positions[i], rope);
     }
     kernels::AppendKv(kv, l, static_cast<int32_t>(n), b.token_seq.data(), slots, k_.data(),
                       kv_dim, v_.data(), kv_dim);
+    attn_batch.window = c.LayerWindowed(l) ? c.sliding_window : 0;
     kernels::PagedAttention(kv, l, attn_batch, q_.data(), q_dim, attn_.data(), q_dim, pool);
     if (b.attention_mass != nullptr) {
       kernels::AccumulateAttentionMass(

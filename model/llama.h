@@ -40,6 +40,33 @@ struct LlamaConfig {
   float rms_eps = 1e-5f;
   kernels::RopeStyle rope_style = kernels::RopeStyle::kNorm;
   bool tied_output = false;
+  // Per-pair RoPE frequency divisors (Llama 3 / linear rope scaling), from
+  // the GGUF tensor rope_freqs.weight or computed from rope.scaling.*
+  // metadata; empty: none.
+  std::vector<float> rope_freq_factors;
+  std::string rope_scaling = "none";  // none | linear | llama3 (for reports)
+  // Qwen2: Q, K and V projections carry a bias.
+  bool qkv_bias = false;
+  // Sliding-window attention: layer l attends to the last sliding_window
+  // positions when layer_window[l] != 0 (a Mistral-style uniform window,
+  // or a per-layer pattern); 0: full attention everywhere.
+  int32_t sliding_window = 0;
+  std::vector<uint8_t> layer_window;
+  bool LayerWindowed(int32_t l) const {
+    return sliding_window > 0 && l < static_cast<int32_t>(layer_window.size()) && layer_window[l];
+  }
+  int32_t n_windowed_layers() const {
+    int32_t n = 0;
+    for (int32_t l = 0; l < n_layers; ++l) n += LayerWindowed(l);
+    return n;
+  }
+  // The RoPE parameters the forward uses (freq_factors point into this
+  // config: it must outlive them).
+  kernels::RopeParams Rope() const {
+    kernels::RopeParams p{head_dim, rope_dim, rope_freq_base, rope_style};
+    p.freq_factors = rope_freq_factors.empty() ? nullptr : rope_freq_factors.data();
+    return p;
+  }
 
   int32_t kv_dim() const { return n_kv_heads * head_dim; }
   // Bytes of K and V of one token across all layers at the given element size.
@@ -51,6 +78,12 @@ struct LlamaConfig {
   // tensor data (the memory planner uses this too).
   [[nodiscard]] static absl::StatusOr<LlamaConfig> FromGguf(const GgufFile& file);
 };
+
+// Llama 3.1's RoPE scaling as per-pair frequency divisors (what the GGUF
+// converter stores as rope_freqs.weight): rope_dim/2 values.
+std::vector<float> Llama3RopeFactors(float freq_base, int32_t rope_dim, float factor,
+                                     float low_freq_factor, float high_freq_factor,
+                                     float original_context_length);
 
 // One ragged batch. Token i belongs to sequence token_seq[i] (an index into
 // the KV view's block table) at RoPE position positions[i], and its K/V go to
@@ -111,6 +144,9 @@ class LlamaModel {
   struct Layer {
     const float* attn_norm;
     kernels::WeightView wq, wk, wv, wo;
+    const float* bq = nullptr;  // QKV biases (Qwen2); null without
+    const float* bk = nullptr;
+    const float* bv = nullptr;
     const float* ffn_norm;
     kernels::WeightView w_gate, w_up, w_down;
   };

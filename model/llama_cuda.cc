@@ -137,6 +137,19 @@ absl::Status CudaLlama::CheckKvLayout(kernels::KvDType dtype, int32_t block_size
 }
 
 absl::Status CudaLlama::SupportsModel(const LlamaConfig& c) {
+  // The CPU forward's additions for more families are not ported yet.
+  if (c.qkv_bias) {
+    return absl::UnimplementedError(
+        "the CUDA forward does not support Q/K/V biases (qwen2) yet (use --device cpu)");
+  }
+  if (!c.rope_freq_factors.empty()) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA forward does not support rope scaling '",
+                                                 c.rope_scaling, "' yet (use --device cpu)"));
+  }
+  if (c.sliding_window > 0) {
+    return absl::UnimplementedError(
+        "the CUDA forward does not support sliding-window attention yet (use --device cpu)");
+  }
   // 64 and 128 run the tuned kernels; other head dims the generic one.
   if (c.head_dim > cuda::kGenericMaxHeadDim) {
     return absl::UnimplementedError(

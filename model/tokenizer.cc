@@ -322,6 +322,10 @@ class SentencePieceTokenizer final : public Tokenizer {
 enum class PreSplit {
   kGpt2,        // 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
   kGpt2Digits,  // every \p{N} isolated first, then the GPT-2 split (smollm, starcoder)
+  // (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+  //  ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+   (Llama 3's tokenizer.json)
+  kLlama3,
+  kQwen2,  // as kLlama3 with \p{N} one at a time (Qwen2's tokenizer.json)
 };
 
 absl::StatusOr<PreSplit> PreSplitFor(const std::string& pre) {
@@ -333,9 +337,99 @@ absl::StatusOr<PreSplit> PreSplitFor(const std::string& pre) {
       pre == "codeshell" || pre == "exaone" || pre == "minerva-7b") {
     return PreSplit::kGpt2Digits;
   }
+  if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3") return PreSplit::kLlama3;
+  if (pre == "qwen2" || pre == "deepseek-r1-qwen") return PreSplit::kQwen2;
   return absl::InvalidArgumentError(
       absl::StrCat("unsupported tokenizer.ggml.pre \"", pre,
-                   "\" (supported: default, gpt2, smollm, starcoder and their aliases)"));
+                   "\" (supported: default, gpt2, smollm, starcoder, llama-bpe, qwen2 and their "
+                   "aliases)"));
+}
+
+// Appends the end offsets of the Llama 3 / Qwen2 regex matches within
+// cps[begin, end) (see PreSplit::kLlama3). max_digits: 3 (Llama 3) or 1
+// (Qwen2).
+void SplitLlama3(const std::vector<Codepoint>& cps, size_t begin, size_t end, size_t max_digits,
+                 std::vector<size_t>* ends) {
+  auto cls = [&](size_t i) { return ClassOf(cps[i].cp); };
+  auto lower = [&](size_t i) {
+    const uint32_t c = cps[i].cp;
+    return c >= 'A' && c <= 'Z' ? c + 32 : c;
+  };
+  auto newline = [&](size_t i) { return cps[i].cp == '\r' || cps[i].cp == '\n'; };
+  size_t pos = begin;
+  while (pos < end) {
+    // (?i:'s|'t|'re|'ve|'m|'ll|'d)
+    if (cps[pos].cp == '\'' && pos + 1 < end) {
+      const uint32_t c1 = lower(pos + 1);
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
+        pos += 2;
+        ends->push_back(pos);
+        continue;
+      }
+      if (pos + 2 < end) {
+        const uint32_t c2 = lower(pos + 2);
+        if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) {
+          pos += 3;
+          ends->push_back(pos);
+          continue;
+        }
+      }
+    }
+    const CharClass c = cls(pos);
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    {
+      size_t p = pos;
+      if (c != CharClass::kLetter && c != CharClass::kNumber && !newline(pos) && pos + 1 < end &&
+          cls(pos + 1) == CharClass::kLetter) {
+        ++p;
+      }
+      if (cls(p) == CharClass::kLetter) {
+        while (p < end && cls(p) == CharClass::kLetter) ++p;
+        ends->push_back(p);
+        pos = p;
+        continue;
+      }
+    }
+    // \p{N}{1,max_digits}
+    if (c == CharClass::kNumber) {
+      size_t p = pos;
+      while (p < end && p - pos < max_digits && cls(p) == CharClass::kNumber) ++p;
+      ends->push_back(p);
+      pos = p;
+      continue;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n]*
+    {
+      const size_t start = (cps[pos].cp == ' ' && pos + 1 < end) ? pos + 1 : pos;
+      if (cls(start) == CharClass::kOther) {
+        size_t p = start;
+        while (p < end && cls(p) == CharClass::kOther) ++p;
+        while (p < end && newline(p)) ++p;
+        ends->push_back(p);
+        pos = p;
+        continue;
+      }
+    }
+    // Whitespace: \s*[\r\n]+ ends after the run's last newline; else
+    // \s+(?!\S) leaves the run's last character to the next word; else \s+.
+    size_t run_end = pos;
+    while (run_end < end && cls(run_end) == CharClass::kWhitespace) ++run_end;
+    size_t last_nl = run_end;
+    for (size_t p = run_end; p > pos; --p) {
+      if (newline(p - 1)) {
+        last_nl = p - 1;
+        break;
+      }
+    }
+    if (last_nl < run_end) {
+      pos = last_nl + 1;
+    } else if (run_end - pos > 1 && run_end < end) {
+      pos = run_end - 1;
+    } else {
+      pos = std::max(run_end, pos + 1);
+    }
+    ends->push_back(pos);
+  }
 }
 
 // Appends the end offsets (in codepoints) of the GPT-2 regex matches within
@@ -396,6 +490,9 @@ class BpeTokenizer final : public Tokenizer {
       ASSIGN_OR_RETURN(pre, file.GetString("tokenizer.ggml.pre"));
     }
     ASSIGN_OR_RETURN(pre_split_, PreSplitFor(pre));
+    // Llama 3's tokenizer.json sets ignore_merges: a word that is a token
+    // as a whole is that token (llama.cpp does the same for llama-bpe).
+    ignore_merges_ = pre_split_ == PreSplit::kLlama3;
     add_bos_default_ = false;
     if (file.Has("tokenizer.ggml.add_bos_token")) {
       ASSIGN_OR_RETURN(add_bos_default_, file.GetBool("tokenizer.ggml.add_bos_token"));
@@ -521,6 +618,10 @@ class BpeTokenizer final : public Tokenizer {
       SplitGpt2(cps, 0, cps.size(), ends);
       return;
     }
+    if (pre_split_ == PreSplit::kLlama3 || pre_split_ == PreSplit::kQwen2) {
+      SplitLlama3(cps, 0, cps.size(), pre_split_ == PreSplit::kLlama3 ? 3 : 1, ends);
+      return;
+    }
     // kGpt2Digits: each number character is a chunk of its own; the text
     // between is split by the GPT-2 rules, which cannot look across a digit.
     size_t begin = 0;
@@ -538,6 +639,15 @@ class BpeTokenizer final : public Tokenizer {
       const int32_t id = byte_ids_[static_cast<uint8_t>(word[0])];
       if (id >= 0) out->push_back(id);
       return;
+    }
+    if (ignore_merges_) {
+      std::string chars;
+      for (char b : word) chars += byte_chars_[static_cast<uint8_t>(b)];
+      const int32_t id = PieceToId(chars);
+      if (id >= 0) {
+        out->push_back(id);
+        return;
+      }
     }
     std::vector<Symbol> symbols(word.size());
     const int32_t n = static_cast<int32_t>(word.size());
@@ -580,6 +690,7 @@ class BpeTokenizer final : public Tokenizer {
   }
 
   PreSplit pre_split_ = PreSplit::kGpt2;
+  bool ignore_merges_ = false;
   std::array<std::string, 256> byte_chars_;
   std::array<int32_t, 256> byte_ids_{};
   std::array<int16_t, 512> cp_to_byte_{};

@@ -52,6 +52,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   ko.pool.device_memory = backend->kv_device_memory();  // null: host blocks
   ko.pool.device_stream = backend->kv_stream();
   ko.prefix_cache = o.prefix_cache;
+  // Blocks are one region for all layers: only when every layer is windowed
+  // can a block leave the sequence (a per-layer pattern keeps them all for
+  // its global layers; the windowed layers just read less).
+  ko.sliding_window = c.n_windowed_layers() == c.n_layers ? c.sliding_window : 0;
   ko.prefix.model_identity = o.model_identity;
   ko.prefix.clock = o.clock;
   ko.prefix.events = o.kv_events;
@@ -137,7 +141,7 @@ Engine::~Engine() {
 KvEvictorOptions Engine::EvictorOptions() const {
   const LlamaConfig& c = model_->config();
   KvEvictorOptions eo;
-  eo.rope = kernels::RopeParams{c.head_dim, c.rope_dim, c.rope_freq_base, c.rope_style};
+  eo.rope = c.Rope();
   eo.context_length = c.context_length;
   // A step adds at most max_batched_tokens to a sequence, and a compaction
   // waits for a block's worth of droppable slots.
@@ -423,6 +427,10 @@ void Engine::PublishStats(const BatchPlan* plan) {
     st.prefix_cached_blocks = ps.cached_blocks;
     st.prefix_evictable_blocks = evictable;
   }
+  st.sliding_window = kv_->sliding_window();
+  st.window_released_blocks = kv_->window_stats().blocks_released;
+  st.window_kept_cached_blocks = kv_->window_stats().blocks_kept_cached;
+  st.window_lost_prefix_blocks = kv_->window_stats().prefix_blocks_lost;
   std::lock_guard<std::mutex> lock(mu_);
   stats_ = st;
 }

@@ -145,6 +145,14 @@ struct EngineStats {
   int64_t prefix_inserted_blocks = 0;
   int64_t prefix_evicted_blocks = 0;
   int64_t prefix_cached_blocks = 0;    // blocks held by the cache now
+  // Sliding-window models (KvWindowStats): blocks sequences let go as their
+  // window moved on, how many of those the prefix cache kept, and prefix
+  // blocks that could not be cached because the window (and an eviction)
+  // had dropped an earlier block of their prefix.
+  int32_t sliding_window = 0;
+  int64_t window_released_blocks = 0;
+  int64_t window_kept_cached_blocks = 0;
+  int64_t window_lost_prefix_blocks = 0;
   int64_t prefix_evictable_blocks = 0; // of those, with no running sequence on them
   // Stall-free steps.
   int64_t last_batch_prefill_tokens = 0;

@@ -28,12 +28,42 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
   if (options.prefix_cache) {
     m->prefix_cache_ = std::make_unique<PrefixCache>(m->pool_.get(), std::move(options.prefix));
   }
+  if (options.sliding_window < 0) return absl::InvalidArgumentError("sliding_window < 0");
+  if (options.sliding_window > 0) {
+    std::vector<BlockHandle> one;
+    RETURN_IF_ERROR(m->pool_->Allocate(1, &one));
+    m->placeholder_ = one[0];
+    m->window_ = options.sliding_window;
+  }
   return m;
 }
 
 KvCacheManager::~KvCacheManager() {
   // The index holds pool references: it goes before the pool.
   prefix_cache_.reset();
+  if (window_ > 0) pool_->Release(placeholder_);
+}
+
+void KvCacheManager::ReleaseOutOfWindow(SeqKv* kv) {
+  if (window_ <= 0) return;
+  // The earliest slot a future token (at a slot >= num_committed: computed
+  // but uncommitted slots may still be rolled back) attends to.
+  const int32_t first_needed = std::max(0, kv->num_committed - window_ + 1);
+  const int32_t upto = std::min(first_needed / block_size(), kv->table.num_blocks());
+  for (int32_t b = kv->num_window_released; b < upto; ++b) {
+    const BlockHandle h = kv->table.blocks()[b];
+    if (pool_->ref_count(h) > 1) ++window_stats_.blocks_kept_cached;
+    kv->table.ReplaceBlock(b, placeholder_);
+    ++window_stats_.blocks_released;
+  }
+  kv->num_window_released = std::max(kv->num_window_released, upto);
+}
+
+bool KvCacheManager::WindowPrefixCached(const SeqKv& kv, std::string_view salt,
+                                        absl::Span<const int32_t> tokens) const {
+  if (kv.num_window_released == 0) return true;
+  const int32_t need = kv.num_window_released * block_size();
+  return prefix_cache_->MatchLength(salt, tokens, need) >= need;
 }
 
 int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
@@ -46,6 +76,7 @@ int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
   kv->num_computed = m.num_tokens;
   kv->num_committed = m.num_tokens;
   kv->num_offered_blocks = m.num_tokens / block_size();
+  ReleaseOutOfWindow(kv);
   return m.num_tokens;
 }
 
@@ -83,6 +114,7 @@ void KvCacheManager::Commit(SeqKv* kv, std::string_view salt, absl::Span<const i
   }
   kv->num_committed += m;
   Offer(kv, salt, tokens);
+  ReleaseOutOfWindow(kv);
 }
 
 void KvCacheManager::Offer(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens) {
@@ -92,6 +124,13 @@ void KvCacheManager::Offer(SeqKv* kv, std::string_view salt, absl::Span<const in
   if (full <= kv->num_offered_blocks) return;
   if (static_cast<int64_t>(tokens.size()) < static_cast<int64_t>(full) * bs) {
     Die("Commit without the committed tokens", static_cast<int32_t>(tokens.size()), full * bs);
+  }
+  if (!WindowPrefixCached(*kv, salt, tokens)) {
+    // The window let go of an earlier block and the index evicted it: the
+    // path to these blocks is gone, so they cannot be cached (or matched).
+    window_stats_.prefix_blocks_lost += full - kv->num_offered_blocks;
+    kv->num_offered_blocks = full;
+    return;
   }
   // Blocks become shareable as soon as they are full and final, so a request
   // with the same prefix arriving now reuses them while this one still runs.
@@ -107,7 +146,8 @@ void KvCacheManager::Truncate(SeqKv* kv, int32_t num_slots) {
 }
 
 void KvCacheManager::Free(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens) {
-  if (prefix_cache_ != nullptr && !kv->lossy && kv->num_committed > 0) {
+  if (prefix_cache_ != nullptr && !kv->lossy && kv->num_committed > 0 &&
+      WindowPrefixCached(*kv, salt, tokens)) {
     // The sequence writes no more: its partly filled last block can be
     // shared too (copied by whoever writes into it next).
     prefix_cache_->InsertFinished(salt, tokens.first(static_cast<size_t>(kv->num_committed)),
@@ -122,6 +162,7 @@ void KvCacheManager::Discard(SeqKv* kv) {
   kv->num_committed = 0;
   kv->num_offered_blocks = 0;
   kv->position_shift = 0;
+  kv->num_window_released = 0;
   kv->cache_positions = false;
   kv->lossy = false;
 }
@@ -133,6 +174,7 @@ SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
   f.num_committed = kv.num_committed;
   f.num_offered_blocks = kv.num_offered_blocks;
   f.position_shift = kv.position_shift;
+  f.num_window_released = kv.num_window_released;
   f.cache_positions = kv.cache_positions;
   f.lossy = kv.lossy;
   return f;

@@ -58,6 +58,10 @@ struct SeqKv {
   int32_t num_offered_blocks = 0;  // leading full blocks the radix index holds
   int32_t position_shift = 0;      // tokens dropped from the slots (token eviction)
   bool lossy = false;              // dropped tokens: never feeds the radix index
+  // Sliding window: leading blocks no future token attends to, parked on
+  // the manager's placeholder block (their KV lives on in the radix index
+  // when it holds them, else it went back to the pool).
+  int32_t num_window_released = 0;
   // StreamingLLM past the trained context (sinks policy): every slot's key
   // was re-rotated to the slot's own index, and new tokens take their slot
   // as RoPE position (KvEvictor switches a sequence over once).
@@ -73,6 +77,22 @@ struct KvCacheManagerOptions {
   KvPoolOptions pool;
   bool prefix_cache = true;
   PrefixCacheOptions prefix;  // used when prefix_cache
+  // > 0: every layer attends only to the last sliding_window slots (a
+  // Mistral-style model), so a sequence keeps only the blocks its window
+  // reaches: once committed tokens leave a block behind, the sequence's
+  // reference goes (the radix index keeps the block when it cached it, so a
+  // repeated prompt still matches in full). 0: full attention.
+  int32_t sliding_window = 0;
+};
+
+// Sliding-window accounting (engine thread; read through the manager).
+struct KvWindowStats {
+  int64_t blocks_released = 0;   // sequence references the window let go
+  int64_t blocks_kept_cached = 0;  // of those, blocks the radix index still held
+  // Prefix blocks that could not be offered to the radix index because an
+  // earlier block of the same prefix had left both the window and the index
+  // (evicted): that prefix cannot be matched past that point any more.
+  int64_t prefix_blocks_lost = 0;
 };
 
 class KvCacheManager {
@@ -119,6 +139,12 @@ class KvCacheManager {
   void Free(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens);
   // Releases without caching anything (the KV may be wrong).
   void Discard(SeqKv* kv);
+  // Sliding window: parks the leading blocks no future token of kv attends
+  // to (all slots < num_committed - window + 1). Commit and MatchPrefix call
+  // it; a no-op without a window.
+  void ReleaseOutOfWindow(SeqKv* kv);
+  int32_t sliding_window() const { return window_; }
+  const KvWindowStats& window_stats() const { return window_stats_; }
   // A new SeqKv sharing every block of kv (the fork of an n > 1 request).
   SeqKv Fork(const SeqKv& kv) const;
   // The first slot from which every block is the sequence's own (reference
@@ -173,9 +199,17 @@ class KvCacheManager {
  private:
   KvCacheManager() = default;
   void Offer(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens);
+  // Whether the radix index can take kv's blocks: its window-released
+  // leading blocks must still be cached (the index keeps its own blocks for
+  // them and never sees the placeholder).
+  bool WindowPrefixCached(const SeqKv& kv, std::string_view salt,
+                          absl::Span<const int32_t> tokens) const;
 
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<PrefixCache> prefix_cache_;
+  int32_t window_ = 0;
+  BlockHandle placeholder_{};  // held while window_ > 0; never written or read
+  KvWindowStats window_stats_;
 };
 
 }  // namespace kvserve

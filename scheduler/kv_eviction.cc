@@ -62,6 +62,9 @@ void KvEvictor::AddAttention(std::vector<float>* score, std::vector<int32_t>* ag
 int32_t KvEvictor::MaybeCompact(const KvPolicy& policy, SeqKv* kv, std::vector<float>* score,
                                 std::vector<int32_t>* age) {
   if (policy.kind == KvPolicy::Kind::kNone) return 0;
+  // A sliding-window model's window already bounds its KV, and the blocks
+  // it left are parked: token eviction has nothing to move.
+  if (kv_->sliding_window() > 0) return 0;
   const int32_t n = kv->num_computed;
   if (n - policy.capacity() < kv_->block_size()) return 0;  // a block at a time
   if (kv->num_committed != n) return 0;                     // drafts in flight: after they settle

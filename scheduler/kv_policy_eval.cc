@@ -48,7 +48,7 @@ absl::StatusOr<KvPolicyEvalResult> EvaluateKvPolicy(LlamaModel* model,
   if (o.chunk < 1) return absl::InvalidArgumentError("chunk must be >= 1");
   // The engine's rules: the same limits a request of this length meets.
   KvEvictorOptions eo;
-  eo.rope = kernels::RopeParams{c.head_dim, c.rope_dim, c.rope_freq_base, c.rope_style};
+  eo.rope = c.Rope();
   eo.context_length = c.context_length;
   eo.switch_margin = o.chunk + o.block_size;
   eo.can_rotate = !kernels::KvIsKivi(o.kv_dtype);

@@ -29,6 +29,8 @@ class PlanCommand final : public Command {
     auto file = ValueOrDie(GgufFile::Open(global.model_path));
     auto cfg = ValueOrDie(LlamaConfig::FromGguf(*file));
     std::printf("model           %s (%s)\n", global.model_path.c_str(), cfg.name.c_str());
+    std::printf("architecture    %s, %d layers, rope scaling %s%s\n", cfg.architecture.c_str(),
+                cfg.n_layers, cfg.rope_scaling.c_str(), cfg.qkv_bias ? ", QKV bias" : "");
     const MemoryPlan plan = ValueOrDie(PlanFromFlags(*engine_flags_, cfg));
     std::printf("kv dtype        %s\n", engine_flags_->kv_cache_dtype.c_str());
     std::printf("%s", plan.ToString().c_str());

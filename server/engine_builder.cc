@@ -20,8 +20,9 @@ absl::StatusOr<kernels::KvDType> KvDTypeFromFlags(const EngineFlags& flags) {
 absl::StatusOr<MemoryPlan> PlanFromFlags(const EngineFlags& flags, const LlamaConfig& c) {
   ASSIGN_OR_RETURN(const int64_t budget, ParseMemoryBudget(flags.kv_cache_memory));
   ASSIGN_OR_RETURN(const kernels::KvDType dtype, KvDTypeFromFlags(flags));
-  return PlanKvMemory({c.n_layers, c.n_kv_heads, c.head_dim, c.context_length}, flags.block_size,
-                      dtype, budget);
+  return PlanKvMemory({c.n_layers, c.n_kv_heads, c.head_dim, c.context_length, c.sliding_window,
+                       c.n_windowed_layers()},
+                      flags.block_size, dtype, budget);
 }
 
 absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,

@@ -366,6 +366,18 @@ std::string Metrics::Render(const EngineStats& stats) const {
               static_cast<double>(stats.prefix_evictable_blocks), &out);
   AppendGauge("kvserve:prefix_cache_enabled", "1 when the prefix cache is on.", l,
               stats.prefix_cache_enabled ? 1.0 : 0.0, &out);
+  if (stats.sliding_window > 0) {
+    AppendCounter("kvserve:kv_window_released_blocks_total",
+                  "KV blocks sequences let go as their sliding window moved past them.", l,
+                  static_cast<double>(stats.window_released_blocks), &out);
+    AppendCounter("kvserve:kv_window_kept_cached_blocks_total",
+                  "Of the window-released blocks, those the prefix cache kept for later matches.",
+                  l, static_cast<double>(stats.window_kept_cached_blocks), &out);
+    AppendCounter("kvserve:prefix_cache_window_lost_blocks_total",
+                  "Prefix blocks that could not be cached because the sliding window had let go "
+                  "of an earlier block of their prefix and the cache had evicted it.",
+                  l, static_cast<double>(stats.window_lost_prefix_blocks), &out);
+  }
   for (const Section& section : sections) section(l, &out);
   return out;
 }

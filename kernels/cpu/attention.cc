@@ -286,10 +286,18 @@ void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int3
   }
 }
 
+void PagedAttentionWindowed(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                            const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                            ThreadPool* pool);
+
 void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                     const float* q, int64_t q_stride, float* out, int64_t out_stride,
                     ThreadPool* pool) {
   if (batch.n_tokens <= 0) return;
+  if (batch.window > 0) {
+    PagedAttentionWindowed(kv, layer, batch, q, q_stride, out, out_stride, pool);
+    return;
+  }
   const int32_t group = batch.n_heads / kv.n_kv_heads;
   const int32_t hd = kv.head_dim;
   const int64_t n_pairs = static_cast<int64_t>(batch.n_tokens) * kv.n_kv_heads;
@@ -467,15 +475,16 @@ static float QueryElem(float q, KvDType dtype) {
 
 namespace {
 
-// Softmax weights of one query head over slots [0, len) of one sequence, in
-// plain loops (double accumulation): probs[p] for every slot, summing to 1.
-void SlotProbabilities(const PagedKvView& kv, int32_t layer, int32_t seq, int32_t len,
-                       const float* qh, int32_t kvh, float scale, std::vector<float>* row,
-                       std::vector<double>* probs) {
+// Softmax weights of one query head over slots [begin, len) of one
+// sequence, in plain loops (double accumulation): probs[p] for every slot,
+// summing to 1 (0 before begin).
+void SlotProbabilities(const PagedKvView& kv, int32_t layer, int32_t seq, int32_t begin,
+                       int32_t len, const float* qh, int32_t kvh, float scale,
+                       std::vector<float>* row, std::vector<double>* probs) {
   const int32_t hd = kv.head_dim;
   probs->assign(len, 0.0);
   double mx = -std::numeric_limits<double>::infinity();
-  for (int32_t p = 0; p < len; ++p) {
+  for (int32_t p = begin; p < len; ++p) {
     ReadKvRow(kv, layer, seq, p, kvh, /*value=*/false, row->data());
     double s = 0.0;
     for (int32_t i = 0; i < hd; ++i) {
@@ -485,11 +494,16 @@ void SlotProbabilities(const PagedKvView& kv, int32_t layer, int32_t seq, int32_
     mx = std::max(mx, (*probs)[p]);
   }
   double sum = 0.0;
-  for (int32_t p = 0; p < len; ++p) {
+  for (int32_t p = begin; p < len; ++p) {
     (*probs)[p] = std::exp((*probs)[p] - mx);
     sum += (*probs)[p];
   }
-  for (int32_t p = 0; p < len; ++p) (*probs)[p] /= sum;
+  for (int32_t p = begin; p < len; ++p) (*probs)[p] /= sum;
+}
+
+// The first slot a token at `len - 1` attends to.
+int32_t WindowBegin(const AttentionBatch& batch, int32_t len) {
+  return batch.window > 0 ? std::max(0, len - batch.window) : 0;
 }
 
 }  // namespace
@@ -499,9 +513,12 @@ namespace {
 // The plain-loop pass both entry points share: per query token and head,
 // the slot probabilities, then (when `out`) the weighted values and (when
 // `mass`) the probabilities added to the KV head's mass row.
+// Tokens [t_begin, t_end) only (the windowed path spreads tokens over
+// threads).
 void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                    const float* q, int64_t q_stride, float* out, int64_t out_stride, float* mass,
-                   int64_t mass_stride, const uint8_t* seq_wanted) {
+                   int64_t mass_stride, const uint8_t* seq_wanted, int32_t t_begin = 0,
+                   int32_t t_end = -1) {
   const int32_t group = batch.n_heads / kv.n_kv_heads;
   const int32_t hd = kv.head_dim;
   std::vector<double> probs;
@@ -510,21 +527,23 @@ void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& b
   // through KeyAt/ValueAt, so the fast path is checked against an
   // independent walk of the layout.
   std::vector<float> row(hd);
-  for (int32_t t = 0; t < batch.n_tokens; ++t) {
+  if (t_end < 0) t_end = batch.n_tokens;
+  for (int32_t t = t_begin; t < t_end; ++t) {
     const int32_t seq = batch.token_seq[t];
     if (out == nullptr && seq_wanted != nullptr && !seq_wanted[seq]) continue;
     const int32_t len = batch.token_pos[t] + 1;
+    const int32_t begin = WindowBegin(batch, len);
     for (int32_t h = 0; h < batch.n_heads; ++h) {
       const int32_t kvh = h / group;
       const float* qh = q + t * q_stride + static_cast<int64_t>(h) * hd;
-      SlotProbabilities(kv, layer, seq, len, qh, kvh, batch.scale, &row, &probs);
+      SlotProbabilities(kv, layer, seq, begin, len, qh, kvh, batch.scale, &row, &probs);
       if (mass != nullptr) {
         float* m = mass + (static_cast<int64_t>(seq) * kv.n_kv_heads + kvh) * mass_stride;
-        for (int32_t p = 0; p < len; ++p) m[p] += static_cast<float>(probs[p]);
+        for (int32_t p = begin; p < len; ++p) m[p] += static_cast<float>(probs[p]);
       }
       if (out == nullptr) continue;
       std::fill(acc.begin(), acc.end(), 0.0);
-      for (int32_t p = 0; p < len; ++p) {
+      for (int32_t p = begin; p < len; ++p) {
         ReadKvRow(kv, layer, seq, p, kvh, /*value=*/true, row.data());
         const double w = kv.dtype == KvDType::kF16
                              ? Fp16ToFp32(Fp32ToFp16(static_cast<float>(probs[p])))
@@ -542,6 +561,22 @@ void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& b
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride) {
   ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0, nullptr);
+}
+
+void PagedAttentionWindowed(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
+                            const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                            ThreadPool* pool) {
+  if (pool == nullptr || batch.n_tokens == 1) {
+    ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0, nullptr);
+    return;
+  }
+  std::atomic<int32_t> next{0};
+  pool->Run([&](int, int) {
+    for (int32_t t = next.fetch_add(1, std::memory_order_relaxed); t < batch.n_tokens;
+         t = next.fetch_add(1, std::memory_order_relaxed)) {
+      ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0, nullptr, t, t + 1);
+    }
+  });
 }
 
 void AccumulateAttentionMass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,

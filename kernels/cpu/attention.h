@@ -17,6 +17,10 @@ struct AttentionBatch {
   const int32_t* token_pos = nullptr;  // position per token
   int32_t n_heads = 0;                 // query heads; n_heads % n_kv_heads == 0 (GQA)
   float scale = 1.0f;                  // usually 1/sqrt(head_dim)
+  // Sliding-window attention: > 0, a token at slot p attends only to slots
+  // [p - window + 1, p] (slots before are never read, so their blocks may be
+  // gone). 0: all of [0, p].
+  int32_t window = 0;
 };
 
 // Encodes (for int8/fp8/int4 caches: quantizes, scales included) and writes
@@ -31,6 +35,9 @@ void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int3
 
 // q rows: n_heads*head_dim floats, q_stride apart; out rows likewise.
 // REQUIRES: K/V for every attended position have been appended.
+// With batch.window > 0 it runs the plain-loop pass of the reference over
+// each token's window, spread over the pool's threads (windowed layers are
+// a correctness path, not yet a tuned one).
 void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                     const float* q, int64_t q_stride, float* out, int64_t out_stride,
                     ThreadPool* pool);

@@ -15,7 +15,8 @@ namespace {
 // keeps the angle exact enough at long positions (pos * 1e-7 rad in float
 // would already be visible at a few thousand tokens).
 double RopeAngle(int32_t pos, int32_t i, const RopeParams& p) {
-  return pos * std::pow(static_cast<double>(p.freq_base), -2.0 * i / p.rot_dim);
+  const double factor = p.freq_factors != nullptr ? p.freq_factors[i] : 1.0;
+  return pos * std::pow(static_cast<double>(p.freq_base), -2.0 * i / p.rot_dim) / factor;
 }
 
 // Rotates one head given cos/sin per pair. kNorm pairs (2i, 2i+1); kNeox
@@ -94,9 +95,10 @@ class RopeTableCache {
   // Returns cos (first half) and sin (second half) for pos.
   const float* Get(int32_t pos, const RopeParams& p) {
     const int32_t half = p.rot_dim / 2;
-    if (half != half_ || p.freq_base != base_) {
+    if (half != half_ || p.freq_base != base_ || p.freq_factors != factors_) {
       half_ = half;
       base_ = p.freq_base;
+      factors_ = p.freq_factors;
       tables_.assign(static_cast<size_t>(kSlots) * 2 * half, 0.0f);
       std::fill(std::begin(pos_), std::end(pos_), -1);
     }
@@ -109,8 +111,9 @@ class RopeTableCache {
       const float theta_scale = std::pow(p.freq_base, -2.0f / static_cast<float>(p.rot_dim));
       float theta = static_cast<float>(pos);
       for (int32_t i = 0; i < half; ++i) {
-        t[i] = std::cos(theta);
-        t[half + i] = std::sin(theta);
+        const float angle = p.freq_factors != nullptr ? theta / p.freq_factors[i] : theta;
+        t[i] = std::cos(angle);
+        t[half + i] = std::sin(angle);
         theta *= theta_scale;
       }
       pos_[slot] = pos;
@@ -122,6 +125,7 @@ class RopeTableCache {
   static constexpr int kSlots = 64;
   int32_t half_ = -1;
   float base_ = 0.0f;
+  const float* factors_ = nullptr;
   int32_t pos_[kSlots];
   std::vector<float> tables_;
 };

@@ -22,6 +22,10 @@ struct RopeParams {
   int32_t rot_dim;
   float freq_base;
   RopeStyle style;
+  // Optional rot_dim/2 divisors of the pair frequencies (Llama 3's rope
+  // scaling, GGUF tensor rope_freqs.weight): angle_i = pos * base^(-2i/rot_dim)
+  // / freq_factors[i], as ggml applies them. Null: all 1.
+  const float* freq_factors = nullptr;
 };
 void Rope(float* x, int32_t n_heads, int32_t pos, const RopeParams& p);
 void RopeReference(float* x, int32_t n_heads, int32_t pos, const RopeParams& p);

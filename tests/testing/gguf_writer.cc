@@ -300,17 +300,38 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   const int64_t kv_dim = static_cast<int64_t>(head_dim) * o.n_kv_heads;
 
   GgufWriter w;
-  w.SetString("general.architecture", "llama");
-  w.SetString("general.name", "kvserve-tiny-llama");
-  w.SetU32("llama.block_count", static_cast<uint32_t>(o.n_layers));
-  w.SetU32("llama.context_length", static_cast<uint32_t>(o.context_length));
-  w.SetU32("llama.embedding_length", static_cast<uint32_t>(o.dim));
-  w.SetU32("llama.feed_forward_length", static_cast<uint32_t>(o.ffn_dim));
-  w.SetU32("llama.attention.head_count", static_cast<uint32_t>(o.n_heads));
-  w.SetU32("llama.attention.head_count_kv", static_cast<uint32_t>(o.n_kv_heads));
-  w.SetF32("llama.rope.freq_base", o.rope_freq_base);
-  w.SetU32("llama.rope.dimension_count", static_cast<uint32_t>(head_dim));
-  w.SetF32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  const std::string a = o.architecture + ".";
+  w.SetString("general.architecture", o.architecture);
+  w.SetString("general.name", "kvserve-tiny-" + o.architecture);
+  w.SetU32(a + "block_count", static_cast<uint32_t>(o.n_layers));
+  w.SetU32(a + "context_length", static_cast<uint32_t>(o.context_length));
+  w.SetU32(a + "embedding_length", static_cast<uint32_t>(o.dim));
+  w.SetU32(a + "feed_forward_length", static_cast<uint32_t>(o.ffn_dim));
+  w.SetU32(a + "attention.head_count", static_cast<uint32_t>(o.n_heads));
+  w.SetU32(a + "attention.head_count_kv", static_cast<uint32_t>(o.n_kv_heads));
+  w.SetF32(a + "rope.freq_base", o.rope_freq_base);
+  w.SetU32(a + "rope.dimension_count", static_cast<uint32_t>(head_dim));
+  w.SetF32(a + "attention.layer_norm_rms_epsilon", 1e-5f);
+  if (o.rope_scaling == "llama3") {
+    w.SetString(a + "rope.scaling.type", "llama3");
+    w.SetF32(a + "rope.scaling.factor", o.rope_scaling_factor);
+    w.SetF32(a + "rope.scaling.low_freq_factor", 1.0f);
+    w.SetF32(a + "rope.scaling.high_freq_factor", 4.0f);
+    w.SetF32(a + "rope.scaling.original_context_length",
+             static_cast<float>(o.rope_original_context));
+  }
+  if (!o.rope_scaling.empty() && o.rope_scaling != "llama3" && o.rope_scaling != "llama3-tensor") {
+    w.SetString(a + "rope.scaling.type", o.rope_scaling);
+  }
+  if (o.expert_count > 0) w.SetU32(a + "expert_count", o.expert_count);
+  if (o.sliding_window > 0) {
+    w.SetU32(a + "attention.sliding_window", static_cast<uint32_t>(o.sliding_window));
+    if (o.sliding_window_pattern > 0) {
+      w.SetU32(a + "attention.sliding_window_pattern",
+               static_cast<uint32_t>(o.sliding_window_pattern));
+    }
+  }
+  if (!o.chat_template.empty()) w.SetString("tokenizer.chat_template", o.chat_template);
   w.SetString("tokenizer.ggml.model", "llama");
   w.SetStringArray("tokenizer.ggml.tokens", vocab.tokens);
   w.SetF32Array("tokenizer.ggml.scores", vocab.scores);
@@ -341,12 +362,23 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   if (!o.tied_output) {
     matrix("output.weight", o.dim, n_vocab, 1.0f / std::sqrt(static_cast<float>(o.dim)));
   }
+  if (o.rope_scaling == "llama3-tensor") {
+    // What convert_hf_to_gguf.py stores for Llama 3.1: the divisors as F32.
+    std::vector<float> factors(head_dim / 2);
+    for (int32_t i = 0; i < head_dim / 2; ++i) factors[i] = 1.0f + 0.5f * static_cast<float>(i);
+    w.AddTensorFromFloats("rope_freqs.weight", GgmlType::kF32, {head_dim / 2}, factors);
+  }
   for (int32_t l = 0; l < o.n_layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     norm(p + "attn_norm.weight");
     matrix(p + "attn_q.weight", o.dim, o.dim, in_scale);
     matrix(p + "attn_k.weight", o.dim, kv_dim, in_scale);
     matrix(p + "attn_v.weight", o.dim, kv_dim, in_scale);
+    if (o.architecture == "qwen2" && !o.omit_qkv_bias) {
+      w.AddTensorFromFloats(p + "attn_q.bias", GgmlType::kF32, {o.dim}, RandomNormal(rng, o.dim, 0.2f));
+      w.AddTensorFromFloats(p + "attn_k.bias", GgmlType::kF32, {kv_dim}, RandomNormal(rng, kv_dim, 0.2f));
+      w.AddTensorFromFloats(p + "attn_v.bias", GgmlType::kF32, {kv_dim}, RandomNormal(rng, kv_dim, 0.2f));
+    }
     matrix(p + "attn_output.weight", o.dim, o.dim, in_scale);
     norm(p + "ffn_norm.weight");
     matrix(p + "ffn_gate.weight", o.dim, o.ffn_dim, in_scale);

@@ -63,6 +63,24 @@ struct TinyLlamaOptions {
   GgmlType weight_type = GgmlType::kF32;
   bool tied_output = false;
   uint64_t seed = 1;
+  // Family layout: "llama", "mistral" or "qwen2" (metadata under that
+  // prefix; qwen2 adds attn_{q,k,v}.bias tensors).
+  std::string architecture = "llama";
+  // Llama 3.x RoPE scaling: "llama3" writes rope.scaling.{type, factor,
+  // low_freq_factor, high_freq_factor, original_context_length} as
+  // metadata; "llama3-tensor" writes the converter's rope_freqs.weight
+  // instead. "" writes neither; anything else writes rope.scaling.type.
+  std::string rope_scaling;
+  float rope_scaling_factor = 8.0f;
+  int32_t rope_original_context = 64;
+  // Sliding-window attention (attention.sliding_window, and
+  // attention.sliding_window_pattern when > 0).
+  int32_t sliding_window = 0;
+  int32_t sliding_window_pattern = 0;
+  std::string chat_template;  // tokenizer.chat_template when not empty
+  // Refusal tests: an expert_count (> 0) and a qwen2 file without biases.
+  uint32_t expert_count = 0;
+  bool omit_qkv_bias = false;
 };
 
 // A complete Llama GGUF with random weights and a small SentencePiece-style

@@ -35,6 +35,12 @@ std::string SmolLM2Path() {
   return IfExists(dir / "SmolLM2-135M-Instruct.Q4_1.gguf");
 }
 
+std::string ModelDirFile(const std::string& file) {
+  std::filesystem::path dir = std::filesystem::path(KVSERVE_SOURCE_DIR) / "models";
+  if (const char* env = std::getenv("KVSERVE_MODEL_DIR")) dir = env;
+  return IfExists(dir / file);
+}
+
 std::vector<Golden> ReadGolden(const std::string& path) {
   std::vector<Golden> out;
   std::ifstream in(path);

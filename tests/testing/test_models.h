@@ -17,6 +17,9 @@ std::string Stories260KGoldenPath();
 // Path of the SmolLM2 default model ($KVSERVE_MODEL_DIR or <repo>/models),
 // or "" when absent.
 std::string SmolLM2Path();
+// Path of `file` in the model directory ($KVSERVE_MODEL_DIR or <repo>/models),
+// or "" when absent (the optional files deploy/setup.sh --models all fetches).
+std::string ModelDirFile(const std::string& file);
 // One line of the stories260K golden file (llama.cpp's greedy outputs).
 struct Golden {
   std::string prompt;
