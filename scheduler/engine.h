@@ -50,6 +50,7 @@
 #include "scheduler/kv_tiers.h"
 #include "scheduler/request.h"
 #include "scheduler/scheduler.h"
+#include "scheduler/speculation.h"
 
 namespace kvserve {
 
@@ -102,6 +103,9 @@ struct EngineOptions {
   // Testing and introspection: sees each step's plan before it runs (engine
   // thread; must not block or call back into the engine).
   std::function<void(const BatchPlan&)> plan_observer;
+  // Speculative decoding without a draft model (scheduler/speculation.h):
+  // the default mode (requests may override it) and its knobs.
+  SpeculationOptions speculation;
 };
 
 // "fcfs" or "lpm".
@@ -158,6 +162,8 @@ struct EngineStats {
   int64_t kv_evicted_tokens = 0;
   int64_t kv_compactions = 0;
   int64_t kv_rotated_keys = 0;  // slots re-rotated to positions within the cache (sinks)
+  // Speculative decoding: drafts proposed and accepted, by position and source.
+  SpeculationStats speculation;
 };
 
 class Engine {
@@ -217,6 +223,7 @@ class Engine {
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<OutputProcessor> output_;
+  std::unique_ptr<Speculator> speculator_;
 
   // Engine-thread state.
   std::map<uint64_t, std::unique_ptr<SequenceGroup>> groups_;

@@ -107,8 +107,8 @@ void OutputProcessor::Verify(Sequence* s, int32_t first_position, int32_t first_
       break;
     }
     if (res.token == s->draft().front()) {
+      ++(s->draft_speculative() ? s->spec_accepted : s->draft_accepted);
       s->PopDraftFront();
-      ++s->draft_accepted;
       EmitToken(s, res.token, res.logprob);
       continue;
     }

@@ -104,6 +104,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   if (r.has_add_special_tokens()) p.add_special_tokens = r.add_special_tokens();
   p.cache_salt = r.cache_salt();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
+  if (r.has_speculative()) p.speculative = r.speculative();
   ApplySampling(r.sampling(), &p);
   if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
     return st;
@@ -120,6 +121,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
   p.messages = std::move(messages);
   p.cache_salt = r.cache_salt();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
+  if (r.has_speculative()) p.speculative = r.speculative();
   ApplySampling(r.sampling(), &p);
   if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
     return st;

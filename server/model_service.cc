@@ -170,6 +170,10 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   r.priority = p.priority;
   r.cache_salt = p.cache_salt;
   ASSIGN_OR_RETURN(r.kv_policy, ResolveKvPolicy(p.kv_policy, limits_.kv_policy));
+  if (p.speculative) {
+    RETURN_IF_ERROR(ParseSpecMode(*p.speculative, "speculative", &r.speculative,
+                                  /*allow_default=*/true));
+  }
 
   RequestLimits limits = engine_->limits();
   limits.max_n = std::min(limits.max_n, limits_.max_n);
