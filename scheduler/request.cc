@@ -165,7 +165,7 @@ absl::Status ParseSpecMode(std::string_view name, std::string_view what, SpecMod
   } else if (allow_default && name == "default") {
     *out = SpecMode::kDefault;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": unknown speculative mode '", name,
+    return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": unknown speculative mode '", std::string(name),
                                                    "' (expected off, ngram or suffix",
                                                    allow_default ? " or default" : "", ")"));
   }

@@ -292,6 +292,8 @@ void Speculator::Propose(const std::vector<Sequence*>& running) {
       // Expected tokens the draft adds: sum of a^j over its positions.
       double v = 0, aj = 1;
       for (size_t j = 0; j < p.tokens.size(); ++j) v += (aj *= a);
+      // Ties go to the longer match (more context agreed).
+      v += 1e-3 * p.match_length;
       if (v > best_value) {
         best_value = v;
         best = Cand{s, p, a};
@@ -380,7 +382,9 @@ void Speculator::AfterStep(const BatchPlan& plan, double seconds) {
 void Speculator::OnDestroy(const Sequence* s) {
   seqs_.erase(s);
   step_drafts_.erase(s);
-  if (s->num_generated() > 0 && ModeOf(*s) != SpecMode::kOff) suffix_.Insert(s->generated());
+  // Prompt and output: a request repeating an earlier one drafts from its
+  // first token on.
+  if (s->num_generated() > 0 && ModeOf(*s) != SpecMode::kOff) suffix_.Insert(s->tokens());
 }
 
 SpeculationStats Speculator::stats() const {
