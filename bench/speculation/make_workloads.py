@@ -118,7 +118,7 @@ def main():
     for name, prompts in sets.items():
         with open(os.path.join(HERE, name + ".jsonl"), "w") as f:
             for p in prompts:
-                f.write(json.dumps({"prompt": p, "max_tokens": 128}) + "\n")
+                f.write(json.dumps({"prompt": p, "max_tokens": 64}) + "\n")
 
 
 if __name__ == "__main__":
