@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <deque>
 #include <fstream>
+#include <iterator>
+#include <memory>
 #include <iostream>
 #include <limits>
 #include <mutex>

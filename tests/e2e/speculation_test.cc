@@ -9,6 +9,7 @@
 #include <chrono>
 #include <memory>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
