@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <deque>
 #include <fstream>
+#include <iterator>
+#include <memory>
 #include <iostream>
 #include <limits>
 #include <mutex>
@@ -47,6 +49,8 @@ struct Options {
   Slo slo;
   std::string json_out, html_out;
   bool quiet = false;
+  // kvserve's speculative modes to compare, one after another on one target.
+  std::vector<std::string> speculative;
 };
 
 struct LoadPoint {
@@ -296,6 +300,11 @@ int Main(int argc, char** argv) {
   app.add_option("--json-out", o.json_out, "result file: every request and the summary");
   app.add_option("--html-out", o.html_out, "self-contained HTML report");
   app.add_flag("-q,--quiet", o.quiet, "no progress line");
+  app.add_option("--speculative", o.speculative,
+                 "kvserve speculative modes (off, ngram, suffix) sent per request; a list "
+                 "runs each load point once per mode, one after another, on one target, and "
+                 "prints B/A ratios for two")
+      ->delimiter(',');
   CLI11_PARSE(app, argc, argv);
 
   o.backend.ignore_eos = !o.no_ignore_eos;
@@ -354,9 +363,25 @@ int Main(int argc, char** argv) {
 
   std::vector<std::unique_ptr<Backend>> owned;
   std::vector<Backend*> backends;
+  // Speculative modes are compared one after another (not at once: they
+  // would share the server's batches), each as its own target.
+  const bool sequential = !o.speculative.empty();
+  if (sequential && targets.size() != 1) {
+    std::cerr << "kvserve-bench: --speculative takes one target (--url or --grpc)\n";
+    return 2;
+  }
   for (const std::string& t : targets) {
-    owned.push_back(MakeBackend(t, o.backend));
-    backends.push_back(owned.back().get());
+    if (!sequential) {
+      owned.push_back(MakeBackend(t, o.backend));
+      backends.push_back(owned.back().get());
+      continue;
+    }
+    for (const std::string& mode : o.speculative) {
+      BackendOptions bo = o.backend;
+      bo.speculative = mode;
+      owned.push_back(MakeBackend(t, bo));
+      backends.push_back(owned.back().get());
+    }
   }
   // Exact prompt lengths need the server's tokenizer: kvserve's Tokenize.
   std::unique_ptr<Backend> tokenizer;
@@ -407,18 +432,33 @@ int Main(int argc, char** argv) {
     const bool bounded = o.requests > 0 || o.duration_s > 0;
     const int request_limit = o.requests > 0 ? o.requests : kUnbounded;
     const int item_limit = bounded ? kUnbounded : static_cast<int>(convs.size());
-    Driver driver(convs, backends, o);
+    // Each group of targets runs at once; sequential: one target at a time.
+    std::vector<std::vector<Backend*>> groups;
+    if (sequential) {
+      for (Backend* b : backends) groups.push_back({b});
+    } else {
+      groups.push_back(backends);
+    }
+    std::vector<std::unique_ptr<Driver>> drivers;
+    for (const auto& g : groups) drivers.push_back(std::make_unique<Driver>(convs, g, o));
     if (o.warmup > 0) {
       const int c = std::min(
           o.warmup, points.front().mode == "closed" ? static_cast<int>(points.front().value) : 4);
-      driver.Run({"closed", static_cast<double>(c)}, o.warmup, kUnbounded, 0, /*warmup=*/true,
-                 "warm-up");
+      for (auto& driver : drivers) {
+        driver->Run({"closed", static_cast<double>(c)}, o.warmup, kUnbounded, 0, /*warmup=*/true,
+                    "warm-up");
+      }
     }
     for (const LoadPoint& lp : points) {
       std::string label = lp.Label(o.arrival);
       if (!wname.empty()) label = wname + " " + label;
-      std::vector<RequestRecord> records =
-          driver.Run(lp, request_limit, item_limit, o.duration_s, false, label);
+      std::vector<RequestRecord> records;
+      for (auto& driver : drivers) {
+        std::vector<RequestRecord> part =
+            driver->Run(lp, request_limit, item_limit, o.duration_s, false, label);
+        records.insert(records.end(), std::make_move_iterator(part.begin()),
+                       std::make_move_iterator(part.end()));
+      }
       // Split by target so each server gets its own summary.
       for (Backend* b : backends) {
         Run run;
@@ -455,7 +495,8 @@ int Main(int argc, char** argv) {
                            {"duration_s", o.duration_s},
                            {"warmup", o.warmup},
                            {"slo_ttft_ms", o.slo.ttft_ms},
-                           {"slo_tpot_ms", o.slo.tpot_ms}};
+                           {"slo_tpot_ms", o.slo.tpot_ms},
+                           {"speculative", o.speculative}};
   if (!o.json_out.empty()) {
     std::ofstream f(o.json_out);
     f << ResultsToJson(config, runs).dump(1) << '\n';

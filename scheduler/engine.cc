@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
     return absl::InvalidArgumentError("max_stall_factor must be 0 (off) or >= 1");
   }
   if (o.min_prefill_tokens < 1) return absl::InvalidArgumentError("min_prefill_tokens must be >= 1");
+  RETURN_IF_ERROR(ValidateSpeculationOptions(o.speculation));
   const LlamaConfig& c = model->config();
   // One forward path: without a device backend the CPU backend runs it.
   std::shared_ptr<ForwardBackend> backend = o.backend;
@@ -95,6 +96,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   e->runner_ = std::make_unique<ModelRunner>(std::move(backend), e->kv_.get(), pool);
   e->output_ = std::make_unique<OutputProcessor>(e->kv_.get(), e->scheduler_.get(), tokenizer,
                                                  e->EvictorOptions());
+  e->speculator_ = std::make_unique<Speculator>(o.speculation);
   e->PublishStats(nullptr);
   return e;
 }
@@ -277,6 +279,7 @@ void Engine::RemoveFinished() {
   scheduler_->RemoveFinished();
   for (auto it = groups_.begin(); it != groups_.end();) {
     if (it->second->complete()) {
+      for (const auto& s : it->second->seqs) speculator_->OnDestroy(s.get());
       ++finished_;
       it = groups_.erase(it);
     } else {
@@ -296,6 +299,8 @@ bool Engine::Step() {
     PublishStats(nullptr);
     return false;
   }
+  // Drafts first: a sequence with one token to decode may contribute 1 + k.
+  speculator_->Propose(scheduler_->running());
   const BatchPlan plan = scheduler_->Schedule();
   if (plan.empty()) {
     PublishStats(nullptr);
@@ -318,9 +323,13 @@ bool Engine::Step() {
     PublishStats(nullptr);
     return true;
   }
-  scheduler_->ObserveStep(
-      plan, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  scheduler_->ObserveStep(plan, seconds);
   output_->Process(plan, *result);
+  // Speculation prices the whole step: verifying k drafts also samples k rows.
+  speculator_->AfterStep(
+      plan, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   RemoveFinished();
   ++steps_;
   last_step_ran_ = true;
@@ -410,6 +419,7 @@ void Engine::PublishStats(const BatchPlan* plan) {
   st.kv_evicted_tokens = output_->evictor().evicted_tokens();
   st.kv_compactions = output_->evictor().compactions();
   st.kv_rotated_keys = output_->evictor().rotated_keys();
+  st.speculation = speculator_->stats();
   st.mean_batch_seqs = steps_ > 0 ? sum_batch_seqs_ / steps_ : 0;
   st.mean_batch_tokens = steps_ > 0 ? sum_batch_tokens_ / steps_ : 0;
   st.prompt_tokens_total = scheduler_->prompt_tokens_total();

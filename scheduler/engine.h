@@ -51,6 +51,7 @@
 #include "scheduler/kv_tiers.h"
 #include "scheduler/request.h"
 #include "scheduler/scheduler.h"
+#include "scheduler/speculation.h"
 
 namespace kvserve {
 
@@ -107,6 +108,9 @@ struct EngineOptions {
   // sees every eviction, expires leases before each step, releases them
   // before the pool goes. Null: none.
   std::shared_ptr<CacheControl> cache_control;
+  // Speculative decoding without a draft model (scheduler/speculation.h):
+  // the default mode (requests may override it) and its knobs.
+  SpeculationOptions speculation;
 };
 
 // "fcfs" or "lpm".
@@ -171,6 +175,8 @@ struct EngineStats {
   int64_t kv_evicted_tokens = 0;
   int64_t kv_compactions = 0;
   int64_t kv_rotated_keys = 0;  // slots re-rotated to positions within the cache (sinks)
+  // Speculative decoding: drafts proposed and accepted, by position and source.
+  SpeculationStats speculation;
 };
 
 class Engine {
@@ -235,6 +241,7 @@ class Engine {
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<OutputProcessor> output_;
+  std::unique_ptr<Speculator> speculator_;
 
   // Engine-thread state.
   std::map<uint64_t, std::unique_ptr<SequenceGroup>> groups_;

@@ -101,14 +101,19 @@ void OutputProcessor::Verify(Sequence* s, int32_t first_position, int32_t first_
   for (int32_t row = first_row; row < end_row && !s->finished(); ++row) {
     const int32_t position = first_position + (row - first_row);
     if (position != s->num_tokens() - 1) break;  // the draft was rejected before this row
+    // Every token so far has its K/V computed and is final: commit them
+    // before emitting (which may finish the sequence), so a finished
+    // sequence caches exactly what it would have without a draft — not the
+    // K/V of an accepted token that a plain decode would not have computed yet.
+    CommitFinal(s);
     const SampleResult res = s->sampler().Sample(row_at(row), s->prompt(), s->generated());
     if (s->num_speculative() == 0) {
       EmitToken(s, res.token, res.logprob);  // the draft is all in: the next token
       break;
     }
     if (res.token == s->draft().front()) {
+      ++(s->draft_speculative() ? s->spec_accepted : s->draft_accepted);
       s->PopDraftFront();
-      ++s->draft_accepted;
       EmitToken(s, res.token, res.logprob);
       continue;
     }

@@ -144,4 +144,32 @@ absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLi
   return absl::OkStatus();
 }
 
+const char* SpecModeName(SpecMode m) {
+  switch (m) {
+    case SpecMode::kDefault: return "default";
+    case SpecMode::kOff: return "off";
+    case SpecMode::kNgram: return "ngram";
+    case SpecMode::kSuffix: return "suffix";
+  }
+  return "?";
+}
+
+absl::Status ParseSpecMode(std::string_view name, std::string_view what, SpecMode* out,
+                           bool allow_default) {
+  if (name == "off") {
+    *out = SpecMode::kOff;
+  } else if (name == "ngram") {
+    *out = SpecMode::kNgram;
+  } else if (name == "suffix") {
+    *out = SpecMode::kSuffix;
+  } else if (allow_default && name == "default") {
+    *out = SpecMode::kDefault;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": unknown speculative mode '", std::string(name),
+                                                   "' (expected off, ngram or suffix",
+                                                   allow_default ? " or default" : "", ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvserve

@@ -52,6 +52,17 @@ const char* KvPolicyName(KvPolicy::Kind k);
 // InvalidArgument naming the valid names for anything else.
 [[nodiscard]] absl::Status ParseKvPolicyKind(std::string_view name, KvPolicy::Kind* out);
 
+// Which proposers a request uses. kDefault: the server's --speculative.
+//   off     none
+//   ngram   own prompt + output lookup, and the response cache's candidate
+//   suffix  ngram's, plus the index over other requests' outputs
+enum class SpecMode { kDefault, kOff, kNgram, kSuffix };
+const char* SpecModeName(SpecMode m);
+// "off", "ngram", "suffix" (and "default" when allow_default). Otherwise
+// InvalidArgument naming `what` and the valid names.
+[[nodiscard]] absl::Status ParseSpecMode(std::string_view name, std::string_view what,
+                                         SpecMode* out, bool allow_default = false);
+
 struct EngineRequest {
   std::vector<int32_t> prompt;
   SamplingParams params;
@@ -70,6 +81,9 @@ struct EngineRequest {
   // a draft, only sooner. Greedy (temperature 0), n = 1, kv_policy none, at
   // most max_tokens tokens.
   std::vector<int32_t> draft_tokens{};
+  // Speculative decoding (scheduler/speculation.h): which proposers draft
+  // for this request; kDefault: the engine's default. Never changes the output.
+  SpecMode speculative = SpecMode::kDefault;
 };
 
 // What a request is checked against: the model's and the engine's limits.

@@ -87,10 +87,23 @@ class Sequence {
   // the accepted ones (they become sampled tokens) and drops the rest.
   const std::vector<int32_t>& draft() const { return draft_; }
   int32_t num_speculative() const { return static_cast<int32_t>(draft_.size()); }
-  void SetDraft(std::vector<int32_t> draft) { draft_ = std::move(draft); }
-  void PopDraftFront() { draft_.erase(draft_.begin()); }
-  void ClearDraft() { draft_.clear(); }
-  int32_t draft_accepted = 0;  // draft tokens verified and kept
+  // speculative: the draft is a proposer's guess (scheduler/speculation.h),
+  // not the request's draft_tokens; its kept tokens count in spec_accepted.
+  void SetDraft(std::vector<int32_t> draft, bool speculative = false) {
+    draft_ = std::move(draft);
+    draft_speculative_ = speculative && !draft_.empty();
+  }
+  void PopDraftFront() {
+    draft_.erase(draft_.begin());
+    if (draft_.empty()) draft_speculative_ = false;
+  }
+  void ClearDraft() {
+    draft_.clear();
+    draft_speculative_ = false;
+  }
+  bool draft_speculative() const { return draft_speculative_; }
+  int32_t draft_accepted = 0;  // of the request's draft_tokens, verified and kept
+  int32_t spec_accepted = 0;   // of speculative drafts, verified and kept
   // The sequence-level invariants above (the KV counters' own are
   // KvCacheManager::CheckInvariants'); aborts naming the broken one.
   void CheckInvariants() const;
@@ -123,6 +136,7 @@ class Sequence {
   SeqState state_ = SeqState::kWaiting;
   std::vector<int32_t> tokens_;
   std::vector<int32_t> draft_;
+  bool draft_speculative_ = false;
   int32_t num_prompt_;
   std::unique_ptr<Sampler> sampler_;
   std::unique_ptr<StreamingDetokenizer> detok_;

@@ -44,6 +44,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
         absl::StrCat("--schedule-policy: ", policy.status().message()));
   }
   o.schedule_policy = *policy;
+  ASSIGN_OR_RETURN(o.speculation, SpeculationOptionsFromFlags(flags.speculative));
   return o;
 }
 

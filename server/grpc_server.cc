@@ -106,6 +106,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   if (r.has_retain()) p.retain = RetainAsk{r.retain().ttl_s(), r.retain().tokens()};
   p.cache_report = r.cache_report();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
+  if (r.has_speculative()) p.speculative = r.speculative();
   ApplySampling(r.sampling(), &p);
   if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
     return st;
@@ -124,6 +125,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
   if (r.has_retain()) p.retain = RetainAsk{r.retain().ttl_s(), r.retain().tokens()};
   p.cache_report = r.cache_report();
   p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
+  if (r.has_speculative()) p.speculative = r.speculative();
   ApplySampling(r.sampling(), &p);
   if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
     return st;

@@ -267,6 +267,65 @@ std::string Metrics::Render(const EngineStats& stats) const {
                 "KV loads that failed (their tokens were recomputed).", l,
                 static_cast<double>(stats.kv_load_failures), &out);
 
+  // Speculative decoding (scheduler/speculation.h, docs/speculation.md).
+  {
+    const SpeculationStats& sp = stats.speculation;
+    auto with = [&](const std::string& label) {
+      return absl::StrCat(l, l.empty() ? "" : ",", label);
+    };
+    auto per_source = [&](const std::string& name, const char* help,
+                          const std::array<int64_t, kNumDraftSources>& v) {
+      AppendHeader(name, help, "counter", &out);
+      for (int i = 0; i < kNumDraftSources; ++i) {
+        AppendSample(name,
+                     with(absl::StrCat("source=\"", DraftSourceName(static_cast<DraftSource>(i)),
+                                       "\"")),
+                     static_cast<double>(v[static_cast<size_t>(i)]), &out);
+      }
+    };
+    per_source("kvserve:spec_proposed_tokens_total", "Draft tokens verified, by proposer.",
+               sp.proposed_by_source);
+    per_source("kvserve:spec_accepted_tokens_total",
+               "Draft tokens the target model accepted, by proposer.", sp.accepted_by_source);
+    auto per_position = [&](const std::string& name, const char* help,
+                            const std::array<int64_t, kMaxSpecK>& v) {
+      AppendHeader(name, help, "counter", &out);
+      for (int i = 0; i < kMaxSpecK; ++i) {
+        AppendSample(name, with(absl::StrCat("position=\"", i, "\"")),
+                     static_cast<double>(v[static_cast<size_t>(i)]), &out);
+      }
+    };
+    per_position("kvserve:spec_position_proposed_total",
+                 "Drafts that reached position (0-based) of the draft.", sp.proposed_by_position);
+    per_position("kvserve:spec_position_accepted_total",
+                 "Drafts whose token at position (0-based) was accepted.", sp.accepted_by_position);
+    AppendGauge("kvserve:spec_acceptance_rate", "Accepted over proposed draft tokens, so far.", l,
+                sp.proposed_tokens > 0
+                    ? static_cast<double>(sp.accepted_tokens) / sp.proposed_tokens
+                    : 0.0,
+                &out);
+    AppendCounter("kvserve:spec_drafts_total", "Sequence-steps that verified a draft.", l,
+                  static_cast<double>(sp.drafts), &out);
+    AppendCounter("kvserve:spec_emitted_tokens_total",
+                  "Tokens produced by sequence-steps that verified a draft.", l,
+                  static_cast<double>(sp.emitted_tokens), &out);
+    AppendGauge("kvserve:spec_tokens_per_step",
+                "Tokens a sequence-step with a draft produced, on average (1 without).", l,
+                sp.drafts > 0 ? static_cast<double>(sp.emitted_tokens) / sp.drafts : 1.0, &out);
+    AppendCounter("kvserve:spec_skipped_by_cost_total",
+                  "Proposals dropped whole because the cost model said they would not pay.", l,
+                  static_cast<double>(sp.skipped_by_cost), &out);
+    AppendGauge("kvserve:spec_step_fixed_ms",
+                "Measured fixed cost of a decode/verify step (ms), as speculation sees it.", l,
+                sp.step_fixed_ms, &out);
+    AppendGauge("kvserve:spec_step_ms_per_token",
+                "Measured cost of one more token in a decode/verify step (ms).", l,
+                sp.step_ms_per_token, &out);
+    AppendGauge("kvserve:spec_suffix_index_tokens",
+                "Output tokens held by the cross-request suffix index.", l,
+                static_cast<double>(sp.suffix_index_tokens), &out);
+  }
+
   // KV tiers under the primary pool (host, disk); per-tier series carry a
   // tier label, and everything reads zero without tiers.
   {

@@ -8,6 +8,7 @@
 // Thread-safety: all methods are thread-safe.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>

@@ -196,6 +196,10 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   }
   if (out.retain || out.cache_report) out.notes = std::make_shared<CacheNotes>();
   ASSIGN_OR_RETURN(r.kv_policy, ResolveKvPolicy(p.kv_policy, limits_.kv_policy));
+  if (p.speculative) {
+    RETURN_IF_ERROR(ParseSpecMode(*p.speculative, "speculative", &r.speculative,
+                                  /*allow_default=*/true));
+  }
 
   RequestLimits limits = engine_->limits();
   limits.max_n = std::min(limits.max_n, limits_.max_n);

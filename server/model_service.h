@@ -86,6 +86,9 @@ struct CompletionParams {
   std::string cache_salt;          // prefix-cache namespace (tenant isolation)
   // Token eviction; unset (or any field of it unset): ServiceLimits::kv_policy.
   std::optional<KvPolicyParams> kv_policy;
+  // Speculative decoding mode name (off, ngram, suffix, default); unset: the
+  // server's --speculative.
+  std::optional<std::string> speculative;
   // The response cache: the request's own say (bypass, no-store, semantic).
   ResponseCacheControl response_cache;
   // The authenticated tenant (TenantFromApiKey), set by the front end from

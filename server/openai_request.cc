@@ -312,6 +312,14 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     if (auto e = ReadCacheControl(*cc, p)) r.Fail("cache_control", *e);
   }
   r.Bool("cache_report", &p->cache_report);
+  // Our extension: the speculative-decoding mode of this request.
+  if (const json* sp = r.Get("speculative")) {
+    if (!sp->is_string()) {
+      r.Fail("speculative", "speculative must be a string: off, ngram, suffix or default");
+    } else {
+      p->speculative = sp->get<std::string>();
+    }
+  }
   if (auto e = ParseResponseCacheJson(body, &p->response_cache)) r.Fail("response_cache", *e);
   r.Bool("stream", &o->stream);
   ReadStop(r, p);

@@ -73,6 +73,7 @@ void AddEngineFlags(CLI::App* app, EngineFlags* f) {
                   "Prefix hits a block needs before it is written to the disk KV tier")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  AddSpeculativeFlags(app, &f->speculative);
 }
 
 void AddKvPolicyFlags(CLI::App* app, KvPolicyFlags* f) {

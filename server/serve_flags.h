@@ -14,6 +14,7 @@
 #include <string>
 
 #include "server/pd_flags.h"
+#include "server/spec_flags.h"
 
 namespace CLI {
 class App;
@@ -42,6 +43,8 @@ struct EngineFlags {
   std::string kv_disk_dir;
   std::string kv_disk_bytes = "8GiB";
   int32_t kv_disk_min_hits = 2;
+  // Speculative decoding (server/spec_flags.h).
+  SpeculativeFlags speculative;
 };
 
 // Registers --device, --block-size, --kv-cache-memory, --kv-cache-dtype,

@@ -61,12 +61,14 @@ class HttpBackend : public Backend {
     }
   }
 
-  std::string Name() const override { return url_; }
+  std::string Name() const override {
+    return o_.speculative.empty() ? url_ : url_ + " speculative=" + o_.speculative;
+  }
 
   RequestRecord Send(const std::vector<Message>& messages, int max_tokens,
                      Clock::time_point epoch) override {
     RequestRecord r;
-    r.target = url_;
+    r.target = Name();
     json body = {{"max_tokens", max_tokens},
                  {"temperature", o_.temperature},
                  {"stream", true},
@@ -74,6 +76,7 @@ class HttpBackend : public Backend {
     // ignore_eos is a vLLM / kvserve / llama.cpp extension; other servers
     // may reject unknown fields, so it is only sent when asked for.
     if (o_.ignore_eos) body["ignore_eos"] = true;
+    if (!o_.speculative.empty()) body["speculative"] = o_.speculative;
     if (!o_.model.empty()) body["model"] = o_.model;
     std::string path;
     if (o_.api == "chat") {
@@ -270,7 +273,10 @@ class GrpcBackend : public Backend {
         stub_(v1::Kvserve::NewStub(
             grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {}
 
-  std::string Name() const override { return "grpc://" + address_; }
+  std::string Name() const override {
+    const std::string n = "grpc://" + address_;
+    return o_.speculative.empty() ? n : n + " speculative=" + o_.speculative;
+  }
 
   int CountTokens(const std::string& text) override {
     grpc::ClientContext ctx;
@@ -305,11 +311,13 @@ class GrpcBackend : public Backend {
         pm->set_content(m.content);
       }
       *chat.mutable_sampling() = sampling;
+      if (!o_.speculative.empty()) chat.set_speculative(o_.speculative);
       reader = stub_->Chat(&ctx, chat);
     } else {
       gen.set_model(o_.model);
       gen.set_prompt(FlattenMessages(messages));
       *gen.mutable_sampling() = sampling;
+      if (!o_.speculative.empty()) gen.set_speculative(o_.speculative);
       reader = stub_->Generate(&ctx, gen);
     }
     v1::GenerateResponse resp;

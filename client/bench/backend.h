@@ -54,6 +54,9 @@ struct BackendOptions {
   bool ignore_eos = true;
   bool keep_alive = true;  // HTTP: reuse one connection per worker thread
   double temperature = 0;
+  // kvserve's per-request speculative-decoding mode (off, ngram, suffix);
+  // empty: not sent (the server's default). Shown in the target's name.
+  std::string speculative;
 };
 
 class Backend {

@@ -1,0 +1,29 @@
+#!/bin/sh
+# Speculation on vs off, one daemon, per-request modes (docs/speculation.md).
+# Usage: bench/speculation/run.sh [MODEL] [MODE]   (MODE: ngram or suffix; default ngram)
+# Prints kvserve-bench's tables and B/A ratios (B = MODE, A = off) for each
+# workload at concurrency 1, 4 and 16.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+model=${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+mode=${2:-ngram}
+kvserve=${KVSERVE:-$root/build/server/kvserve}
+bench=${KVSERVE_BENCH:-$root/build/client/kvserve-bench}
+tmp=$(mktemp -d)
+"$kvserve" --log-level warn -m "$model" serve --grpc-address 127.0.0.1:0 --http-port 0 \
+  --port-file "$tmp/ports" --speculative off --no-prefix-cache 2>"$tmp/log" &
+pid=$!
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+for i in $(seq 1 600); do [ -s "$tmp/ports" ] && break; sleep 0.1; done
+port=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[\"http\"])" "$tmp/ports")
+for w in code-edit summarize json chat; do
+  for c in 1 4 16; do
+    n=$((c < 4 ? 4 : c))
+    [ "$c" = 4 ] && n=8
+    echo "### workload=$w concurrency=$c requests=$n"
+    "$bench" --url "http://127.0.0.1:$port" --api chat --workload file --file "$here/$w.jsonl" \
+      --concurrency "$c" --requests "$n" --temperature 0 --no-ignore-eos -q \
+      --speculative "off,$mode" --warmup 1
+  done
+done
