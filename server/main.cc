@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
   commands.push_back(NewBenchCommand(&app, &engine_flags));
   commands.push_back(NewLoadtestCommand(&app, &engine_flags));
   commands.push_back(NewPlanCommand(&app, &engine_flags));
+  commands.push_back(NewAdviseCommand(&app));
   commands.push_back(NewInfoCommand(&app));
   commands.push_back(NewProbeCommand(&app));
   commands.push_back(NewServeCommand(&app, &engine_flags));
