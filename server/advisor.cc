@@ -406,7 +406,7 @@ json Advice::ToJson() const {
 
 std::string Advice::ToToml(const std::string& header_comment) const {
   std::ostringstream o;
-  for (std::string_view line : absl::StrSplit(header_comment, '\n')) o << "# " << line << '\n';
+  for (absl::string_view line : absl::StrSplit(header_comment, '\n')) o << "# " << line << '\n';
   o << "[serve]\n"
     << "block-size = " << block_size << '\n'
     << "kv-cache-dtype = \"" << kv_dtype << "\"\n"

@@ -26,11 +26,18 @@ BlockMap BlockMapFromStats(const EngineStats& s) {
   return m;
 }
 
+namespace {
+// Debian's Abseil has its own string_view.
+bool ToDouble(std::string_view s, double* out) {
+  return absl::SimpleAtod(absl::string_view(s.data(), s.size()), out);
+}
+}  // namespace
+
 HistogramView ParseHistogram(std::string_view text, std::string_view name) {
   HistogramView h;
-  const std::string bucket = absl::StrCat(name, "_bucket{");
-  const std::string sum = absl::StrCat(name, "_sum");
-  const std::string count = absl::StrCat(name, "_count");
+  const std::string bucket = std::string(name) + "_bucket{";
+  const std::string sum = std::string(name) + "_sum";
+  const std::string count = std::string(name) + "_count";
   uint64_t prev = 0;
   size_t pos = 0;
   while (pos < text.size()) {
@@ -51,23 +58,23 @@ HistogramView ParseHistogram(std::string_view text, std::string_view name) {
       double upper = 0;
       if (bound == "+Inf") {
         upper = INFINITY;
-      } else if (!absl::SimpleAtod(bound, &upper)) {
+      } else if (!ToDouble(bound, &upper)) {
         continue;
       }
       double cumulative = 0;
-      if (!absl::SimpleAtod(value, &cumulative)) continue;
+      if (!ToDouble(value, &cumulative)) continue;
       const uint64_t c = static_cast<uint64_t>(cumulative);
       h.upper.push_back(upper);
       h.counts.push_back(c >= prev ? c - prev : 0);
       prev = c;
     } else if (line.substr(0, sum.size()) == sum &&
                (line.size() > sum.size() && (line[sum.size()] == '{' || line[sum.size()] == ' '))) {
-      (void)absl::SimpleAtod(value, &h.sum);
+      (void)ToDouble(value, &h.sum);
     } else if (line.substr(0, count.size()) == count &&
                (line.size() > count.size() &&
                 (line[count.size()] == '{' || line[count.size()] == ' '))) {
       double c = 0;
-      if (absl::SimpleAtod(value, &c)) h.count = static_cast<uint64_t>(c);
+      if (ToDouble(value, &c)) h.count = static_cast<uint64_t>(c);
     }
   }
   return h;

@@ -95,7 +95,7 @@ nlohmann::json Config() {
 }
 
 TEST(BenchReportTest, SummaryCountsRetriesApartFromFailures) {
-  const Run run = MakeRun("http://a:1", 1, 3);
+  const auto run = MakeRun("http://a:1", 1, 3);
   EXPECT_EQ(run.summary.completed, 20);
   EXPECT_EQ(run.summary.failed, 1);
   EXPECT_EQ(run.summary.connection_retries, 3);
