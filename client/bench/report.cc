@@ -70,7 +70,8 @@ constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "
 // compared side by side share their ranges).
 std::string LineChart(const std::string& title, const std::string& xlabel,
                       const std::string& ylabel, const std::vector<Series>& series, bool markers,
-                      double xmax = 0, double ymax = 0, double width = 460, double height = 300) {
+                      double xmax = 0, double ymax = 0, double width = 460, double height = 300,
+                      bool legend_low = false) {
   const double kW = width, kH = height;
   constexpr double kL = 62, kR = 16, kT = 28, kB = 46;
   const bool fixed_x = xmax > 0, fixed_y = ymax > 0;
@@ -125,8 +126,12 @@ std::string LineChart(const std::string& title, const std::string& xlabel,
         o << "<circle cx='" << X(x) << "' cy='" << Y(y) << "' r='3' fill='" << color << "'/>";
       }
     }
-    o << "<rect x='" << kL + 8 << "' y='" << kT + 5 + 14 * i << "' width='10' height='3' fill='"
-      << color << "'/><text x='" << kL + 22 << "' y='" << kT + 10 + 14 * i << "' fill='#333'>"
+    // CDFs leave the lower right empty; other charts the upper left.
+    const double ly = legend_low ? kH - kB - 8 - 14 * (series.size() - i) : kT + 5 + 14 * i;
+    const double lx = legend_low ? kW - kR - 8 : kL + 8;
+    o << "<rect x='" << (legend_low ? lx - 10 : lx) << "' y='" << ly << "' width='10' height='3' fill='"
+      << color << "'/><text x='" << (legend_low ? lx - 14 : lx + 14) << "' y='" << ly + 5
+      << "' fill='#333' text-anchor='" << (legend_low ? "end" : "start") << "'>"
       << Escape(series[i].name) << "</text>";
   }
   o << "</svg>";
@@ -412,8 +417,8 @@ std::vector<std::pair<std::string, std::string>> ConfigRows(const json& config) 
       text = v.dump();
     }
     const bool optional = it.key().rfind("slo_", 0) == 0 || it.key() == "duration_s" ||
-                          it.key() == "requests" || it.key() == "model";
-    if (optional && (text.empty() || text == "0")) continue;
+                          it.key() == "requests";
+    if (text.empty() || text == "\"\"" || (optional && text == "0")) continue;
     rows.emplace_back(it.key(), text);
   }
   return rows;
@@ -469,13 +474,13 @@ std::string CdfRow(const std::vector<Cdfs>& group) {
   std::ostringstream o;
   o << "<div class='row'>"
     << LineChart("TTFT", "time to first token (ms)", "fraction of requests", ttft, false,
-                 MaxX(ttft), 1)
+                 MaxX(ttft), 1, 345, 280, true)
     << LineChart("TPOT", "time per output token (ms)", "fraction of requests", tpot, false,
-                 MaxX(tpot), 1)
+                 MaxX(tpot), 1, 345, 280, true)
     << LineChart("ITL", "inter-token gap (ms), axis to p99.5", "fraction of gaps", itl, false,
-                 ItlAxis(itl), 1)
+                 ItlAxis(itl), 1, 345, 280, true)
     << LineChart("End to end", "request latency (ms)", "fraction of requests", e2e, false,
-                 MaxX(e2e), 1)
+                 MaxX(e2e), 1, 345, 280, true)
     << "</div>";
   return o.str();
 }
