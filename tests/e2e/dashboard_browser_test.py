@@ -222,9 +222,15 @@ def wait_for(what, fn, timeout):
     deadline = time.time() + timeout
     last = None
     while time.time() < deadline:
-        last = fn()
-        if last:
-            return last
+        try:
+            last = fn()
+        except RuntimeError as e:  # e.g. the page is still navigating
+            if "chromium" in str(e):
+                raise
+            last = "error: %s" % e
+        else:
+            if last:
+                return last
         time.sleep(0.25)
     fail("timed out waiting for " + what + " (last: %r)" % (last,))
 
