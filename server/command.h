@@ -66,7 +66,6 @@ std::unique_ptr<Command> NewKvEvalCommand(CLI::App* root);
 std::unique_ptr<Command> NewBenchCommand(CLI::App* root, EngineFlags* engine_flags);
 std::unique_ptr<Command> NewLoadtestCommand(CLI::App* root, EngineFlags* engine_flags);
 std::unique_ptr<Command> NewPlanCommand(CLI::App* root, EngineFlags* engine_flags);
-std::unique_ptr<Command> NewAdviseCommand(CLI::App* root);
 std::unique_ptr<Command> NewInfoCommand(CLI::App* root);
 std::unique_ptr<Command> NewProbeCommand(CLI::App* root);
 std::unique_ptr<Command> NewServeCommand(CLI::App* root, EngineFlags* engine_flags);
