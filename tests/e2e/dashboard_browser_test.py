@@ -151,7 +151,9 @@ class Browser:
              "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(tmp, "chromium.log"), "w"),
-            preexec_fn=setup, pass_fds=(to_chrome_r, from_chrome_w))
+            # Not close_fds: it would run after setup() and close 3 and 4
+            # (Python's own descriptors are not inheritable anyway).
+            preexec_fn=setup, close_fds=False)
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         self.buf = b""
@@ -334,7 +336,8 @@ def main():
         print("ok: API-key rule (401 form / 401 JSON / 200 with the key)", flush=True)
 
         # 1b. The open daemon the browser looks at.
-        d = Daemon(binary, model, ["--max-seqs", "8"], tmp)
+        # A small pool (a few hundred blocks), so the map shows one cell per block.
+        d = Daemon(binary, model, ["--max-seqs", "8", "--kv-cache-memory", "4MiB"], tmp)
         daemons.append(d)
         st, _, page = http("GET", d.url("/dashboard"))
         if st != 200:
