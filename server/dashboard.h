@@ -35,6 +35,11 @@ namespace kvserve {
 
 class ModelService;
 
+// The page (GET /dashboard) and the API-key form a browser gets as the 401's
+// body; self-contained HTML (server/dashboard_page.cc).
+std::string_view DashboardPageHtml();
+std::string_view DashboardLoginHtml();
+
 // The pool split four ways; the four add up to blocks_total.
 struct BlockMap {
   int64_t total = 0;

@@ -49,8 +49,6 @@
 #include "server/auth.h"
 #include "server/completed_response.h"
 #include "server/dashboard.h"
-#include "server/web/dashboard_html.h"
-#include "server/web/dashboard_login_html.h"
 #include "server/openai_request.h"
 #include "server/openai_response.h"
 #include "server/response_cache_api.h"
@@ -873,7 +871,7 @@ void ServerCore::RouteDashboard(const std::shared_ptr<Connection>& conn, const R
                                 const std::string& path, http::verb method) {
   if (!BearerTokenMatches(std::string_view(req[http::field::authorization]), options.api_key)) {
     if (path == "/dashboard" && method == http::verb::get) {
-      HttpReply r = TextReply(401, k_dashboard_login_html, "text/html; charset=utf-8");
+      HttpReply r = TextReply(401, std::string(DashboardLoginHtml()), "text/html; charset=utf-8");
       r.headers.emplace_back("Cache-Control", "no-store");
       return conn->Send(std::move(r));
     }
@@ -887,7 +885,7 @@ void ServerCore::RouteDashboard(const std::shared_ptr<Connection>& conn, const R
          method != http::verb::get ? "method_not_allowed" : "not_found"}));
   }
   if (path == "/dashboard") {
-    HttpReply r = TextReply(200, k_dashboard_html, "text/html; charset=utf-8");
+    HttpReply r = TextReply(200, std::string(DashboardPageHtml()), "text/html; charset=utf-8");
     r.headers.emplace_back("Cache-Control", "no-store");
     // Everything the page needs is in it: no other origin may serve it code.
     r.headers.emplace_back("Content-Security-Policy",
