@@ -321,11 +321,17 @@ absl::StatusOr<Advice> Advise(const AdvisorInputs& in) {
                                                     a.block_size, 4096));
     }
     a.target_itl_ms = w.slo_tpot_ms;
+    const double step_ms =
+        1e3 * (c.step_fixed_s + c.decode_per_seq_s * seqs + c.prefill_per_token_s * mbt);
     a.reasons.push_back(absl::StrCat(
         "batch: --max-seqs ", seqs, ", --max-batched-tokens ", mbt, " and --target-itl-ms ",
         w.slo_tpot_ms, ": a step of ", seqs, " decodes and ", mbt, " prompt tokens takes ~",
-        F("%.1f", 1e3 * (c.step_fixed_s + c.decode_per_seq_s * seqs + c.prefill_per_token_s * mbt)),
-        " ms, within the TPOT SLO, so long prompts cannot stall the streams"));
+        F("%.1f", step_ms), " ms",
+        step_ms <= w.slo_tpot_ms
+            ? ", within the TPOT SLO, so long prompts cannot stall the streams"
+            : absl::StrCat(", over the ", w.slo_tpot_ms,
+                           " ms TPOT SLO even so: the smallest budget that still makes progress "
+                           "(see the warnings)")));
   } else {
     mbt = static_cast<int32_t>(std::clamp<double>(RoundUp(static_cast<int64_t>(w.prompt.high), a.block_size), 256, 2048));
     a.reasons.push_back(absl::StrCat(
