@@ -50,6 +50,9 @@ def block_packages(text, name):
     return m2.group(1).split()
 
 
+_OWNERS = {}
+
+
 def linked_packages(binary):
     out = subprocess.run(["ldd", binary], capture_output=True, text=True)
     if out.returncode != 0:
@@ -61,14 +64,15 @@ def linked_packages(binary):
             libs.append(m.group(1))
     pkgs = {}
     for lib in libs:
-        owner = None
-        for path in (lib, lib.replace("/usr/lib/", "/lib/", 1), lib.replace("/lib/", "/usr/lib/", 1)):
+        owner = _OWNERS.get(lib)
+        for path in () if owner else (lib, lib.replace("/usr/lib/", "/lib/", 1), lib.replace("/lib/", "/usr/lib/", 1)):
             r = subprocess.run(["dpkg", "-S", path], capture_output=True, text=True)
             if r.returncode == 0:
                 owner = r.stdout.split(":", 1)[0].strip()
                 break
         if owner is None:
             fail("no Debian package owns %s (a library built by hand?)" % lib)
+        _OWNERS[lib] = owner
         pkgs.setdefault(owner, []).append(lib)
     return pkgs
 
