@@ -507,7 +507,7 @@ int Main(int argc, char** argv) {
   }
   if (!o.html_out.empty()) {
     std::ofstream f(o.html_out);
-    f << RenderHtml(config, runs);
+    f << RenderHtml(config, runs, backends.size() == 2);
     if (!f) {
       std::cerr << "kvserve-bench: cannot write " << o.html_out << "\n";
       return 1;

@@ -7,6 +7,7 @@
 #   KVSERVE_MODEL_DIR=/srv/models bash deploy/setup.sh
 #   bash deploy/setup.sh --no-model # packages only
 #   bash deploy/setup.sh --models all  # also the optional model-family files
+#   bash deploy/setup.sh --with-browser-test  # also Chromium for dashboard_browser_e2e
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,6 +15,7 @@ MODEL_DIR="${KVSERVE_MODEL_DIR:-$ROOT/models}"
 WANT_MODEL=1
 WANT_ALL_MODELS=0
 expect_models=0
+WANT_BROWSER=0
 for arg in "$@"; do
   if [ "$expect_models" = 1 ]; then
     [ "$arg" = all ] || { echo "setup.sh: --models takes 'all'" >&2; exit 2; }
@@ -25,6 +27,7 @@ for arg in "$@"; do
     --no-model) WANT_MODEL=0 ;;
     --models) expect_models=1 ;;
     --models=all) WANT_ALL_MODELS=1 ;;
+    --with-browser-test) WANT_BROWSER=1 ;;
     *) echo "setup.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -37,6 +40,12 @@ PACKAGES=(
   clang libclang-rt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
+
+# Optional: the dashboard's browser test (tests/e2e/dashboard_browser_test.py)
+# drives headless Chromium; it skips without it. Chromium and its libraries
+# are ~300 MB installed, more than everything above, and no build or other
+# test needs them, so they come only with --with-browser-test.
+if [ "$WANT_BROWSER" = 1 ]; then PACKAGES+=(chromium); fi
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi

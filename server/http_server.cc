@@ -48,6 +48,7 @@
 #include "nlohmann/json.hpp"
 #include "server/auth.h"
 #include "server/completed_response.h"
+#include "server/dashboard.h"
 #include "server/openai_request.h"
 #include "server/openai_response.h"
 #include "server/response_cache_api.h"
@@ -196,6 +197,9 @@ struct ServerCore {
   std::condition_variable calls_cv;
   std::map<uint64_t, std::shared_ptr<Call>> calls;  // guarded by calls_mu
 
+  // GET /dashboard and its stream (server/dashboard.h).
+  std::unique_ptr<DashboardFeed> dashboard;
+
   Metrics* metrics() const { return service->metrics(); }
 
   void Register(const std::shared_ptr<Connection>& c) {
@@ -237,6 +241,8 @@ struct ServerCore {
   }
 
   void Route(const std::shared_ptr<Connection>& conn, Request req);
+  void RouteDashboard(const std::shared_ptr<Connection>& conn, const Request& req,
+                      const std::string& path, http::verb method);
   void HandleCompletion(const std::shared_ptr<Connection>& conn, std::string body, bool chat,
                         CallerAuth auth = {});
   std::string ModelJson() const;
@@ -787,6 +793,9 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
   if (size_t q = path.find('?'); q != std::string::npos) path.resize(q);
   const http::verb method = req.method() == http::verb::head ? http::verb::get : req.method();
 
+  if (path == "/dashboard" || path.rfind("/dashboard/", 0) == 0) {
+    return RouteDashboard(conn, req, path, method);
+  }
   // Who calls: the operator (--api-key, or anyone without keys) or, with
   // tenant keys, the tenant its key names (server/tenants.h).
   CallerAuth auth;
@@ -891,6 +900,63 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
                          absl::StrCat("no route for ", std::string(req.method_string()), " ",
                                       path),
                          "", "not_found"}));
+}
+
+// The dashboard: the page, one snapshot, and the stream of snapshots. The
+// API-key rule is /metrics's; a browser that navigates here without the key
+// gets the key form as the 401's body (it holds no data).
+void ServerCore::RouteDashboard(const std::shared_ptr<Connection>& conn, const Request& req,
+                                const std::string& path, http::verb method) {
+  if (!BearerTokenMatches(std::string_view(req[http::field::authorization]), options.api_key)) {
+    if (path == "/dashboard" && method == http::verb::get) {
+      HttpReply r = TextReply(401, std::string(DashboardLoginHtml()), "text/html; charset=utf-8");
+      r.headers.emplace_back("Cache-Control", "no-store");
+      return conn->Send(std::move(r));
+    }
+    return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                  "", "invalid_api_key"}));
+  }
+  if (method != http::verb::get || !dashboard) {
+    return conn->Send(ErrorReply(
+        {method != http::verb::get ? 405 : 404,
+         absl::StrCat("no route for ", std::string(req.method_string()), " ", path), "",
+         method != http::verb::get ? "method_not_allowed" : "not_found"}));
+  }
+  if (path == "/dashboard") {
+    HttpReply r = TextReply(200, std::string(DashboardPageHtml()), "text/html; charset=utf-8");
+    r.headers.emplace_back("Cache-Control", "no-store");
+    // Everything the page needs is in it: no other origin may serve it code.
+    r.headers.emplace_back("Content-Security-Policy",
+                           "default-src 'none'; script-src 'unsafe-inline'; style-src "
+                           "'unsafe-inline'; connect-src 'self'; img-src 'self' data:");
+    return conn->Send(std::move(r));
+  }
+  if (path == "/dashboard/snapshot") {
+    HttpReply r = TextReply(200, dashboard->SnapshotJson(), "application/json");
+    r.headers.emplace_back("Cache-Control", "no-store");
+    return conn->Send(std::move(r));
+  }
+  if (path == "/dashboard/events") {
+    if (dashboard->num_subscribers() >= dashboard->max_subscribers()) {
+      return conn->Send(ErrorReply(
+          {503, absl::StrCat("too many dashboard viewers (", dashboard->max_subscribers(), ")"),
+           "", "too_many_viewers"}));
+    }
+    HttpReply head;
+    head.content_type = "text/event-stream";
+    head.headers = {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}};
+    conn->StartStream(std::move(head), ": ping\n\n");
+    const int64_t id =
+        dashboard->Subscribe([conn](const std::string& event) { conn->Write(event); });
+    if (id < 0) {  // lost a race for the last place
+      conn->Write("event: error\ndata: {\"error\":\"too many dashboard viewers\"}\n\n");
+      return conn->End();
+    }
+    DashboardFeed* feed = dashboard.get();
+    conn->OnAbort([feed, id] { feed->Unsubscribe(id); });
+    return;
+  }
+  conn->Send(ErrorReply({404, absl::StrCat("no route for GET ", path), "", "not_found"}));
 }
 
 void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::string body,
@@ -1144,6 +1210,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(ModelService* serv
                                                options.port, ": ", ec.message()));
   }
   impl->port = acceptor.local_endpoint().port();
+  core.dashboard = std::make_unique<DashboardFeed>(service, DashboardFeed::Options{});
   core.handlers = std::make_unique<net::thread_pool>(options.io_threads);
   impl->acceptor = std::make_shared<Acceptor>(&core, std::move(acceptor));
   impl->acceptor->Accept();
@@ -1204,6 +1271,8 @@ void HttpServer::Stop() {
   core.ioc.stop();
   for (std::thread& t : impl_->threads) t.join();
   impl_->threads.clear();
+  // Its subscribers' aborts (which unsubscribe) ran with the closed sessions.
+  core.dashboard.reset();
   // No strand runs any more: the calls the engine may still hold must not
   // keep sockets of this io_context alive.
   for (auto& call : calls) {

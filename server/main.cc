@@ -9,6 +9,7 @@
 //   bench       prefill and decode throughput at several batch sizes
 //   loadtest    a request workload through the continuous-batching scheduler
 //   plan        KV memory plan for a model and settings (reads metadata only)
+//   advise      a recommended serve configuration for a workload (calibrates)
 //   info        model hyper-parameters and KV bytes per token
 //   probe       GPU memory bandwidth
 //   serve       the gRPC/HTTP daemon
@@ -22,6 +23,12 @@
 #include "server/serve_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
+
+namespace kvserve {
+// server/cmd_advise.cc (declared here rather than in command.h, which every
+// command includes).
+std::unique_ptr<Command> NewAdviseCommand(CLI::App* root);
+}  // namespace kvserve
 
 int main(int argc, char** argv) {
   using namespace kvserve;
@@ -51,6 +58,7 @@ int main(int argc, char** argv) {
   commands.push_back(NewBenchCommand(&app, &engine_flags));
   commands.push_back(NewLoadtestCommand(&app, &engine_flags));
   commands.push_back(NewPlanCommand(&app, &engine_flags));
+  commands.push_back(NewAdviseCommand(&app));
   commands.push_back(NewInfoCommand(&app));
   commands.push_back(NewProbeCommand(&app));
   commands.push_back(NewServeCommand(&app, &engine_flags));

@@ -438,8 +438,14 @@ absl::StatusOr<uint64_t> ModelService::Submit(PreparedRequest request, StreamSin
   timing->open_samples = request.engine.n;
   const int32_t prompt_tokens = request.prompt_tokens;
   in_flight_.fetch_add(1);
-  auto wrapped = [this, timing, prompt_tokens, sink = std::move(sink)](const SeqEvent& ev) {
+  std::shared_ptr<RequestBoard::Entry> entry =
+      board_.Add(request.engine.prompt, request.engine.cache_salt,
+                 request.engine.params.max_tokens, request.engine.n);
+  auto wrapped = [this, timing, prompt_tokens, entry,
+                  sink = std::move(sink)](const SeqEvent& ev) {
     const auto now = std::chrono::steady_clock::now();
+    RequestBoard::OnEvent(entry.get(), static_cast<int32_t>(ev.token_ids.size()),
+                          ev.cached_tokens);
     bool request_done = false;
     {
       std::lock_guard<std::mutex> lock(timing->mu);
@@ -463,14 +469,19 @@ absl::StatusOr<uint64_t> ModelService::Submit(PreparedRequest request, StreamSin
       }
     }
     sink(ev);
-    if (request_done) in_flight_.fetch_sub(1);
+    if (request_done) {
+      board_.Remove(entry);
+      in_flight_.fetch_sub(1);
+    }
   };
   auto id = engine_->Submit(std::move(request.engine), std::move(wrapped));
   if (!id.ok()) {
+    board_.Remove(entry);
     in_flight_.fetch_sub(1);
     metrics_->RequestFinished("rejected");
     return id.status();
   }
+  entry->request_id.store(*id, std::memory_order_relaxed);
   return *id;
 }
 

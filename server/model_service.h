@@ -29,6 +29,7 @@
 #include "scheduler/engine.h"
 #include "server/kv_policy.h"
 #include "server/metrics.h"
+#include "server/request_board.h"
 #include "server/response_cache.h"
 #include "server/semantic_cache.h"
 #include "server/template_drift.h"
@@ -199,6 +200,8 @@ class ModelService {
   int64_t in_flight() const { return in_flight_.load(); }
 
   Metrics* metrics() { return metrics_; }
+  // The requests in flight on the engine, for the dashboard.
+  RequestBoard* board() { return &board_; }
 
   // Cache control (retention on requests, template-drift guard); both
   // outlive the service. Call before serving.
@@ -224,6 +227,7 @@ class ModelService {
   KvEventLog* kv_events_ = nullptr;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};
+  RequestBoard board_;
   ResponseCache* response_cache_ = nullptr;
   CacheIdentity cache_identity_;
   SemanticIndex* semantic_ = nullptr;

@@ -94,23 +94,14 @@ class HttpBackend : public Backend {
     // a connection pool do: TTFT then excludes the TCP handshake.
     // --no-keep-alive instead opens a connection per request, as one-shot
     // clients (curl) do.
-    thread_local std::map<const HttpBackend*, std::unique_ptr<httplib::Client>> clients;
-    std::unique_ptr<httplib::Client> one_shot;
-    std::unique_ptr<httplib::Client>& client = o_.keep_alive ? clients[this] : one_shot;
+    thread_local std::map<const HttpBackend*, PooledClient> clients;
+    PooledClient one_shot;
+    PooledClient& pooled = o_.keep_alive ? clients[this] : one_shot;
+    std::unique_ptr<httplib::Client>& client = pooled.client;
     if (!client) {
-      client = std::make_unique<httplib::Client>(url_);
-      const auto timeout = std::chrono::duration_cast<std::chrono::microseconds>(
-          std::chrono::duration<double>(o_.timeout_s));
-      client->set_connection_timeout(timeout);
-      client->set_read_timeout(timeout);
-      client->set_write_timeout(timeout);
-      client->set_keep_alive(o_.keep_alive);
-      // Without it, Nagle holds the body of a request on a reused connection
-      // until the server ACKs the headers (a delayed ACK: tens of ms of
-      // false TTFT).
-      client->set_tcp_nodelay(true);
+      pooled.uses = 0;
+      MakeClient(client);
     }
-    httplib::Client& cli = *client;
 
     httplib::Request req;
     req.method = "POST";
@@ -138,9 +129,33 @@ class HttpBackend : public Backend {
       }
       return true;
     };
+    bool got_bytes = false;
+    req.response_handler = [&](const httplib::Response&) {
+      got_bytes = true;  // the status line and headers arrived
+      return true;
+    };
     r.start_s = Since(epoch);
     httplib::Error err = httplib::Error::Success;
-    const bool sent = cli.send(req, res, err);
+    const bool reused = pooled.uses > 0;
+    bool sent = client->send(req, res, err);
+    ++pooled.uses;
+    if (!sent && reused && !got_bytes && raw_error.empty() && r.chunks == 0 &&
+        err != httplib::Error::Canceled) {
+      // A kept-alive connection the server had already closed (its idle
+      // timeout, a restart) and not one response byte came back: retry
+      // once on a new connection, as HTTP clients do. The failed attempt
+      // is the client's cost (its pool held a dead connection), not the
+      // server's: the record is timed from the retry.
+      ++r.connection_retries;
+      MakeClient(client);
+      pooled.uses = 0;
+      res = httplib::Response();
+      buffer.clear();
+      r.start_s = Since(epoch);
+      err = httplib::Error::Success;
+      sent = client->send(req, res, err);
+      ++pooled.uses;
+    }
     r.e2e_s = Since(epoch) - r.start_s;
     if (!sent) {
       client.reset();  // the connection is in an unknown state
@@ -169,6 +184,26 @@ class HttpBackend : public Backend {
   }
 
  private:
+  // One worker's connection and how many requests it has carried.
+  struct PooledClient {
+    std::unique_ptr<httplib::Client> client;
+    int uses = 0;
+  };
+
+  void MakeClient(std::unique_ptr<httplib::Client>& client) const {
+    client = std::make_unique<httplib::Client>(url_);
+    const auto timeout = std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::duration<double>(o_.timeout_s));
+    client->set_connection_timeout(timeout);
+    client->set_read_timeout(timeout);
+    client->set_write_timeout(timeout);
+    client->set_keep_alive(o_.keep_alive);
+    // Without it, Nagle holds the body of a request on a reused connection
+    // until the server ACKs the headers (a delayed ACK: tens of ms of
+    // false TTFT).
+    client->set_tcp_nodelay(true);
+  }
+
   void HandleEvent(const std::string& event, double now_s, RequestRecord& r, double& last_s,
                    bool& stream_error) {
     size_t pos = 0;

@@ -38,6 +38,11 @@ struct RequestRecord {
   int output_tokens = -1;
   int cached_tokens = -1;
   int chunks = 0;    // content chunks seen
+  // Times the request was sent again on a fresh connection because a reused
+  // kept-alive connection failed before any response byte (the server had
+  // closed it; HTTP clients retry such a request once, RFC 9112 9.3.1). The
+  // failed attempt is not charged to the server: start_s is the retry's.
+  int connection_retries = 0;
   std::string text;  // the reply (multi-turn history needs it)
 
   // Time per output token after the first; -1 with fewer than 2 tokens.

@@ -33,6 +33,10 @@ struct Summary {
   double request_throughput = 0, output_throughput = 0, total_throughput = 0;
   double goodput = 0;  // req/s meeting both SLOs
   int good_requests = 0;
+  // Requests resent once on a fresh connection after a reused one failed
+  // before any response byte (RequestRecord::connection_retries); never
+  // counted as failures.
+  int connection_retries = 0;
   long prompt_tokens = 0, output_tokens = 0, cached_tokens = 0;
   Distribution ttft, tpot, itl, e2e;  // seconds
   static Summary Of(const std::vector<RequestRecord>& records, const Slo& slo);
@@ -55,6 +59,17 @@ nlohmann::json ResultsToJson(const nlohmann::json& config, const std::vector<Run
 std::string FormatTable(const std::vector<Run>& runs);
 // Ratios B/A for each load point when runs alternate between two targets.
 std::string FormatComparison(const std::vector<Run>& runs);
-std::string RenderHtml(const nlohmann::json& config, const std::vector<Run>& runs);
+// `compare`: the runs alternate between two targets (--compare); the ratio
+// table then comes first and each load point's targets share one chart.
+std::string RenderHtml(const nlohmann::json& config, const std::vector<Run>& runs,
+                       bool compare = false);
+
+// Tick values for an axis from 0 to `max`: 0, step, 2 step, ... with a step
+// of 1, 2 or 5 times a power of ten, at most about `target` ticks; the last
+// tick is >= max (the axis ends there).
+std::vector<double> NiceTicks(double max, int target = 5);
+// A tick label in plain decimals, as many as the step needs (0.25, 1.5,
+// 2000; never 1.74e+0). Thousands above 10^4 get a k (12k), millions an M.
+std::string TickLabel(double v, double step);
 
 }  // namespace kvserve::bench
