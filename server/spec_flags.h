@@ -19,7 +19,7 @@ class App;
 namespace kvserve {
 
 struct SpeculativeFlags {
-  std::string mode = "ngram";
+  std::string mode = "off";
   int32_t ngram_min = 2;
   int32_t ngram_max = 4;
   int32_t max_k = 8;
