@@ -337,7 +337,13 @@ int32_t KvTiers::LookupWorthLoading(std::string_view salt, absl::Span<const int3
     host_s = BlockLoadSecondsLocked(KvTier::kHost);
     disk_s = BlockLoadSecondsLocked(KvTier::kDisk);
   }
-  const double recompute_block_s = recompute_seconds_per_token * bs;
+  // A load runs on the loader thread while the engine keeps stepping other
+  // requests; a recompute takes engine steps everyone shares. So a load is
+  // given up only when it is predicted several times slower than the
+  // recompute, not merely slower (tiny models sit near the line, where
+  // timing noise alone would flip the choice).
+  constexpr double kLoadOverlapFactor = 4;
+  const double recompute_block_s = recompute_seconds_per_token * bs * kLoadOverlapFactor;
   int32_t n = 0;
   int64_t left = 0;  // held by a tier, but cheaper to recompute
   bool worth = true;
