@@ -296,19 +296,8 @@ void KvTiers::HashChain(std::string_view salt, absl::Span<const int32_t> tokens,
 
 int32_t KvTiers::Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
                         int32_t limit) {
-  if (cache_ == nullptr || (host_ == nullptr && disk_ == nullptr)) return 0;
-  if (from % block_size_ != 0 || from >= limit) return 0;
-  const int32_t bs = block_size_;
-  const int32_t full = static_cast<int32_t>(tokens.size()) / bs;
-  std::vector<uint64_t> chain;
-  HashChain(salt, tokens, full, &chain);
-  int32_t n = 0;
-  for (int32_t b = from / bs; b < full && b * bs < limit; ++b) {
-    const uint64_t h = chain[b];
-    if (!(host_ && host_->Contains(h)) && !(disk_ && disk_->Contains(h))) break;
-    n += bs;
-  }
-  return n;
+  // Without a recompute cost every held block is worth loading.
+  return LookupWorthLoading(salt, tokens, from, limit, 0);
 }
 
 double KvTiers::BlockLoadSecondsLocked(KvTier tier) const {
