@@ -22,6 +22,8 @@ BASE_IMAGE = {"libc6", "libgcc-s1", "libstdc++6", "zlib1g", "libzstd1", "liblzma
               "libcap2", "libselinux1", "libpcre2-8-0", "libseccomp2", "libgnutls30", "libnettle8"}
 # Listed for reasons other than linking.
 TOOLS = {"curl", "ca-certificates"}
+# NVIDIA's toolkit installs outside dpkg (/usr/local/cuda-13.0/lib/libcudart.so.13).
+CUDA_TOOLKIT = re.compile(r"^/usr/local/cuda[^/]*/|^/opt/nvidia/")
 
 
 def fail(msg):
@@ -64,6 +66,11 @@ def linked_packages(binary):
             libs.append(m.group(1))
     pkgs = {}
     for lib in libs:
+        if CUDA_TOOLKIT.match(lib):
+            # The image is the CPU build (-DKVSERVE_WITH_CUDA=OFF); a CUDA
+            # build's runtime comes with NVIDIA's toolkit, not from Debian.
+            print("note: %s is from the CUDA toolkit; the image is the CPU build" % lib)
+            continue
         owner = _OWNERS.get(lib)
         for path in () if owner else (lib, lib.replace("/usr/lib/", "/lib/", 1), lib.replace("/lib/", "/usr/lib/", 1)):
             r = subprocess.run(["dpkg", "-S", path], capture_output=True, text=True)
