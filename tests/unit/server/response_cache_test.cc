@@ -337,8 +337,9 @@ struct Served {
   std::unique_ptr<ResponseCache> cache;
   std::unique_ptr<ModelService> service;
   ~Served() {
-    service.reset();
+    // The engine thread calls into the service's callbacks: stop it first.
     if (engine) engine->Stop();
+    service.reset();
   }
 };
 
