@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -1227,7 +1228,11 @@ class Renderer {
         ASSIGN_OR_RETURN(Value v, Eval(*e.args[0]));
         if (!v.is_number()) return ErrorAt(e.line, "unary sign on a value that is not a number");
         if (e.name == "+") return v;
-        return v.kind() == Value::Kind::kInt ? Value::Int(-v.as_int()) : Value::Float(-v.as_float());
+        if (v.kind() != Value::Kind::kInt) return Value::Float(-v.as_float());
+        if (v.as_int() == std::numeric_limits<int64_t>::min()) {
+          return ErrorAt(e.line, "integer overflow in unary '-'");
+        }
+        return Value::Int(-v.as_int());
       }
       case Expr::kNot: {
         ASSIGN_OR_RETURN(Value v, Eval(*e.args[0]));
@@ -1608,10 +1613,25 @@ class Renderer {
     }
     const bool ints = l.kind() != Value::Kind::kFloat && r.kind() != Value::Kind::kFloat;
     const double a = l.as_float(), b = r.as_float();
-    if (op == "+") return ints ? Value::Int(l.as_int() + r.as_int()) : Value::Float(a + b);
-    if (op == "-") return ints ? Value::Int(l.as_int() - r.as_int()) : Value::Float(a - b);
-    if (op == "*") return ints ? Value::Int(l.as_int() * r.as_int()) : Value::Float(a * b);
+    // Python's ints do not overflow; these are 64-bit, so an overflow is an
+    // error naming the operator (found by the chat-template fuzzer).
+    if (ints && (op == "+" || op == "-" || op == "*")) {
+      int64_t out = 0;
+      const int64_t x = l.as_int(), y = r.as_int();
+      const bool over = op == "+"   ? __builtin_add_overflow(x, y, &out)
+                        : op == "-" ? __builtin_sub_overflow(x, y, &out)
+                                    : __builtin_mul_overflow(x, y, &out);
+      if (over) return ErrorAt(e.line, absl::StrCat("integer overflow in '", op, "'"));
+      return Value::Int(out);
+    }
+    if (op == "+") return Value::Float(a + b);
+    if (op == "-") return Value::Float(a - b);
+    if (op == "*") return Value::Float(a * b);
     if (b == 0 && (op == "/" || op == "//" || op == "%")) return ErrorAt(e.line, "division by zero");
+    if (ints && (op == "//" || op == "%") && l.as_int() == std::numeric_limits<int64_t>::min() &&
+        r.as_int() == -1) {
+      return ErrorAt(e.line, absl::StrCat("integer overflow in '", op, "'"));
+    }
     if (op == "/") return Value::Float(a / b);
     if (op == "//") {
       if (ints) {
@@ -1634,7 +1654,11 @@ class Renderer {
       return Value::Float(m);
     }
     if (op == "**") {
-      if (ints && r.as_int() >= 0) return Value::Int(static_cast<int64_t>(std::pow(a, b)));
+      if (ints && r.as_int() >= 0) {
+        const double p = std::pow(a, b);
+        if (!(std::fabs(p) < 9.2e18)) return ErrorAt(e.line, "integer overflow in '**'");
+        return Value::Int(static_cast<int64_t>(p));
+      }
       return Value::Float(std::pow(a, b));
     }
     return ErrorAt(e.line, absl::StrCat("unknown operator '", op, "'"));

@@ -90,7 +90,13 @@ class Value {
   bool is_array() const { return kind_ == Kind::kArray; }
   bool is_object() const { return kind_ == Kind::kObject; }
   bool as_bool() const { return i_ != 0; }
-  int64_t as_int() const { return kind_ == Kind::kFloat ? static_cast<int64_t>(f_) : i_; }
+  // A float out of int64's range saturates (NaN gives 0): the cast alone is
+  // undefined behaviour.
+  int64_t as_int() const {
+    if (kind_ != Kind::kFloat) return i_;
+    if (f_ >= -9.2e18 && f_ <= 9.2e18) return static_cast<int64_t>(f_);
+    return f_ > 0 ? INT64_MAX : f_ < 0 ? INT64_MIN : 0;
+  }
   double as_float() const { return kind_ == Kind::kFloat ? f_ : static_cast<double>(i_); }
   const std::string& str() const { return s_; }
   const Array& array() const { return *a_; }

@@ -193,6 +193,22 @@ TEST(JinjaTest, RunTimeErrorsNameTheProblem) {
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("division by zero"));
 }
 
+// The chat-template fuzzer's finding: 64-bit integer arithmetic overflowed
+// (undefined behaviour) where Python's ints grow. Now an error naming it.
+TEST(JinjaTest, IntegerOverflowIsAnErrorNotUndefinedBehaviour) {
+  for (const char* t : {"{{ 9223372036854775807 + 222 }}", "{{ -9223372036854775807 - 2 }}",
+                        "{{ 4611686018427387904 * 2 }}", "{{ (-9223372036854775807 - 1) // -1 }}",
+                        "{{ (-9223372036854775807 - 1) % -1 }}", "{{ -(-9223372036854775807 - 1) }}",
+                        "{{ 10 ** 30 }}"}) {
+    absl::StatusOr<std::string> r = Render(t);
+    ASSERT_FALSE(r.ok()) << t;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("integer overflow")) << t;
+  }
+  EXPECT_EQ(*Render("{{ 9223372036854775806 + 1 }}"), "9223372036854775807");
+  EXPECT_EQ(*Render("{{ 2 ** 62 }}"), "4611686018427387904");
+  EXPECT_EQ(*Render("{{ (10.0 ** 30) | int > 0 }}"), "True");
+}
+
 // Constructs outside the subset are refused at parse time, by name and line.
 TEST(JinjaTest, UnsupportedConstructsAreRefusedByName) {
   struct Case {
