@@ -348,6 +348,7 @@ json CacheControlService::Report(const PreparedRequest& request, const CallerAut
                     {"policy", rep.evicted_policy},
                     {"moved_to", rep.evicted_to}};
   }
+  if (rep.reason == "window_dropped") j["window_dropped_tokens"] = rep.window_dropped_tokens;
   if (rep.reason == "scope_mismatch" && admin) {
     const std::string other_tenant = TenantOfScope(rep.other_scope);
     j["other_scope"] = {{"tenant", other_tenant}, {"tokens", rep.other_scope_tokens}};
