@@ -805,7 +805,7 @@ int32_t PrefixCache::Clear() {
 }
 
 int32_t PrefixCache::num_cached_blocks() const {
-  return static_cast<int32_t>(impl_->nodes.size());
+  return static_cast<int32_t>(impl_->nodes.size()) - impl_->num_hollow;  // hollow: no block
 }
 
 int32_t PrefixCache::num_evictable_blocks() const {

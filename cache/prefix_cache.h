@@ -152,7 +152,7 @@ struct PrefixCacheStats {
   int64_t inserted_blocks = 0;
   int64_t evicted_blocks = 0;
   int64_t demoted_blocks = 0;  // of the evicted, taken by a lower tier
-  int32_t cached_blocks = 0;   // nodes in the tree now
+  int32_t cached_blocks = 0;   // nodes in the tree now holding a block (not hollow)
   // Sliding window: tokens Match could not return because the window had
   // dropped K/V they need, and blocks HollowBlock gave back to the pool.
   int64_t window_dropped_tokens = 0;

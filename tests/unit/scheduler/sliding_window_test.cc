@@ -304,7 +304,8 @@ TEST(SlidingWindowManagerTest, BlocksNoBoundaryNeedsGoBackToThePool) {
   m->Free(&again, "", absl::MakeConstSpan(tokens).first(48));
   EXPECT_TRUE(m->EnsureFree(m->num_free_blocks() + m->num_evictable_blocks()));
   EXPECT_EQ(m->num_free_blocks(), free_at_start);
-  EXPECT_EQ(m->prefix_cache()->num_cached_blocks(), 0);  // hollow leaves went too
+  EXPECT_EQ(m->prefix_cache()->num_cached_blocks(), 0);
+  EXPECT_EQ(m->prefix_cache()->num_hollow_blocks(), 0);  // hollow leaves went too
 }
 
 TEST(SlidingWindowPlanTest, PlanCountsTheWindow) {
@@ -322,6 +323,7 @@ TEST(SlidingWindowPlanTest, PlanCountsTheWindow) {
   EXPECT_EQ(b.sequences_at_32k_windowed, b.num_blocks / (4096 / 16 + 2));
   EXPECT_GT(b.sequences_at_32k_windowed, 7 * a.full_context_sequences);
   EXPECT_THAT(b.ToString(), ::testing::HasSubstr("32k-token sequences: "));
+  EXPECT_THAT(b.ToString(), ::testing::HasSubstr("keeps at most 257 per cached prompt boundary"));
   // A per-layer pattern frees nothing: blocks hold every layer.
   windowed.windowed_layers = 16;
   auto c = PlanKvMemory(windowed, 16, kernels::KvDType::kF16, budget).value();
