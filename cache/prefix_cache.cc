@@ -432,7 +432,6 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     RegisterBlock(n);
     SetPinned(n, pool->ref_count(block) != 1);
   }
-  }
 
   CachedBlockInfo Info(const Node* n) const {
     CachedBlockInfo info;
@@ -641,7 +640,7 @@ PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> 
     match.blocks.push_back(b);
     n->last_access_ns = now;
     ++n->hits;
-  });
+  }, nullptr, &dropped);
   ++m.stats.queries;
   m.stats.query_tokens += std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
   m.stats.hit_tokens += match.num_tokens;
