@@ -285,5 +285,18 @@ TEST(SlidingWindowE2eTest, RepeatedLongPromptIsServedFromTheCacheOverHttp) {
   EXPECT_GT(Metric(d->http_port(), "kvserve:prefix_cache_hollow_blocks"), 0);
 }
 
+// `kvserve plan` on the windowed fixture counts the window.
+TEST(SlidingWindowE2eTest, PlanCountsTheWindow) {
+  Fixture fx = Write(Families()[2]);
+  const testing::CommandResult plan = testing::RunCommand(
+      std::string(KVSERVE_BINARY) + " --log-level warn -m " + fx.path +
+      " plan --kv-cache-memory 64MiB --block-size 4 2>&1");
+  ASSERT_EQ(plan.exit_code, 0) << plan.out;
+  EXPECT_NE(plan.out.find("sliding window: 16 tokens on 2 of 2 layers"), std::string::npos)
+      << plan.out;
+  EXPECT_NE(plan.out.find("per cached prompt boundary"), std::string::npos) << plan.out;
+  EXPECT_NE(plan.out.find("32k-token sequences: "), std::string::npos) << plan.out;
+}
+
 }  // namespace
 }  // namespace kvserve
