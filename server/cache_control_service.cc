@@ -357,7 +357,9 @@ json CacheControlService::Report(const PreparedRequest& request, const CallerAut
 }
 
 std::string CacheControlService::ReportJson(const PreparedRequest& request, const CallerAuth& auth) {
-  return Report(request, auth).dump();
+  // The report quotes detokenized prompt pieces (context_before/after),
+  // which can cut a UTF-8 character (byte tokens): replace, never throw.
+  return Report(request, auth).dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 JsonReply CacheControlService::Explain(const json& body, const CallerAuth& auth) {

@@ -252,11 +252,11 @@ TEST(SlidingWindowE2eTest, RepeatedLongPromptIsServedFromTheCacheOverHttp) {
   const Reply ref = Post(plain->http_port(), "/v1/completions", Greedy(prompt, 48));
   ASSERT_EQ(ref.status, 200) << ref.raw;
   const Reply first = Post(d->http_port(), "/v1/completions", Greedy(prompt, 48));
-  ASSERT_EQ(first.status, 200) << first.raw;
+  ASSERT_EQ(first.status, 200) << first.raw << d->Log();
   EXPECT_EQ(first.body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
   EXPECT_EQ(first.body["choices"][0]["text"], ref.body["choices"][0]["text"]);
   const Reply second = Post(d->http_port(), "/v1/completions", Greedy(prompt, 48));
-  ASSERT_EQ(second.status, 200) << second.raw;
+  ASSERT_EQ(second.status, 200) << second.raw << d->Log();
   EXPECT_GE(second.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 2 * kWindow);
   EXPECT_EQ(second.body["kvserve_cache_control"]["report"]["reason"], "hit") << second.raw;
   EXPECT_EQ(second.body["choices"][0]["text"], first.body["choices"][0]["text"]);
@@ -273,7 +273,7 @@ TEST(SlidingWindowE2eTest, RepeatedLongPromptIsServedFromTheCacheOverHttp) {
   for (int32_t i = 0; i < 8; ++i) b.push_back(200 + i);
   ASSERT_EQ(Post(d->http_port(), "/v1/completions", Greedy(a, 4)).status, 200);
   const Reply cut = Post(d->http_port(), "/v1/completions", Greedy(b, 16));
-  ASSERT_EQ(cut.status, 200) << cut.raw;
+  ASSERT_EQ(cut.status, 200) << cut.raw << d->Log();
   const json& report = cut.body["kvserve_cache_control"]["report"];
   EXPECT_EQ(report["reason"], "window_dropped") << cut.raw;
   EXPECT_GT(report["window_dropped_tokens"].get<int>(), 0) << cut.raw;
