@@ -742,7 +742,11 @@ int32_t PrefixCache::Evict(int32_t n) {
   };
   std::vector<Entry> heap;
   for (Node* node = m.oldest; node != nullptr; node = node->next) {
-    if (m.Evictable(node)) heap.emplace_back(m.options.policy->Key(m.Info(node)), node->seq, node);
+    if (!m.Evictable(node)) continue;
+    // A hollow leaf first: it can end no match (and frees no block).
+    heap.emplace_back(node->hollow ? -std::numeric_limits<double>::infinity()
+                                   : m.options.policy->Key(m.Info(node)),
+                      node->seq, node);
   }
   std::make_heap(heap.begin(), heap.end(), later);
   std::vector<KvCacheEvent> events;
