@@ -215,8 +215,13 @@ std::string MemoryPlan::ToString() const {
                                 windowed_layers, " of ", n_layers, " layers",
                                 windowed_layers == n_layers
                                     ? absl::StrCat(" (at most ", window_blocks_per_sequence,
-                                                   " blocks per sequence)")
-                                    : std::string(" (blocks hold every layer: none freed)"),
+                                                   " blocks per running sequence; the prefix "
+                                                   "cache keeps at most ",
+                                                   (sliding_window + block_size - 1) / block_size + 1,
+                                                   " per cached prompt boundary)")
+                                    : std::string(" (blocks hold every layer: none freed; the "
+                                                  "windowed layers save attention work, not "
+                                                  "memory)"),
                                 "\n", "32k-token sequences: ", sequences_at_32k_windowed,
                                 " with the window, ", sequences_at_32k_full_attention,
                                 " with full attention\n"));

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -123,6 +124,12 @@ struct PrefixCache::Node {
   int32_t blocked_children = 0;
   bool scratch_blocked = false;  // CountEvictableBlocksSlow only
   bool is_public = false;        // MarkPublic: shared with every salt
+  // Sliding window (SetWindow): a hollow node keeps its tokens (a path to
+  // its children) but no K/V; `block` is unset and it holds no reference.
+  // A match never ends where a hollow block lies inside the window.
+  bool hollow = false;
+  // A cached prefix boundary's window: never hollowed (KeepWindowBlock).
+  bool keep_window = false;
   std::string salt;      // roots only: their key in Impl::roots
 };
 
@@ -146,6 +153,11 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   std::vector<Node*> by_block;
   int32_t num_blocked = 0;  // block nodes that are blocked
   int32_t num_public = 0;   // block nodes marked public
+  // Sliding window (SetWindow): 0 is full attention.
+  int32_t window = 0;
+  BlockHandle stand_in{};     // what Match hands out for a hollow node
+  int32_t num_hollow = 0;
+  int32_t num_hollow_free = 0;  // hollow nodes that are not blocked (free no block)
 
   // Where a walk stopped (Probe).
   struct WalkEnd {
@@ -204,6 +216,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       const bool now = Blocked(n);
       if (now == was) return;
       num_blocked += now ? 1 : -1;
+      if (n->hollow) num_hollow_free += now ? -1 : 1;
       Node* parent = n->parent;
       if (parent->parent == nullptr) return;  // roots are not blocks
       was = Blocked(parent);
@@ -225,6 +238,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   void OnSharedChanged(int32_t id, bool /*shared*/) override {
     if (id < 0 || static_cast<size_t>(id) >= by_block.size()) return;
     for (Node* n = by_block[id]; n != nullptr; n = n->next_same) {
+      if (n->hollow) continue;
       SetPinned(n, pool->ref_count(n->block) != 1);
     }
   }
@@ -367,7 +381,56 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   // True when the cache holds the block's only reference and nothing hangs
   // below it: dropping it frees the block and orphans nothing.
   bool Evictable(const Node* n) const {
-    return n->children.empty() && pool->ref_count(n->block) == 1;
+    return n->children.empty() && (n->hollow || pool->ref_count(n->block) == 1);
+  }
+
+  // The block a match hands out for n (the window's stand-in when hollow).
+  BlockHandle Held(const Node* n) const { return n->hollow ? stand_in : n->block; }
+
+  // Walk, then cut back to the longest prefix whose last `window` tokens
+  // all still have their K/V (a continuation attends to them); the window
+  // dropped what lies past it. *dropped: the tokens cut (0 without a window).
+  template <typename Visit>
+  int32_t WindowWalk(std::string_view salt, absl::Span<const int32_t> tokens, int32_t max_tokens,
+                     Visit visit, WalkEnd* end = nullptr, int32_t* dropped = nullptr) const {
+    std::vector<Node*> visited;
+    const int32_t covered =
+        Walk(salt, tokens, max_tokens, [&](Node* n) { visited.push_back(n); }, end);
+    int32_t len = covered;
+    size_t keep = visited.size();
+    if (window > 0 && num_hollow > 0) {
+      // visited[j] holds tokens [j * bs, ...): a match ending at len needs
+      // the blocks from (len - window + 1) / bs to its last one.
+      const int32_t bs = pool->block_size();
+      while (len > 0) {
+        const int32_t lo = std::max(0, len - window + 1) / bs;
+        int32_t hollow_at = -1;
+        for (int32_t j = static_cast<int32_t>(keep) - 1; j >= lo; --j) {
+          if (visited[static_cast<size_t>(j)]->hollow) {
+            hollow_at = j;
+            break;
+          }
+        }
+        if (hollow_at < 0) break;
+        len = hollow_at * bs;  // end just before the hollow block, and retry
+        keep = static_cast<size_t>(hollow_at);
+      }
+      if (len == 0) keep = 0;
+    }
+    if (dropped != nullptr) *dropped = covered - len;
+    for (size_t i = 0; i < keep; ++i) visit(visited[i]);
+    return len;
+  }
+
+  // Makes a hollow node hold `block` again (an Insert that computed it).
+  void Refill(Node* n, BlockHandle block) {
+    if (!Blocked(n)) --num_hollow_free;  // hollow nodes are never pinned
+    n->hollow = false;
+    --num_hollow;
+    n->block = block;
+    pool->AddRef(block);
+    RegisterBlock(n);
+    SetPinned(n, pool->ref_count(block) != 1);
   }
 
   CachedBlockInfo Info(const Node* n) const {
@@ -392,8 +455,13 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     // A blocked leaf is only ever pinned; it stops blocking its ancestors.
     SetPinned(n, false);
     if (n->is_public) --num_public;
-    UnregisterBlock(n);  // before Release: its callback must not find n
-    pool->Release(n->block);
+    if (n->hollow) {
+      --num_hollow;
+      --num_hollow_free;  // a leaf that is not pinned is not blocked
+    } else {
+      UnregisterBlock(n);  // before Release: its callback must not find n
+      pool->Release(n->block);
+    }
     nodes.erase(n->hash);  // destroys n
     if (parent->parent == nullptr && parent->children.empty()) {
       const std::string salt = parent->salt;  // the key dies with the root
@@ -442,10 +510,18 @@ struct PrefixCache::Impl final : public KvPoolObserver {
           collided = true;
           break;
         }
-        // Dedupe: the cached block already holds this K/V; keep it.
+        // Dedupe: the cached block already holds this K/V; keep it. A
+        // hollow one takes the caller's block (it computed the K/V again).
+        if (existing->hollow && !(blocks[i] == stand_in)) Refill(existing, blocks[i]);
         existing->last_access_ns = now;
         node = existing;
         continue;
+      }
+      // The caller's table has the window's stand-in here (its K/V is gone):
+      // nothing below can be reached, so the rest stays uncached.
+      if (window > 0 && blocks[i] == stand_in) {
+        collided = true;
+        break;
       }
       node = AddChild(node, hash, blocks[i], block, now, &events);
       ++added;
@@ -463,7 +539,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       const uint64_t hash = ChainHash(node->hash, rest_tokens);
       if (covering != nullptr) {
         covering->last_access_ns = now;
-      } else if (nodes.find(hash) == nodes.end()) {
+      } else if (nodes.find(hash) == nodes.end() && !(window > 0 && blocks[full] == stand_in)) {
         AddChild(node, hash, blocks[full], rest_tokens, now, &events);
         ++added;
       }
@@ -515,10 +591,16 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   int32_t DropAll() {
     const int32_t dropped = static_cast<int32_t>(nodes.size());
     // Unindexed first, so the releases' callbacks find no node.
-    for (Node* n = oldest; n != nullptr; n = n->next) by_block[n->block.id] = nullptr;
+    for (Node* n = oldest; n != nullptr; n = n->next) {
+      if (!n->hollow) by_block[n->block.id] = nullptr;
+    }
     num_blocked = 0;
     num_public = 0;
-    for (Node* n = oldest; n != nullptr; n = n->next) pool->Release(n->block);
+    num_hollow = 0;
+    num_hollow_free = 0;
+    for (Node* n = oldest; n != nullptr; n = n->next) {
+      if (!n->hollow) pool->Release(n->block);
+    }
     nodes.clear();
     roots.clear();
     oldest = newest = nullptr;
@@ -551,15 +633,18 @@ PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> 
   Impl& m = *impl_;
   PrefixMatch match;
   const int64_t now = m.clock->NowNanos();
-  match.num_tokens = m.Walk(salt, tokens, max_tokens, [&](Node* n) {
-    m.pool->AddRef(n->block);
-    match.blocks.push_back(n->block);
+  int32_t dropped = 0;
+  match.num_tokens = m.WindowWalk(salt, tokens, max_tokens, [&](Node* n) {
+    const BlockHandle b = m.Held(n);
+    m.pool->AddRef(b);
+    match.blocks.push_back(b);
     n->last_access_ns = now;
     ++n->hits;
-  });
+  }, nullptr, &dropped);
   ++m.stats.queries;
   m.stats.query_tokens += std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
   m.stats.hit_tokens += match.num_tokens;
+  m.stats.window_dropped_tokens += dropped;
   return match;
 }
 
@@ -569,12 +654,14 @@ PrefixMatch PrefixCache::Pin(std::string_view salt, absl::Span<const int32_t> to
   PrefixMatch match;
   const int32_t bs = m.pool->block_size();
   std::vector<Node*> visited;
-  const int32_t covered = m.Walk(salt, tokens, max_tokens, [&](Node* n) { visited.push_back(n); });
+  const int32_t covered =
+      m.WindowWalk(salt, tokens, max_tokens, [&](Node* n) { visited.push_back(n); });
   // Full blocks only: a partly shared candidate comes last, past covered / bs.
   const size_t full = std::min(visited.size(), static_cast<size_t>(covered / bs));
   for (size_t i = 0; i < full; ++i) {
-    m.pool->AddRef(visited[i]->block);
-    match.blocks.push_back(visited[i]->block);
+    const BlockHandle b = m.Held(visited[i]);
+    m.pool->AddRef(b);
+    match.blocks.push_back(b);
     if (hashes != nullptr) hashes->push_back(visited[i]->hash);
   }
   match.num_tokens = static_cast<int32_t>(full) * bs;
@@ -583,8 +670,56 @@ PrefixMatch PrefixCache::Pin(std::string_view salt, absl::Span<const int32_t> to
 
 int32_t PrefixCache::MatchLength(std::string_view salt, absl::Span<const int32_t> tokens,
                                  int32_t max_tokens) const {
+  return impl_->WindowWalk(salt, tokens, max_tokens, [](const Node*) {});
+}
+
+int32_t PrefixCache::PathLength(std::string_view salt, absl::Span<const int32_t> tokens,
+                                int32_t max_tokens) const {
   return impl_->Walk(salt, tokens, max_tokens, [](const Node*) {});
 }
+
+void PrefixCache::SetWindow(int32_t window, BlockHandle stand_in) {
+  impl_->window = window;
+  impl_->stand_in = stand_in;
+}
+
+bool PrefixCache::HollowBlock(BlockHandle block) {
+  Impl& m = *impl_;
+  if (m.window <= 0 || block.id < 0 || static_cast<size_t>(block.id) >= m.by_block.size()) {
+    return false;
+  }
+  Node* n = m.by_block[block.id];
+  if (n == nullptr || !(n->block == block) || n->next_same != nullptr) return false;
+  if (n->keep_window || n->is_public) return false;
+  // Unpinned first (as if its block went sole), then hollow: from here on
+  // it blocks nothing of its own and frees no block.
+  m.SetPinned(n, false);
+  m.UnregisterBlock(n);  // before Release: its callback must not find n
+  n->hollow = true;
+  ++m.num_hollow;
+  if (!Impl::Blocked(n)) ++m.num_hollow_free;
+  const BlockHandle b = n->block;
+  n->block = BlockHandle{};
+  m.pool->Release(b);
+  ++m.stats.hollowed_blocks;
+  return true;
+}
+
+int32_t PrefixCache::KeepWindow(std::string_view salt, absl::Span<const int32_t> tokens,
+                               int32_t first_block) {
+  Impl& m = *impl_;
+  int32_t marked = 0;
+  int32_t i = 0;
+  m.Walk(salt, tokens, static_cast<int32_t>(tokens.size()), [&](Node* n) {
+    if (i++ >= first_block && !n->keep_window) {
+      n->keep_window = true;
+      ++marked;
+    }
+  });
+  return marked;
+}
+
+int32_t PrefixCache::num_hollow_blocks() const { return impl_->num_hollow; }
 
 int32_t PrefixCache::Insert(std::string_view salt, absl::Span<const int32_t> tokens,
                             absl::Span<const BlockHandle> blocks) {
@@ -607,12 +742,18 @@ int32_t PrefixCache::Evict(int32_t n) {
   };
   std::vector<Entry> heap;
   for (Node* node = m.oldest; node != nullptr; node = node->next) {
-    if (m.Evictable(node)) heap.emplace_back(m.options.policy->Key(m.Info(node)), node->seq, node);
+    if (!m.Evictable(node)) continue;
+    // A hollow leaf first: it can end no match (and frees no block).
+    heap.emplace_back(node->hollow ? -std::numeric_limits<double>::infinity()
+                                   : m.options.policy->Key(m.Info(node)),
+                      node->seq, node);
   }
   std::make_heap(heap.begin(), heap.end(), later);
   std::vector<KvCacheEvent> events;
   int32_t evicted = 0;
-  while (evicted < n && !heap.empty()) {
+  // A hollow leaf (its K/V gone, nothing below it) can end no match: it
+  // goes as soon as it is a candidate, past n too, and frees no block.
+  while (!heap.empty() && (evicted < n || std::get<2>(heap.front())->hollow)) {
     std::pop_heap(heap.begin(), heap.end(), later);
     Node* victim = std::get<2>(heap.back());
     heap.pop_back();
@@ -620,7 +761,8 @@ int32_t PrefixCache::Evict(int32_t n) {
     KvTier moved_to = KvTier::kNone;
     // Write-back: a full block's K/V goes to the tier below before its pool
     // block is released (the sink copies it now; the block is still live).
-    if (m.options.demotion != nullptr && !m.pool->on_device() &&
+    const bool hollow = victim->hollow;
+    if (m.options.demotion != nullptr && !m.pool->on_device() && !hollow &&
         static_cast<int32_t>(victim->tokens.size()) == m.pool->block_size()) {
       EvictedBlock b;
       b.hash = victim->hash;
@@ -641,10 +783,12 @@ int32_t PrefixCache::Evict(int32_t n) {
     }
     const bool parent_is_root = parent->parent == nullptr;
     m.RemoveLeaf(victim);  // may destroy parent when it is an emptied root
-    ++evicted;
+    if (!hollow) ++evicted;  // a hollow leaf frees no block
     // The parent may just have become a leaf: a candidate in this same call.
     if (!parent_is_root && m.Evictable(parent)) {
-      heap.emplace_back(m.options.policy->Key(m.Info(parent)), parent->seq, parent);
+      const double key = parent->hollow ? -std::numeric_limits<double>::infinity()
+                                        : m.options.policy->Key(m.Info(parent));
+      heap.emplace_back(key, parent->seq, parent);
       std::push_heap(heap.begin(), heap.end(), later);
     }
   }
@@ -664,11 +808,11 @@ int32_t PrefixCache::Clear() {
 }
 
 int32_t PrefixCache::num_cached_blocks() const {
-  return static_cast<int32_t>(impl_->nodes.size());
+  return static_cast<int32_t>(impl_->nodes.size()) - impl_->num_hollow;  // hollow: no block
 }
 
 int32_t PrefixCache::num_evictable_blocks() const {
-  return static_cast<int32_t>(impl_->nodes.size()) - impl_->num_blocked;
+  return static_cast<int32_t>(impl_->nodes.size()) - impl_->num_blocked - impl_->num_hollow_free;
 }
 
 int32_t PrefixCache::CountEvictableBlocksSlow() const {
@@ -679,10 +823,10 @@ int32_t PrefixCache::CountEvictableBlocksSlow() const {
   for (Node* n = m.oldest; n != nullptr; n = n->next) n->scratch_blocked = false;
   int32_t count = 0;
   for (Node* n = m.newest; n != nullptr; n = n->prev) {
-    if (m.pool->ref_count(n->block) != 1) n->scratch_blocked = true;
+    if (!n->hollow && m.pool->ref_count(n->block) != 1) n->scratch_blocked = true;
     if (n->scratch_blocked) {
       n->parent->scratch_blocked = true;  // roots are never read, so marking them is harmless
-    } else {
+    } else if (!n->hollow) {
       ++count;
     }
   }
@@ -701,7 +845,7 @@ void PrefixCache::ForEachFullBlock(const std::function<void(const EvictedBlock&)
   const Impl& m = *impl_;
   if (m.pool->on_device()) return;
   for (const Node* n = m.oldest; n != nullptr; n = n->next) {
-    if (static_cast<int32_t>(n->tokens.size()) != m.pool->block_size()) continue;
+    if (static_cast<int32_t>(n->tokens.size()) != m.pool->block_size() || n->hollow) continue;
     EvictedBlock b;
     b.hash = n->hash;
     b.depth = n->depth;
@@ -734,13 +878,31 @@ PrefixProbe PrefixCache::Probe(std::string_view salt, absl::Span<const int32_t> 
   Impl::WalkEnd end;
   const int32_t n = static_cast<int32_t>(tokens.size());
   int32_t public_tokens = 0;
-  p.matched_tokens = m.Walk(salt, tokens, n, [&](const Node* node) {
+  const Node* last = nullptr;
+  p.matched_tokens = m.WindowWalk(salt, tokens, n, [&](const Node* node) {
     if (node->is_public) public_tokens += static_cast<int32_t>(node->tokens.size());
-  }, &end);
+    last = node;
+  }, &end, &p.window_dropped_tokens);
   p.public_tokens = public_tokens;
   const int32_t bs = m.pool->block_size();
+  if (p.window_dropped_tokens > 0) {
+    // Cut back to a block boundary: the rest is reported as window-dropped,
+    // and what lies past it is looked up (tiers, history) from there.
+    end.partial = nullptr;
+    end.partial_shared = 0;
+    if (last != nullptr) {
+      end.node = last;
+      end.full_pos = p.matched_tokens - end.offset;
+    } else {
+      end.node = nullptr;
+      end.full_pos = 0;
+      end.offset = 0;
+      end.ns = std::string(salt);
+    }
+  }
   const int32_t full_end = end.offset + end.full_pos;  // absolute
-  if (end.node != nullptr && full_end < n && !end.node->children.empty()) {
+  if (p.window_dropped_tokens == 0 && end.node != nullptr && full_end < n &&
+      !end.node->children.empty()) {
     // Something cached continues here; the prompt went elsewhere unless the
     // best partial candidate is a finished tail it covers whole.
     const Node* best = end.partial;

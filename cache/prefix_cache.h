@@ -134,6 +134,10 @@ struct PrefixProbe {
   // token index the first of them starts at.
   std::vector<uint64_t> next_block_hashes;
   int32_t next_block_start = 0;
+  // Sliding window: tokens the tree still spells past matched_tokens whose
+  // K/V the window dropped (hollow blocks inside the window of a longer
+  // match), so they cannot be reused.
+  int32_t window_dropped_tokens = 0;
 };
 
 struct PrefixMatch {
@@ -148,7 +152,11 @@ struct PrefixCacheStats {
   int64_t inserted_blocks = 0;
   int64_t evicted_blocks = 0;
   int64_t demoted_blocks = 0;  // of the evicted, taken by a lower tier
-  int32_t cached_blocks = 0;   // nodes in the tree now
+  int32_t cached_blocks = 0;   // nodes in the tree now holding a block (not hollow)
+  // Sliding window: tokens Match could not return because the window had
+  // dropped K/V they need, and blocks HollowBlock gave back to the pool.
+  int64_t window_dropped_tokens = 0;
+  int64_t hollowed_blocks = 0;
 };
 
 class PrefixCache {
@@ -175,6 +183,34 @@ class PrefixCache {
   // The token count Match would return, without pinning or touching.
   int32_t MatchLength(std::string_view salt, absl::Span<const int32_t> tokens,
                       int32_t max_tokens) const;
+  // How far the tree spells tokens[0, max_tokens), hollow blocks included
+  // (whether an Insert below that point can attach).
+  int32_t PathLength(std::string_view salt, absl::Span<const int32_t> tokens,
+                     int32_t max_tokens) const;
+
+  // Sliding window (every layer attends to the last `window` slots only):
+  // a node can go hollow (HollowBlock) - it keeps its tokens, so longer
+  // prefixes stay reachable through it, but gives its block back to the
+  // pool. Match, Pin, MatchLength and Probe then end a match only where the
+  // last `window` tokens before its end all have their K/V, and hand out
+  // `stand_in` (one reference each, like any block) for hollow blocks before
+  // that window; the caller must never read it. Insert refills a hollow
+  // node from a caller's real block, and stops at a stand_in it would need
+  // to cache. Hollow nodes are not published as removed (a router's replica
+  // keeps them; its matches may then be shorter here than it predicts).
+  // REQUIRES: called once, before anything is cached; stand_in stays live.
+  void SetWindow(int32_t window, BlockHandle stand_in);
+  // Drops the K/V of the node holding `block` (its reference goes back to
+  // the pool). False, with nothing changed, without a window, when no node
+  // holds it, or when the node is public or keeps a boundary's window.
+  bool HollowBlock(BlockHandle block);
+  // The cached blocks of tokens from block first_block on (as far as the
+  // tree spells them, a finished tail included) lie in the window of a
+  // cached prefix boundary - a prompt's end, a finished sequence's end -
+  // and are never hollowed. Returns the nodes marked.
+  int32_t KeepWindow(std::string_view salt, absl::Span<const int32_t> tokens,
+                     int32_t first_block);
+  int32_t num_hollow_blocks() const;
 
   // Caches the full blocks of a sequence: blocks[i] holds tokens
   // [i * block_size, (i + 1) * block_size); only floor(tokens.size() /

@@ -296,6 +296,16 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
                             " prompt tokens are cached (the last is computed anyway)");
     return r;
   }
+  r.window_dropped_tokens = std::max(0, std::min(p.window_dropped_tokens, cap - r.cached_tokens));
+  if (r.window_dropped_tokens > 0) {
+    r.reason = "window_dropped";
+    r.detail = absl::StrCat(
+        "tokens ", r.cached_tokens, " to ", r.cached_tokens + r.window_dropped_tokens,
+        " are in the prefix cache, but the sliding window dropped K/V a continuation from there "
+        "needs (only each cached prefix boundary keeps its last window); ",
+        uncached, " tokens uncached");
+    return r;
+  }
   if (p.diverged && p.matched_tokens >= kMinDivergedTokens && r.host_tokens + r.disk_tokens == 0) {
     r.reason = "diverged";
     r.diverged_at = p.matched_tokens;

@@ -88,6 +88,7 @@ struct CacheReport {
   int32_t primary_tokens = 0, host_tokens = 0, disk_tokens = 0;
   int32_t public_tokens = 0;       // of primary, from public-marked blocks
   // hit | never_seen | diverged | scope_mismatch | evicted | retained_expired
+  // | window_dropped
   // (server/ turns diverged into template_drift when it knows better).
   std::string reason = "never_seen";
   std::optional<int32_t> diverged_at;
@@ -99,6 +100,9 @@ struct CacheReport {
   std::string evicted_to;          // none | host | disk
   int32_t other_scope_tokens = 0;  // scope_mismatch: what the other namespace holds
   std::string other_scope;         // scope_mismatch: that namespace (as the caller may see it)
+  // window_dropped: prompt tokens past cached_tokens the prefix cache spells
+  // but whose K/V a sliding window dropped (hollow blocks).
+  int32_t window_dropped_tokens = 0;
 };
 
 struct CacheControlStats {

@@ -441,6 +441,11 @@ void Engine::PublishStats(const BatchPlan* plan) {
   st.window_released_blocks = kv_->window_stats().blocks_released;
   st.window_kept_cached_blocks = kv_->window_stats().blocks_kept_cached;
   st.window_lost_prefix_blocks = kv_->window_stats().prefix_blocks_lost;
+  st.window_hollowed_blocks = kv_->window_stats().blocks_hollowed;
+  if (const PrefixCache* pc = kv_->prefix_cache(); pc != nullptr) {
+    st.window_dropped_prefix_tokens = pc->stats().window_dropped_tokens;
+    st.window_hollow_nodes = pc->num_hollow_blocks();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   stats_ = st;
 }

@@ -157,6 +157,9 @@ struct EngineStats {
   int64_t window_released_blocks = 0;
   int64_t window_kept_cached_blocks = 0;
   int64_t window_lost_prefix_blocks = 0;
+  int64_t window_hollowed_blocks = 0;      // cached blocks the window gave back to the pool
+  int64_t window_dropped_prefix_tokens = 0;  // matched tokens the window had dropped
+  int32_t window_hollow_nodes = 0;          // prefix-cache nodes without K/V now
   int64_t prefix_evictable_blocks = 0; // of those, with no running sequence on them
   // Stall-free steps.
   int64_t last_batch_prefill_tokens = 0;

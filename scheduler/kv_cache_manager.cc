@@ -34,6 +34,7 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
     RETURN_IF_ERROR(m->pool_->Allocate(1, &one));
     m->placeholder_ = one[0];
     m->window_ = options.sliding_window;
+    if (m->prefix_cache_ != nullptr) m->prefix_cache_->SetWindow(m->window_, m->placeholder_);
   }
   return m;
 }
@@ -52,6 +53,11 @@ void KvCacheManager::ReleaseOutOfWindow(SeqKv* kv) {
   const int32_t upto = std::min(first_needed / block_size(), kv->table.num_blocks());
   for (int32_t b = kv->num_window_released; b < upto; ++b) {
     const BlockHandle h = kv->table.blocks()[b];
+    if (h == placeholder_) continue;  // a hollow block a prefix match handed over
+    if (pool_->ref_count(h) > 1 && prefix_cache_ != nullptr && !InBoundaryWindow(*kv, b) &&
+        prefix_cache_->HollowBlock(h)) {
+      ++window_stats_.blocks_hollowed;
+    }
     if (pool_->ref_count(h) > 1) ++window_stats_.blocks_kept_cached;
     kv->table.ReplaceBlock(b, placeholder_);
     ++window_stats_.blocks_released;
@@ -63,12 +69,23 @@ bool KvCacheManager::WindowPrefixCached(const SeqKv& kv, std::string_view salt,
                                         absl::Span<const int32_t> tokens) const {
   if (kv.num_window_released == 0) return true;
   const int32_t need = kv.num_window_released * block_size();
-  return prefix_cache_->MatchLength(salt, tokens, need) >= need;
+  // Hollow nodes count: they keep the path to what follows.
+  return prefix_cache_->PathLength(salt, tokens, need) >= need;
+}
+
+bool KvCacheManager::InBoundaryWindow(const SeqKv& kv, int32_t b) const {
+  // A later prompt that repeats this one matches up to window_boundary - 1
+  // or window_boundary tokens; either end needs the blocks of its last
+  // window - 1 slots.
+  const int32_t p = kv.window_boundary;
+  if (p <= 0) return false;
+  return b >= std::max(0, p - window_) / block_size() && b <= (p - 1) / block_size();
 }
 
 int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
                                     absl::Span<const int32_t> tokens, int32_t max_tokens) {
   if (kv->table.num_blocks() > 0) Die("MatchPrefix on a sequence with blocks", kv->table.num_blocks(), 0);
+  kv->window_boundary = static_cast<int32_t>(tokens.size());
   if (prefix_cache_ == nullptr) return 0;
   PrefixMatch m = prefix_cache_->Match(salt, tokens, max_tokens);
   if (m.num_tokens == 0) return 0;  // no blocks either
@@ -136,6 +153,16 @@ void KvCacheManager::Offer(SeqKv* kv, std::string_view salt, absl::Span<const in
   // with the same prefix arriving now reuses them while this one still runs.
   prefix_cache_->Insert(salt, tokens.first(static_cast<size_t>(full) * bs),
                         absl::MakeConstSpan(kv->table.blocks()).first(full));
+  if (window_ > 0 && kv->window_boundary > 0) {
+    // The prompt's end is a cached prefix boundary: its window's blocks
+    // stay cached when this sequence's window leaves them.
+    const int32_t lo = std::max(0, kv->window_boundary - window_) / bs;
+    const int32_t hi = (kv->window_boundary - 1) / bs;
+    if (full > lo && kv->num_offered_blocks <= hi) {
+      prefix_cache_->KeepWindow(salt, tokens.first(static_cast<size_t>(std::min(full, hi + 1)) * bs),
+                                lo);
+    }
+  }
   kv->num_offered_blocks = full;
 }
 
@@ -152,6 +179,12 @@ void KvCacheManager::Free(SeqKv* kv, std::string_view salt, absl::Span<const int
     // shared too (copied by whoever writes into it next).
     prefix_cache_->InsertFinished(salt, tokens.first(static_cast<size_t>(kv->num_committed)),
                                   kv->table.blocks());
+    if (window_ > 0) {
+      // Its end is a cached prefix boundary too (the next turn of a chat
+      // starts from it): the last window's blocks stay.
+      prefix_cache_->KeepWindow(salt, tokens.first(static_cast<size_t>(kv->num_committed)),
+                                std::max(0, kv->num_committed - window_) / block_size());
+    }
   }
   Discard(kv);
 }
@@ -163,6 +196,7 @@ void KvCacheManager::Discard(SeqKv* kv) {
   kv->num_offered_blocks = 0;
   kv->position_shift = 0;
   kv->num_window_released = 0;
+  kv->window_boundary = 0;
   kv->cache_positions = false;
   kv->lossy = false;
 }
@@ -175,6 +209,7 @@ SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
   f.num_offered_blocks = kv.num_offered_blocks;
   f.position_shift = kv.position_shift;
   f.num_window_released = kv.num_window_released;
+  f.window_boundary = kv.window_boundary;
   f.cache_positions = kv.cache_positions;
   f.lossy = kv.lossy;
   return f;

@@ -62,6 +62,10 @@ struct SeqKv {
   // the manager's placeholder block (their KV lives on in the radix index
   // when it holds them, else it went back to the pool).
   int32_t num_window_released = 0;
+  // Sliding window: the prompt length MatchPrefix saw, a cached prefix
+  // boundary whose last `window` tokens the prefix cache keeps (the blocks
+  // before it go hollow in the index as the window leaves them).
+  int32_t window_boundary = 0;
   // StreamingLLM past the trained context (sinks policy): every slot's key
   // was re-rotated to the slot's own index, and new tokens take their slot
   // as RoPE position (KvEvictor switches a sequence over once).
@@ -80,8 +84,11 @@ struct KvCacheManagerOptions {
   // > 0: every layer attends only to the last sliding_window slots (a
   // Mistral-style model), so a sequence keeps only the blocks its window
   // reaches: once committed tokens leave a block behind, the sequence's
-  // reference goes (the radix index keeps the block when it cached it, so a
-  // repeated prompt still matches in full). 0: full attention.
+  // reference goes. The radix index keeps such a block only when a cached
+  // prefix boundary needs it (within the last sliding_window tokens of a
+  // prompt's end or of a finished sequence's end), so a repeated prompt
+  // still matches in full; otherwise its node goes hollow (tokens kept, K/V
+  // dropped) and the block returns to the pool. 0: full attention.
   int32_t sliding_window = 0;
 };
 
@@ -89,6 +96,9 @@ struct KvCacheManagerOptions {
 struct KvWindowStats {
   int64_t blocks_released = 0;   // sequence references the window let go
   int64_t blocks_kept_cached = 0;  // of those, blocks the radix index still held
+  // Of the released blocks the index held, those it let go too (hollow: no
+  // cached prefix boundary needs their K/V), so they went back to the pool.
+  int64_t blocks_hollowed = 0;
   // Prefix blocks that could not be offered to the radix index because an
   // earlier block of the same prefix had left both the window and the index
   // (evicted): that prefix cannot be matched past that point any more.
@@ -204,6 +214,8 @@ class KvCacheManager {
   // them and never sees the placeholder).
   bool WindowPrefixCached(const SeqKv& kv, std::string_view salt,
                           absl::Span<const int32_t> tokens) const;
+  // Whether block b of kv lies in the window of kv's prompt boundary.
+  bool InBoundaryWindow(const SeqKv& kv, int32_t b) const;
 
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<PrefixCache> prefix_cache_;

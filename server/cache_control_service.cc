@@ -348,6 +348,7 @@ json CacheControlService::Report(const PreparedRequest& request, const CallerAut
                     {"policy", rep.evicted_policy},
                     {"moved_to", rep.evicted_to}};
   }
+  if (rep.reason == "window_dropped") j["window_dropped_tokens"] = rep.window_dropped_tokens;
   if (rep.reason == "scope_mismatch" && admin) {
     const std::string other_tenant = TenantOfScope(rep.other_scope);
     j["other_scope"] = {{"tenant", other_tenant}, {"tokens", rep.other_scope_tokens}};
@@ -356,7 +357,9 @@ json CacheControlService::Report(const PreparedRequest& request, const CallerAut
 }
 
 std::string CacheControlService::ReportJson(const PreparedRequest& request, const CallerAuth& auth) {
-  return Report(request, auth).dump();
+  // The report quotes detokenized prompt pieces (context_before/after),
+  // which can cut a UTF-8 character (byte tokens): replace, never throw.
+  return Report(request, auth).dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 JsonReply CacheControlService::Explain(const json& body, const CallerAuth& auth) {

@@ -831,7 +831,8 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
     if (path == "/admin/cache/list" && options.cache_control != nullptr) {
       return net::post(*handlers, [this, conn, auth] {
         JsonReply r = options.cache_control->Handle("list", "", auth);
-        conn->Send(TextReply(r.status, r.body.dump(), "application/json"));
+        conn->Send(TextReply(r.status, r.body.dump(-1, ' ', false, json::error_handler_t::replace),
+                             "application/json"));
       });
     }
     if (path == "/v1/models") {
@@ -867,7 +868,10 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
       return net::post(*handlers, [this, conn, auth, op = path.substr(kCachePrefix.size()),
                                    body = std::move(req.body())] {
         JsonReply r = options.cache_control->Handle(op, body, auth);
-        conn->Send(TextReply(r.status, r.body.dump(), "application/json"));
+        // explain quotes detokenized prompt pieces, which may cut a UTF-8
+        // character: replaced, never a throw on the handler thread.
+        conn->Send(TextReply(r.status, r.body.dump(-1, ' ', false, json::error_handler_t::replace),
+                             "application/json"));
       });
     }
     if (path == "/admin/response_cache/purge") {

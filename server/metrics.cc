@@ -436,6 +436,17 @@ std::string Metrics::Render(const EngineStats& stats) const {
                   "Prefix blocks that could not be cached because the sliding window had let go "
                   "of an earlier block of their prefix and the cache had evicted it.",
                   l, static_cast<double>(stats.window_lost_prefix_blocks), &out);
+    AppendCounter("kvserve:kv_window_hollowed_blocks_total",
+                  "Of the window-released blocks the prefix cache held, those it gave back to the "
+                  "pool (no cached prefix boundary needs their K/V; the tokens stay as a path).",
+                  l, static_cast<double>(stats.window_hollowed_blocks), &out);
+    AppendCounter("kvserve:prefix_cache_window_dropped_tokens_total",
+                  "Prompt tokens the prefix cache spells but could not reuse because the sliding "
+                  "window had dropped K/V their continuation needs.",
+                  l, static_cast<double>(stats.window_dropped_prefix_tokens), &out);
+    AppendGauge("kvserve:prefix_cache_hollow_blocks",
+                "Prefix-cache nodes whose K/V the sliding window dropped (tokens only).", l,
+                static_cast<double>(stats.window_hollow_nodes), &out);
   }
   for (const Section& section : sections) section(l, &out);
   return out;

@@ -109,6 +109,64 @@ class PrefixCacheTest : public ::testing::Test {
   std::unique_ptr<PrefixCache> cache_;
 };
 
+// Sliding window (W = 6, block 4): hollow nodes keep the path but give their
+// block back; a match ends only where its last W tokens all have K/V, and
+// hands out the stand-in for hollow blocks before that; an Insert of real
+// blocks refills them; evictable counts stay exact; hollow leaves go first
+// and free nothing.
+TEST_F(PrefixCacheTest, WindowHollowNodesCutMatchesAndRefill) {
+  std::vector<BlockHandle> stand;
+  ASSERT_TRUE(pool_->Allocate(1, &stand).ok());
+  cache_->SetWindow(6, stand[0]);
+  std::vector<int32_t> seq;
+  for (int32_t i = 0; i < 24; ++i) seq.push_back(100 + i);  // 6 blocks
+  const int32_t free0 = pool_->num_free_blocks();
+  const std::vector<BlockHandle> hs = InsertFresh("", seq);
+  EXPECT_EQ(pool_->num_free_blocks(), free0 - 6);
+  // A boundary at 24 keeps blocks 4 and 5 ((24 - 6) / 4 = 4 on).
+  EXPECT_EQ(cache_->KeepWindow("", seq, 4), 2);
+  for (int32_t b = 0; b < 6; ++b) {
+    EXPECT_EQ(cache_->HollowBlock(hs[static_cast<size_t>(b)]), b < 4) << b;
+  }
+  EXPECT_FALSE(cache_->HollowBlock(hs[0]));  // no node holds it any more
+  EXPECT_EQ(cache_->num_hollow_blocks(), 4);
+  EXPECT_EQ(cache_->num_cached_blocks(), 2);
+  EXPECT_EQ(pool_->num_free_blocks(), free0 - 2);
+  EXPECT_EQ(cache_->num_evictable_blocks(), cache_->CountEvictableBlocksSlow());
+  // 24 tokens: the window before 24 is blocks 4, 5; fine. 23 too. 16 would
+  // need blocks 2, 3: cut to 0. The path still spells 24.
+  EXPECT_EQ(cache_->MatchLength("", seq, 24), 24);
+  EXPECT_EQ(cache_->MatchLength("", seq, 23), 23);
+  EXPECT_EQ(cache_->MatchLength("", seq, 16), 0);
+  EXPECT_EQ(cache_->PathLength("", seq, 16), 16);
+  EXPECT_EQ(cache_->Probe("", std::vector<int32_t>(seq.begin(), seq.begin() + 16)).window_dropped_tokens,
+            16);
+  PrefixMatch m = cache_->Match("", seq, 23);
+  ASSERT_EQ(m.blocks.size(), 6u);
+  for (size_t b = 0; b < 4; ++b) EXPECT_EQ(m.blocks[b].id, stand[0].id) << b;
+  EXPECT_EQ(m.blocks[4].id, hs[4].id);
+  pool_->Release(m.blocks);
+  EXPECT_EQ(cache_->stats().window_dropped_tokens, 0);
+  pool_->Release(cache_->Match("", seq, 16).blocks);
+  EXPECT_EQ(cache_->stats().window_dropped_tokens, 16);
+  // Inserting the stand-in over hollow nodes changes nothing; real blocks
+  // refill them.
+  const std::vector<BlockHandle> stand6(6, stand[0]);
+  EXPECT_EQ(cache_->Insert("", seq, stand6), 0);
+  EXPECT_EQ(cache_->num_hollow_blocks(), 4);
+  const std::vector<BlockHandle> again = InsertFresh("", std::vector<int32_t>(seq.begin(), seq.begin() + 8));
+  EXPECT_EQ(cache_->num_hollow_blocks(), 2);
+  EXPECT_EQ(cache_->MatchLength("", seq, 8), 8);
+  EXPECT_EQ(cache_->num_evictable_blocks(), cache_->CountEvictableBlocksSlow());
+  // Evicting everything: 4 real blocks freed (hollow ones free nothing), and
+  // no node is left.
+  EXPECT_EQ(cache_->Evict(100), 4);
+  EXPECT_EQ(cache_->num_hollow_blocks(), 0);
+  EXPECT_EQ(cache_->num_cached_blocks(), 0);
+  EXPECT_EQ(pool_->num_free_blocks(), free0);
+  pool_->Release(stand);
+}
+
 // A finished sequence's partial last block becomes a childless leaf that
 // later prompts reuse up to the tokens it holds.
 TEST_F(PrefixCacheTest, FinishedSequencesCacheTheirPartialLastBlock) {

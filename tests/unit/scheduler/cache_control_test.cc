@@ -28,7 +28,7 @@ struct Fixture {
   std::unique_ptr<CacheControl> cc;
   std::unique_ptr<KvCacheManager> kv;
 
-  explicit Fixture(int32_t blocks, CacheControlOptions co = {}) {
+  explicit Fixture(int32_t blocks, CacheControlOptions co = {}, int32_t window = 0) {
     co.clock = &clock;
     cc = std::make_unique<CacheControl>(co);
     KvCacheManagerOptions o;
@@ -42,6 +42,7 @@ struct Fixture {
     o.prefix.clock = &clock;
     CacheControl* raw = cc.get();
     o.prefix.on_evict = [raw](uint64_t h, KvTier t) { raw->OnEvict(h, t, "lru"); };
+    o.sliding_window = window;
     kv = KvCacheManager::Create(std::move(o)).value();
   }
   ~Fixture() { cc->ReleaseAll(kv.get()); }
@@ -204,6 +205,22 @@ TEST(CacheControlTest, ExplainNamesTheDivergenceTokenEvictionAndScope) {
   r = f.Explain(first);
   EXPECT_EQ(r.reason, "evicted") << r.detail;
   EXPECT_EQ(r.evicted_to, "none");
+}
+
+// Sliding window: a prompt the tree spells whose window the cache dropped
+// is reported as window_dropped (how many tokens), not as a plain miss.
+TEST(CacheControlTest, ExplainNamesTheWindowDroppedPrefix) {
+  Fixture f(64, {}, /*window=*/8);
+  const std::vector<int32_t> t = Tokens(40, 100);
+  f.Run(t);  // a 40-token prompt: only its last window keeps its K/V
+  EXPECT_EQ(f.Explain(t).reason, "hit");
+  std::vector<int32_t> q(t.begin(), t.begin() + 24);
+  for (int32_t i = 0; i < 8; ++i) q.push_back(900 + i);
+  const CacheReport r = f.Explain(q);
+  EXPECT_EQ(r.reason, "window_dropped") << r.detail;
+  EXPECT_EQ(r.cached_tokens, 0);
+  EXPECT_EQ(r.window_dropped_tokens, 24);
+  EXPECT_NE(r.detail.find("sliding window"), std::string::npos) << r.detail;
 }
 
 TEST(CacheControlTest, PublicPrefixIsSharedAndTheRestStaysPrivate) {

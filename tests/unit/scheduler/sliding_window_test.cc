@@ -3,6 +3,7 @@
 // go return to the pool (or stay in the prefix cache), a repeated long
 // prompt is still served from the cache with identical greedy output, and
 // nothing leaks.
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -77,7 +78,8 @@ class SlidingWindowKvTest : public ::testing::Test {
     return Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).value();
   }
   // Runs the requests together; records the most blocks in use at any step.
-  std::vector<RunResult> RunAll(Engine* e, const std::vector<EngineRequest>& reqs, int64_t* peak_used) {
+  std::vector<RunResult> RunAll(Engine* e, const std::vector<EngineRequest>& reqs, int64_t* peak_used,
+                                int64_t* peak_pool = nullptr) {
     std::vector<RunResult> out(reqs.size());
     for (size_t i = 0; i < reqs.size(); ++i) {
       auto id = e->Submit(reqs[i], [&out, i](const SeqEvent& ev) {
@@ -88,6 +90,15 @@ class SlidingWindowKvTest : public ::testing::Test {
     }
     while (e->Step()) {
       if (peak_used != nullptr) *peak_used = std::max(*peak_used, Held(*e));
+      if (peak_pool != nullptr) {
+        *peak_pool = std::max<int64_t>(*peak_pool,
+                                       e->kv_pool().num_blocks() - e->kv_pool().num_free_blocks());
+      }
+      if (e->prefix_cache() != nullptr) {
+        // The incremental evictable count stays exact with hollow nodes.
+        EXPECT_EQ(e->prefix_cache()->num_evictable_blocks(),
+                  e->prefix_cache()->CountEvictableBlocksSlow());
+      }
     }
     return out;
   }
@@ -133,6 +144,67 @@ TEST_F(SlidingWindowKvTest, RepeatedLongPromptIsServedFromTheCache) {
   EXPECT_EQ(Held(*e), 1);  // only the placeholder once everything finished
 }
 
+// With the prefix cache on, the blocks the window leaves go back to the pool
+// during the sequence's life too - all but the window before the prompt's
+// end, which a repeated prompt's match needs (their cache nodes keep only
+// their tokens). So the pool's use stays bounded however long the
+// generation; the output is the one without the cache; the repeated prompt
+// is still served from the cache; and a longer prompt whose match would end
+// where the window dropped K/V is cut back to a usable boundary (counted),
+// with the output still the uncached one.
+TEST_F(SlidingWindowKvTest, LongGenerationFreesBlocksWithThePrefixCacheOn) {
+  constexpr int32_t kGen = 120;
+  const std::vector<int32_t> prompt = Prompt(2 * kWindow + 1, 3);
+  auto plain = MakeEngine(false, 128);
+  const RunResult ref = RunAll(plain.get(), {Greedy(prompt, kGen)}, nullptr)[0];
+  ASSERT_EQ(ref.tokens.size(), static_cast<size_t>(kGen));
+
+  auto e = MakeEngine(true, 128);
+  int64_t peak_pool = 0;
+  const RunResult first = RunAll(e.get(), {Greedy(prompt, kGen)}, nullptr, &peak_pool)[0];
+  EXPECT_EQ(first.tokens, ref.tokens);
+  // The prompt boundary's window (blocks (33 - 16) / 4 .. 32 / 4), the
+  // sequence's own window, one prefill chunk, the placeholder, and a block
+  // of slack for the step a block fills; full attention would hold
+  // (33 + 120) / 4 = 38 blocks.
+  const int64_t bound = 5 + WindowBlocks(kWindow, kBlock) + 8 / kBlock + 1 + 1;
+  std::printf("pool blocks in use at most %lld during a %d-token generation (bound %lld)\n",
+              static_cast<long long>(peak_pool), kGen, static_cast<long long>(bound));
+  EXPECT_LE(peak_pool, bound);
+  EXPECT_LT(peak_pool, (2 * kWindow + 1 + kGen) / kBlock / 2);
+  EXPECT_LE(e->kv_pool().num_blocks() - e->kv_pool().num_free_blocks(), bound);
+  EngineStats st = e->Stats();
+  EXPECT_GT(st.window_hollowed_blocks, 20);
+  EXPECT_GT(st.window_kept_cached_blocks, 0);  // the prompt boundary's window
+  EXPECT_GT(st.window_hollow_nodes, 20);
+  EXPECT_EQ(st.window_lost_prefix_blocks, 0);
+
+  const RunResult again = RunAll(e.get(), {Greedy(prompt, kGen)}, nullptr, &peak_pool)[0];
+  EXPECT_GE(again.cached_tokens, 2 * kWindow);
+  EXPECT_EQ(again.tokens, ref.tokens);
+  EXPECT_EQ(e->Stats().window_dropped_prefix_tokens, 0);
+
+  // prompt + 60 generated tokens: the tree spells it, but the window before
+  // token 92 was dropped; the match is cut back to the prompt boundary's
+  // window, and the output is what an uncached engine gives.
+  std::vector<int32_t> longer = prompt;
+  longer.insert(longer.end(), ref.tokens.begin(), ref.tokens.begin() + 60);
+  const RunResult ref_longer = RunAll(plain.get(), {Greedy(longer, 20)}, nullptr)[0];
+  const RunResult cut = RunAll(e.get(), {Greedy(longer, 20)}, nullptr, &peak_pool)[0];
+  EXPECT_GE(cut.cached_tokens, 2 * kWindow);
+  EXPECT_LT(cut.cached_tokens, 60);
+  EXPECT_EQ(cut.tokens, ref_longer.tokens);
+  EXPECT_GT(e->Stats().window_dropped_prefix_tokens, 0);
+  // It was computed again, so now it is a cached boundary of its own.
+  const RunResult cut_again = RunAll(e.get(), {Greedy(longer, 20)}, nullptr)[0];
+  EXPECT_GE(cut_again.cached_tokens, static_cast<int32_t>(longer.size()) - kBlock);
+  EXPECT_EQ(cut_again.tokens, ref_longer.tokens);
+  EXPECT_LE(peak_pool, 2 * bound);
+  EXPECT_EQ(Held(*e), 1);  // only the placeholder once everything finished
+  // Under pressure everything cached goes, hollow nodes included.
+  EXPECT_TRUE(e->Stats().prefix_evictable_blocks > 0);
+}
+
 // Without the prefix cache the blocks a window leaves go straight back to
 // the pool, and other sequences reuse them at once: concurrent requests
 // still give exactly what each gives alone (nothing reads a block it let go).
@@ -169,6 +241,9 @@ TEST(SlidingWindowManagerTest, LostPrefixIsCountedNotCached) {
   for (int32_t i = 0; i < 40; ++i) tokens.push_back(100 + i);
   SeqKv kv(m->mutable_pool());
   const int32_t free_at_start = m->num_free_blocks();
+  // A prompt of 8 tokens (nothing cached yet): its boundary's window is
+  // blocks 0 and 1, which the cache keeps when the sequence's window leaves.
+  EXPECT_EQ(m->MatchPrefix(&kv, "", absl::MakeConstSpan(tokens).first(8), 7), 0);
   // 16 tokens: blocks 0..3 full and cached; the window (8) needs slots >= 9.
   ASSERT_TRUE(m->AllocateSlots(&kv, 16).ok());
   m->MarkComputed(&kv, 16);
@@ -188,6 +263,54 @@ TEST(SlidingWindowManagerTest, LostPrefixIsCountedNotCached) {
   EXPECT_EQ(m->num_free_blocks() + m->num_evictable_blocks(), free_at_start);
 }
 
+// Blocks outside every cached boundary's window go hollow in the index and
+// back to the pool at once; a match never ends where it would need them.
+TEST(SlidingWindowManagerTest, BlocksNoBoundaryNeedsGoBackToThePool) {
+  KvCacheManagerOptions o;
+  o.pool = KvPoolOptions{1, 1, 8, kBlock, 32, kernels::KvDType::kF32};
+  o.sliding_window = 8;
+  auto m = KvCacheManager::Create(std::move(o)).value();
+  std::vector<int32_t> tokens;
+  for (int32_t i = 0; i < 64; ++i) tokens.push_back(100 + i);
+  const int32_t free_at_start = m->num_free_blocks();
+  SeqKv kv(m->mutable_pool());
+  // Prompt of 12 tokens: the boundary window is blocks 1 and 2.
+  EXPECT_EQ(m->MatchPrefix(&kv, "", absl::MakeConstSpan(tokens).first(12), 11), 0);
+  for (int32_t step = 0; step < 48; ++step) {
+    ASSERT_TRUE(m->AllocateSlots(&kv, 1).ok());
+    m->MarkComputed(&kv, 1);
+    m->Commit(&kv, "", tokens, 1);
+    // Held by the sequence: its window (<= 3 blocks) and the one filling;
+    // by the cache alone: the boundary's 2 blocks; plus the placeholder.
+    EXPECT_LE(free_at_start - m->num_free_blocks(), 3 + 1 + 2 + 1) << step;
+  }
+  EXPECT_EQ(m->window_stats().blocks_kept_cached, 2);
+  EXPECT_GT(m->window_stats().blocks_hollowed, 5);
+  EXPECT_GT(m->prefix_cache()->num_hollow_blocks(), 5);
+  // The prompt still matches (its last window is there); a match ending
+  // at token 40 would need hollow blocks, so it is cut back to 12.
+  EXPECT_EQ(m->PeekPrefix("", tokens, 11), 11);
+  EXPECT_EQ(m->PeekPrefix("", tokens, 40), 12);
+  EXPECT_EQ(m->prefix_cache()->PathLength("", tokens, 40), 40);
+  const PrefixProbe p = m->prefix_cache()->Probe("", absl::MakeConstSpan(tokens).first(40));
+  EXPECT_EQ(p.matched_tokens, 12);
+  EXPECT_EQ(p.window_dropped_tokens, 28);
+  m->Free(&kv, "", absl::MakeConstSpan(tokens).first(48));
+  // The finished end is a boundary too.
+  EXPECT_EQ(m->PeekPrefix("", tokens, 48), 48);
+  EXPECT_EQ(m->prefix_cache()->num_evictable_blocks(),
+            m->prefix_cache()->CountEvictableBlocksSlow());
+  // A match through hollow blocks hands out the placeholder for them and
+  // reads nothing of it; freeing it leaks nothing.
+  SeqKv again(m->mutable_pool());
+  EXPECT_EQ(m->MatchPrefix(&again, "", tokens, 48), 48);
+  m->Free(&again, "", absl::MakeConstSpan(tokens).first(48));
+  EXPECT_TRUE(m->EnsureFree(m->num_free_blocks() + m->num_evictable_blocks()));
+  EXPECT_EQ(m->num_free_blocks(), free_at_start);
+  EXPECT_EQ(m->prefix_cache()->num_cached_blocks(), 0);
+  EXPECT_EQ(m->prefix_cache()->num_hollow_blocks(), 0);  // hollow leaves went too
+}
+
 TEST(SlidingWindowPlanTest, PlanCountsTheWindow) {
   // A Mistral-7B-like shape: 32 layers, 8 KV heads of 128, window 4096.
   KvShape full{32, 8, 128, 32768};
@@ -203,6 +326,7 @@ TEST(SlidingWindowPlanTest, PlanCountsTheWindow) {
   EXPECT_EQ(b.sequences_at_32k_windowed, b.num_blocks / (4096 / 16 + 2));
   EXPECT_GT(b.sequences_at_32k_windowed, 7 * a.full_context_sequences);
   EXPECT_THAT(b.ToString(), ::testing::HasSubstr("32k-token sequences: "));
+  EXPECT_THAT(b.ToString(), ::testing::HasSubstr("keeps at most 257 per cached prompt boundary"));
   // A per-layer pattern frees nothing: blocks hold every layer.
   windowed.windowed_layers = 16;
   auto c = PlanKvMemory(windowed, 16, kernels::KvDType::kF16, budget).value();
