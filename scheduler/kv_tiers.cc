@@ -288,11 +288,9 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
 
 void KvTiers::HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
                         std::vector<uint64_t>* out) const {
-  uint64_t h = cache_->RootHash(salt);
-  for (int32_t i = 0; i < n; ++i) {
-    h = PrefixCache::BlockHash(h, tokens.subspan(static_cast<size_t>(i) * block_size_, block_size_));
-    out->push_back(h);
-  }
+  // As the radix index names them (public prefixes chain from the public
+  // root), so a demoted public block is every scope's hit.
+  cache_->ChainHashes(salt, tokens, n, out);
 }
 
 int32_t KvTiers::Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
