@@ -10,6 +10,9 @@
 //   disk, and the lease moves to the pool; a lease that expired while
 //   stopped is dropped; a torn table and a table of another fingerprint are
 //   ignored with a log line;
+// - a public prefix demoted to the host tier is still every tenant's hit
+//   (blocks are named across the tiers as in the pool) while what a tenant
+//   appended to it stays that tenant's;
 // - the template-drift guard through /v1/chat/completions: a fixture
 //   template that shows an empty think block on the turn being generated
 //   and drops it from past turns makes the second turn report "diverged at
@@ -50,9 +53,10 @@ struct Reply {
   std::string raw;
 };
 
-Reply Post(int port, const std::string& path, const json& body) {
+Reply Post(int port, const std::string& path, const json& body, const std::string& key = "") {
   httplib::Client c("127.0.0.1", port);
   c.set_read_timeout(120, 0);
+  if (!key.empty()) c.set_bearer_token_auth(key);
   Reply r;
   auto res = c.Post(path, body.dump(), "application/json");
   if (!res) return r;
@@ -91,8 +95,8 @@ std::unique_ptr<testing::Daemon> Start(const std::string& model,
   return d.ok() ? std::move(d).value() : nullptr;
 }
 
-json Explain(int port, const std::string& prompt) {
-  const Reply r = Post(port, "/admin/cache/explain", {{"prompt", prompt}});
+json Explain(int port, const std::string& prompt, const std::string& key = "") {
+  const Reply r = Post(port, "/admin/cache/explain", {{"prompt", prompt}}, key);
   EXPECT_EQ(r.status, 200) << r.raw;
   return r.body;
 }
@@ -138,6 +142,57 @@ TEST(CacheControlTiersE2eTest, ALapsedRetainedPrefixIsDemotedNotDropped) {
   // The once-used pressure prompts went nowhere below the host tier.
   const json early = Explain(port, Words("pressure", 8));
   EXPECT_EQ(early["cached_by_tier"]["disk"].get<int>(), 0) << early.dump();
+}
+
+int Cached(const Reply& r) {
+  if (!r.body.is_object() || !r.body.contains("usage")) return -1;
+  return r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();
+}
+
+TEST(CacheControlTiersE2eTest, ADemotedPublicPrefixIsEveryTenantsHitThePrivatePartStaysPrivate) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  const std::string keys = testing::TempDir() + "/cc-tiers-keys.txt";
+  std::ofstream(keys) << "alice-key alice\nbob-key bob\n";
+  // The public prefix's own lease lapses after 1 s (--cache-retain-max-ttl).
+  auto d = Start(testing::Stories260KPath(),
+                 {"--kv-cache-memory", "320KiB", "--kv-host-memory", "4MiB", "--api-key",
+                  "operator-key", "--api-keys-file", keys, "--cache-retain-max-ttl", "1"});
+  ASSERT_TRUE(d);
+  const int port = d->http_port();
+  const std::string system = Words("shared system prompt", 7, 80);
+  const Reply mark = Post(port, "/admin/cache/public", {{"prompt", system}}, "operator-key");
+  ASSERT_EQ(mark.status, 200) << mark.raw;
+  const int pub = mark.body["public_tokens"].get<int>();
+  ASSERT_GE(pub, 32) << mark.raw;
+  const std::string a_prompt = system + " Alice asks about lanterns and the meadow by the harbor.";
+  const Reply a1 = Post(port, "/v1/completions", Completion(a_prompt), "alice-key");
+  ASSERT_EQ(a1.status, 200) << a1.raw;
+  EXPECT_GE(Cached(a1), pub);
+  // The lease lapses; pressure moves everything to the host tier.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2200));
+  for (int i = 0; i < 16; ++i) {
+    ASSERT_EQ(Post(port, "/v1/completions", Completion(Words("pressure", i)), "alice-key").status,
+              200);
+  }
+  // B, who never sent it, finds the public part in the host tier.
+  const std::string b_prompt = system + " Bob wonders about quills.";
+  const json ex = Explain(port, b_prompt, "bob-key");
+  EXPECT_EQ(ex["cached_by_tier"]["primary"].get<int>(), 0) << "evicted: " << ex.dump();
+  EXPECT_GE(ex["cached_by_tier"]["host"].get<int>(), pub) << ex.dump();
+  const Reply b1 = Post(port, "/v1/completions", Completion(b_prompt), "bob-key");
+  ASSERT_EQ(b1.status, 200) << b1.raw;
+  EXPECT_GE(Cached(b1), pub) << "B reuses the demoted public prefix: " << b1.raw;
+  // A's continuation (demoted too) is A's: B gets the public part and at
+  // most the leading tokens of one block its own prompt shares with A's.
+  const Reply b2 = Post(port, "/v1/completions", Completion(a_prompt), "bob-key");
+  EXPECT_GE(Cached(b2), pub);
+  EXPECT_LT(Cached(b2), pub + 16) << "B gets the public part only: " << b2.raw;
+  const Reply a2 = Post(port, "/v1/completions", Completion(a_prompt), "alice-key");
+  EXPECT_GE(Cached(a2), pub + 16) << "A hits its private continuation from the tier: " << a2.raw;
+  // Back in the pool, the public part is public again (explain counts it).
+  const json ex2 = Explain(port, b_prompt + " more", "alice-key");
+  EXPECT_EQ(ex2["public_tokens"].get<int>(), pub) << ex2.dump();
+  std::remove(keys.c_str());
 }
 
 json CliList(int grpc_port) {
