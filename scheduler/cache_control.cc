@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "cache/host_tier.h"
 #include "cache/disk_tier.h"
 #include "scheduler/kv_cache_manager.h"
@@ -636,12 +637,12 @@ int CacheControl::RestoreRetention(KvCacheManager* kv, KvTiers* tiers) {
         !UnhexField(tenant, &e.tenant) || !UnhexField(salt, &e.salt)) {
       return ignore("malformed lease line");
     }
-    for (std::string_view t : absl::StrSplit(toks, ',')) {
+    for (absl::string_view t : absl::StrSplit(toks, ',')) {
       int32_t v = 0;
       if (!absl::SimpleAtoi(t, &v)) return ignore("malformed token list");
       e.tokens.push_back(v);
     }
-    for (std::string_view h : absl::StrSplit(hashes, ',')) {
+    for (absl::string_view h : absl::StrSplit(hashes, ',')) {
       uint64_t v = 0;
       if (!absl::SimpleHexAtoi(h, &v)) return ignore("malformed hash list");
       e.hashes.push_back(v);
