@@ -297,8 +297,8 @@ TEST(CacheControlTiersE2eTest, RetentionSurvivesAWarmRestartOnTheDiskTier) {
 constexpr char kDriftingTemplate[] =
     "{%- for m in messages -%}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n<think>\n\n</think>\n\n{%- endif -%}";
+    "{% endfor %}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}";
 
 std::string Render(const std::vector<std::pair<std::string, std::string>>& msgs) {
   std::string s;
@@ -365,7 +365,9 @@ TEST(CacheControlTiersE2eTest, TemplateDriftDivergesAtTheRightTokenAndCanonicali
       // The history is sent as the cached turn had it: all of turn 1's
       // prompt is reused, past the point where the plain rendering left it.
       EXPECT_NE(rep["reason"], "template_drift") << r.raw;
-      EXPECT_GE(cached, static_cast<int>(t1.size()) - 1) << r.raw;
+      // (The turn's last tokens, "\n\n" then the reply, may split
+      // differently from the generated ones.)
+      EXPECT_GE(cached, static_cast<int>(t1.size()) - 2) << r.raw;
       EXPECT_GT(cached, static_cast<int>(n)) << r.raw;
     }
   }
