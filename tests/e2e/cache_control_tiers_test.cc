@@ -101,6 +101,20 @@ json Explain(int port, const std::string& prompt, const std::string& key = "") {
   return r.body;
 }
 
+// 96 token ids starting with `first` (stories260K's vocabulary is 512).
+// Prompts with distinct first tokens share no partly matched first block,
+// from which the tiers would not continue a match (KvTiers::Lookup works
+// from block boundaries).
+json Ids(int first, int seed) {
+  json ids = json::array({first});
+  uint32_t x = 2654435761u * static_cast<uint32_t>(seed + 1);
+  for (int i = 1; i < 96; ++i) {
+    x = x * 1664525u + 1013904223u;
+    ids.push_back(3 + static_cast<int>((x >> 16) % 480));
+  }
+  return ids;
+}
+
 TEST(CacheControlTiersE2eTest, ALapsedRetainedPrefixIsDemotedNotDropped) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   const std::string root = testing::TempDir() + "/cc-tiers-demote";
@@ -111,36 +125,41 @@ TEST(CacheControlTiersE2eTest, ALapsedRetainedPrefixIsDemotedNotDropped) {
                   root + "/disk", "--kv-disk-bytes", "16MiB"});
   ASSERT_TRUE(d);
   const int port = d->http_port();
-  const std::string p = Words("retained-agent-tools", 1);
+  const json p = Ids(500, 1);
+  auto explain = [&](const json& ids) {
+    const Reply r = Post(port, "/admin/cache/explain", {{"prompt_ids", ids}});
+    EXPECT_EQ(r.status, 200) << r.raw << d->Log();
+    return r.body;
+  };
+  auto complete = [&](const json& ids) {
+    return Post(port, "/v1/completions", {{"prompt", ids}, {"max_tokens", 1}, {"temperature", 0}});
+  };
   // Computed once by the retain call itself: its blocks are never hit, so
   // unretained they would not qualify for the disk tier.
-  const Reply g = Post(port, "/admin/cache/retain", {{"prompt", p}, {"ttl_s", 1.5}});
+  const Reply g = Post(port, "/admin/cache/retain", {{"prompt_ids", p}, {"ttl_s", 1.5}});
   ASSERT_EQ(g.status, 200) << g.raw;
   ASSERT_EQ(g.body["outcome"], "granted") << g.raw;
   const int kept = g.body["tokens"].get<int>();
-  ASSERT_GE(kept, 64) << g.raw;
+  ASSERT_EQ(kept, 96) << g.raw;
   // Pressure while it is retained: it stays in the pool.
-  for (int i = 0; i < 8; ++i) {
-    ASSERT_EQ(Post(port, "/v1/completions", Completion(Words("pressure", i))).status, 200);
-  }
-  json ex = Explain(port, p);
-  EXPECT_EQ(ex["cached_by_tier"]["primary"].get<int>(), kept) << ex.dump();
+  for (int i = 0; i < 8; ++i) ASSERT_EQ(complete(Ids(3 + i, 100 + i)).status, 200);
+  json ex = explain(p);
+  EXPECT_EQ(ex["cached_by_tier"]["primary"].get<int>(), kept - 1) << ex.dump();
   // The lease lapses (the idle engine checks once a second), then more
   // pressure pushes it out of the pool and through the small host tier.
   std::this_thread::sleep_for(std::chrono::milliseconds(2600));
-  for (int i = 8; i < 24; ++i) {
-    ASSERT_EQ(Post(port, "/v1/completions", Completion(Words("pressure", i))).status, 200);
-  }
-  ex = Explain(port, p);
+  for (int i = 8; i < 24; ++i) ASSERT_EQ(complete(Ids(3 + i, 100 + i)).status, 200);
+  ex = explain(p);
   EXPECT_EQ(ex["cached_by_tier"]["primary"].get<int>(), 0) << "evicted: " << ex.dump();
-  EXPECT_EQ(ex["cached_tokens"].get<int>(), kept) << "demoted, not dropped: " << ex.dump();
+  EXPECT_EQ(ex["cached_tokens"].get<int>(), kept - 1) << "demoted, not dropped: " << ex.dump();
   EXPECT_GT(ex["cached_by_tier"]["disk"].get<int>(), 0) << ex.dump();
-  // The request reuses it (loaded from the tiers).
-  const Reply r = Post(port, "/v1/completions", Completion(p));
+  // The request reuses it (loaded from the tiers; the last token is computed).
+  const Reply r = complete(p);
   ASSERT_EQ(r.status, 200) << r.raw;
-  EXPECT_EQ(r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), kept) << r.raw;
+  EXPECT_EQ(r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), kept - 1)
+      << r.raw;
   // The once-used pressure prompts went nowhere below the host tier.
-  const json early = Explain(port, Words("pressure", 8));
+  const json early = explain(Ids(3 + 8, 100 + 8));
   EXPECT_EQ(early["cached_by_tier"]["disk"].get<int>(), 0) << early.dump();
 }
 
