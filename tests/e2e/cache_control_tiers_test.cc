@@ -392,5 +392,19 @@ TEST(CacheControlTiersE2eTest, TemplateDriftDivergesAtTheRightTokenAndCanonicali
   }
 }
 
+TEST(CacheControlTiersE2eTest, BadChatTemplateFilesStopStartUpNamingTheFlag) {
+  KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
+  const std::string bad = testing::TempDir() + "/bad-template.jinja";
+  std::ofstream(bad, std::ios::binary | std::ios::trunc) << "{% for m in messages %}{{ m.content ";
+  for (const std::string& file : {std::string("/nonexistent/template.jinja"), bad}) {
+    const testing::CommandResult r = testing::RunCommand(
+        std::string(KVSERVE_BINARY) + " -m " + testing::Stories260KPath() +
+        " serve --grpc-address 127.0.0.1:0 --http-port 0 --chat-template " + file + " 2>&1");
+    EXPECT_NE(r.exit_code, 0) << r.out;
+    EXPECT_THAT(r.out, HasSubstr("--chat-template")) << r.out;
+  }
+}
+
+
 }  // namespace
 }  // namespace kvserve
