@@ -153,6 +153,9 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(DiskTierOptions options
   const uint64_t fp = XXH3_64bits(t->options_.fingerprint.data(), t->options_.fingerprint.size());
   absl::MutexLock lock(&t->mu_);
   for (const std::string& name : *names) {
+    // Side files other parts keep next to the blocks (the retention table,
+    // scheduler/cache_control.h) are theirs to validate.
+    if (name == kDiskTierRetentionFile) continue;
     const std::string path = absl::StrCat(t->subdir_, "/", name);
     uint64_t hash = 0;
     const bool kv_file = name.size() == 16 + 3 && name.substr(16) == ".kv" &&

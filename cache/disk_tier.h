@@ -30,6 +30,10 @@
 
 namespace kvserve {
 
+// The retention table (scheduler/cache_control.h) in the fingerprint
+// directory: Open leaves it alone (every other unknown file is removed).
+inline constexpr char kDiskTierRetentionFile[] = "retention.tbl";
+
 // The few file operations the disk tier needs. Thread-safe.
 class DiskFileLayer {
  public:

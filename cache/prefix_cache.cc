@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/string_view.h"
 
 namespace kvserve {
@@ -158,6 +159,10 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   BlockHandle stand_in{};     // what Match hands out for a hollow node
   int32_t num_hollow = 0;
   int32_t num_hollow_free = 0;  // hollow nodes that are not blocked (free no block)
+  // Public marks by chained hash. They outlive the nodes: a public block
+  // evicted to a lower tier is still public, so every scope keeps naming
+  // it (and what follows it) the same way, and takes it back from the tier.
+  absl::flat_hash_set<uint64_t> public_hashes;
 
   // Where a walk stopped (Probe).
   struct WalkEnd {
@@ -167,6 +172,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     int32_t partial_shared = 0;
     std::string ns;              // the namespace walked after the public part
     int32_t offset = 0;          // tokens served by public blocks before it
+    bool public_cut = false;     // stopped inside a public prefix the pool lost part of
   };
 
   static bool IsDerived(std::string_view salt) {
@@ -184,27 +190,59 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     return s;
   }
 
-  // The public-marked full blocks the prompt starts with (none for the
-  // public namespace itself or a derived one). Returns the tokens they cover;
-  // *derived names the namespace the rest lives in.
+  // The public-marked full blocks the prompt starts with, by their marks
+  // (whether the pool still holds them or not); none for the public
+  // namespace itself or a derived one. Returns the tokens they cover;
+  // *pub gets the leading ones the pool holds (fewer than all when some
+  // were evicted), *hashes (optional) all their chained hashes, *derived
+  // the namespace the rest lives in.
   int32_t ResolvePublic(std::string_view salt, absl::Span<const int32_t> tokens, int32_t limit,
-                        std::vector<Node*>* pub, std::string* derived) const {
-    if (num_public == 0 || salt == options.public_salt || IsDerived(salt)) return 0;
+                        std::vector<Node*>* pub, std::string* derived,
+                        std::vector<uint64_t>* hashes = nullptr) const {
+    if (public_hashes.empty() || salt == options.public_salt || IsDerived(salt)) return 0;
     const Node* node = FindRoot(options.public_salt);
-    if (node == nullptr) return 0;
+    bool in_pool = node != nullptr;
+    uint64_t h = node != nullptr ? node->hash : RootHash(options.public_salt);
     const int32_t bs = pool->block_size();
     limit = std::max(0, std::min(static_cast<int32_t>(tokens.size()), limit));
     int32_t pos = 0;
     while (pos + bs <= limit) {
       const absl::Span<const int32_t> block = tokens.subspan(pos, bs);
-      Node* child = FindChild(node, block, ChainHash(node->hash, block));
-      if (child == nullptr || !child->is_public) break;
-      pub->push_back(child);
-      node = child;
+      const uint64_t next = ChainHash(h, block);
+      if (!public_hashes.contains(next)) break;
+      if (in_pool) {
+        Node* child = FindChild(node, block, next);
+        if (child != nullptr && child->is_public) {
+          pub->push_back(child);
+          node = child;
+        } else {
+          in_pool = false;  // this one and the rest were evicted
+        }
+      }
+      if (hashes != nullptr) hashes->push_back(next);
+      h = next;
       pos += bs;
     }
-    if (pos > 0) *derived = DerivedSalt(salt, node->hash);
+    if (pos > 0) *derived = DerivedSalt(salt, h);
     return pos;
+  }
+
+  // The chained hashes of tokens' first n_blocks full blocks as salt's
+  // requests name them: public blocks from the public root, the rest from
+  // the namespace derived from them (or salt's own root).
+  void ChainHashes(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n_blocks,
+                   std::vector<uint64_t>* out) const {
+    const int32_t bs = pool->block_size();
+    const int32_t limit =
+        std::min(static_cast<int32_t>(tokens.size()) / bs, std::max(0, n_blocks)) * bs;
+    std::vector<Node*> pub;
+    std::string derived;
+    const int32_t pub_tokens = ResolvePublic(salt, tokens, limit, &pub, &derived, out);
+    uint64_t h = RootHash(pub_tokens > 0 ? std::string_view(derived) : salt);
+    for (int32_t pos = pub_tokens; pos + bs <= limit; pos += bs) {
+      h = ChainHash(h, tokens.subspan(pos, bs));
+      out->push_back(h);
+    }
   }
 
   static bool Blocked(const Node* n) { return n->pinned || n->blocked_children > 0; }
@@ -305,6 +343,18 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     const int32_t pub_tokens = ResolvePublic(salt, tokens, max_tokens, &pub, &derived);
     for (Node* n : pub) visit(n);
     if (pub_tokens == 0) return WalkFrom(salt, tokens, max_tokens, visit, end);
+    const int32_t in_pool = static_cast<int32_t>(pub.size()) * pool->block_size();
+    if (in_pool < pub_tokens) {
+      // Part of the public prefix left the pool: the match ends there (a
+      // lower tier may hold the rest, under the same hashes).
+      if (end != nullptr) {
+        end->ns = options.public_salt;
+        end->node = pub.empty() ? FindRoot(options.public_salt) : pub.back();
+        end->full_pos = in_pool;
+        end->public_cut = true;
+      }
+      return in_pool;
+    }
     if (end != nullptr) end->offset = pub_tokens;
     return pub_tokens + WalkFrom(derived, tokens.subspan(pub_tokens), max_tokens - pub_tokens,
                                  visit, end);
@@ -478,13 +528,36 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     // is and caches the rest in its salt's namespace derived from it.
     std::vector<Node*> pub;
     std::string derived;
+    std::vector<uint64_t> pub_hashes;
     const int32_t pub_tokens = ResolvePublic(salt, tokens, static_cast<int32_t>(tokens.size()),
-                                             &pub, &derived);
+                                             &pub, &derived, &pub_hashes);
     if (pub_tokens > 0) {
       const int64_t t = clock->NowNanos();
       for (Node* n : pub) n->last_access_ns = t;
-      return InsertPath(derived, tokens.subspan(pub_tokens),
-                        blocks.subspan(std::min(pub.size(), blocks.size())), with_tail);
+      const size_t n_pub = pub_hashes.size();
+      int32_t added = 0;
+      if (pub.size() < n_pub) {
+        // Public blocks that came back from a lower tier (or were
+        // recomputed): cached under the public root again, still marked.
+        const int32_t bs = pool->block_size();
+        Node* node = pub.empty() ? GetOrCreateRoot(options.public_salt) : pub.back();
+        std::vector<KvCacheEvent> events;
+        size_t i = pub.size();
+        for (; i < n_pub && i < blocks.size(); ++i) {
+          const absl::Span<const int32_t> block = tokens.subspan(i * bs, bs);
+          if (nodes.contains(pub_hashes[i])) break;  // a collision: stays uncached
+          node = AddChild(node, pub_hashes[i], blocks[i], block, t, &events);  // marked
+          ++added;
+        }
+        if (node->parent == nullptr && node->children.empty()) {
+          roots.erase(AbslView(options.public_salt));
+        }
+        stats.inserted_blocks += added;
+        Publish(std::move(events));
+        if (i < n_pub) return added;  // the rest needs the public part first
+      }
+      return added + InsertPath(derived, tokens.subspan(pub_tokens),
+                                blocks.subspan(std::min(n_pub, blocks.size())), with_tail);
     }
     const int32_t bs = pool->block_size();
     const size_t full = tokens.size() / bs;
@@ -569,6 +642,11 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     parent->children.push_back(child);
     Link(child);
     nodes.emplace(hash, std::move(owned));
+    // A public block back from a lower tier (or recomputed) is still public.
+    if (public_hashes.contains(hash)) {
+      child->is_public = true;
+      ++num_public;
+    }
     // Unblocked so far (no children, not pinned): pinned when the caller
     // still holds the block, as it normally does.
     RegisterBlock(child);
@@ -598,6 +676,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     num_public = 0;
     num_hollow = 0;
     num_hollow_free = 0;
+    public_hashes.clear();
     for (Node* n = oldest; n != nullptr; n = n->next) {
       if (!n->hollow) pool->Release(n->block);
     }
@@ -902,7 +981,7 @@ PrefixProbe PrefixCache::Probe(std::string_view salt, absl::Span<const int32_t> 
   }
   const int32_t full_end = end.offset + end.full_pos;  // absolute
   if (p.window_dropped_tokens == 0 && end.node != nullptr && full_end < n &&
-      !end.node->children.empty()) {
+      !end.node->children.empty() && !end.public_cut) {
     // Something cached continues here; the prompt went elsewhere unless the
     // best partial candidate is a finished tail it covers whole.
     const Node* best = end.partial;
@@ -921,12 +1000,12 @@ PrefixProbe PrefixCache::Probe(std::string_view salt, absl::Span<const int32_t> 
       }
     }
   }
-  // Hashes of the full blocks past the match, in the namespace walked.
-  uint64_t h = end.node != nullptr ? end.node->hash : m.RootHash(end.ns);
+  // Hashes of the full blocks past the match, as a lower tier knows them.
   p.next_block_start = full_end;
-  for (int32_t pos = full_end; pos + bs <= n && p.next_block_hashes.size() < 4096; pos += bs) {
-    h = ChainHash(h, tokens.subspan(pos, bs));
-    p.next_block_hashes.push_back(h);
+  std::vector<uint64_t> chain;
+  m.ChainHashes(salt, tokens, std::min(n / bs, full_end / bs + 4096), &chain);
+  for (size_t i = static_cast<size_t>(full_end / bs); i < chain.size(); ++i) {
+    p.next_block_hashes.push_back(chain[i]);
   }
   return p;
 }
@@ -951,6 +1030,7 @@ int32_t PrefixCache::MarkPublic(absl::Span<const int32_t> tokens) {
       child->is_public = true;
       ++m.num_public;
     }
+    m.public_hashes.insert(child->hash);
     ++marked;
     node = child;
   }
@@ -959,22 +1039,30 @@ int32_t PrefixCache::MarkPublic(absl::Span<const int32_t> tokens) {
 
 int32_t PrefixCache::UnmarkPublic(absl::Span<const int32_t> tokens) {
   Impl& m = *impl_;
+  // By the marks, so blocks that left the pool are unmarked too.
   const Node* node = m.FindRoot(m.options.public_salt);
-  if (node == nullptr) return 0;
+  uint64_t h = m.RootHash(m.options.public_salt);
   const int32_t bs = m.pool->block_size();
   int32_t unmarked = 0;
   for (size_t pos = 0; pos + bs <= tokens.size(); pos += bs) {
     const absl::Span<const int32_t> block = tokens.subspan(pos, bs);
-    Node* child = m.FindChild(node, block, ChainHash(node->hash, block));
-    if (child == nullptr) break;
-    if (child->is_public) {
+    h = ChainHash(h, block);
+    Node* child = node != nullptr ? m.FindChild(node, block, h) : nullptr;
+    const bool marked = m.public_hashes.erase(h) > 0;
+    if (child != nullptr && child->is_public) {
       child->is_public = false;
       --m.num_public;
-      ++unmarked;
     }
+    if (!marked && child == nullptr) break;
+    if (marked) ++unmarked;
     node = child;
   }
   return unmarked;
+}
+
+void PrefixCache::ChainHashes(std::string_view salt, absl::Span<const int32_t> tokens,
+                              int32_t n_blocks, std::vector<uint64_t>* out) const {
+  impl_->ChainHashes(salt, tokens, n_blocks, out);
 }
 
 int32_t PrefixCache::num_public_blocks() const { return impl_->num_public; }

@@ -285,6 +285,14 @@ class PrefixCache {
   // Block: XXH3_64bits(parent's hash as 8 bytes, then its int32 tokens), all
   // in host byte order (little-endian on every machine we run on).
   uint64_t RootHash(std::string_view salt) const;
+  // The chained hashes of tokens' first n_blocks full blocks (appended to
+  // *out) as the index names them for salt: leading public-marked blocks
+  // (marked, whether the pool still holds them or not) chain from the
+  // public root, the rest from the namespace derived from them, or from
+  // salt's root. What a lower tier keys a block by (KvTiers), so a public
+  // prefix and the private parts after it are found there as in the pool.
+  void ChainHashes(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n_blocks,
+                   std::vector<uint64_t>* out) const;
   // The chained hash of a block of `tokens` under a parent (or root) hash.
   static uint64_t BlockHash(uint64_t parent_hash, absl::Span<const int32_t> tokens);
 

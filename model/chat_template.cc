@@ -115,6 +115,13 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromGguf(const GgufFile& file, bool a
                             SpecialTokenText(file, "tokenizer.ggml.eos_token_id"));
 }
 
+absl::StatusOr<ChatTemplate> ChatTemplate::FromGgufWithTemplate(const GgufFile& file,
+                                                                const std::string& jinja) {
+  return FromTemplateString(jinja, /*allow_fallback=*/false,
+                            SpecialTokenText(file, "tokenizer.ggml.bos_token_id"),
+                            SpecialTokenText(file, "tokenizer.ggml.eos_token_id"));
+}
+
 absl::StatusOr<ChatTemplate> ChatTemplate::FromTemplateString(const std::string& jinja,
                                                               bool allow_fallback,
                                                               std::string bos_token,

@@ -33,6 +33,9 @@ class ChatTemplate {
   // InvalidArgument naming it, unless allow_fallback (then ChatML).
   [[nodiscard]] static absl::StatusOr<ChatTemplate> FromGguf(const GgufFile& file,
                                                              bool allow_fallback = false);
+  // The model's BOS / EOS texts with another template (serve --chat-template).
+  [[nodiscard]] static absl::StatusOr<ChatTemplate> FromGgufWithTemplate(const GgufFile& file,
+                                                                         const std::string& jinja);
   // bos_token / eos_token: the texts of the model's BOS / EOS tokens, as
   // the template sees them.
   [[nodiscard]] static absl::StatusOr<ChatTemplate> FromTemplateString(

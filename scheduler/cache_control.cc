@@ -1,14 +1,26 @@
 #include "scheduler/cache_control.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
+#include <chrono>
+#include <cinttypes>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "cache/host_tier.h"
 #include "cache/disk_tier.h"
 #include "scheduler/kv_cache_manager.h"
 #include "scheduler/kv_tiers.h"
+#include "spdlog/spdlog.h"
 
 namespace kvserve {
 
@@ -42,10 +54,11 @@ LeaseInfo CacheControl::Info(const Lease& l, int64_t now) const {
   i.id = l.id;
   i.tenant = l.tenant;
   i.tokens = l.tokens;
-  i.blocks = static_cast<int32_t>(l.blocks.size());
+  i.blocks = static_cast<int32_t>(l.hashes.size());
   i.bytes = l.bytes;
   i.ttl_s = l.ttl_s;
   i.remaining_s = std::max(0.0, static_cast<double>(l.expires_ns - now) * 1e-9);
+  i.tier = l.tier == KvTier::kDisk ? "disk" : "primary";
   return i;
 }
 
@@ -119,6 +132,8 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
   PrefixMatch m = cache->Pin(r.salt, r.tokens, matched, &l.hashes);
   l.id = next_id_++;
   l.tenant = r.tenant;
+  l.salt = r.salt;
+  l.tokens_kept.assign(r.tokens.begin(), r.tokens.begin() + m.num_tokens);
   l.blocks = std::move(m.blocks);
   l.tokens = m.num_tokens;
   l.bytes = static_cast<int64_t>(l.blocks.size()) * block_bytes;
@@ -138,6 +153,7 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
   const int64_t now = Now();
   l.expires_ns = now + static_cast<int64_t>(ttl * 1e9);
   retained_blocks_ += static_cast<int64_t>(l.blocks.size());
+  for (uint64_t h : l.hashes) ++held_[h];
   a.outcome = clipped.empty() ? RetainAnswer::Outcome::kGranted : RetainAnswer::Outcome::kClipped;
   a.lease = Info(l, now);
   a.detail = clipped.empty()
@@ -181,7 +197,15 @@ void CacheControl::Drop(KvCacheManager* kv, std::map<uint64_t, Lease>::iterator 
       expired_order_.pop_front();
     }
   }
+  if (l.tier == KvTier::kDisk && tiers_ != nullptr && tiers_->disk() != nullptr) {
+    for (uint64_t h : l.hashes) tiers_->disk()->Unpin(h);
+  }
+  if (l.tier == KvTier::kDisk) --restored_on_disk_;
   retained_blocks_ -= static_cast<int64_t>(l.blocks.size());
+  for (uint64_t h : l.hashes) {
+    auto held = held_.find(h);
+    if (held != held_.end() && --held->second <= 0) held_.erase(held);
+  }
   kv->mutable_pool()->Release(l.blocks);
   leases_.erase(it);
   std::lock_guard<std::mutex> lock(mu_);
@@ -214,6 +238,7 @@ void CacheControl::Expire(KvCacheManager* kv) {
   if (leases_.empty()) return;
   const int64_t now = Now();
   bool any = false;
+  if (restored_on_disk_ > 0) PromoteRestored(kv);
   for (auto it = leases_.begin(); it != leases_.end();) {
     auto next = std::next(it);
     if (it->second.expires_ns <= now) {
@@ -228,6 +253,10 @@ void CacheControl::Expire(KvCacheManager* kv) {
 void CacheControl::ReleaseAll(KvCacheManager* kv) {
   while (!leases_.empty()) Drop(kv, leases_.begin(), /*expired=*/false);
   Publish();
+}
+
+bool CacheControl::WasRetained(uint64_t hash) const {
+  return held_.contains(hash) || expired_.contains(hash);
 }
 
 void CacheControl::OnEvict(uint64_t hash, KvTier moved_to, const char* policy) {
@@ -440,6 +469,241 @@ std::string CacheControl::RenderMetrics() const {
           "Chat requests whose history the template rendered differently from the cached turn.",
           s.template_drifts);
   return out;
+}
+
+namespace {
+
+constexpr char kRetentionMagic[] = "kvserve-retention 1";
+
+int64_t WallNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Fields are hex with an 'x' in front, so an empty or binary string (a
+// scope holds 0x1f and NULs) is one whitespace-free word.
+std::string HexField(std::string_view s) {
+  static const char* kHex = "0123456789abcdef";
+  std::string out = "x";
+  for (unsigned char c : s) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 15]);
+  }
+  return out;
+}
+
+bool UnhexField(const std::string& f, std::string* out) {
+  if (f.empty() || f[0] != 'x' || f.size() % 2 == 0) return false;
+  out->clear();
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 1; i + 1 < f.size(); i += 2) {
+    const int hi = nibble(f[i]), lo = nibble(f[i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    out->push_back(static_cast<char>(hi * 16 + lo));
+  }
+  return true;
+}
+
+std::string FingerprintOf(const std::string& disk_directory) {
+  const size_t slash = disk_directory.find_last_of('/');
+  return slash == std::string::npos ? disk_directory : disk_directory.substr(slash + 1);
+}
+
+}  // namespace
+
+void CacheControl::PromoteRestored(KvCacheManager* kv) {
+  PrefixCache* cache = kv->mutable_prefix_cache();
+  if (cache == nullptr) return;
+  for (auto& [id, l] : leases_) {
+    if (l.tier != KvTier::kDisk) continue;
+    const int32_t n = static_cast<int32_t>(l.tokens_kept.size());
+    if (cache->MatchLength(l.salt, l.tokens_kept, n) < n) continue;
+    std::vector<uint64_t> hashes;
+    PrefixMatch m = cache->Pin(l.salt, l.tokens_kept, n, &hashes);
+    if (m.num_tokens < n || hashes != l.hashes) {
+      kv->mutable_pool()->Release(m.blocks);
+      continue;
+    }
+    if (tiers_ != nullptr && tiers_->disk() != nullptr) {
+      for (uint64_t h : l.hashes) tiers_->disk()->Unpin(h);
+    }
+    l.blocks = std::move(m.blocks);
+    l.tier = KvTier::kNone;
+    retained_blocks_ += static_cast<int64_t>(l.blocks.size());
+    --restored_on_disk_;
+  }
+}
+
+int CacheControl::SaveRetention(KvTiers* tiers) {
+  if (tiers == nullptr || !tiers->disk_enabled()) return 0;
+  const std::string dir = tiers->disk_directory();
+  const int64_t now = Now();
+  const int64_t wall = WallNanos();
+  std::string body = absl::StrCat(kRetentionMagic, "\nfingerprint ", FingerprintOf(dir), "\n");
+  int written = 0;
+  for (const auto& [id, l] : leases_) {
+    if (l.expires_ns <= now || l.tokens_kept.empty()) continue;
+    absl::StrAppend(&body, "lease ", HexField(l.tenant), " ", HexField(l.salt), " ",
+                    absl::StrFormat("%.17g", l.ttl_s), " ", wall + (l.expires_ns - now), " ",
+                    l.bytes, " ", l.tokens_kept.size(), " ", absl::StrJoin(l.tokens_kept, ","),
+                    " ", l.hashes.size(), " ");
+    for (size_t i = 0; i < l.hashes.size(); ++i) {
+      absl::StrAppend(&body, i == 0 ? "" : ",", absl::StrFormat("%016x", l.hashes[i]));
+    }
+    body.push_back('\n');
+    ++written;
+  }
+  absl::StrAppend(&body, "end ", written, "\n");
+  absl::StrAppend(&body, "checksum ",
+                  absl::StrFormat("%016x", XXH3_64bits(body.data(), body.size())), "\n");
+  const std::string path = absl::StrCat(dir, "/", kDiskTierRetentionFile);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << body;
+    f.flush();
+    if (!f) {
+      spdlog::warn("KV retention table {}: cannot write; leases are not kept across the restart",
+                   tmp);
+      std::remove(tmp.c_str());
+      return 0;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    spdlog::warn("KV retention table {}: cannot rename into place", path);
+    std::remove(tmp.c_str());
+    return 0;
+  }
+  if (written > 0) spdlog::info("KV retention: {} leases written to {} for the next start", written, path);
+  return written;
+}
+
+int CacheControl::RestoreRetention(KvCacheManager* kv, KvTiers* tiers) {
+  (void)kv;
+  if (tiers == nullptr || tiers->disk() == nullptr) return 0;
+  tiers_ = tiers;
+  DiskTier* disk = tiers->disk();
+  const std::string dir = tiers->disk_directory();
+  const std::string path = absl::StrCat(dir, "/", kDiskTierRetentionFile);
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return 0;  // none written (first start, or no leases then)
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string all = ss.str();
+  auto ignore = [&](const std::string& why) {
+    spdlog::warn("KV retention table {}: {}; ignored (no lease restored)", path, why);
+    return 0;
+  };
+  // The checksum line covers everything before it.
+  const size_t cut = all.rfind("checksum ");
+  if (cut == std::string::npos || cut == 0 || all[cut - 1] != '\n') {
+    return ignore("torn (no checksum line)");
+  }
+  uint64_t want = 0;
+  if (std::sscanf(all.c_str() + cut, "checksum %16" SCNx64, &want) != 1 ||
+      XXH3_64bits(all.data(), cut) != want) {
+    return ignore("torn or altered (checksum mismatch)");
+  }
+  std::istringstream in(all.substr(0, cut));
+  std::string line;
+  if (!std::getline(in, line) || line != kRetentionMagic) return ignore("not a retention table");
+  std::string word, fp;
+  if (!std::getline(in, line) || !(std::istringstream(line) >> word >> fp) || word != "fingerprint") {
+    return ignore("no fingerprint line");
+  }
+  if (fp != FingerprintOf(dir)) {
+    return ignore(absl::StrCat("written for another model or KV layout (fingerprint ", fp,
+                               ", this one ", FingerprintOf(dir), ")"));
+  }
+  struct Entry {
+    std::string tenant, salt;
+    double ttl_s = 0;
+    int64_t expires_wall = 0, bytes = 0;
+    std::vector<int32_t> tokens;
+    std::vector<uint64_t> hashes;
+  };
+  std::vector<Entry> entries;
+  bool ended = false;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    ls >> word;
+    if (word == "end") {
+      size_t n = 0;
+      if (!(ls >> n) || n != entries.size()) return ignore("lease count mismatch");
+      ended = true;
+      break;
+    }
+    if (word != "lease") return ignore(absl::StrCat("unexpected line '", line.substr(0, 40), "'"));
+    Entry e;
+    std::string tenant, salt, toks, hashes;
+    size_t nt = 0, nh = 0;
+    if (!(ls >> tenant >> salt >> e.ttl_s >> e.expires_wall >> e.bytes >> nt >> toks >> nh >>
+          hashes) ||
+        !UnhexField(tenant, &e.tenant) || !UnhexField(salt, &e.salt)) {
+      return ignore("malformed lease line");
+    }
+    for (absl::string_view t : absl::StrSplit(toks, ',')) {
+      int32_t v = 0;
+      if (!absl::SimpleAtoi(t, &v)) return ignore("malformed token list");
+      e.tokens.push_back(v);
+    }
+    for (absl::string_view h : absl::StrSplit(hashes, ',')) {
+      uint64_t v = 0;
+      if (!absl::SimpleHexAtoi(h, &v)) return ignore("malformed hash list");
+      e.hashes.push_back(v);
+    }
+    if (e.tokens.size() != nt || e.hashes.size() != nh || nh == 0) {
+      return ignore("malformed lease line (counts)");
+    }
+    entries.push_back(std::move(e));
+  }
+  if (!ended) return ignore("torn (no end line)");
+  const int64_t wall = WallNanos();
+  const int64_t now = Now();
+  int restored = 0, expired = 0, missing = 0;
+  for (Entry& e : entries) {
+    if (e.expires_wall <= wall) {
+      ++expired;
+      continue;
+    }
+    std::vector<uint64_t> pinned;
+    for (uint64_t h : e.hashes) {
+      uint64_t checksum = 0;
+      if (!disk->Pin(h, &checksum)) break;
+      pinned.push_back(h);
+    }
+    if (pinned.size() != e.hashes.size()) {
+      for (uint64_t h : pinned) disk->Unpin(h);
+      ++missing;
+      continue;
+    }
+    Lease l;
+    l.id = next_id_++;
+    l.tenant = std::move(e.tenant);
+    l.salt = std::move(e.salt);
+    l.tokens_kept = std::move(e.tokens);
+    l.hashes = std::move(e.hashes);
+    l.tokens = static_cast<int32_t>(l.tokens_kept.size());
+    l.bytes = e.bytes;
+    l.ttl_s = e.ttl_s;
+    l.tier = KvTier::kDisk;
+    l.expires_ns = now + (e.expires_wall - wall);
+    for (uint64_t h : l.hashes) ++held_[h];
+    ++restored_on_disk_;
+    leases_.emplace(l.id, std::move(l));
+    ++restored;
+  }
+  spdlog::info(
+      "KV retention: {} leases restored from {} ({} expired while stopped, {} without their "
+      "blocks on disk dropped)",
+      restored, path, expired, missing);
+  Publish();
+  return restored;
 }
 
 }  // namespace kvserve

@@ -131,12 +131,30 @@ class CacheControl {
   void Expire(KvCacheManager* kv);
   // Releases every lease (before the pool goes).
   void ReleaseAll(KvCacheManager* kv);
+
+  // Retention across a warm restart (with a disk tier). SaveRetention
+  // writes every lease with TTL left (tenant, scope, tokens, bytes, the
+  // absolute expiry on the wall clock) to the table kDiskTierRetentionFile
+  // in the disk tier's fingerprint directory, atomically (a .tmp renamed);
+  // at shutdown, before KvTiers::PersistForRestart writes the retained
+  // blocks. RestoreRetention reads it at start: expired leases are
+  // dropped, the rest are re-installed as disk-tier leases that pin their
+  // blocks' files (a lease whose blocks are not all on disk is dropped);
+  // a torn table or one written for another fingerprint is ignored with a
+  // log line. A disk-tier lease moves to the primary pool (pins its blocks
+  // there) once a request has loaded its whole range. Returns the leases
+  // written / re-installed.
+  int SaveRetention(KvTiers* tiers);
+  int RestoreRetention(KvCacheManager* kv, KvTiers* tiers);
   // What the cache holds for tokens under salt now. Other namespaces are
   // looked at for scope_mismatch only when may_see(salt) says so (a tenant
   // sees its own salts, the operator all).
   CacheReport Explain(const KvCacheManager& kv, KvTiers* tiers, std::string_view salt,
                       absl::Span<const int32_t> tokens,
                       const std::function<bool(const std::string&)>& may_see);
+  // True for a block a lease holds now or held until its TTL lapsed (the
+  // bounded expiry history): KvTiers::SetRetainedPredicate.
+  bool WasRetained(uint64_t hash) const;
   // PrefixCacheOptions::on_evict.
   void OnEvict(uint64_t hash, KvTier moved_to, const char* policy);
 
@@ -152,8 +170,11 @@ class CacheControl {
   struct Lease {
     uint64_t id = 0;
     std::string tenant;
-    std::vector<BlockHandle> blocks;
+    std::string salt;                // the scope it was retained in
+    std::vector<int32_t> tokens_kept;  // the retained tokens (whole blocks)
+    std::vector<BlockHandle> blocks;   // primary: one reference each
     std::vector<uint64_t> hashes;
+    KvTier tier = KvTier::kNone;       // kNone: the primary pool; kDisk: restored, files pinned
     int32_t tokens = 0;
     int64_t bytes = 0;
     double ttl_s = 0;
@@ -167,6 +188,11 @@ class CacheControl {
   LeaseInfo Info(const Lease& l, int64_t now) const;
   void Drop(KvCacheManager* kv, std::map<uint64_t, Lease>::iterator it, bool expired);
   void Publish();  // stats_ from leases_ (engine thread)
+  // Disk-tier leases whose range a request loaded into the pool pin it
+  // there instead (Expire).
+  void PromoteRestored(KvCacheManager* kv);
+  KvTiers* tiers_ = nullptr;  // RestoreRetention's (disk pins)
+  int64_t restored_on_disk_ = 0;  // leases with tier kDisk
   int64_t Now() const;
 
   CacheControlOptions options_;
@@ -175,6 +201,7 @@ class CacheControl {
   std::map<uint64_t, Lease> leases_;
   uint64_t next_id_ = 1;
   int64_t retained_blocks_ = 0;
+  absl::flat_hash_map<uint64_t, int32_t> held_;     // block hash -> leases holding it
   absl::flat_hash_map<uint64_t, Eviction> evicted_;
   std::deque<uint64_t> evicted_order_;
   absl::flat_hash_map<uint64_t, int64_t> expired_;  // block hash -> when its lease lapsed

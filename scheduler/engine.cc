@@ -81,6 +81,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   // destructor assumes a whole engine).
   ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> kv, KvCacheManager::Create(std::move(ko)));
   if (o.kv_tiers != nullptr) RETURN_IF_ERROR(o.kv_tiers->Attach(kv->pool(), kv->prefix_cache()));
+  if (o.kv_tiers != nullptr && o.cache_control != nullptr) {
+    // Retained prefixes are demoted, never dropped, while a tier can take them.
+    CacheControl* cc = o.cache_control.get();
+    o.kv_tiers->SetRetainedPredicate([cc](uint64_t hash) { return cc->WasRetained(hash); });
+    // Leases a previous run left with their blocks on the disk tier.
+    cc->RestoreRetention(kv.get(), o.kv_tiers.get());
+  }
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
   e->kv_ = std::move(kv);
   SchedulerOptions so;
@@ -127,7 +134,11 @@ Engine::~Engine() {
       t.done.set_value();
     }
   }
-  // The disk tier outlives the process: leave the hot prefixes there.
+  // The disk tier outlives the process: leave the hot prefixes there, and
+  // the retention leases with TTL left (their blocks count as hot).
+  if (options_.kv_tiers != nullptr && options_.cache_control != nullptr) {
+    options_.cache_control->SaveRetention(options_.kv_tiers.get());
+  }
   if (options_.kv_tiers != nullptr && kv_->prefix_cache() != nullptr) {
     options_.kv_tiers->PersistForRestart(*kv_->prefix_cache());
   }

@@ -246,6 +246,7 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
   if (evicted.bytes != page_bytes_ || evicted.data == nullptr) return KvTier::kNone;
   EvictedBlock b = evicted;
   b.hits += TakeGhostHits(b.hash);
+  if (retained_ && retained_(b.hash)) b.hits = std::max<int64_t>(b.hits, options_.disk_min_hits);
   if (host_ != nullptr) {
     uint8_t* page = nullptr;
     std::vector<EvictedPage> evicted;
@@ -287,11 +288,9 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
 
 void KvTiers::HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
                         std::vector<uint64_t>* out) const {
-  uint64_t h = cache_->RootHash(salt);
-  for (int32_t i = 0; i < n; ++i) {
-    h = PrefixCache::BlockHash(h, tokens.subspan(static_cast<size_t>(i) * block_size_, block_size_));
-    out->push_back(h);
-  }
+  // As the radix index names them (public prefixes chain from the public
+  // root), so a demoted public block is every scope's hit.
+  cache_->ChainHashes(salt, tokens, n, out);
 }
 
 int32_t KvTiers::Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
@@ -487,7 +486,8 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
   int64_t written = 0;
   auto store = [&](uint64_t hash, const uint8_t* data, int64_t hits) {
     auto ghost = ghost_hits_.find(hash);
-    const int64_t all = hits + (ghost == ghost_hits_.end() ? 0 : ghost->second);
+    int64_t all = hits + (ghost == ghost_hits_.end() ? 0 : ghost->second);
+    if (retained_ && retained_(hash)) all = std::max<int64_t>(all, options_.disk_min_hits);
     if (all < options_.disk_min_hits || disk_->Contains(hash)) return;
     const uint64_t checksum = XXH3_64bits(data, static_cast<size_t>(page_bytes_));
     if (disk_->Store(hash, data, checksum, all).ok()) {

@@ -120,6 +120,16 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
                              double recompute_seconds_per_token) override;
   std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) override;
 
+  // Retention (scheduler/cache_control.h): a block this says is or was
+  // retained counts as proven useful (disk_min_hits) wherever it goes, so a
+  // retained prefix leaving the pool (its lease lapsed, or the shutdown
+  // persisting it) is demoted to the host or disk tier and spilled on from
+  // the host to the disk, never dropped while a tier can take it. Engine
+  // thread; set before the engine runs.
+  void SetRetainedPredicate(std::function<bool(uint64_t hash)> retained) {
+    retained_ = std::move(retained);
+  }
+
   // Waits until every queued write and load has finished (tests; shutdown).
   void Flush();
   // Shutdown with a disk tier: writes every block that qualifies for the
@@ -170,6 +180,7 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   std::unique_ptr<Worker> loader_;  // loads into the pool
   std::atomic<int64_t> pending_disk_bytes_{0};
   absl::flat_hash_map<uint64_t, int64_t> ghost_hits_;  // engine thread
+  std::function<bool(uint64_t)> retained_;             // engine thread
   std::deque<uint64_t> ghost_order_;                   // oldest first
 
   mutable std::mutex stats_mu_;

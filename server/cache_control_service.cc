@@ -50,6 +50,14 @@ JsonReply FromStatus(const absl::Status& s) {
   return Error(code, std::string(s.message()));
 }
 
+// A few detokenized tokens may cut a UTF-8 sequence (or be byte tokens):
+// such bytes become U+FFFD, so the report always serializes (a JSON dump
+// of invalid UTF-8 throws).
+std::string ValidUtf8(const std::string& s) {
+  return json::parse(json(s).dump(-1, ' ', false, json::error_handler_t::replace))
+      .get<std::string>();
+}
+
 json LeaseJson(const LeaseInfo& l) {
   return json{{"lease_id", l.id},     {"tenant", l.tenant},   {"tokens", l.tokens},
               {"blocks", l.blocks},   {"bytes", l.bytes},     {"ttl_s", l.ttl_s},
@@ -315,8 +323,9 @@ json CacheControlService::Report(const PreparedRequest& request, const CallerAut
     from = std::min(from, tokens.size());
     to = std::min(to, tokens.size());
     if (from >= to) return std::string();
-    return service_->Detokenize(std::vector<int32_t>(tokens.begin() + from, tokens.begin() + to))
-        .value_or("");
+    return ValidUtf8(
+        service_->Detokenize(std::vector<int32_t>(tokens.begin() + from, tokens.begin() + to))
+            .value_or(""));
   };
   json j;
   j["prompt_tokens"] = rep.prompt_tokens;
@@ -334,7 +343,7 @@ json CacheControlService::Report(const PreparedRequest& request, const CallerAut
     std::vector<int32_t> cached(rep.cached_next.begin(),
                                 rep.cached_next.begin() +
                                     std::min(rep.cached_next.size(), kContext));
-    j["cached_after"] = cached.empty() ? "" : service_->Detokenize(cached).value_or("");
+    j["cached_after"] = cached.empty() ? "" : ValidUtf8(service_->Detokenize(cached).value_or(""));
   } else {
     j["diverged_at"] = nullptr;
     const size_t n = static_cast<size_t>(rep.cached_tokens);

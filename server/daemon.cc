@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -140,7 +141,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   ASSIGN_OR_RETURN(const std::string api_key, ApiKeyFromFlags(f));
   const std::string name = ServedModelName(f, model_path);
   std::optional<ChatTemplate> chat;
-  if (auto t = ChatTemplate::FromGguf(l.model->file()); t.ok()) {
+  if (!f.chat_template_file.empty()) {
+    std::ifstream in(f.chat_template_file, std::ios::binary);
+    if (!in) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--chat-template: cannot read ", f.chat_template_file));
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    absl::StatusOr<ChatTemplate> t = ChatTemplate::FromGgufWithTemplate(l.model->file(), text.str());
+    if (!t.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--chat-template ", f.chat_template_file, ": ",
+                                                     t.status().message()));
+    }
+    chat = *std::move(t);
+  } else if (auto t = ChatTemplate::FromGguf(l.model->file()); t.ok()) {
     chat = *t;
   } else {
     spdlog::warn("chat disabled: {}", t.status().ToString());

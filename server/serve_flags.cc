@@ -187,6 +187,8 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
   app->add_flag("--chat-canonicalize-history", f->chat_canonicalize_history,
                 "When the chat template renders earlier turns differently from the cached "
                 "turn, render the history as it was cached");
+  app->add_option("--chat-template", f->chat_template_file,
+                  "Jinja chat template file used instead of the model's tokenizer.chat_template");
   AddKvPolicyFlags(app, &f->kv_policy);
   AddPdFlags(app, &f->pd);
 }

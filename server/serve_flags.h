@@ -112,6 +112,7 @@ struct ServeFlags {
   double cache_retain_max_fraction = 0.5;
   double cache_retain_max_ttl = 3600;
   bool chat_canonicalize_history = false;
+  std::string chat_template_file;  // --chat-template: replaces the model's template
   PdFlags pd;  // --role and --pd-* (server/pd_flags.h)
 };
 

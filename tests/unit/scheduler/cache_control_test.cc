@@ -3,14 +3,26 @@
 // and becomes evictable when its TTL lapses; over-budget and too-big asks
 // are refused with their reason; the explainer names divergence (at the
 // exact token), eviction, lapsed retention and scope mismatch; public
-// prefixes are shared across salts while what follows stays private.
+// prefixes are shared across salts while what follows stays private. With
+// the tiers: a lapsed retained prefix reaches the disk tier though nothing
+// hit it, a demoted public prefix is found by every scope (and the private
+// part by its own only), and leases round-trip through the retention table.
 #include "scheduler/cache_control.h"
 
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "scheduler/kv_cache_manager.h"
+#include "scheduler/kv_tiers.h"
+#include "tests/testing/test_models.h"
 
 namespace kvserve {
 namespace {
@@ -245,6 +257,169 @@ TEST(CacheControlTest, PublicPrefixIsSharedAndTheRestStaysPrivate) {
   // Unmarked: the public blocks are nobody's prefix any more.
   EXPECT_EQ(pc->UnmarkPublic(sys), 2);
   EXPECT_EQ(f.Cached(a_prompt, "tenant-b"), 0);
+}
+
+// The fixture over KV tiers (a host tier of host_bytes, a disk tier in
+// dir), wired as the engine wires them.
+struct TieredFixture {
+  FakeClock clock;
+  std::unique_ptr<CacheControl> cc;
+  std::shared_ptr<KvTiers> tiers;
+  std::unique_ptr<KvCacheManager> kv;
+
+  TieredFixture(int32_t blocks, int64_t host_bytes, const std::string& dir) {
+    CacheControlOptions co;
+    co.clock = &clock;
+    cc = std::make_unique<CacheControl>(co);
+    KvTiersOptions to;
+    to.host_bytes = host_bytes;
+    to.disk_dir = dir;
+    to.disk_bytes = dir.empty() ? 0 : int64_t{16} << 20;
+    to.model_fingerprint = "test-model";
+    tiers = KvTiers::Create(to).value();
+    KvCacheManagerOptions o;
+    o.pool.n_layers = 1;
+    o.pool.n_kv_heads = 1;
+    o.pool.head_dim = 8;
+    o.pool.block_size = kBlock;
+    o.pool.n_blocks = blocks;
+    o.pool.dtype = kernels::KvDType::kF32;
+    o.prefix.model_identity = "test";
+    o.prefix.clock = &clock;
+    o.prefix.demotion = tiers.get();
+    CacheControl* raw = cc.get();
+    o.prefix.on_evict = [raw](uint64_t h, KvTier t) { raw->OnEvict(h, t, "lru"); };
+    kv = KvCacheManager::Create(std::move(o)).value();
+    EXPECT_TRUE(tiers->Attach(kv->pool(), kv->prefix_cache()).ok());
+    tiers->SetRetainedPredicate([raw](uint64_t h) { return raw->WasRetained(h); });
+  }
+  ~TieredFixture() {
+    tiers->Flush();
+    cc->ReleaseAll(kv.get());
+  }
+  void Run(const std::vector<int32_t>& tokens, std::string_view salt = "") {
+    clock.now += 1000;
+    SeqKv s(kv->mutable_pool());
+    const int32_t hit = kv->MatchPrefix(&s, salt, tokens, static_cast<int32_t>(tokens.size()));
+    const int32_t rest = static_cast<int32_t>(tokens.size()) - hit;
+    ASSERT_TRUE(kv->EnsureFree(kv->BlocksNeeded(s, rest)));
+    ASSERT_TRUE(kv->AllocateSlots(&s, rest).ok());
+    kv->MarkComputed(&s, rest);
+    kv->Commit(&s, salt, tokens, rest);
+    kv->Free(&s, salt, tokens);
+  }
+  RetainAnswer Retain(const std::vector<int32_t>& tokens, double ttl) {
+    RetainRequest r;
+    r.tenant = "t";
+    r.tokens = tokens;
+    r.ttl_s = ttl;
+    return cc->Retain(kv.get(), r);
+  }
+  // The report for tokens plus one more (the last token is never cached).
+  CacheReport Explain(std::vector<int32_t> tokens, std::string_view salt = "") {
+    tiers->Flush();
+    tokens.push_back(7);
+    return cc->Explain(*kv, tiers.get(), salt, tokens, nullptr);
+  }
+};
+
+std::string FreshDir(const std::string& name) {
+  const std::string d = testing::TempDir() + "/cache-control-" + name;
+  std::filesystem::remove_all(d);
+  return d;
+}
+
+TEST(CacheControlTiersTest, ALapsedRetainedPrefixReachesTheDiskTierThoughNeverHit) {
+  TieredFixture f(16, /*host_bytes=*/0, FreshDir("demote"));
+  const std::vector<int32_t> keep = Tokens(16, 1000);   // 4 blocks, computed once
+  const std::vector<int32_t> other = Tokens(16, 5000);  // the same, not retained
+  f.Run(keep);
+  f.Run(other);
+  ASSERT_EQ(f.Retain(keep, 1).outcome, RetainAnswer::Outcome::kGranted);
+  f.clock.now += 2'000'000'000;
+  f.cc->Expire(f.kv.get());
+  for (int i = 0; i < 6; ++i) f.Run(Tokens(16, 10000 + 100 * i));  // evicts both
+  const CacheReport k = f.Explain(keep);
+  EXPECT_EQ(k.primary_tokens, 0);
+  EXPECT_EQ(k.disk_tokens, 16) << "demoted, not dropped: " << k.detail;
+  const CacheReport o = f.Explain(other);
+  EXPECT_EQ(o.disk_tokens, 0) << "a once-used prefix does not qualify for the disk";
+}
+
+TEST(CacheControlTiersTest, ADemotedPublicPrefixIsFoundByEveryScopeThePrivatePartByItsOwn) {
+  TieredFixture f(16, /*host_bytes=*/1 << 20, "");
+  PrefixCache* pc = f.kv->mutable_prefix_cache();
+  const std::vector<int32_t> sys = Tokens(8, 1);  // 2 public blocks
+  f.Run(sys, pc->public_salt());
+  ASSERT_EQ(pc->MarkPublic(sys), 2);
+  std::vector<int32_t> a_prompt = sys;
+  for (int i = 0; i < 8; ++i) a_prompt.push_back(300 + i);
+  f.Run(a_prompt, "tenant-a");
+  for (int i = 0; i < 6; ++i) f.Run(Tokens(16, 10000 + 100 * i), "tenant-c");
+  ASSERT_EQ(f.kv->PeekPrefix("tenant-b", a_prompt, 16), 0) << "all of it left the pool";
+  const CacheReport b = f.Explain(a_prompt, "tenant-b");
+  EXPECT_EQ(b.host_tokens, 8) << "B finds the public part in the host tier: " << b.detail;
+  const CacheReport a = f.Explain(a_prompt, "tenant-a");
+  EXPECT_EQ(a.host_tokens, 16) << "A finds its private part too: " << a.detail;
+  EXPECT_EQ(f.tiers->Lookup("tenant-b", a_prompt, 0, 16), 8);
+  EXPECT_EQ(f.tiers->Lookup("tenant-a", a_prompt, 0, 16), 16);
+  // Computed again (as a load would commit it) the public blocks are
+  // public in the pool again, and A's part hangs behind them.
+  f.Run(a_prompt, "tenant-a");
+  EXPECT_EQ(pc->num_public_blocks(), 2);
+  EXPECT_EQ(f.kv->PeekPrefix("tenant-b", a_prompt, 16), 8);
+  EXPECT_EQ(f.kv->PeekPrefix("tenant-a", a_prompt, 16), 16);
+}
+
+TEST(CacheControlTiersTest, LeasesRoundTripThroughTheRetentionTable) {
+  const std::string dir = FreshDir("restart");
+  const std::vector<int32_t> keep = Tokens(16, 1000);
+  const std::vector<int32_t> brief = Tokens(8, 3000);
+  std::string table;
+  {
+    TieredFixture a(16, 0, dir);
+    a.Run(keep);
+    a.Run(brief);
+    ASSERT_EQ(a.Retain(keep, 600).outcome, RetainAnswer::Outcome::kGranted);
+    ASSERT_EQ(a.Retain(brief, 0.05).outcome, RetainAnswer::Outcome::kGranted);
+    EXPECT_EQ(a.cc->SaveRetention(a.tiers.get()), 2);
+    EXPECT_EQ(a.tiers->PersistForRestart(*a.kv->prefix_cache()), 6) << "retained blocks, unhit";
+    table = a.tiers->disk_directory() + "/" + kDiskTierRetentionFile;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(120));  // brief's lease lapses
+  std::string good;
+  {
+    std::ifstream in(table, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_FALSE(good.empty());
+  {
+    TieredFixture b(16, 0, dir);
+    EXPECT_EQ(b.cc->RestoreRetention(b.kv.get(), b.tiers.get()), 1);
+    const std::vector<LeaseInfo> l = b.cc->List(std::nullopt);
+    ASSERT_EQ(l.size(), 1u);
+    EXPECT_EQ(l[0].tier, "disk");
+    EXPECT_EQ(l[0].tokens, 16);
+    EXPECT_EQ(l[0].tenant, "t");
+    EXPECT_GT(l[0].remaining_s, 590);
+    EXPECT_LE(l[0].remaining_s, 600);
+    EXPECT_EQ(b.Explain(keep).disk_tokens, 16);
+    // Released: the pins on its files go.
+    EXPECT_TRUE(b.cc->Release(b.kv.get(), l[0].id, std::nullopt));
+  }
+  // Torn, altered, and well formed but of another fingerprint.
+  std::string foreign = "kvserve-retention 1\nfingerprint 0000000000000000\nend 0\n";
+  char sum[40];
+  std::snprintf(sum, sizeof(sum), "checksum %016llx\n",
+                static_cast<unsigned long long>(XXH3_64bits(foreign.data(), foreign.size())));
+  foreign += sum;
+  for (const std::string& bad :
+       {good.substr(0, good.size() / 2), good.substr(0, good.size() - 3) + "0\n", foreign}) {
+    std::ofstream(table, std::ios::binary | std::ios::trunc) << bad;
+    TieredFixture c(16, 0, dir);
+    EXPECT_EQ(c.cc->RestoreRetention(c.kv.get(), c.tiers.get()), 0);
+    EXPECT_TRUE(c.cc->List(std::nullopt).empty());
+  }
 }
 
 }  // namespace
