@@ -123,6 +123,10 @@ struct PrefixCache::Node {
   int32_t blocked_children = 0;
   bool scratch_blocked = false;  // CountEvictableBlocksSlow only
   bool is_public = false;        // MarkPublic: shared with every salt
+  // Its K/V went through a lossy tier re-encoding (--kv-host-dtype), or was
+  // computed on top of such K/V: cached, but never exact (PrefixMatch::
+  // lossy_tokens tells the matcher).
+  bool lossy = false;
   std::string salt;      // roots only: their key in Impl::roots
 };
 
@@ -405,7 +409,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   // the partly filled last block as a childless leaf, unless a cached
   // sibling already starts with its tokens. One walk, one Publish.
   int32_t InsertPath(std::string_view salt, absl::Span<const int32_t> tokens,
-                     absl::Span<const BlockHandle> blocks, bool with_tail) {
+                     absl::Span<const BlockHandle> blocks, bool with_tail, bool lossy) {
     // A prompt that starts with a public prefix keeps that part where it
     // is and caches the rest in its salt's namespace derived from it.
     std::vector<Node*> pub;
@@ -416,7 +420,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       const int64_t t = clock->NowNanos();
       for (Node* n : pub) n->last_access_ns = t;
       return InsertPath(derived, tokens.subspan(pub_tokens),
-                        blocks.subspan(std::min(pub.size(), blocks.size())), with_tail);
+                        blocks.subspan(std::min(pub.size(), blocks.size())), with_tail, lossy);
     }
     const int32_t bs = pool->block_size();
     const size_t full = tokens.size() / bs;
@@ -448,6 +452,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
         continue;
       }
       node = AddChild(node, hash, blocks[i], block, now, &events);
+      node->lossy = lossy;
       ++added;
     }
     // The tail hangs under the last full block, when the walk got there.
@@ -464,7 +469,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       if (covering != nullptr) {
         covering->last_access_ns = now;
       } else if (nodes.find(hash) == nodes.end()) {
-        AddChild(node, hash, blocks[full], rest_tokens, now, &events);
+        AddChild(node, hash, blocks[full], rest_tokens, now, &events)->lossy = lossy;
         ++added;
       }
     }
@@ -551,12 +556,21 @@ PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> 
   Impl& m = *impl_;
   PrefixMatch match;
   const int64_t now = m.clock->NowNanos();
+  std::vector<bool> lossy;
   match.num_tokens = m.Walk(salt, tokens, max_tokens, [&](Node* n) {
     m.pool->AddRef(n->block);
     match.blocks.push_back(n->block);
+    lossy.push_back(n->lossy);
     n->last_access_ns = now;
     ++n->hits;
   });
+  const int32_t bs = m.pool->block_size();
+  for (size_t i = 0; i < lossy.size(); ++i) {
+    const int32_t start = static_cast<int32_t>(i) * bs;
+    if (lossy[i] && start < match.num_tokens) {
+      match.lossy_tokens += std::min(bs, match.num_tokens - start);
+    }
+  }
   ++m.stats.queries;
   m.stats.query_tokens += std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
   m.stats.hit_tokens += match.num_tokens;
@@ -587,13 +601,13 @@ int32_t PrefixCache::MatchLength(std::string_view salt, absl::Span<const int32_t
 }
 
 int32_t PrefixCache::Insert(std::string_view salt, absl::Span<const int32_t> tokens,
-                            absl::Span<const BlockHandle> blocks) {
-  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/false);
+                            absl::Span<const BlockHandle> blocks, bool lossy) {
+  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/false, lossy);
 }
 
 int32_t PrefixCache::InsertFinished(std::string_view salt, absl::Span<const int32_t> tokens,
-                                    absl::Span<const BlockHandle> blocks) {
-  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/true);
+                                    absl::Span<const BlockHandle> blocks, bool lossy) {
+  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/true, lossy);
 }
 
 int32_t PrefixCache::Evict(int32_t n) {
@@ -626,6 +640,7 @@ int32_t PrefixCache::Evict(int32_t n) {
       b.hash = victim->hash;
       b.depth = victim->depth;
       b.hits = victim->hits;
+      b.lossy = victim->lossy;
       b.data = m.pool->HostBlockData(victim->block);
       b.bytes = m.pool->block_bytes();
       moved_to = m.options.demotion->Demote(b);
@@ -706,6 +721,7 @@ void PrefixCache::ForEachFullBlock(const std::function<void(const EvictedBlock&)
     b.hash = n->hash;
     b.depth = n->depth;
     b.hits = n->hits;
+    b.lossy = n->lossy;
     b.data = m.pool->HostBlockData(n->block);
     b.bytes = m.pool->block_bytes();
     fn(b);

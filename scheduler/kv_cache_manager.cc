@@ -76,6 +76,8 @@ int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
   kv->num_computed = m.num_tokens;
   kv->num_committed = m.num_tokens;
   kv->num_offered_blocks = m.num_tokens / block_size();
+  kv->num_lossy_matched = m.lossy_tokens;
+  if (m.lossy_tokens > 0) kv->reencoded = true;
   ReleaseOutOfWindow(kv);
   return m.num_tokens;
 }
@@ -135,7 +137,7 @@ void KvCacheManager::Offer(SeqKv* kv, std::string_view salt, absl::Span<const in
   // Blocks become shareable as soon as they are full and final, so a request
   // with the same prefix arriving now reuses them while this one still runs.
   prefix_cache_->Insert(salt, tokens.first(static_cast<size_t>(full) * bs),
-                        absl::MakeConstSpan(kv->table.blocks()).first(full));
+                        absl::MakeConstSpan(kv->table.blocks()).first(full), kv->reencoded);
   kv->num_offered_blocks = full;
 }
 
@@ -151,7 +153,7 @@ void KvCacheManager::Free(SeqKv* kv, std::string_view salt, absl::Span<const int
     // The sequence writes no more: its partly filled last block can be
     // shared too (copied by whoever writes into it next).
     prefix_cache_->InsertFinished(salt, tokens.first(static_cast<size_t>(kv->num_committed)),
-                                  kv->table.blocks());
+                                  kv->table.blocks(), kv->reencoded);
   }
   Discard(kv);
 }
@@ -165,6 +167,8 @@ void KvCacheManager::Discard(SeqKv* kv) {
   kv->num_window_released = 0;
   kv->cache_positions = false;
   kv->lossy = false;
+  kv->reencoded = false;
+  kv->num_lossy_matched = 0;
 }
 
 SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
@@ -177,6 +181,8 @@ SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
   f.num_window_released = kv.num_window_released;
   f.cache_positions = kv.cache_positions;
   f.lossy = kv.lossy;
+  f.reencoded = kv.reencoded;
+  f.num_lossy_matched = kv.num_lossy_matched;
   return f;
 }
 
