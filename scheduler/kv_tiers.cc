@@ -250,24 +250,25 @@ void KvTiers::SpillToDisk(EvictedPage page) {
   }
   pending_disk_bytes_ += page_bytes_;
   auto shared = std::make_shared<EvictedPage>(std::move(page));
-  writer_->Post([this, shared] {
-    const absl::Status s = disk_->Store(shared->hash, shared->data.get(), shared->checksum,
-                                        shared->hits);
-    pending_disk_bytes_ -= page_bytes_;
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    if (s.ok()) {
-      ++stats_.demotions_disk;
-      stats_.bytes_to_disk += page_bytes_;
-    } else if (!absl::IsResourceExhausted(s)) {
-      // Never visible: the tier removed the partial file.
-      if (stats_.disk_write_failures++ % 100 == 0) {
-        spdlog::warn("KV disk tier: block {:016x} not stored ({} failures so far): {}",
-                     shared->hash, stats_.disk_write_failures, s.ToString());
-      }
-    } else {
-      ++stats_.dropped_demotions;
+  writer_->Post([this, shared] { StoreOnDisk(*shared); });
+}
+
+void KvTiers::StoreOnDisk(const EvictedPage& page) {
+  const absl::Status s = disk_->Store(page.hash, page.data.get(), page.checksum, page.hits);
+  pending_disk_bytes_ -= page_bytes_;
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  if (s.ok()) {
+    ++stats_.demotions_disk;
+    stats_.bytes_to_disk += page_bytes_;
+  } else if (!absl::IsResourceExhausted(s)) {
+    // Never visible: the tier removed the partial file.
+    if (stats_.disk_write_failures++ % 100 == 0) {
+      spdlog::warn("KV disk tier: block {:016x} not stored ({} failures so far): {}", page.hash,
+                   stats_.disk_write_failures, s.ToString());
     }
-  });
+  } else {
+    ++stats_.dropped_demotions;
+  }
 }
 
 void KvTiers::EncodePage(const uint8_t* block, uint8_t* page) const {
@@ -298,14 +299,31 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     if (r == HostTier::ReserveResult::kPresent) return KvTier::kHost;  // a second eviction is free
     if (r == HostTier::ReserveResult::kReserved) {
       // The pool block is released when we return: copy now, on the engine
-      // thread (re-encoded when --kv-host-dtype asks); checksum and
-      // publication happen on the writer, and until then the page is
-      // invisible and pinned.
-      EncodePage(b.data, page);
+      // thread; checksum and publication happen on the writer, and until
+      // then the page is invisible and pinned. A re-encoding
+      // (--kv-host-dtype) runs on the writer too (a block's plain-loop
+      // transcode takes milliseconds, the copy microseconds): the engine
+      // thread copies the block into a staging buffer.
       const uint64_t hash = b.hash;
-      writer_->Post([this, hash, page] {
-        host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
-      });
+      if (!reencode_) {
+        std::memcpy(page, b.data, static_cast<size_t>(page_bytes_));
+        writer_->Post([this, hash, page] {
+          host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
+        });
+      } else {
+        std::shared_ptr<uint8_t> raw(AllocatePage(block_bytes_).release(), PageDeleter());
+        if (raw == nullptr) {
+          host_->Abort(hash);
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          ++stats_.dropped_demotions;
+          return KvTier::kNone;
+        }
+        std::memcpy(raw.get(), b.data, static_cast<size_t>(block_bytes_));
+        writer_->Post([this, hash, page, raw] {
+          EncodePage(raw.get(), page);
+          host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
+        });
+      }
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.demotions_host;
       stats_.bytes_to_host += page_bytes_;
@@ -318,14 +336,27 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     PageBuffer copy = AllocatePage(page_bytes_);
     if (copy != nullptr &&
         pending_disk_bytes_.load() + page_bytes_ <= options_.max_pending_disk_bytes) {
-      EncodePage(b.data, copy.get());
-      const uint64_t checksum = XXH3_64bits(copy.get(), static_cast<size_t>(page_bytes_));
-      if (reencode_) {
+      if (!reencode_) {
+        std::memcpy(copy.get(), b.data, static_cast<size_t>(page_bytes_));
+        const uint64_t checksum = XXH3_64bits(copy.get(), static_cast<size_t>(page_bytes_));
+        SpillToDisk(EvictedPage{b.hash, checksum, b.hits, std::move(copy)});
+        return KvTier::kDisk;
+      }
+      // Re-encoded, checksummed and stored on the writer (as above).
+      std::shared_ptr<uint8_t> raw(AllocatePage(block_bytes_).release(), PageDeleter());
+      if (raw != nullptr) {
+        std::memcpy(raw.get(), b.data, static_cast<size_t>(block_bytes_));
+        pending_disk_bytes_ += page_bytes_;
+        auto shared = std::make_shared<EvictedPage>(EvictedPage{b.hash, 0, b.hits, std::move(copy)});
+        writer_->Post([this, shared, raw] {
+          EncodePage(raw.get(), shared->data.get());
+          shared->checksum = XXH3_64bits(shared->data.get(), static_cast<size_t>(page_bytes_));
+          StoreOnDisk(*shared);
+        });
         std::lock_guard<std::mutex> lock(stats_mu_);
         ++stats_.lossy_reencoded_blocks;
+        return KvTier::kDisk;
       }
-      SpillToDisk(EvictedPage{b.hash, checksum, b.hits, std::move(copy)});
-      return KvTier::kDisk;
     }
   } else if (disk_ != nullptr) {
     RememberGhost(b.hash, b.hits);

@@ -13,8 +13,9 @@
 // the load (the tokens are recomputed), counts, logs and drops the page.
 //
 // With a host dtype (--kv-host-dtype int8|fp8-e4m3|int4-kivi) other than
-// the pool's, a demoted block is re-encoded into it (kernels/cpu/
-// kv_transcode.h) on the engine thread as it is copied, so host and disk
+// the pool's, a demoted block is copied into a staging buffer on the engine
+// thread and re-encoded into it (kernels/cpu/kv_transcode.h) on the writer
+// before its checksum, so host and disk
 // pages are smaller and the same budget holds more blocks; a load checks
 // the page's checksum and decodes it into the pool's codec. Such K/V is
 // lossy: every load from these tiers reports its tokens as lossy
@@ -178,6 +179,8 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   void HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
                  std::vector<uint64_t>* out) const;
   void SpillToDisk(EvictedPage page);
+  // The writer's half of a disk demotion: stores the page, counts.
+  void StoreOnDisk(const EvictedPage& page);
   // A pool block into a page (re-encoded, or copied when the codecs agree),
   // and back.
   void EncodePage(const uint8_t* block, uint8_t* page) const;
