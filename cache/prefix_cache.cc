@@ -131,6 +131,10 @@ struct PrefixCache::Node {
   bool hollow = false;
   // A cached prefix boundary's window: never hollowed (KeepWindowBlock).
   bool keep_window = false;
+  // Its K/V went through a lossy tier re-encoding (--kv-host-dtype), or was
+  // computed on top of such K/V: cached, but never exact (PrefixMatch::
+  // lossy_tokens tells the matcher).
+  bool lossy = false;
   std::string salt;      // roots only: their key in Impl::roots
 };
 
@@ -523,7 +527,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
   // the partly filled last block as a childless leaf, unless a cached
   // sibling already starts with its tokens. One walk, one Publish.
   int32_t InsertPath(std::string_view salt, absl::Span<const int32_t> tokens,
-                     absl::Span<const BlockHandle> blocks, bool with_tail) {
+                     absl::Span<const BlockHandle> blocks, bool with_tail, bool lossy) {
     // A prompt that starts with a public prefix keeps that part where it
     // is and caches the rest in its salt's namespace derived from it.
     std::vector<Node*> pub;
@@ -547,6 +551,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
           const absl::Span<const int32_t> block = tokens.subspan(i * bs, bs);
           if (nodes.contains(pub_hashes[i])) break;  // a collision: stays uncached
           node = AddChild(node, pub_hashes[i], blocks[i], block, t, &events);  // marked
+          node->lossy = lossy;
           ++added;
         }
         if (node->parent == nullptr && node->children.empty()) {
@@ -557,7 +562,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
         if (i < n_pub) return added;  // the rest needs the public part first
       }
       return added + InsertPath(derived, tokens.subspan(pub_tokens),
-                                blocks.subspan(std::min(n_pub, blocks.size())), with_tail);
+                                blocks.subspan(std::min(n_pub, blocks.size())), with_tail, lossy);
     }
     const int32_t bs = pool->block_size();
     const size_t full = tokens.size() / bs;
@@ -597,6 +602,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
         break;
       }
       node = AddChild(node, hash, blocks[i], block, now, &events);
+      node->lossy = lossy;
       ++added;
     }
     // The tail hangs under the last full block, when the walk got there.
@@ -613,7 +619,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       if (covering != nullptr) {
         covering->last_access_ns = now;
       } else if (nodes.find(hash) == nodes.end() && !(window > 0 && blocks[full] == stand_in)) {
-        AddChild(node, hash, blocks[full], rest_tokens, now, &events);
+        AddChild(node, hash, blocks[full], rest_tokens, now, &events)->lossy = lossy;
         ++added;
       }
     }
@@ -713,13 +719,22 @@ PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> 
   PrefixMatch match;
   const int64_t now = m.clock->NowNanos();
   int32_t dropped = 0;
+  std::vector<bool> lossy;
   match.num_tokens = m.WindowWalk(salt, tokens, max_tokens, [&](Node* n) {
     const BlockHandle b = m.Held(n);
     m.pool->AddRef(b);
     match.blocks.push_back(b);
+    lossy.push_back(n->lossy);
     n->last_access_ns = now;
     ++n->hits;
   }, nullptr, &dropped);
+  const int32_t lossy_bs = m.pool->block_size();
+  for (size_t i = 0; i < lossy.size(); ++i) {
+    const int32_t start = static_cast<int32_t>(i) * lossy_bs;
+    if (lossy[i] && start < match.num_tokens) {
+      match.lossy_tokens += std::min(lossy_bs, match.num_tokens - start);
+    }
+  }
   ++m.stats.queries;
   m.stats.query_tokens += std::max(0, std::min(static_cast<int32_t>(tokens.size()), max_tokens));
   m.stats.hit_tokens += match.num_tokens;
@@ -801,13 +816,13 @@ int32_t PrefixCache::KeepWindow(std::string_view salt, absl::Span<const int32_t>
 int32_t PrefixCache::num_hollow_blocks() const { return impl_->num_hollow; }
 
 int32_t PrefixCache::Insert(std::string_view salt, absl::Span<const int32_t> tokens,
-                            absl::Span<const BlockHandle> blocks) {
-  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/false);
+                            absl::Span<const BlockHandle> blocks, bool lossy) {
+  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/false, lossy);
 }
 
 int32_t PrefixCache::InsertFinished(std::string_view salt, absl::Span<const int32_t> tokens,
-                                    absl::Span<const BlockHandle> blocks) {
-  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/true);
+                                    absl::Span<const BlockHandle> blocks, bool lossy) {
+  return impl_->InsertPath(salt, tokens, blocks, /*with_tail=*/true, lossy);
 }
 
 int32_t PrefixCache::Evict(int32_t n) {
@@ -847,6 +862,7 @@ int32_t PrefixCache::Evict(int32_t n) {
       b.hash = victim->hash;
       b.depth = victim->depth;
       b.hits = victim->hits;
+      b.lossy = victim->lossy;
       b.data = m.pool->HostBlockData(victim->block);
       b.bytes = m.pool->block_bytes();
       moved_to = m.options.demotion->Demote(b);
@@ -929,6 +945,7 @@ void PrefixCache::ForEachFullBlock(const std::function<void(const EvictedBlock&)
     b.hash = n->hash;
     b.depth = n->depth;
     b.hits = n->hits;
+    b.lossy = n->lossy;
     b.data = m.pool->HostBlockData(n->block);
     b.bytes = m.pool->block_bytes();
     fn(b);

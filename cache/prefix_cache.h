@@ -81,6 +81,7 @@ struct EvictedBlock {
   uint64_t hash = 0;           // the chained hash (names the whole prefix)
   int32_t depth = 0;
   int64_t hits = 0;            // Matches that used the block while cached
+  bool lossy = false;          // the node was marked lossy (Insert's `lossy`)
   const uint8_t* data = nullptr;  // the block's bytes (host memory), valid during the call
   int64_t bytes = 0;
 };
@@ -143,6 +144,10 @@ struct PrefixProbe {
 struct PrefixMatch {
   std::vector<BlockHandle> blocks;  // one reference each, owned by the caller
   int32_t num_tokens = 0;           // tokens covered; the last block may be partly used
+  // Of num_tokens, those in nodes marked lossy (K/V decoded from a lossy
+  // tier re-encoding, or computed on top of it): not what an exact
+  // recompute would give.
+  int32_t lossy_tokens = 0;
 };
 
 struct PrefixCacheStats {
@@ -221,9 +226,11 @@ class PrefixCache {
   // fewer blocks than full token blocks, only those are cached. Existing nodes
   // on the path are touched. A (2^-64) hash collision with another prefix
   // stops the walk there: that suffix stays uncached.
-  // REQUIRES: every considered block live.
+  // REQUIRES: every considered block live. lossy: the new nodes are marked
+  // lossy (the sequence's K/V is not exact: see PrefixMatch::lossy_tokens);
+  // nodes already cached keep their mark.
   int32_t Insert(std::string_view salt, absl::Span<const int32_t> tokens,
-                 absl::Span<const BlockHandle> blocks);
+                 absl::Span<const BlockHandle> blocks, bool lossy = false);
 
   // Insert, plus the partly filled last block of a sequence that will not
   // write it again (finished or preempted): blocks[floor(tokens.size() /
@@ -235,7 +242,7 @@ class PrefixCache {
   // cached without first copying it (every holder sees a shared block and
   // copies on write).
   int32_t InsertFinished(std::string_view salt, absl::Span<const int32_t> tokens,
-                         absl::Span<const BlockHandle> blocks);
+                         absl::Span<const BlockHandle> blocks, bool lossy = false);
 
   // Frees up to n evictable blocks back to the pool, in policy order (a
   // parent becomes a candidate once its last child is gone). Returns how

@@ -93,6 +93,8 @@ int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
   kv->num_computed = m.num_tokens;
   kv->num_committed = m.num_tokens;
   kv->num_offered_blocks = m.num_tokens / block_size();
+  kv->num_lossy_matched = m.lossy_tokens;
+  if (m.lossy_tokens > 0) kv->reencoded = true;
   ReleaseOutOfWindow(kv);
   return m.num_tokens;
 }
@@ -152,7 +154,7 @@ void KvCacheManager::Offer(SeqKv* kv, std::string_view salt, absl::Span<const in
   // Blocks become shareable as soon as they are full and final, so a request
   // with the same prefix arriving now reuses them while this one still runs.
   prefix_cache_->Insert(salt, tokens.first(static_cast<size_t>(full) * bs),
-                        absl::MakeConstSpan(kv->table.blocks()).first(full));
+                        absl::MakeConstSpan(kv->table.blocks()).first(full), kv->reencoded);
   if (window_ > 0 && kv->window_boundary > 0) {
     // The prompt's end is a cached prefix boundary: its window's blocks
     // stay cached when this sequence's window leaves them.
@@ -178,7 +180,7 @@ void KvCacheManager::Free(SeqKv* kv, std::string_view salt, absl::Span<const int
     // The sequence writes no more: its partly filled last block can be
     // shared too (copied by whoever writes into it next).
     prefix_cache_->InsertFinished(salt, tokens.first(static_cast<size_t>(kv->num_committed)),
-                                  kv->table.blocks());
+                                  kv->table.blocks(), kv->reencoded);
     if (window_ > 0) {
       // Its end is a cached prefix boundary too (the next turn of a chat
       // starts from it): the last window's blocks stay.
@@ -199,6 +201,8 @@ void KvCacheManager::Discard(SeqKv* kv) {
   kv->window_boundary = 0;
   kv->cache_positions = false;
   kv->lossy = false;
+  kv->reencoded = false;
+  kv->num_lossy_matched = 0;
 }
 
 SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
@@ -212,6 +216,8 @@ SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
   f.window_boundary = kv.window_boundary;
   f.cache_positions = kv.cache_positions;
   f.lossy = kv.lossy;
+  f.reencoded = kv.reencoded;
+  f.num_lossy_matched = kv.num_lossy_matched;
   return f;
 }
 

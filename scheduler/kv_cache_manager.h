@@ -58,6 +58,12 @@ struct SeqKv {
   int32_t num_offered_blocks = 0;  // leading full blocks the radix index holds
   int32_t position_shift = 0;      // tokens dropped from the slots (token eviction)
   bool lossy = false;              // dropped tokens: never feeds the radix index
+  // Holds K/V decoded from a lossy KV tier re-encoding (--kv-host-dtype), by
+  // a load or a match of lossy radix nodes: every token computed on top of
+  // it is inexact too. Still cached, but the radix nodes it offers are
+  // marked lossy (PrefixMatch::lossy_tokens).
+  bool reencoded = false;
+  int32_t num_lossy_matched = 0;   // of the prefix match's tokens, from lossy nodes
   // Sliding window: leading blocks no future token attends to, parked on
   // the manager's placeholder block (their KV lives on in the radix index
   // when it holds them, else it went back to the pool).
@@ -143,6 +149,8 @@ class KvCacheManager {
   void Truncate(SeqKv* kv, int32_t num_slots);
   // The sequence dropped tokens (or will): it never offers blocks again.
   void MarkLossy(SeqKv* kv) { kv->lossy = true; }
+  // A load brought K/V a tier re-encoded lossily (SeqKv::reencoded).
+  void MarkReencoded(SeqKv* kv) { kv->reencoded = true; }
   // Finished or preempted: its committed full blocks and the partly filled
   // last one go to the radix index (unless lossy), then every reference is
   // released; kv is empty afterwards.

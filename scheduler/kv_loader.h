@@ -42,6 +42,9 @@ struct KvLoadTarget {
 struct KvLoadSources {
   int32_t host_tokens = 0;
   int32_t disk_tokens = 0;
+  // Of the tokens, K/V a tier re-encoded lossily (--kv-host-dtype): decoded
+  // back, not the bytes that were computed.
+  int32_t lossy_tokens = 0;
 };
 
 class KvLoad {

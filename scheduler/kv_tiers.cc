@@ -137,7 +137,32 @@ absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
   }
   cache_ = cache;
   block_size_ = pool.block_size();
-  page_bytes_ = pool.block_bytes();
+  block_bytes_ = pool.block_bytes();
+  {
+    const KvPoolOptions& po = pool.options();
+    shape_ = kernels::KvBlockShape{po.n_layers, po.n_kv_heads, po.head_dim, po.block_size};
+    pool_dtype_ = po.dtype;
+  }
+  page_dtype_ = options_.host_dtype.value_or(pool_dtype_);
+  reencode_ = page_dtype_ != pool_dtype_;
+  page_bytes_ = reencode_ ? kernels::KvBlockBytes(page_dtype_, shape_) : block_bytes_;
+  if (reencode_ && page_bytes_ >= block_bytes_) {
+    // Never lossier for nothing: re-encoding must buy capacity.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-host-dtype ", std::string(kernels::KvDTypeName(page_dtype_)),
+        " does not make --kv-cache-dtype ", std::string(kernels::KvDTypeName(pool_dtype_)),
+        " blocks smaller (", block_bytes_, " -> ", page_bytes_,
+        " bytes) and would only lose precision: use --kv-host-dtype same or a narrower codec"));
+  }
+  if (reencode_) {
+    load_scratch_ = AllocatePage(page_bytes_);
+    if (load_scratch_ == nullptr) return absl::ResourceExhaustedError("no memory for a KV page");
+    spdlog::info(
+        "KV tiers: blocks re-encoded {} -> {} on demotion ({} -> {} bytes a block; lossy: "
+        "loaded tokens are reported as such)",
+        kernels::KvDTypeName(pool_dtype_), kernels::KvDTypeName(page_dtype_), block_bytes_,
+        page_bytes_);
+  }
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_.host_block_load_s = options_.host_block_load_s > 0
@@ -160,9 +185,12 @@ absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
     // they mean (the model's content and tokenizer, the KV codec, block
     // size and shape), never the model's file name.
     const KvPoolOptions& po = pool.options();
-    const std::string key = absl::StrCat(
+    std::string key = absl::StrCat(
         options_.model_fingerprint, "/", std::string(kernels::KvDTypeName(po.dtype)), "/bs",
         po.block_size, "/", po.n_layers, "x", po.n_kv_heads, "x", po.head_dim, "/", page_bytes_);
+    // The pages' own codec when it is not the pool's (a directory written
+    // under `same` keeps its name).
+    if (reencode_) absl::StrAppend(&key, "/host-", std::string(kernels::KvDTypeName(page_dtype_)));
     DiskTierOptions d;
     d.dir = options_.disk_dir;
     d.capacity_bytes = options_.disk_bytes;
@@ -179,7 +207,7 @@ absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
     if (rec.other_fingerprints > 0) {
       spdlog::info(
           "KV disk tier: ignoring {} directories under {} written for another model, tokenizer, "
-          "KV dtype or block size",
+          "KV dtype, --kv-host-dtype or block size",
           rec.other_fingerprints, options_.disk_dir);
     }
   }
@@ -222,28 +250,45 @@ void KvTiers::SpillToDisk(EvictedPage page) {
   }
   pending_disk_bytes_ += page_bytes_;
   auto shared = std::make_shared<EvictedPage>(std::move(page));
-  writer_->Post([this, shared] {
-    const absl::Status s = disk_->Store(shared->hash, shared->data.get(), shared->checksum,
-                                        shared->hits);
-    pending_disk_bytes_ -= page_bytes_;
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    if (s.ok()) {
-      ++stats_.demotions_disk;
-      stats_.bytes_to_disk += page_bytes_;
-    } else if (!absl::IsResourceExhausted(s)) {
-      // Never visible: the tier removed the partial file.
-      if (stats_.disk_write_failures++ % 100 == 0) {
-        spdlog::warn("KV disk tier: block {:016x} not stored ({} failures so far): {}",
-                     shared->hash, stats_.disk_write_failures, s.ToString());
-      }
-    } else {
-      ++stats_.dropped_demotions;
+  writer_->Post([this, shared] { StoreOnDisk(*shared); });
+}
+
+void KvTiers::StoreOnDisk(const EvictedPage& page) {
+  const absl::Status s = disk_->Store(page.hash, page.data.get(), page.checksum, page.hits);
+  pending_disk_bytes_ -= page_bytes_;
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  if (s.ok()) {
+    ++stats_.demotions_disk;
+    stats_.bytes_to_disk += page_bytes_;
+  } else if (!absl::IsResourceExhausted(s)) {
+    // Never visible: the tier removed the partial file.
+    if (stats_.disk_write_failures++ % 100 == 0) {
+      spdlog::warn("KV disk tier: block {:016x} not stored ({} failures so far): {}", page.hash,
+                   stats_.disk_write_failures, s.ToString());
     }
-  });
+  } else {
+    ++stats_.dropped_demotions;
+  }
+}
+
+void KvTiers::EncodePage(const uint8_t* block, uint8_t* page) const {
+  if (!reencode_) {
+    std::memcpy(page, block, static_cast<size_t>(page_bytes_));
+    return;
+  }
+  kernels::TranscodeKvBlock(shape_, pool_dtype_, block, page_dtype_, page);
+}
+
+void KvTiers::DecodePage(const uint8_t* page, uint8_t* block) const {
+  if (!reencode_) {
+    std::memcpy(block, page, static_cast<size_t>(page_bytes_));
+    return;
+  }
+  kernels::TranscodeKvBlock(shape_, page_dtype_, page, pool_dtype_, block);
 }
 
 KvTier KvTiers::Demote(const EvictedBlock& evicted) {
-  if (evicted.bytes != page_bytes_ || evicted.data == nullptr) return KvTier::kNone;
+  if (evicted.bytes != block_bytes_ || evicted.data == nullptr) return KvTier::kNone;
   EvictedBlock b = evicted;
   b.hits += TakeGhostHits(b.hash);
   if (retained_ && retained_(b.hash)) b.hits = std::max<int64_t>(b.hits, options_.disk_min_hits);
@@ -256,15 +301,34 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     if (r == HostTier::ReserveResult::kReserved) {
       // The pool block is released when we return: copy now, on the engine
       // thread; checksum and publication happen on the writer, and until
-      // then the page is invisible and pinned.
-      std::memcpy(page, b.data, static_cast<size_t>(page_bytes_));
+      // then the page is invisible and pinned. A re-encoding
+      // (--kv-host-dtype) runs on the writer too (a block's plain-loop
+      // transcode takes milliseconds, the copy microseconds): the engine
+      // thread copies the block into a staging buffer.
       const uint64_t hash = b.hash;
-      writer_->Post([this, hash, page] {
-        host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
-      });
+      if (!reencode_) {
+        std::memcpy(page, b.data, static_cast<size_t>(page_bytes_));
+        writer_->Post([this, hash, page] {
+          host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
+        });
+      } else {
+        std::shared_ptr<uint8_t> raw(AllocatePage(block_bytes_).release(), PageDeleter());
+        if (raw == nullptr) {
+          host_->Abort(hash);
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          ++stats_.dropped_demotions;
+          return KvTier::kNone;
+        }
+        std::memcpy(raw.get(), b.data, static_cast<size_t>(block_bytes_));
+        writer_->Post([this, hash, page, raw] {
+          EncodePage(raw.get(), page);
+          host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
+        });
+      }
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.demotions_host;
       stats_.bytes_to_host += page_bytes_;
+      if (reencode_) ++stats_.lossy_reencoded_blocks;
       return KvTier::kHost;
     }
     // kFull: every page is pinned. Fall through to the disk tier.
@@ -273,10 +337,27 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     PageBuffer copy = AllocatePage(page_bytes_);
     if (copy != nullptr &&
         pending_disk_bytes_.load() + page_bytes_ <= options_.max_pending_disk_bytes) {
-      std::memcpy(copy.get(), b.data, static_cast<size_t>(page_bytes_));
-      const uint64_t checksum = XXH3_64bits(copy.get(), static_cast<size_t>(page_bytes_));
-      SpillToDisk(EvictedPage{b.hash, checksum, b.hits, std::move(copy)});
-      return KvTier::kDisk;
+      if (!reencode_) {
+        std::memcpy(copy.get(), b.data, static_cast<size_t>(page_bytes_));
+        const uint64_t checksum = XXH3_64bits(copy.get(), static_cast<size_t>(page_bytes_));
+        SpillToDisk(EvictedPage{b.hash, checksum, b.hits, std::move(copy)});
+        return KvTier::kDisk;
+      }
+      // Re-encoded, checksummed and stored on the writer (as above).
+      std::shared_ptr<uint8_t> raw(AllocatePage(block_bytes_).release(), PageDeleter());
+      if (raw != nullptr) {
+        std::memcpy(raw.get(), b.data, static_cast<size_t>(block_bytes_));
+        pending_disk_bytes_ += page_bytes_;
+        auto shared = std::make_shared<EvictedPage>(EvictedPage{b.hash, 0, b.hits, std::move(copy)});
+        writer_->Post([this, shared, raw] {
+          EncodePage(raw.get(), shared->data.get());
+          shared->checksum = XXH3_64bits(shared->data.get(), static_cast<size_t>(page_bytes_));
+          StoreOnDisk(*shared);
+        });
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        ++stats_.lossy_reencoded_blocks;
+        return KvTier::kDisk;
+      }
     }
   } else if (disk_ != nullptr) {
     RememberGhost(b.hash, b.hits);
@@ -413,14 +494,28 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
     if (status.ok()) {
       const auto b0 = std::chrono::steady_clock::now();
       absl::Status s;
-      if (it.tier == KvTier::kHost) {
-        std::memcpy(it.dest, it.host_page, static_cast<size_t>(page_bytes_));
+      bool verified = false;
+      if (!reencode_) {
+        if (it.tier == KvTier::kHost) {
+          std::memcpy(it.dest, it.host_page, static_cast<size_t>(page_bytes_));
+        } else {
+          s = disk_->Read(it.hash, it.dest);
+        }
+        // Verified where the bytes landed: this covers the tier's memory or
+        // file and the copy itself.
+        verified = s.ok() && XXH3_64bits(it.dest, static_cast<size_t>(page_bytes_)) == it.checksum;
       } else {
-        s = disk_->Read(it.hash, it.dest);
+        // Re-encoded pages: the encoded bytes are verified (in the pinned
+        // host page, or read into scratch), then decoded into the block.
+        const uint8_t* page = it.host_page;
+        if (it.tier == KvTier::kDisk) {
+          s = disk_->Read(it.hash, load_scratch_.get());
+          page = load_scratch_.get();
+        }
+        verified = s.ok() && XXH3_64bits(page, static_cast<size_t>(page_bytes_)) == it.checksum;
+        if (verified) DecodePage(page, it.dest);
       }
-      // Verified where the bytes landed: this covers the tier's memory or
-      // file and the copy itself.
-      if (s.ok() && XXH3_64bits(it.dest, static_cast<size_t>(page_bytes_)) != it.checksum) {
+      if (s.ok() && !verified) {
         s = absl::DataLossError(absl::StrFormat("KV %s tier block %016x failed its checksum",
                                                 KvTierName(it.tier), it.hash));
         {
@@ -445,6 +540,7 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
           src.disk_tokens += it.tokens;
           ++from_disk;
         }
+        if (reencode_) src.lossy_tokens += it.tokens;
       } else {
         status = s;
       }
@@ -468,6 +564,7 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
       stats_.bytes_from_disk += from_disk * page_bytes_;
       stats_.hit_tokens_host += src.host_tokens;
       stats_.hit_tokens_disk += src.disk_tokens;
+      stats_.lossy_hit_tokens += src.lossy_tokens;
     }
   }
   load->Finish(status, status.ok() ? src : KvLoadSources{});
@@ -484,6 +581,7 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
   if (disk_ == nullptr) return 0;
   Flush();
   int64_t written = 0;
+  PageBuffer encoded = reencode_ ? AllocatePage(page_bytes_) : nullptr;
   auto store = [&](uint64_t hash, const uint8_t* data, int64_t hits) {
     auto ghost = ghost_hits_.find(hash);
     int64_t all = hits + (ghost == ghost_hits_.end() ? 0 : ghost->second);
@@ -499,7 +597,13 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
   };
   // Radix blocks first: a prefix's first blocks are what every later block
   // of it needs to be found.
-  cache.ForEachFullBlock([&](const EvictedBlock& b) { store(b.hash, b.data, b.hits); });
+  // (The pool's blocks are re-encoded into the pages' codec first.)
+  cache.ForEachFullBlock([&](const EvictedBlock& b) {
+    if (!reencode_) return store(b.hash, b.data, b.hits);
+    if (encoded == nullptr) return;
+    EncodePage(b.data, encoded.get());
+    store(b.hash, encoded.get(), b.hits);
+  });
   if (host_ != nullptr) {
     for (const auto& [hash, hits] : host_->ReadyPages()) {
       uint64_t checksum = 0;
@@ -521,6 +625,8 @@ KvTiersStats KvTiers::stats() const {
   }
   s.host_enabled = host_ != nullptr;
   s.disk_enabled = disk_ != nullptr;
+  s.lossy = reencode_;
+  s.page_bytes = page_bytes_;
   if (host_) {
     const HostTierStats h = host_->stats();
     s.host_blocks = h.pages;

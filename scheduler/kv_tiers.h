@@ -12,6 +12,17 @@
 // commits them, which publishes them to the radix index. A mismatch fails
 // the load (the tokens are recomputed), counts, logs and drops the page.
 //
+// With a host dtype (--kv-host-dtype int8|fp8-e4m3|int4-kivi) other than
+// the pool's, a demoted block is copied into a staging buffer on the engine
+// thread and re-encoded into it (kernels/cpu/kv_transcode.h) on the writer
+// before its checksum, so host and disk
+// pages are smaller and the same budget holds more blocks; a load checks
+// the page's checksum and decodes it into the pool's codec. Such K/V is
+// lossy: every load from these tiers reports its tokens as lossy
+// (KvLoadSources::lossy_tokens) and the scheduler marks the radix nodes
+// they enter lossy. The default (the pool's own dtype) moves the bytes
+// unchanged: bit-identical.
+//
 // Pages being written or read are pinned in their tier and never evicted;
 // a full tier refuses new pages instead of waiting, so nothing here blocks
 // the engine thread on another thread's progress.
@@ -28,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,6 +51,8 @@
 #include "cache/host_tier.h"
 #include "cache/kv_pool.h"
 #include "cache/prefix_cache.h"
+#include "kernels/cpu/kv_transcode.h"
+#include "kernels/kv_view.h"
 #include "scheduler/kv_loader.h"
 
 namespace kvserve {
@@ -59,6 +73,10 @@ struct KvTiersOptions {
   double host_block_load_s = 0;
   double disk_block_load_s = 0;
   DiskFileLayer* disk_files = nullptr;  // tests: an injected file layer
+  // --kv-host-dtype: the codec of host and disk pages; unset ("same"): the
+  // pool's own bytes. Another codec than the pool's must make pages
+  // smaller (Attach refuses it otherwise) and is lossy.
+  std::optional<kernels::KvDType> host_dtype;
   // Demoted bytes queued for the disk writer at most; past it demotions to
   // disk are dropped (counted) rather than queued without bound.
   int64_t max_pending_disk_bytes = int64_t{256} << 20;
@@ -94,6 +112,12 @@ struct KvTiersStats {
   double host_block_load_s = 0, disk_block_load_s = 0;
   double load_predicted_sum_s = 0;
   int64_t recompute_chosen_blocks = 0;
+  // --kv-host-dtype lossier than the pool's: blocks re-encoded on the way
+  // down, and the tokens loads brought back decoded from them.
+  bool lossy = false;
+  int64_t page_bytes = 0;  // one block as a tier page (after re-encoding)
+  int64_t lossy_reencoded_blocks = 0;
+  int64_t lossy_hit_tokens = 0;
 };
 
 class KvTiers final : public KvLoader, public BlockDemotionSink {
@@ -143,6 +167,11 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   bool disk_enabled_requested() const { return !options_.disk_dir.empty(); }
   const std::string& model_fingerprint() const { return options_.model_fingerprint; }
   int64_t host_bytes() const { return options_.host_bytes; }
+  // After Attach: pages are re-encoded into another codec than the pool's
+  // (lossy), and that codec.
+  bool lossy() const { return reencode_; }
+  kernels::KvDType page_dtype() const { return page_dtype_; }
+  int64_t page_bytes() const { return page_bytes_; }
   bool host_enabled() const { return host_ != nullptr; }
   bool disk_enabled() const { return disk_ != nullptr; }
   // The disk tier's directory (dir/fingerprint), empty without one.
@@ -160,6 +189,12 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   void HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
                  std::vector<uint64_t>* out) const;
   void SpillToDisk(EvictedPage page);
+  // The writer's half of a disk demotion: stores the page, counts.
+  void StoreOnDisk(const EvictedPage& page);
+  // A pool block into a page (re-encoded, or copied when the codecs agree),
+  // and back.
+  void EncodePage(const uint8_t* block, uint8_t* page) const;
+  void DecodePage(const uint8_t* page, uint8_t* block) const;
   // Hits of a block that left every tier without qualifying for the disk,
   // plus one: seeing the hash again means it was recomputed, i.e. reused
   // (ARC's ghost list, bounded). Engine thread only.
@@ -173,7 +208,13 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   KvTiersOptions options_;
   const PrefixCache* cache_ = nullptr;
   int32_t block_size_ = 0;
-  int64_t page_bytes_ = 0;
+  int64_t block_bytes_ = 0;  // a pool block
+  int64_t page_bytes_ = 0;   // a tier page (block_bytes_ unless re-encoded)
+  kernels::KvBlockShape shape_;
+  kernels::KvDType pool_dtype_ = kernels::KvDType::kF16;
+  kernels::KvDType page_dtype_ = kernels::KvDType::kF16;
+  bool reencode_ = false;
+  PageBuffer load_scratch_;  // loader thread: a disk page before decoding
   std::unique_ptr<HostTier> host_;
   std::unique_ptr<DiskTier> disk_;
   std::unique_ptr<Worker> writer_;  // host checksums, disk stores

@@ -24,6 +24,8 @@ SeqEvent OutputProcessor::Event(const Sequence& s) const {
   ev.cached_tokens = s.num_cached_prompt;
   ev.cached_host_tokens = s.num_cached_host;
   ev.cached_disk_tokens = s.num_cached_disk;
+  ev.cached_lossy_tokens = s.num_cached_lossy;
+  ev.lossy_kv = s.lossy_kv;
   ev.dropped_tokens = s.kv.position_shift;
   ev.draft_accepted = s.draft_accepted;
   return ev;
@@ -133,6 +135,8 @@ void OutputProcessor::Fork(Sequence* parent) {
     child->num_cached_prompt = parent->num_cached_prompt;
     child->num_cached_host = parent->num_cached_host;
     child->num_cached_disk = parent->num_cached_disk;
+    child->num_cached_lossy = parent->num_cached_lossy;
+    child->lossy_kv = parent->lossy_kv;
     child->ever_admitted = true;
     child->admit_order = parent->admit_order;
     child->set_state(SeqState::kRunning);

@@ -130,6 +130,11 @@ struct SeqEvent {
   // Of cached_tokens, loaded from the host and the disk KV tier.
   int32_t cached_host_tokens = 0;
   int32_t cached_disk_tokens = 0;
+  // Of cached_tokens, K/V a KV tier re-encoded lossily (--kv-host-dtype).
+  int32_t cached_lossy_tokens = 0;
+  // The sample ran on lossy re-encoded K/V (prompt or, after a preemption,
+  // its own earlier tokens): not an exact answer.
+  bool lossy_kv = false;
   int32_t dropped_tokens = 0;      // tokens this sample's KV policy evicted so far
   int32_t draft_accepted = 0;      // of EngineRequest::draft_tokens, those kept so far
 };

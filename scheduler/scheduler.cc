@@ -129,6 +129,11 @@ void Scheduler::PollArrivals() {
     }
     const absl::Status st = s->arriving->status();
     if (st.ok()) {
+      // Before Commit: the loaded blocks enter the radix index marked lossy.
+      if (s->arriving->sources().lossy_tokens > 0) {
+        kv_->MarkReencoded(&s->kv);
+        s->lossy_kv = true;
+      }
       kv_->MarkComputed(&s->kv, s->arriving_tokens);
       kv_->Commit(&s->kv, s->group()->salt(), s->tokens(), s->arriving_tokens);
       if (s->num_cached_prompt < s->num_prompt()) {
@@ -141,6 +146,7 @@ void Scheduler::PollArrivals() {
         const int32_t host = std::min(gained, src.host_tokens);
         s->num_cached_host += host;
         s->num_cached_disk += std::min(gained - host, src.disk_tokens);
+        s->num_cached_lossy += std::min(gained, src.lossy_tokens);
         if (kv_->prefix_cache_enabled()) prefix_hit_tokens_ += gained;
       }
     } else {
@@ -343,6 +349,7 @@ void Scheduler::Admit(BatchPlan* plan) {
     // pool can hold in full: the rest of the prompt plus what the sequence
     // generated before a preemption. FCFS: no overtaking.
     kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), s->num_tokens() - 1);
+    if (s->kv.reencoded) s->lossy_kv = true;
     const int32_t need = kv_->BlocksNeeded(s->kv, s->num_input_tokens() - s->kv.num_computed);
     const int32_t free_before = kv_->num_free_blocks();
     if (!kv_->EnsureFree(need + pending_blocks)) {
@@ -359,6 +366,7 @@ void Scheduler::Admit(BatchPlan* plan) {
     if (!s->ever_admitted) {
       s->ever_admitted = true;
       s->num_cached_prompt = std::min(s->kv.num_computed, s->num_prompt());
+      s->num_cached_lossy = std::min(s->kv.num_lossy_matched, s->num_cached_prompt);
       if (kv_->prefix_cache_enabled()) {
         ++prefix_queries_;
         prefix_query_tokens_ += s->num_prompt();

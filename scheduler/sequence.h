@@ -114,6 +114,12 @@ class Sequence {
   // Of those, loaded from the host and the disk tier (the rest: the primary pool).
   int32_t num_cached_host = 0;
   int32_t num_cached_disk = 0;
+  // Of num_cached_prompt, K/V a tier re-encoded lossily (--kv-host-dtype):
+  // matched from lossy radix nodes or loaded from a lossy tier.
+  int32_t num_cached_lossy = 0;
+  // Ever ran on K/V a tier re-encoded lossily (also after a preemption's
+  // re-admission): its output is not what exact K/V gives.
+  bool lossy_kv = false;
   bool ever_admitted = false;
   int64_t admit_order = 0;        // admission counter: later admitted, preempted first
   // Token eviction (group's request kv_policy): per slot, the attention mass

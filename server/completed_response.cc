@@ -22,6 +22,8 @@ bool ResponseAccumulator::Add(const SeqEvent& ev) {
   response_.draft_accepted = std::max(response_.draft_accepted, ev.draft_accepted);
   response_.cached_host_tokens = std::max(response_.cached_host_tokens, ev.cached_host_tokens);
   response_.cached_disk_tokens = std::max(response_.cached_disk_tokens, ev.cached_disk_tokens);
+  response_.cached_lossy_tokens = std::max(response_.cached_lossy_tokens, ev.cached_lossy_tokens);
+  response_.lossy_kv = response_.lossy_kv || ev.lossy_kv;
   if (ev.index < 0 || ev.index >= static_cast<int32_t>(response_.samples.size())) return false;
   CompletedSample& s = response_.samples[ev.index];
   s.token_ids.insert(s.token_ids.end(), ev.token_ids.begin(), ev.token_ids.end());

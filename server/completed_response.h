@@ -43,6 +43,11 @@ struct CompletedResponse {
   // Of cached_tokens, loaded from the host and the disk KV tier.
   int32_t cached_host_tokens = 0;
   int32_t cached_disk_tokens = 0;
+  // Of cached_tokens, K/V a KV tier re-encoded lossily (--kv-host-dtype);
+  // lossy_kv: some sample ran on such K/V. Either makes the reply inexact:
+  // the response cache never stores it (StorableResponse).
+  int32_t cached_lossy_tokens = 0;
+  bool lossy_kv = false;
   int64_t completion_tokens = 0;  // summed over the samples
   int64_t dropped_tokens = 0;     // evicted by the kv_policy, summed over the samples
   // Of a draft the engine verified (a semantic-verified cache hit), the

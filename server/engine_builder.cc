@@ -1,10 +1,12 @@
 #include "server/engine_builder.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/kv_view.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -52,8 +54,27 @@ absl::StatusOr<std::shared_ptr<KvTiers>> KvTiersFromFlags(const EngineFlags& fla
                                                            const std::string& model_path) {
   const bool host = !flags.kv_host_memory.empty() && flags.kv_host_memory != "0";
   const bool disk = !flags.kv_disk_dir.empty();
+  std::optional<kernels::KvDType> host_dtype;
+  if (flags.kv_host_dtype != "same") {
+    kernels::KvDType d;
+    if (flags.kv_host_dtype != "int8" && flags.kv_host_dtype != "fp8-e4m3" &&
+        flags.kv_host_dtype != "int4-kivi") {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-host-dtype: unknown codec '",
+                                                     flags.kv_host_dtype,
+                                                     "' (same, int8, fp8-e4m3, int4-kivi)"));
+    }
+    kernels::ParseKvDType(flags.kv_host_dtype, &d);
+    if (!host && !disk) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv-host-dtype ", flags.kv_host_dtype,
+          " re-encodes KV tier pages, but no tier is on (--kv-host-memory, --kv-disk-dir)"));
+    }
+    // The pool's own codec: the bytes as they are (`same`).
+    if (flags.kv_cache_dtype != flags.kv_host_dtype) host_dtype = d;
+  }
   if (!host && !disk) return std::shared_ptr<KvTiers>();
   KvTiersOptions t;
+  t.host_dtype = host_dtype;
   if (host) {
     auto bytes = ParseMemoryBudget(flags.kv_host_memory);
     if (!bytes.ok()) {

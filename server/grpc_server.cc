@@ -299,6 +299,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
           usage->set_cached_prompt_tokens(std::min(done.cached_tokens, done.prompt_tokens));
           usage->set_cached_host_tokens(done.cached_host_tokens);
           usage->set_cached_disk_tokens(done.cached_disk_tokens);
+          usage->set_cached_lossy_tokens(done.cached_lossy_tokens);
           usage->set_completion_tokens(static_cast<int32_t>(done.completion_tokens));
           usage->set_dropped_tokens(static_cast<int32_t>(
               std::min<int64_t>(done.dropped_tokens, std::numeric_limits<int32_t>::max())));
@@ -878,6 +879,8 @@ class KvserveService final : public pb::Kvserve::CallbackService {
       response->set_tier_dropped_demotions(t.dropped_demotions);
       response->set_tier_loads(t.loads);
       response->set_tier_load_mean_ms(t.loads > 0 ? t.load_latency_sum_s * 1e3 / t.loads : 0);
+      response->set_tier_lossy_reencoded_blocks(t.lossy_reencoded_blocks);
+      response->set_tier_lossy_hit_tokens(t.lossy_hit_tokens);
       if (const ResponseCache* cache = service_->response_cache()) {
         const ResponseCacheStats c = cache->Stats();
         response->set_response_cache_lookups(c.lookups);

@@ -378,6 +378,13 @@ std::string Metrics::Render(const EngineStats& stats) const {
                   "KV blocks a tier held that were recomputed instead, because loading them "
                   "was predicted to take longer.",
                   l, static_cast<double>(t.recompute_chosen_blocks), &out);
+    AppendCounter("kvserve:kv_tier_lossy_reencoded_blocks_total",
+                  "KV blocks re-encoded into a lossier codec on demotion (--kv-host-dtype).", l,
+                  static_cast<double>(t.lossy_reencoded_blocks), &out);
+    AppendCounter("kvserve:kv_tier_lossy_hit_tokens_total",
+                  "Prompt tokens loaded from a tier whose pages were re-encoded lossily "
+                  "(--kv-host-dtype): close to, not exactly, the computed K/V.",
+                  l, static_cast<double>(t.lossy_hit_tokens), &out);
     const std::string name = "kvserve:kv_tier_load_latency_seconds";
     AppendHeader(name, "Time from starting a tier load to its completion.", "histogram", &out);
     int64_t cumulative = 0;

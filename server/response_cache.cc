@@ -176,6 +176,9 @@ bool CacheableRequest(const EngineRequest& r) {
 
 bool StorableResponse(const CompletedResponse& response) {
   if (response.aborted() || response.samples.empty()) return false;
+  // Computed on K/V a tier re-encoded lossily: not the exact answer its key
+  // promises.
+  if (response.lossy_kv || response.cached_lossy_tokens > 0) return false;
   for (const CompletedSample& s : response.samples) {
     if (s.finish != FinishReason::kStop && s.finish != FinishReason::kLength) return false;
   }

@@ -73,6 +73,12 @@ void AddEngineFlags(CLI::App* app, EngineFlags* f) {
                   "Prefix hits a block needs before it is written to the disk KV tier")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app->add_option("--kv-host-dtype", f->kv_host_dtype,
+                  "Codec of host and disk KV tier pages: same (the KV cache's bytes, exact) or "
+                  "int8, fp8-e4m3, int4-kivi (re-encoded on demotion: more blocks per byte, "
+                  "lossy; such tokens are reported and never stored by the response cache)")
+      ->check(CLI::IsMember({"same", "int8", "fp8-e4m3", "int4-kivi"}))
+      ->capture_default_str();
   AddSpeculativeFlags(app, &f->speculative);
 }
 

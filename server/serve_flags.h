@@ -43,6 +43,9 @@ struct EngineFlags {
   std::string kv_disk_dir;
   std::string kv_disk_bytes = "8GiB";
   int32_t kv_disk_min_hits = 2;
+  // Codec of host/disk tier pages: "same" (the KV cache's own bytes) or a
+  // narrower, lossy one (int8, fp8-e4m3, int4-kivi).
+  std::string kv_host_dtype = "same";
   // Speculative decoding (server/spec_flags.h).
   SpeculativeFlags speculative;
 };
@@ -51,7 +54,7 @@ struct EngineFlags {
 // --max-batched-tokens, --max-seqs, --static-batching, --[no-]prefix-cache,
 // --schedule-policy, --target-itl-ms, --max-stall-factor,
 // --min-prefill-tokens and the KV tier flags (--kv-host-memory,
-// --kv-disk-dir, --kv-disk-bytes, --kv-disk-min-hits) on `app`, bound to `flags` (which must outlive it).
+// --kv-disk-dir, --kv-disk-bytes, --kv-disk-min-hits, --kv-host-dtype) on `app`, bound to `flags` (which must outlive it).
 void AddEngineFlags(CLI::App* app, EngineFlags* flags);
 
 // The default token-eviction policy (`serve` and `generate`): what a request

@@ -1,8 +1,9 @@
 // The per-tier split of a response's cached prompt tokens, as kvserve's own
 // field of an OpenAI usage object: "kv_cached_tokens_by_tier": {"primary":
-// P, "host": H, "disk": D}, with P + H + D = prompt_tokens_details.
-// cached_tokens. Present only when a KV tier served some tokens, so plain
-// usage stays OpenAI's. The HTTP server adds it with one line in its usage
+// P, "host": H, "disk": D, "lossy": L}, with P + H + D = prompt_tokens_details.
+// cached_tokens and L of them (any tier) K/V a tier re-encoded lossily
+// (--kv-host-dtype). Present only when a KV tier served some tokens or
+// some were lossy, so plain usage stays OpenAI's. The HTTP server adds it with one line in its usage
 // builder: AddKvTierUsage(done, &usage).
 //
 // Thread-safety: a pure function.
@@ -19,10 +20,13 @@ template <typename Json>
 void AddKvTierUsage(const CompletedResponse& done, Json* usage) {
   const int32_t host = std::max(0, done.cached_host_tokens);
   const int32_t disk = std::max(0, done.cached_disk_tokens);
-  if (host + disk == 0) return;
   const int32_t cached = std::clamp(done.cached_tokens, 0, done.prompt_tokens);
-  (*usage)["kv_cached_tokens_by_tier"] = {
-      {"primary", std::max(0, cached - host - disk)}, {"host", host}, {"disk", disk}};
+  const int32_t lossy = std::clamp(done.cached_lossy_tokens, 0, cached);
+  if (host + disk + lossy == 0) return;
+  (*usage)["kv_cached_tokens_by_tier"] = {{"primary", std::max(0, cached - host - disk)},
+                                          {"host", host},
+                                          {"disk", disk},
+                                          {"lossy", lossy}};
 }
 
 }  // namespace kvserve

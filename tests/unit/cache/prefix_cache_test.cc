@@ -167,6 +167,50 @@ TEST_F(PrefixCacheTest, WindowHollowNodesCutMatchesAndRefill) {
   pool_->Release(stand);
 }
 
+// Nodes inserted from lossy K/V (a re-encoding KV tier) carry the mark:
+// a match reports the tokens it covers from them (partly used blocks by
+// their shared tokens), an exact path already cached keeps being exact, and
+// eviction hands the mark to the demotion sink.
+TEST_F(PrefixCacheTest, LossyNodesAreReportedByMatchAndEviction) {
+  const std::vector<int32_t> exact = {1, 2, 3, 4};
+  InsertFresh("", exact);
+  std::vector<BlockHandle> hs;
+  ASSERT_TRUE(pool_->Allocate(3, &hs).ok());
+  // The first block is cached exact already: only the two new ones are lossy.
+  EXPECT_EQ(cache_->Insert("", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, hs, /*lossy=*/true), 2);
+  pool_->Release(hs);
+  PrefixMatch m = cache_->Match("", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 77}, 11);
+  EXPECT_EQ(m.num_tokens, 10);
+  EXPECT_EQ(m.lossy_tokens, 6) << "4 of block 2, 2 shared of block 3";
+  pool_->Release(m.blocks);
+  PrefixMatch e = cache_->Match("", {1, 2, 3, 4, 9}, 5);
+  EXPECT_EQ(e.num_tokens, 4);
+  EXPECT_EQ(e.lossy_tokens, 0);
+  pool_->Release(e.blocks);
+
+  struct Sink : BlockDemotionSink {
+    KvTier Demote(const EvictedBlock& b) override {
+      (b.lossy ? lossy : exact) += 1;
+      return KvTier::kNone;
+    }
+    int lossy = 0, exact = 0;
+  } sink;
+  PrefixCacheOptions o;
+  o.model_identity = "test-model";
+  o.clock = &clock_;
+  o.demotion = &sink;
+  cache_.reset();
+  cache_ = std::make_unique<PrefixCache>(pool_.get(), std::move(o));
+  InsertFresh("", exact);
+  std::vector<BlockHandle> hs2;
+  ASSERT_TRUE(pool_->Allocate(2, &hs2).ok());
+  cache_->Insert("", {1, 2, 3, 4, 5, 6, 7, 8}, hs2, /*lossy=*/true);
+  pool_->Release(hs2);
+  EXPECT_EQ(cache_->Evict(10), 2);
+  EXPECT_EQ(sink.lossy, 1);
+  EXPECT_EQ(sink.exact, 1);
+}
+
 // A finished sequence's partial last block becomes a childless leaf that
 // later prompts reuse up to the tokens it holds.
 TEST_F(PrefixCacheTest, FinishedSequencesCacheTheirPartialLastBlock) {

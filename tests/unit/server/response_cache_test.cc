@@ -158,6 +158,34 @@ TEST(ResponseCachePolicyTest, OnlyCompletedRepliesAreStorable) {
   EXPECT_FALSE(StorableResponse(CompletedResponse{}));
 }
 
+TEST(ResponseCachePolicyTest, RepliesOnLossyReencodedKvAreNotStorable) {
+  CompletedResponse ok;
+  ok.samples.resize(1);
+  ok.samples[0].finish = FinishReason::kStop;
+  ASSERT_TRUE(StorableResponse(ok));
+  CompletedResponse lossy_prompt = ok;
+  lossy_prompt.cached_lossy_tokens = 16;  // prompt K/V from a re-encoded tier page
+  EXPECT_FALSE(StorableResponse(lossy_prompt));
+  CompletedResponse lossy_run = ok;
+  lossy_run.lossy_kv = true;  // e.g. its own blocks came back lossy after a preemption
+  EXPECT_FALSE(StorableResponse(lossy_run));
+}
+
+TEST(ResponseCachePolicyTest, TheAccumulatorCarriesTheLossyMark) {
+  ResponseAccumulator acc(1, 10);
+  SeqEvent ev;
+  ev.index = 0;
+  ev.cached_tokens = 8;
+  ev.cached_lossy_tokens = 8;
+  ev.lossy_kv = true;
+  ev.finish = FinishReason::kStop;
+  ASSERT_TRUE(acc.Add(ev));
+  const CompletedResponse r = acc.Take();
+  EXPECT_EQ(r.cached_lossy_tokens, 8);
+  EXPECT_TRUE(r.lossy_kv);
+  EXPECT_FALSE(StorableResponse(r));
+}
+
 std::shared_ptr<CachedReply> Reply(const std::string& text, const std::string& tenant = "t",
                                    const std::string& scope = "s") {
   auto r = std::make_shared<CachedReply>();
