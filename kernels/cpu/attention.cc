@@ -483,13 +483,16 @@ void SlotProbabilities(const PagedKvView& kv, int32_t layer, int32_t seq, int32_
                        std::vector<float>* row, std::vector<double>* probs) {
   const int32_t hd = kv.head_dim;
   probs->assign(len, 0.0);
+  // The query as the keys meet it, once per head rather than once per slot
+  // (the same values; the per-slot conversion was most of H2O's mass pass).
+  thread_local std::vector<double> qd;
+  qd.resize(static_cast<size_t>(hd));
+  for (int32_t i = 0; i < hd; ++i) qd[i] = static_cast<double>(QueryElem(qh[i], kv.dtype));
   double mx = -std::numeric_limits<double>::infinity();
   for (int32_t p = begin; p < len; ++p) {
     ReadKvRow(kv, layer, seq, p, kvh, /*value=*/false, row->data());
     double s = 0.0;
-    for (int32_t i = 0; i < hd; ++i) {
-      s += static_cast<double>(QueryElem(qh[i], kv.dtype)) * (*row)[i];
-    }
+    for (int32_t i = 0; i < hd; ++i) s += qd[i] * (*row)[i];
     (*probs)[p] = s * scale;
     mx = std::max(mx, (*probs)[p]);
   }
