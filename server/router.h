@@ -51,6 +51,11 @@ struct RouterOptions {
   int32_t pd_min_remote_tokens = 256;
   uint32_t lease_ttl_ms = 0;  // 0: the prefill node's --pd-lease-ttl
   std::string api_key;        // sent to nodes, required from clients when set
+  int poll_ms = 300;          // how often each node's NodeInfo and stats are polled
+  // Fault-injection tests only: the request thread stops (until the router
+  // is killed) once the lease is "granted" (before AttachLease) or
+  // "attached" (before Generate).
+  std::string test_stall;
 };
 
 class Router {
