@@ -600,9 +600,9 @@ struct Router::Impl final : public v1::Kvserve::Service {
       if (scope != nullptr && scope->cancelled()) return std::nullopt;
       const bool more = k + 1 < candidates.size() && Retryable(s.error_code()) &&
                         std::chrono::system_clock::now() < deadline;
-      if (Retryable(s.error_code())) {
+      if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
         std::lock_guard<std::mutex> lock(mu_);
-        pf->up = false;  // until its next poll answers
+        pf->up = false;  // unreachable: skipped until its next poll answers
       }
       if (more) {
         spdlog::warn("route: prefill on {} failed: {}; retrying on another prefill node",
@@ -869,7 +869,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
     }
     return absl::StrCat("{\"ready\":", *ready ? "true" : "false", ",\"disaggregated\":",
                         disaggregated_.load(), ",\"local\":", local_.load(),
-                        ,\"pd_fallbacks\":", pd_fallbacks_.load(),
+                        ",\"pd_fallbacks\":", pd_fallbacks_.load(),
                         ",\"pd_retries\":", pd_retries_.load(), ",\"nodes\":[",
                         absl::StrJoin(parts, ","), "]}\n");
   }
