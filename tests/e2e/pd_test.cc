@@ -43,25 +43,30 @@ namespace {
 namespace v1 = ::kvserve::v1;
 namespace pdv1 = ::kvserve::pd::v1;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 
 constexpr int kMaxTokens = 12;
 
-std::vector<std::string> GlobalArgs() {
-  return {"--log-level", "info", "-t", "1", "-m", testing::Stories260KPath()};
+std::vector<std::string> GlobalArgs(const std::string& model = testing::Stories260KPath()) {
+  return {"--log-level", "info", "-t", "1", "-m", model};
 }
 
 std::vector<std::string> NodeArgs(const std::string& role, std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"--role",         role, "--kv-cache-memory", "16MiB",
-                                "--drain-timeout", "2", "--pd-transfer-timeout", "3",
-                                "--pd-test-hooks"};
+  std::vector<std::string> a = {"--role", role, "--drain-timeout", "2", "--pd-transfer-timeout",
+                                "3", "--pd-test-hooks"};
+  if (std::find(extra.begin(), extra.end(), "--kv-cache-memory") == extra.end()) {
+    a.insert(a.end(), {"--kv-cache-memory", "16MiB"});
+  }
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
 
 std::unique_ptr<testing::Daemon> StartNode(const std::string& role,
-                                           std::vector<std::string> extra = {}) {
-  auto d = testing::Daemon::Start(KVSERVE_BINARY, GlobalArgs(), NodeArgs(role, std::move(extra)));
+                                           std::vector<std::string> extra = {},
+                                           const std::string& model = testing::Stories260KPath()) {
+  auto d = testing::Daemon::Start(KVSERVE_BINARY, GlobalArgs(model),
+                                  NodeArgs(role, std::move(extra)));
   EXPECT_TRUE(d.ok()) << d.status();
   return d.ok() ? std::move(d).value() : nullptr;
 }
@@ -700,18 +705,29 @@ TEST_F(PdTest, LongPullRenewsTheLease) {
 // and both nodes keep serving with their blocks back at baseline.
 TEST_F(PdTest, DecodeOutOfBlocksRefusesThePullCleanly) {
   Client p(prefill_->grpc_port());
-  auto small = StartNode("decode", {"--kv-cache-memory", "64KiB"});
+  auto small = StartNode("decode", {"--kv-cache-memory", "48KiB"});
   ASSERT_TRUE(small);
   Client d(small->grpc_port());
   const int32_t num_blocks = d.Info().num_blocks();
   ASSERT_GT(num_blocks, 0);
   std::string prompt = "Out of blocks:";
-  // Longer than the decode pool, shorter than the model's context.
-  while (static_cast<int>(prompt.size()) < (num_blocks + 3) * 16 * 4) {
-    prompt += " " + Prompts(5)[prompt.size() % 5];
+  // Longer than the decode pool, shorter than the model's context (128
+  // tokens).
+  const char* words[] = {"the", "dog", "ran", "to", "the", "park", "and", "saw", "a", "cat."};
+  auto count = [&](const std::string& text) {
+    v1::TokenizeRequest t;
+    t.set_text(text);
+    v1::TokenizeResponse resp;
+    grpc::ClientContext c;
+    EXPECT_TRUE(p.api->Tokenize(&c, t, &resp).ok());
+    return resp.token_ids_size();
+  };
+  for (int i = 0; count(prompt) < (num_blocks + 1) * 16 + 4; ++i) {
+    prompt += std::string(" ") + words[i % 10];
   }
   pdv1::Lease lease;
-  ASSERT_TRUE(p.Prefill(prompt, &lease).ok());
+  grpc::Status ps = p.Prefill(prompt, &lease);
+  ASSERT_TRUE(ps.ok()) << ps.error_message() << " (pool " << num_blocks << " blocks)";
   ASSERT_GT(lease.block_ids_size(), num_blocks);
   grpc::Status s = d.Attach(lease);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -729,7 +745,7 @@ TEST_F(PdTest, DecodeOutOfBlocksRefusesThePullCleanly) {
   EXPECT_EQ(p.Info().leases_released(), released + 1);  // by the router, at once
   EXPECT_EQ(d.Info().leases_refused_no_blocks(), 2);
   // A prompt that fits still goes through both nodes.
-  const std::string fits = UniquePrompts(1, "Fits")[0];
+  const std::string fits = "Fits: Once upon a time, there was a big dog.";
   EXPECT_EQ(r.Generate(fits), Reference(fits));
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
@@ -853,44 +869,6 @@ TEST_F(PdTest, DuplicateReorderedAndStaleMessagesAreIdempotent) {
   EXPECT_TRUE(d.AtBaseline());
 }
 
-// Chat through the router is disaggregated like Generate (the prefill
-// node renders the template as the decode node does, so the leased tokens
-// match and the blocks are pulled) and equals the single node's reply, on
-// gRPC Chat and on /v1/chat/completions.
-TEST_F(PdTest, ChatThroughRouterIsDisaggregatedAndEqualsOneNode) {
-  Client router(router_->grpc_port()), both(both_->grpc_port()), d(decode_->grpc_port());
-  const pdv1::NodeInfo d0 = d.Info();
-  const std::vector<std::string> users = UniquePrompts(4, "Chat");
-  for (const std::string& u : users) EXPECT_EQ(router.Chat(u), both.Chat(u)) << u;
-  const pdv1::NodeInfo d1 = d.Info();
-  EXPECT_EQ(d1.leases_attached() - d0.leases_attached(), 4);
-  EXPECT_EQ(d1.transfers_ok() - d0.transfers_ok(), 4);  // the leases matched the rendered prompt
-  EXPECT_GT(d1.blocks_pulled(), d0.blocks_pulled());
-
-  httplib::Client rh("127.0.0.1", router_->http_port()), bh("127.0.0.1", both_->http_port());
-  rh.set_read_timeout(60, 0);
-  bh.set_read_timeout(60, 0);
-  for (const std::string& u : UniquePrompts(3, "HTTP chat")) {
-    nlohmann::json body = {
-        {"messages", {{{"role", "system"}, {"content", "You tell short stories."}},
-                      {{"role", "user"}, {"content", u}}}},
-        {"max_tokens", kMaxTokens},
-        {"temperature", 0},
-        {"ignore_eos", true}};
-    auto want = bh.Post("/v1/chat/completions", body.dump(), "application/json");
-    auto got = rh.Post("/v1/chat/completions", body.dump(), "application/json");
-    ASSERT_TRUE(want && got);
-    ASSERT_EQ(got->status, 200) << got->body;
-    EXPECT_EQ(nlohmann::json::parse(got->body)["choices"][0]["message"]["content"],
-              nlohmann::json::parse(want->body)["choices"][0]["message"]["content"]);
-  }
-  const pdv1::NodeInfo d2 = d.Info();
-  EXPECT_EQ(d2.leases_attached() - d1.leases_attached(), 3);
-  EXPECT_EQ(d2.transfers_ok() - d1.transfers_ok(), 3);
-  EXPECT_TRUE(Client(prefill_->grpc_port()).AtBaseline());
-  EXPECT_TRUE(d.AtBaseline());
-}
-
 // Two prefill nodes: the one the router picks dies before the router
 // notices (polls are a minute apart here); the router retries on the other
 // within the request's deadline. With both dead, the decode node computes
@@ -919,6 +897,57 @@ TEST(PdRouterTest, DeadPrefillNodeIsRetriedOnAnother) {
   EXPECT_EQ(h.value("pd_fallbacks", -1), 1) << h.dump();
   EXPECT_EQ(h.value("local", -1), 1) << h.dump();
   EXPECT_TRUE(cd.AtBaseline());
+}
+
+// Chat through the router is disaggregated like Generate (the prefill
+// node renders the template as the decode node does, so the leased tokens
+// match and the blocks are pulled) and equals the single node's reply, on
+// gRPC Chat and on /v1/chat/completions. SmolLM2 (stories260K has no chat
+// template).
+TEST(PdRouterTest, ChatThroughRouterIsDisaggregatedAndEqualsOneNode) {
+  const std::string model = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(model, "SmolLM2");
+  auto both_node = StartNode("both", {}, model);
+  auto prefill = StartNode("prefill", {}, model);
+  auto decode = StartNode("decode", {}, model);
+  ASSERT_TRUE(both_node && prefill && decode);
+  auto r = StartRouter({prefill.get(), decode.get()}, {"--pd-mode", "always"}, 2);
+  ASSERT_TRUE(r);
+  Client router(r->grpc_port()), both(both_node->grpc_port()), d(decode->grpc_port());
+  const pdv1::NodeInfo d0 = d.Info();
+  const std::vector<std::string> users = UniquePrompts(4, "Chat");
+  for (const std::string& u : users) {
+    const std::string want = both.Chat(u);
+    EXPECT_THAT(want, Not(HasSubstr("error"))) << u;
+    EXPECT_EQ(router.Chat(u), want) << u;
+  }
+  const pdv1::NodeInfo d1 = d.Info();
+  EXPECT_EQ(d1.leases_attached() - d0.leases_attached(), 4);
+  EXPECT_EQ(d1.transfers_ok() - d0.transfers_ok(), 4);  // the leases matched the rendered prompt
+  EXPECT_GT(d1.blocks_pulled(), d0.blocks_pulled());
+
+  httplib::Client rh("127.0.0.1", r->http_port()), bh("127.0.0.1", both_node->http_port());
+  rh.set_read_timeout(60, 0);
+  bh.set_read_timeout(60, 0);
+  for (const std::string& u : UniquePrompts(3, "HTTP chat")) {
+    nlohmann::json body = {
+        {"messages", {{{"role", "system"}, {"content", "You tell short stories."}},
+                      {{"role", "user"}, {"content", u}}}},
+        {"max_tokens", kMaxTokens},
+        {"temperature", 0},
+        {"ignore_eos", true}};
+    auto want = bh.Post("/v1/chat/completions", body.dump(), "application/json");
+    auto got = rh.Post("/v1/chat/completions", body.dump(), "application/json");
+    ASSERT_TRUE(want && got);
+    ASSERT_EQ(got->status, 200) << got->body;
+    EXPECT_EQ(nlohmann::json::parse(got->body)["choices"][0]["message"]["content"],
+              nlohmann::json::parse(want->body)["choices"][0]["message"]["content"]);
+  }
+  const pdv1::NodeInfo d2 = d.Info();
+  EXPECT_EQ(d2.leases_attached() - d1.leases_attached(), 3);
+  EXPECT_EQ(d2.transfers_ok() - d1.transfers_ok(), 3);
+  EXPECT_TRUE(Client(prefill->grpc_port()).AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
 }
 
 }  // namespace
