@@ -4,7 +4,7 @@
 # 127.0.0.1:
 #   1. pull   KV pull throughput of real KV blocks (SmolLM2 blocks) through
 #             router + prefill + decode, against `ucx_perftest` ucp_get at
-#             the same message sizes, on UCX shm (posix) and tcp.
+#             the same message sizes, on UCX shm (posix,cma) and tcp.
 #   2. itl    decode ITL p99 while long prefills arrive: P/D split (prefill
 #             pinned to core 0, decode to core 1) vs one colocated `both`
 #             node on the same two cores.
@@ -13,7 +13,9 @@
 #             round-robin.
 #   bench/pd/run.sh [pull|itl|ttft|all]   (default all)
 # Env: BUILD (default build-dev), MODEL (default SmolLM2), OUT (results dir,
-# default a temp dir), N (requests per point, default 48).
+# default a temp dir), N (requests per point, default 48), PULLS (leases
+# pulled per transport, default 12), CORE_A / CORE_B (the two cores,
+# default 0 and 1).
 # Needs kvserve and kvserve-bench built (cmake --build $BUILD --target
 # kvserve kvserve-bench) and ucx_perftest (apt: ucx-utils) for goal 1.
 set -euo pipefail
@@ -23,6 +25,9 @@ KVSERVE=$BUILD/server/kvserve
 BENCH=$BUILD/client/kvserve-bench
 MODEL=${MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 N=${N:-48}
+PULLS=${PULLS:-12}
+A=${CORE_A:-0}
+B=${CORE_B:-1}
 OUT=${OUT:-$(mktemp -d /tmp/kvserve-pd-bench.XXXXXX)}
 mkdir -p "$OUT"
 WHAT=${1:-all}
@@ -78,15 +83,20 @@ PY
 
 pull() {
   command -v ucx_perftest >/dev/null || { echo "pull: ucx_perftest missing (apt-get install ucx-utils)"; return; }
-  for tls in posix tcp; do
-    node P 0 prefill 1 --pd-ucx-tls "$tls"
-    node D 1 decode 1 --pd-ucx-tls "$tls"
+  # Shared memory is posix + cma: the KV pool is the daemon's own memory,
+  # registered with UCX, which posix alone only reaches by AM emulation.
+  for tls in ${PULL_TLS:-posix,cma tcp}; do
+    local tag=${tls//,/+}
+    node P $A prefill 1 --pd-ucx-tls "$tls"
+    node D $B decode 1 --pd-ucx-tls "$tls"
     router "127.0.0.1:$P_PORT,127.0.0.1:$D_PORT" --pd-mode always
     # Unique long prompts (no cache hits: every leased block moves).
     "$BENCH" --grpc "127.0.0.1:$ROUTER_PORT" --workload synthetic --input-len 480 \
-      --output-len 1 --num-prompts 12 --concurrency 1 --seed 7 -q \
-      --json-out "$OUT/pull-$tls.json" >/dev/null
+      --output-len 1 --num-prompts $PULLS --concurrency 1 --seed 7 -q \
+      --json-out "$OUT/pull-$tag.json" >/dev/null
     stop_all
+    cp "$OUT/D.log" "$OUT/D-$tag.log"
+    cp "$OUT/P.log" "$OUT/P-$tag.log"
     # Per-transfer lines of the decode node's log: blocks, bytes, ms.
     read -r blocks bytes ms < <(python3 - "$OUT/D.log" <<'PY'
 import re, sys
@@ -99,18 +109,18 @@ print(b, y, m)
 PY
 )
     if [[ "$blocks" == 0 ]]; then echo "pull $tls: no transfers (see $OUT/D.log)"; continue; fi
-    local block_bytes=$((bytes / blocks)) per=$((bytes / 12))
+    local block_bytes=$((bytes / blocks)) per=$((bytes / PULLS))
     local kv_mbs
     kv_mbs=$(python3 -c "print(f'{$bytes/1e6/($ms/1e3):.1f}')")
     # ucx_perftest ucp_get at one block and at one whole lease, same transport.
     local perf=()
     for size in "$block_bytes" "$per"; do
       local port=$((20000 + RANDOM % 20000))
-      UCX_TLS=$tls,self taskset -c 0 ucx_perftest -p "$port" >/dev/null 2>&1 &
+      UCX_TLS=$tls,self taskset -c $A ucx_perftest -p "$port" >/dev/null 2>&1 &
       local srv=$!
       sleep 1
       local mbs
-      mbs=$(UCX_TLS=$tls,self taskset -c 1 ucx_perftest 127.0.0.1 -p "$port" -t ucp_get \
+      mbs=$(UCX_TLS=$tls,self taskset -c $B ucx_perftest 127.0.0.1 -p "$port" -t ucp_get \
               -s "$size" -n 200 -w 20 2>/dev/null | awk '/Final:/{print $(NF-2)}')
       wait "$srv" 2>/dev/null || true
       perf+=("${mbs:-?}")
@@ -125,24 +135,24 @@ itl() {
   # Long prefills (up to 1500 tokens) mixed with short ones while others decode.
   local wl=(--workload synthetic --input-len uniform:16:1500 --output-len 48
             --num-prompts "$N" --concurrency 4 --seed 11 -q)
-  node P 0 prefill 1
-  node D 1 decode 1
+  node P $A prefill 1
+  node D $B decode 1
   router "127.0.0.1:$P_PORT,127.0.0.1:$D_PORT" --pd-mode always
   "$BENCH" --grpc "127.0.0.1:$ROUTER_PORT" "${wl[@]}" --json-out "$OUT/itl-split.json" >/dev/null
   stop_all
-  node B 0,1 both 2
+  node B $A,$B both 2
   "$BENCH" --grpc "127.0.0.1:$B_PORT" "${wl[@]}" --json-out "$OUT/itl-colocated.json" >/dev/null
   stop_all
-  summary "$OUT/itl-split.json" "itl: P/D split (P core 0, D core 1)"
-  summary "$OUT/itl-colocated.json" "itl: colocated (both, cores 0-1)"
+  summary "$OUT/itl-split.json" "itl: P/D split (P core $A, D core $B)"
+  summary "$OUT/itl-colocated.json" "itl: colocated (both, cores $A,$B)"
 }
 
 ttft() {
   local wl=(--workload shared-prefix --num-prefixes 8 --prefix-len 384 --questions-per-prefix
             $((N / 8)) --input-len 24 --output-len 16 --concurrency 4 --seed 5 -q)
   for policy in kv round-robin; do
-    node A 0 both 1
-    node B 1 both 1
+    node A $A both 1
+    node B $B both 1
     router "127.0.0.1:$A_PORT,127.0.0.1:$B_PORT" --policy "$policy"
     "$BENCH" --grpc "127.0.0.1:$ROUTER_PORT" "${wl[@]}" --json-out "$OUT/ttft-$policy.json" >/dev/null
     stop_all
