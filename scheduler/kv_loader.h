@@ -76,6 +76,12 @@ class KvLoader {
     (void)recompute_seconds_per_token;
     return Lookup(salt, tokens, from, limit);
   }
+  // True when the scheduler may give up a radix match that ends inside a
+  // block (a shared, partly matched block) and re-match whole blocks only,
+  // so this loader supplies from the block boundary below (its loads write
+  // whole blocks, never a shared one). A decode node's loader wants this;
+  // the KV tiers keep the match as it is (their hit accounting assumes it).
+  virtual bool RematchWholeBlocks() const { return false; }
   // Starts writing the target's slots. The returned load is polled until
   // Done; the blocks stay pinned until then even if the request is cancelled.
   virtual std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) = 0;

@@ -264,10 +264,8 @@ bool Scheduler::StartLoad(Sequence* s) {
                                            cost_.prefill_seconds_per_token()),
                limit - from);
   const int32_t bs = kv_->block_size();
-  // Only for loaders other than the KV tiers (a decode node's): the tiers'
-  // hit accounting and their tests assume the match as it is. TODO: make
-  // this a KvLoader capability instead of a type check.
-  if (n <= 0 && from % bs != 0 && dynamic_cast<KvTiers*>(loader_) == nullptr) {
+  // Only for loaders that ask for it (a decode node's, not the KV tiers').
+  if (n <= 0 && from % bs != 0 && loader_->RematchWholeBlocks()) {
     // The radix match ended inside a block (a shared, partly matched one)
     // and loaders supply whole blocks: when one supplies more from the
     // block boundary below, match only whole blocks and load from there.

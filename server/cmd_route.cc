@@ -43,6 +43,14 @@ class RouteCommand final : public Command {
                      "Lease ttl asked of prefill nodes (0: theirs)")
         ->capture_default_str();
     app_->add_option("--api-key", o_.api_key, "Required from clients and sent to the nodes");
+    app_->add_option("--poll-interval-ms", o_.poll_ms,
+                     "Milliseconds between polls of each node's NodeInfo and stats")
+        ->check(CLI::Range(20, 600000))
+        ->capture_default_str();
+    app_->add_option("--test-stall", o_.test_stall,
+                     "Fault-injection tests only: stop a request's thread once its lease is "
+                     "granted or attached (granted, attached)")
+        ->check(CLI::IsMember({"", "granted", "attached"}));
   }
 
   void BeforeThreads(CLI::App*) override {

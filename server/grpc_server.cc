@@ -1034,6 +1034,10 @@ absl::StatusOr<CompletionParams> GenerateRequestToParams(const v1::GenerateReque
   return ToParams(request);
 }
 
+absl::StatusOr<CompletionParams> ChatRequestToParams(const v1::ChatRequest& request) {
+  return ToParams(request);
+}
+
 GrpcServer::GrpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 GrpcServer::~GrpcServer() { Shutdown(std::chrono::system_clock::now()); }

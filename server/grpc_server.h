@@ -19,6 +19,7 @@ class Service;
 }  // namespace grpc
 namespace kvserve::v1 {
 class GenerateRequest;
+class ChatRequest;
 }  // namespace kvserve::v1
 
 namespace kvserve {
@@ -40,6 +41,9 @@ struct GrpcServerOptions {
 // (a prefill node prepares the prompt exactly as the decode node will).
 [[nodiscard]] absl::StatusOr<CompletionParams> GenerateRequestToParams(
     const kvserve::v1::GenerateRequest& request);
+// The same for a kvserve.v1 ChatRequest, as Chat reads it.
+[[nodiscard]] absl::StatusOr<CompletionParams> ChatRequestToParams(
+    const kvserve::v1::ChatRequest& request);
 
 class GrpcServer {
  public:

@@ -32,6 +32,11 @@ void AddPdFlags(CLI::App* app, PdFlags* f) {
       ->capture_default_str();
   app->add_flag("--pd-test-hooks", f->test_hooks,
                 "Enable the DebugEarlyFree fault-injection RPC (tests only)");
+  app->add_option("--pd-test-pull-delay", f->test_pull_delay,
+                  "Seconds a decode node stalls before each pull, renewing the lease meanwhile "
+                  "(a slow link; tests only)")
+      ->check(CLI::Range(0.0, 600.0))
+      ->capture_default_str();
 }
 
 }  // namespace kvserve

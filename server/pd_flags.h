@@ -23,6 +23,7 @@ struct PdFlags {
   double lease_ttl = 30;         // seconds a prefill node holds unclaimed blocks
   double transfer_timeout = 10;  // seconds a decode node's pull may take
   bool test_hooks = false;       // DebugEarlyFree (fault-injection tests only)
+  double test_pull_delay = 0;    // seconds a decode node stalls each pull (tests only)
 };
 
 void AddPdFlags(CLI::App* app, PdFlags* flags);

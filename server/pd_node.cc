@@ -13,17 +13,21 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "common/status.h"
 #include "proto/kvserve.pb.h"
 #include "proto/pd.grpc.pb.h"
 #include "server/auth.h"
 #include "server/grpc_server.h"
+#include "server/openai_request.h"
+#include "server/response_cache.h"
 #include "spdlog/spdlog.h"
 #include "transport/ucx_transport.h"
 
@@ -82,11 +86,28 @@ void AppendRepeated(const Repeated& v, std::string* s) {
   for (auto x : v) s->append(reinterpret_cast<const char*>(&x), sizeof(x));
 }
 
-// The prefill node's digest over everything a decode node acts on.
+// The digest of where a decode node's GETs go: the UCX worker address and
+// the two region descriptors (length-prefixed, so no field bleeds into
+// another).
+uint64_t EndpointDigest(const std::string& ucx_address, const std::string& kv_region,
+                        const std::string& generation_region) {
+  const std::string s = absl::StrCat(ucx_address.size(), ":", ucx_address, "|", kv_region.size(),
+                                     ":", kv_region, "|", generation_region.size(), ":",
+                                     generation_region);
+  return XXH3_64bits(s.data(), s.size());
+}
+
+uint64_t EndpointDigest(const pb::Lease& l) {
+  return EndpointDigest(l.ucx_address(), l.kv_region(), l.generation_region());
+}
+
+// The prefill node's digest over everything a decode node acts on: the
+// blocks it reads and where it reads them from.
 uint64_t LeaseDigest(const pb::Lease& l) {
   std::string s = absl::StrCat(l.transfer_id(), "|", l.node_id(), "|", l.incarnation(), "|",
                                l.layout().hash(), "|", l.cache_salt().size(), ":",
-                               l.cache_salt(), "|", l.ttl_ms(), "|");
+                               l.cache_salt(), "|", l.ttl_ms(), "|", l.grpc_address(), "|",
+                               EndpointDigest(l), "|");
   AppendRepeated(l.tokens(), &s);
   AppendRepeated(l.block_ids(), &s);
   AppendRepeated(l.generations(), &s);
@@ -262,6 +283,10 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     out->set_leases_attached(leases_attached_);
     out->set_leases_unused(leases_unused_);
     out->set_pull_seconds(pull_seconds_);
+    out->set_lease_renewals(lease_renewals_);
+    out->set_leases_refused_no_blocks(leases_refused_no_blocks_);
+    out->set_forged_endpoints(forged_endpoints_);
+    out->set_duplicate_attaches(duplicate_attaches_);
     return grpc::Status::OK;
   }
 
@@ -273,13 +298,34 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                           absl::StrCat("Prefill: this node's role is ", PdRoleName(role_),
                                        ", not prefill"));
     }
-    v1::GenerateRequest gr;
-    if (!gr.ParseFromString(req->generate_request())) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "generate_request: not a serialized kvserve.v1.GenerateRequest");
+    // The request in the form the decode node receives it, read by the same
+    // code, so the prompt's tokens (a rendered chat template included) are
+    // the same on both nodes.
+    absl::StatusOr<CompletionParams> params;
+    if (!req->chat_request().empty()) {
+      v1::ChatRequest cr;
+      if (!cr.ParseFromString(req->chat_request())) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "chat_request: not a serialized kvserve.v1.ChatRequest");
+      }
+      params = ChatRequestToParams(cr);
+    } else if (!req->openai_chat_body().empty()) {
+      OpenAiRequest o;
+      if (std::optional<ApiError> err = ParseOpenAiRequest(req->openai_chat_body(), true, &o)) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("openai_chat_body: ", err->message));
+      }
+      params = std::move(o.params);
+    } else {
+      v1::GenerateRequest gr;
+      if (!gr.ParseFromString(req->generate_request())) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "generate_request: not a serialized kvserve.v1.GenerateRequest");
+      }
+      params = GenerateRequestToParams(gr);
     }
-    absl::StatusOr<CompletionParams> params = GenerateRequestToParams(gr);
     if (!params.ok()) return ToGrpc(params.status());
+    params->tenant = TenantFromApiKey(api_key_);  // as the decode node's front ends set it
     absl::StatusOr<PreparedRequest> prepared = service_->Prepare(*params);
     if (!prepared.ok()) return ToGrpc(prepared.status());
     EngineRequest er = std::move(prepared->engine);
@@ -383,6 +429,16 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                                        " (released, expired, or never granted by node ", node_id_,
                                        ")"));
     }
+    if (it->second.digest != req->digest() && req->endpoint_digest() != 0 &&
+        req->endpoint_digest() != EndpointDigest(ucx_address_, kv_descriptor_, gen_descriptor_)) {
+      ++forged_endpoints_;
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("lease digest mismatch for transfer id ", req->transfer_id(),
+                       ": the lease's UCX worker address or KV/generation region descriptors "
+                       "are not node ",
+                       node_id_, "'s (the lease was altered or forged)"));
+    }
     if (it->second.digest != req->digest()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("lease digest mismatch for transfer id ",
@@ -478,6 +534,27 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                                        ", not decode"));
     }
     if (absl::Status s = CheckLeaseShape(*lease); !s.ok()) return ToGrpc(s);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Idempotent, keyed by (transfer_id, incarnation): a repeated attach
+      // (a retried RPC) is a no-op, not a second claim on the lease.
+      for (const auto& a : attached_) {
+        if (a->lease.transfer_id() == lease->transfer_id() &&
+            a->lease.incarnation() == lease->incarnation()) {
+          ++duplicate_attaches_;
+          return grpc::Status::OK;
+        }
+      }
+      // Out of blocks for good: this pool could never hold the pull (a
+      // transiently full pool only delays admission; the engine waits).
+      if (lease->block_ids_size() > num_blocks_) {
+        ++leases_refused_no_blocks_;
+        return grpc::Status(
+            grpc::StatusCode::RESOURCE_EXHAUSTED,
+            absl::StrCat("AttachLease: the lease has ", lease->block_ids_size(),
+                         " KV blocks; this decode node's pool has ", num_blocks_));
+      }
+    }
     // The prefill node confirms the lease is held exactly as described (a
     // forged or altered one fails here) and restarts its ttl.
     absl::StatusOr<uint32_t> ttl = RemoteRenew(*lease);
@@ -499,6 +576,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   }
 
   // ---- KvLoader (engine thread) ----
+
+  // Pulls write whole blocks from a block boundary (FindLease).
+  bool RematchWholeBlocks() const override { return true; }
 
   int32_t Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
                  int32_t limit) override {
@@ -543,7 +623,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   };
   struct Attached {
     pb::Lease lease;
-    PdClock::time_point received;
+    PdClock::time_point received;  // at attach, then at each renewal (pull thread)
     std::chrono::milliseconds ttl{0};
     bool consumed = false;
   };
@@ -659,6 +739,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     // Our own digest of what we received: a lease altered on the way (or
     // made up) does not match the grant the prefill node recorded.
     r.set_digest(LeaseDigest(l));
+    r.set_endpoint_digest(EndpointDigest(l));
     pb::RenewLeaseResponse resp;
     grpc::Status s = StubFor(l.grpc_address())->RenewLease(&c, r, &resp);
     if (!s.ok()) {
@@ -747,8 +828,53 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return best;
   }
 
-  absl::Status WaitDrained(kt::TransferId t, absl::Duration timeout) {
-    absl::Status s = transport_->Wait(t, timeout);
+  // Keeps a lease alive through a long pull: once a third of its ttl has
+  // passed since the last renewal, the prefill node renews it. A refused
+  // renewal (released, expired, restarted node) fails the pull.
+  absl::Status KeepAlive(Attached* a) {
+    const auto now = PdClock::now();
+    if (now < a->received + a->ttl / 3) return absl::OkStatus();
+    absl::StatusOr<uint32_t> ttl = RemoteRenew(a->lease);
+    if (!ttl.ok()) {
+      return absl::Status(ttl.status().code(),
+                          absl::StrCat("lease renewal during the pull of transfer ",
+                                       a->lease.transfer_id(), ": ", ttl.status().message()));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    a->received = now;
+    a->ttl = std::chrono::milliseconds(*ttl);
+    ++lease_renewals_;
+    return absl::OkStatus();
+  }
+
+  // Waits for transfer t until `deadline`, renewing the lease meanwhile.
+  // A failed or timed-out transfer is cancelled and drained (the backend no
+  // longer touches our blocks) before this returns.
+  absl::Status WaitDrained(kt::TransferId t, Attached* a, PdClock::time_point deadline) {
+    absl::Status s;
+    for (;;) {
+      const auto now = PdClock::now();
+      if (now >= deadline) {
+        s = absl::DeadlineExceededError(
+            absl::StrCat("the pull took longer than --pd-transfer-timeout ",
+                         flags_.transfer_timeout, " s"));
+        break;
+      }
+      const auto slice = std::min<PdClock::duration>(deadline - now, std::chrono::milliseconds(100));
+      s = transport_->Wait(t, absl::FromChrono(slice));
+      if (!absl::IsDeadlineExceeded(s)) break;
+      absl::StatusOr<bool> moving = transport_->Poll(t);
+      if (!moving.ok()) {
+        s = moving.status();  // the transfer itself failed (timed out, peer gone)
+        break;
+      }
+      if (*moving) {
+        s = absl::OkStatus();
+        break;
+      }
+      s = KeepAlive(a);
+      if (!s.ok()) break;
+    }
     if (!s.ok()) {
       // A failed transfer has not necessarily stopped: cancel and wait
       // until the backend no longer touches our blocks before they go back.
@@ -765,8 +891,23 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
 
   absl::Status Pull(const Job& job) {
     const pb::Lease& l = job.lease->lease;
-    const auto margin = std::chrono::milliseconds(std::min<int64_t>(2000, job.lease->ttl.count() / 4));
-    if (PdClock::now() > job.lease->received + job.lease->ttl - margin) {
+    Attached* a = job.lease.get();
+    if (flags_.test_pull_delay > 0) {
+      // Test hook (--pd-test-pull-delay): a link slower than the lease's
+      // ttl. The lease must stay alive meanwhile (not counted against
+      // --pd-transfer-timeout).
+      const auto until = PdClock::now() + std::chrono::duration_cast<PdClock::duration>(
+                                              std::chrono::duration<double>(flags_.test_pull_delay));
+      while (PdClock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        RETURN_IF_ERROR(KeepAlive(a));
+      }
+    }
+    const auto deadline = PdClock::now() + std::chrono::duration_cast<PdClock::duration>(
+                                               std::chrono::duration<double>(flags_.transfer_timeout));
+    RETURN_IF_ERROR(KeepAlive(a));
+    const auto margin = std::chrono::milliseconds(std::min<int64_t>(2000, a->ttl.count() / 4));
+    if (PdClock::now() > a->received + a->ttl - margin) {
       return absl::DeadlineExceededError(
           absl::StrCat("lease of transfer ", l.transfer_id(), " too close to expiry to pull"));
     }
@@ -793,10 +934,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       }
       ops.push_back({kv_region_.id, local, peer.kv, remote, static_cast<uint64_t>(block_bytes_)});
     }
-    const absl::Duration timeout = absl::Seconds(flags_.transfer_timeout);
     absl::StatusOr<kt::TransferId> t = transport_->PostTransfer(peer.id, kt::Direction::kRead, ops);
     if (!t.ok()) return t.status();
-    RETURN_IF_ERROR(WaitDrained(*t, timeout));
+    RETURN_IF_ERROR(WaitDrained(*t, a, deadline));
     // The fence: only now, after every data read completed, read the
     // generations. A block freed at any time since the grant has advanced.
     std::vector<kt::TransferOp> gops;
@@ -806,7 +946,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
     t = transport_->PostTransfer(peer.id, kt::Direction::kRead, gops);
     if (!t.ok()) return t.status();
-    RETURN_IF_ERROR(WaitDrained(*t, timeout));
+    RETURN_IF_ERROR(WaitDrained(*t, a, deadline));
     const auto* gens = static_cast<const uint32_t*>(gen_buffer_.address);
     int32_t changed = 0;
     std::string first;
@@ -846,6 +986,12 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (s.ok()) {
+          // One line per transfer: bench/pd/run.sh reads the pull rate from it.
+          spdlog::info("pd: transfer {}: pulled {} blocks, {} bytes in {:.3f} ms ({:.1f} MB/s)",
+                       job->lease->lease.transfer_id(), job->local_ids.size(),
+                       static_cast<int64_t>(job->local_ids.size()) * block_bytes_, secs * 1e3,
+                       static_cast<double>(job->local_ids.size()) * block_bytes_ / 1e6 /
+                           std::max(secs, 1e-9));
           ++transfers_ok_;
           blocks_pulled_ += static_cast<int64_t>(job->local_ids.size());
           bytes_pulled_ += static_cast<int64_t>(job->local_ids.size()) * block_bytes_;
@@ -932,6 +1078,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int64_t duplicate_releases_ = 0, stale_releases_ = 0, early_frees_ = 0;
   int64_t transfers_ok_ = 0, transfers_failed_ = 0, generation_mismatches_ = 0;
   int64_t blocks_pulled_ = 0, bytes_pulled_ = 0, leases_attached_ = 0, leases_unused_ = 0;
+  int64_t duplicate_attaches_ = 0;
+  int64_t lease_renewals_ = 0, leases_refused_no_blocks_ = 0, forged_endpoints_ = 0;
   double pull_seconds_ = 0;
 
   std::mutex peer_mu_;

@@ -16,8 +16,11 @@
 //            its own fresh blocks are filled by UCX GETs, then the prefill
 //            node's generations of those blocks are read back; any change
 //            (the block was freed meanwhile) fails the load, and the engine
-//            recomputes the tokens instead. Success or failure, the lease is
-//            released at once.
+//            recomputes the tokens instead. A pull renews the lease while
+//            it runs (every third of the ttl). Success or failure, the lease
+//            is released at once. AttachLease is idempotent per
+//            (transfer_id, incarnation); a lease larger than the whole pool
+//            is refused (RESOURCE_EXHAUSTED).
 //   both     only GetNodeInfo (a cache-aware router balances over these).
 //
 // Thread-safety: the service's handlers run on gRPC threads; the KvLoader

@@ -182,7 +182,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
   std::vector<std::shared_ptr<Node>> nodes_;  // guarded by mu_
   std::thread membership_;
   std::atomic<uint64_t> rr_{0};
-  std::atomic<int64_t> disaggregated_{0}, local_{0}, pd_fallbacks_{0};
+  std::atomic<int64_t> disaggregated_{0}, local_{0}, pd_fallbacks_{0}, pd_retries_{0};
 
   // ---- membership ----
 
@@ -242,7 +242,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
       }
       for (auto& n : nodes) Poll(n.get());
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, std::chrono::milliseconds(300), [&] { return stop_; });
+      cv_.wait_for(lock, std::chrono::milliseconds(o.poll_ms), [&] { return stop_; });
       if (stop_) return;
     }
   }
@@ -350,6 +350,8 @@ struct Router::Impl final : public v1::Kvserve::Service {
   struct Placement {
     std::shared_ptr<Node> decode;
     std::shared_ptr<Node> prefill;  // null: entirely on the decode node
+    // The other prefill nodes, best first: where a failed Prefill is retried.
+    std::vector<std::shared_ptr<Node>> prefill_alternatives;
     int64_t prompt_tokens = 0;
     int64_t prefill_tokens = 0;  // charged to the prefill node's queue
   };
@@ -436,20 +438,27 @@ struct Router::Impl final : public v1::Kvserve::Service {
                           : 1e9;
     const double bytes_per_token =
         static_cast<double>(di.layout().block_bytes()) / std::max(1, di.layout().block_size());
-    double best_remote = 1e300;
-    std::shared_ptr<Node> best_p;
-    int64_t best_p_uncached = 0;
+    struct Option {
+      double seconds;
+      size_t order;
+      int64_t uncached;
+      std::shared_ptr<Node> node;
+    };
+    std::vector<Option> options;
     for (const auto& pf : prefillers) {
       const int64_t unc = n - pf->replica.Match(tokens, pf->info.layout().block_size());
       const double rate = PrefillRate(pf->stats);
       const double t = (pf->pending_prefill_tokens + pf->stats.waiting()) * rate + unc * rate +
                        best_uncached * bytes_per_token / bw + 0.002 + DecodeLoad(p.decode->stats);
-      if (t < best_remote) {
-        best_remote = t;
-        best_p = pf;
-        best_p_uncached = unc;
-      }
+      options.push_back({t, options.size(), unc, pf});
     }
+    std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) {
+      return a.seconds != b.seconds ? a.seconds < b.seconds : a.order < b.order;
+    });
+    const double best_remote = options[0].seconds;
+    std::shared_ptr<Node> best_p = options[0].node;
+    const int64_t best_p_uncached = options[0].uncached;
+    for (size_t k = 1; k < options.size(); ++k) p.prefill_alternatives.push_back(options[k].node);
     const bool remote =
         o.pd_mode == "always" ||
         (best_uncached >= o.pd_min_remote_tokens && best_remote < best);
@@ -525,42 +534,92 @@ struct Router::Impl final : public v1::Kvserve::Service {
     return s;
   }
 
+  // Test hook (--test-stall): this request's thread stops here until the
+  // router is killed (or stopped).
+  void MaybeStall(const char* state) {
+    if (o.test_stall != state) return;
+    spdlog::warn("route: --test-stall: request stopped with its lease {}", state);
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return stop_; });
+  }
+
+  static bool Retryable(grpc::StatusCode c) {
+    // The node died, restarted, shut down or is overloaded; another node
+    // may well succeed. Bad requests fail the same everywhere.
+    return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::ABORTED ||
+           c == grpc::StatusCode::UNKNOWN || c == grpc::StatusCode::INTERNAL ||
+           c == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  }
+
   // Prefill on p.prefill and hand the lease to p.decode; nullopt (decode
-  // computes the prompt itself) when either step fails. `cancel` cancels
-  // the Prefill call when the client goes away (null: none).
-  std::optional<pdv1::Lease> PrefillAndAttach(Placement& p, const v1::GenerateRequest& req,
+  // computes the prompt itself) when either step fails. A prefill node that
+  // fails (it died, restarted, shut down) is marked down and the request is
+  // retried on the next-best prefill node while the request's deadline
+  // allows. `ctx`/`scope` (null for HTTP) carry the client's deadline and
+  // cancel.
+  std::optional<pdv1::Lease> PrefillAndAttach(Placement& p, const pdv1::PrefillRequest& base,
                                               grpc::ServerContext* ctx, CancelScope* scope) {
     if (p.prefill == nullptr) return std::nullopt;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      p.prefill->pending_prefill_tokens += p.prefill_tokens;
-    }
-    grpc::ClientContext pc;
-    if (ctx != nullptr) {
-      CopyDeadline(ctx, &pc);
-    } else {
-      AddAuth(&pc);
-      pc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
-    }
-    if (scope != nullptr) scope->Add(&pc);
-    pdv1::PrefillRequest pr;
-    pr.set_generate_request(req.SerializeAsString());
+    std::vector<std::shared_ptr<Node>> candidates = {p.prefill};
+    candidates.insert(candidates.end(), p.prefill_alternatives.begin(),
+                      p.prefill_alternatives.end());
+    const auto deadline =
+        ctx != nullptr && ctx->deadline() < std::chrono::system_clock::now() + std::chrono::hours(24)
+            ? ctx->deadline()
+            : std::chrono::system_clock::now() + std::chrono::seconds(300);
+    pdv1::PrefillRequest pr = base;
     pr.set_ttl_ms(o.lease_ttl_ms);
     pdv1::Lease l;
-    grpc::Status s = p.prefill->pd->Prefill(&pc, pr, &l);
-    if (scope != nullptr) scope->Remove(&pc);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      p.prefill->pending_prefill_tokens -= p.prefill_tokens;
-    }
-    if (!s.ok()) {
-      if (scope == nullptr || !scope->cancelled()) {
-        spdlog::warn("route: prefill on {} failed: {}; decoding locally on {}",
-                     p.prefill->address, s.error_message(), p.decode->address);
-        ++pd_fallbacks_;
+    bool granted = false;
+    for (size_t k = 0; k < candidates.size() && !granted; ++k) {
+      const std::shared_ptr<Node>& pf = candidates[k];
+      if (k > 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!pf->up || pf->refused || pf->removed) continue;
       }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        pf->pending_prefill_tokens += p.prefill_tokens;
+      }
+      grpc::ClientContext pc;
+      AddAuth(&pc);
+      pc.set_deadline(deadline);
+      if (scope != nullptr) scope->Add(&pc);
+      l.Clear();
+      grpc::Status s = pf->pd->Prefill(&pc, pr, &l);
+      if (scope != nullptr) scope->Remove(&pc);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        pf->pending_prefill_tokens -= p.prefill_tokens;
+      }
+      if (s.ok()) {
+        p.prefill = pf;
+        granted = true;
+        break;
+      }
+      if (scope != nullptr && scope->cancelled()) return std::nullopt;
+      const bool more = k + 1 < candidates.size() && Retryable(s.error_code()) &&
+                        std::chrono::system_clock::now() < deadline;
+      if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        std::lock_guard<std::mutex> lock(mu_);
+        pf->up = false;  // unreachable: skipped until its next poll answers
+      }
+      if (more) {
+        spdlog::warn("route: prefill on {} failed: {}; retrying on another prefill node",
+                     pf->address, s.error_message());
+        ++pd_retries_;
+        continue;
+      }
+      spdlog::warn("route: prefill on {} failed: {}; decoding locally on {}", pf->address,
+                   s.error_message(), p.decode->address);
+      ++pd_fallbacks_;
       return std::nullopt;
     }
+    if (!granted) {
+      ++pd_fallbacks_;
+      return std::nullopt;
+    }
+    MaybeStall("granted");
     grpc::ClientContext ac;
     AddAuth(&ac);
     ac.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -573,7 +632,20 @@ struct Router::Impl final : public v1::Kvserve::Service {
       ++pd_fallbacks_;
       return std::nullopt;
     }
+    MaybeStall("attached");
     return l;
+  }
+
+  // A GenerateRequest standing in for a chat request in placement: its
+  // prompt is the messages' text (the router does not render the chat
+  // template, so the estimate ignores the template's tokens and the radix
+  // match mostly misses).
+  static v1::GenerateRequest ChatPlacementStandIn(const std::vector<std::string>& texts,
+                                                  const std::string& salt) {
+    v1::GenerateRequest g;
+    g.set_prompt(absl::StrJoin(texts, "\n"));
+    g.set_cache_salt(salt);
+    return g;
   }
 
   // OpenAI HTTP: the body goes unchanged to the chosen decode-capable node's
@@ -596,20 +668,37 @@ struct Router::Impl final : public v1::Kvserve::Service {
       return error(400, "request body: not a JSON object");
     }
     v1::GenerateRequest gr;
+    pdv1::PrefillRequest pr;
     const bool text_completion =
         req.path == "/v1/completions" && body.contains("prompt") && body["prompt"].is_string();
+    const bool chat = req.path == "/v1/chat/completions" && body.contains("messages") &&
+                      body["messages"].is_array();
+    const std::string salt = body.contains("cache_salt") && body["cache_salt"].is_string()
+                                 ? body["cache_salt"].get<std::string>()
+                                 : std::string();
     if (text_completion) {
       gr.set_prompt(body["prompt"].get<std::string>());
-      if (body.contains("cache_salt") && body["cache_salt"].is_string()) {
-        gr.set_cache_salt(body["cache_salt"].get<std::string>());
+      gr.set_cache_salt(salt);
+      pr.set_generate_request(gr.SerializeAsString());
+    } else if (chat) {
+      // The prefill node parses the body exactly as the decode node's HTTP
+      // front end will (template, tools, salt) and prefills the result.
+      std::vector<std::string> texts;
+      for (const auto& m : body["messages"]) {
+        if (m.is_object() && m.contains("content") && m["content"].is_string()) {
+          texts.push_back(m["content"].get<std::string>());
+        }
       }
+      gr = ChatPlacementStandIn(texts, salt);
+      pr.set_openai_chat_body(req.body);
     }
-    absl::StatusOr<Placement> placed = Place(text_completion ? &gr : nullptr);
+    const bool disaggregable = text_completion || chat;
+    absl::StatusOr<Placement> placed = Place(disaggregable ? &gr : nullptr);
     if (!placed.ok()) return error(503, std::string(placed.status().message()));
     auto p = std::make_shared<Placement>(std::move(*placed));
     std::shared_ptr<std::optional<pdv1::Lease>> lease =
         std::make_shared<std::optional<pdv1::Lease>>(
-            text_completion ? PrefillAndAttach(*p, gr, nullptr, nullptr) : std::nullopt);
+            disaggregable ? PrefillAndAttach(*p, pr, nullptr, nullptr) : std::nullopt);
     if (*lease) {
       ++disaggregated_;
     } else {
@@ -670,14 +759,30 @@ struct Router::Impl final : public v1::Kvserve::Service {
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                         grpc::ServerWriter<v1::GenerateResponse>* w) override {
     if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
-    absl::StatusOr<Placement> placed = Place(req);
+    pdv1::PrefillRequest pr;
+    pr.set_generate_request(req->SerializeAsString());
+    return Serve(ctx, *req, pr, w,
+                 [req](Node* d, grpc::ClientContext* c) { return d->api->Generate(c, *req); });
+  }
+
+  using NodeCall =
+      std::function<std::unique_ptr<grpc::ClientReaderInterface<v1::GenerateResponse>>(
+          Node*, grpc::ClientContext*)>;
+
+  // Generate and Chat: place (by `placement`'s prompt), prefill remotely
+  // when chosen (`pr` carries the request as the prefill node reads it),
+  // stream the decode node's reply, release the lease at the end.
+  grpc::Status Serve(grpc::ServerContext* ctx, const v1::GenerateRequest& placement,
+                     const pdv1::PrefillRequest& pr, grpc::ServerWriter<v1::GenerateResponse>* w,
+                     const NodeCall& call) {
+    absl::StatusOr<Placement> placed = Place(&placement);
     if (!placed.ok()) {
       return grpc::Status(static_cast<grpc::StatusCode>(placed.status().code()),
                           std::string(placed.status().message()));
     }
     Placement p = std::move(*placed);
     CancelScope scope(ctx);
-    std::optional<pdv1::Lease> lease = PrefillAndAttach(p, *req, ctx, &scope);
+    std::optional<pdv1::Lease> lease = PrefillAndAttach(p, pr, ctx, &scope);
     if (!lease && scope.cancelled()) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
     }
@@ -693,9 +798,8 @@ struct Router::Impl final : public v1::Kvserve::Service {
       ++p.decode->in_flight;
     }
     Node* d = p.decode.get();
-    grpc::Status s = Stream(ctx, &scope, d, w, charged, [d, req](grpc::ClientContext* c) {
-      return d->api->Generate(c, *req);
-    });
+    grpc::Status s = Stream(ctx, &scope, d, w, charged,
+                            [d, &call](grpc::ClientContext* c) { return call(d, c); });
     {
       std::lock_guard<std::mutex> lock(mu_);
       --p.decode->in_flight;
@@ -709,15 +813,13 @@ struct Router::Impl final : public v1::Kvserve::Service {
   grpc::Status Chat(grpc::ServerContext* ctx, const v1::ChatRequest* req,
                     grpc::ServerWriter<v1::GenerateResponse>* w) override {
     if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
-    absl::StatusOr<Placement> placed = Place(nullptr);
-    if (!placed.ok()) {
-      return grpc::Status(static_cast<grpc::StatusCode>(placed.status().code()),
-                          std::string(placed.status().message()));
-    }
-    CancelScope scope(ctx);
-    Node* d = placed->decode.get();
-    return Stream(ctx, &scope, d, w, 0,
-                  [d, req](grpc::ClientContext* c) { return d->api->Chat(c, *req); });
+    std::vector<std::string> texts;
+    for (const v1::ChatMessage& m : req->messages()) texts.push_back(m.content());
+    const v1::GenerateRequest stand_in = ChatPlacementStandIn(texts, req->cache_salt());
+    pdv1::PrefillRequest pr;
+    pr.set_chat_request(req->SerializeAsString());
+    return Serve(ctx, stand_in, pr, w,
+                 [req](Node* d, grpc::ClientContext* c) { return d->api->Chat(c, *req); });
   }
 
   std::shared_ptr<Node> AnyDecoder() {
@@ -767,7 +869,8 @@ struct Router::Impl final : public v1::Kvserve::Service {
     }
     return absl::StrCat("{\"ready\":", *ready ? "true" : "false", ",\"disaggregated\":",
                         disaggregated_.load(), ",\"local\":", local_.load(),
-                        ",\"pd_fallbacks\":", pd_fallbacks_.load(), ",\"nodes\":[",
+                        ",\"pd_fallbacks\":", pd_fallbacks_.load(),
+                        ",\"pd_retries\":", pd_retries_.load(), ",\"nodes\":[",
                         absl::StrJoin(parts, ","), "]}\n");
   }
 

@@ -23,7 +23,10 @@
 // uncached part there is short (--pd-min-remote-tokens) or T_local wins
 // (conditional disaggregation); otherwise the chosen prefill node prefills
 // and leases, the decode node pulls, and the router streams the decode
-// node's reply back. Whatever happens, the router releases the lease when
+// node's reply back (Generate, Chat and both OpenAI completion routes; the
+// prefill node receives a chat request as sent and renders it itself). A
+// Prefill that fails node-side is retried on the next-best prefill node
+// within the request's deadline. Whatever happens, the router releases the lease when
 // the request ends. With only role-both nodes the router is a cache-aware
 // balancer (--policy kv) or round-robin (--policy round-robin).
 //
@@ -51,6 +54,11 @@ struct RouterOptions {
   int32_t pd_min_remote_tokens = 256;
   uint32_t lease_ttl_ms = 0;  // 0: the prefill node's --pd-lease-ttl
   std::string api_key;        // sent to nodes, required from clients when set
+  int poll_ms = 300;          // how often each node's NodeInfo and stats are polled
+  // Fault-injection tests only: the request thread stops (until the router
+  // is killed) once the lease is "granted" (before AttachLease) or
+  // "attached" (before Generate).
+  std::string test_stall;
 };
 
 class Router {

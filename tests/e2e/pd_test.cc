@@ -5,9 +5,13 @@
 // faults: a prefill node that frees leased blocks early (the generation
 // fence must catch every one), leases nobody claims (expiry), a decode node
 // killed or stopped past the ttl, a prefill node killed after granting and
-// restarted on the same port (new incarnation), duplicate and stale
-// releases, and bad leases (forged, unknown, malformed, other layout).
-// After each: every survivor's free blocks are back at baseline.
+// restarted on the same port (new incarnation), duplicate, reordered and
+// stale releases and attaches, bad leases (forged blocks or endpoint,
+// unknown, malformed, other layout), a pull slower than the lease's ttl
+// (renewed meanwhile), a decode node too small for the lease, the router
+// killed in each protocol state, and a dead prefill node the router retries
+// around. Chat goes through the router disaggregated too. After each fault:
+// every survivor's free blocks are back at baseline.
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -39,25 +43,30 @@ namespace {
 namespace v1 = ::kvserve::v1;
 namespace pdv1 = ::kvserve::pd::v1;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 
 constexpr int kMaxTokens = 12;
 
-std::vector<std::string> GlobalArgs() {
-  return {"--log-level", "info", "-t", "1", "-m", testing::Stories260KPath()};
+std::vector<std::string> GlobalArgs(const std::string& model = testing::Stories260KPath()) {
+  return {"--log-level", "info", "-t", "1", "-m", model};
 }
 
 std::vector<std::string> NodeArgs(const std::string& role, std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"--role",         role, "--kv-cache-memory", "16MiB",
-                                "--drain-timeout", "2", "--pd-transfer-timeout", "3",
-                                "--pd-test-hooks"};
+  std::vector<std::string> a = {"--role", role, "--drain-timeout", "2", "--pd-transfer-timeout",
+                                "3", "--pd-test-hooks"};
+  if (std::find(extra.begin(), extra.end(), "--kv-cache-memory") == extra.end()) {
+    a.insert(a.end(), {"--kv-cache-memory", "16MiB"});
+  }
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
 
 std::unique_ptr<testing::Daemon> StartNode(const std::string& role,
-                                           std::vector<std::string> extra = {}) {
-  auto d = testing::Daemon::Start(KVSERVE_BINARY, GlobalArgs(), NodeArgs(role, std::move(extra)));
+                                           std::vector<std::string> extra = {},
+                                           const std::string& model = testing::Stories260KPath()) {
+  auto d = testing::Daemon::Start(KVSERVE_BINARY, GlobalArgs(model),
+                                  NodeArgs(role, std::move(extra)));
   EXPECT_TRUE(d.ok()) << d.status();
   return d.ok() ? std::move(d).value() : nullptr;
 }
@@ -91,6 +100,33 @@ struct Client {
     while (reader->Read(&resp)) {
       for (int32_t t : resp.token_ids()) ids += std::to_string(t) + " ";
       if (resp.has_usage() && cached) *cached = resp.usage().cached_prompt_tokens();
+    }
+    grpc::Status s = reader->Finish();
+    if (!s.ok()) return "error: " + s.error_message();
+    return ids;
+  }
+  v1::ChatRequest ChatRequest(const std::string& user) const {
+    v1::ChatRequest r;
+    auto* m = r.add_messages();
+    m->set_role("system");
+    m->set_content("You tell short stories about animals and children.");
+    m = r.add_messages();
+    m->set_role("user");
+    m->set_content(user);
+    r.mutable_sampling()->set_max_tokens(kMaxTokens);
+    r.mutable_sampling()->set_temperature(0);
+    r.mutable_sampling()->set_ignore_eos(true);
+    return r;
+  }
+  // Greedy token ids of a chat reply, or the error as text.
+  std::string Chat(const std::string& user) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 60s);
+    auto reader = api->Chat(&c, ChatRequest(user));
+    v1::GenerateResponse resp;
+    std::string ids;
+    while (reader->Read(&resp)) {
+      for (int32_t t : resp.token_ids()) ids += std::to_string(t) + " ";
     }
     grpc::Status s = reader->Finish();
     if (!s.ok()) return "error: " + s.error_message();
@@ -191,6 +227,53 @@ std::vector<std::string> UniquePrompts(int n, const std::string& tag) {
   std::vector<std::string> out;
   for (int i = 0; i < n; ++i) out.push_back(tag + " " + std::to_string(i) + ": " + base[i]);
   return out;
+}
+
+std::string Addr(const testing::Daemon* d) {
+  return "127.0.0.1:" + std::to_string(d->grpc_port());
+}
+
+// A router over `nodes`; waits until `want_up` nodes are registered (its
+// /health counts them).
+std::unique_ptr<testing::Daemon> StartRouter(const std::vector<const testing::Daemon*>& nodes,
+                                             std::vector<std::string> extra, int want_up) {
+  std::string list;
+  for (const auto* n : nodes) list += (list.empty() ? "" : ",") + Addr(n);
+  std::vector<std::string> args = {"--nodes", list};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto r = testing::Daemon::StartSubcommand(KVSERVE_BINARY, {"--log-level", "info"}, "route", args);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return nullptr;
+  httplib::Client h("127.0.0.1", (*r)->http_port());
+  for (int i = 0; i < 300; ++i) {
+    auto res = h.Get("/health");
+    if (res) {
+      const nlohmann::json j = nlohmann::json::parse(res->body, nullptr, false);
+      int up = 0;
+      if (j.is_object() && j.contains("nodes")) {
+        for (const auto& n : j["nodes"]) up += n.value("up", false) ? 1 : 0;
+      }
+      if (up >= want_up) return std::move(r).value();
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  ADD_FAILURE() << "router: fewer than " << want_up << " nodes registered";
+  return std::move(r).value();
+}
+
+nlohmann::json RouterHealth(const testing::Daemon* r) {
+  httplib::Client h("127.0.0.1", r->http_port());
+  auto res = h.Get("/health");
+  return res ? nlohmann::json::parse(res->body, nullptr, false) : nlohmann::json();
+}
+
+// Waits until the daemon's log contains `text`; false after 30 s.
+bool WaitForLog(const testing::Daemon* d, const std::string& text) {
+  for (int i = 0; i < 600; ++i) {
+    if (d->Log().find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(50ms);
+  }
+  return false;
 }
 
 int FreePort() {
@@ -554,6 +637,317 @@ TEST(PdRouterTest, LayoutMismatchIsRefusedAtRegistration) {
   Client c((*r)->grpc_port());
   const std::string prompt = Prompts(1)[0];
   EXPECT_EQ(c.Generate(prompt), Client(a->grpc_port()).Generate(prompt));
+}
+
+// The lease's digest covers where the GETs go: a lease whose UCX worker
+// address or region descriptors were swapped is refused, naming that part.
+TEST_F(PdTest, ForgedEndpointIsRefusedNamingTheAddress) {
+  Client p(prefill_->grpc_port()), d(decode_->grpc_port());
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(1, "Forged endpoint")[0], &lease).ok());
+  ASSERT_GT(lease.block_ids_size(), 0);
+  const int64_t forged_before = p.Info().forged_endpoints();
+  // Another node's worker address (the decode node's own), as an attacker
+  // pointing the GETs elsewhere would use.
+  pdv1::Lease forged = lease;
+  forged.set_ucx_address(d.Info().ucx_address());
+  grpc::Status s = d.Attach(forged);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("UCX worker address"));
+  forged = lease;
+  forged.set_kv_region(forged.kv_region() + "x");
+  s = d.Attach(forged);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("region descriptors"));
+  forged = lease;
+  forged.set_generation_region(lease.kv_region());
+  s = d.Attach(forged);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(p.Info().forged_endpoints(), forged_before + 3);
+  // The genuine lease still attaches and is pulled.
+  const int64_t ok_before = d.Info().transfers_ok();
+  ASSERT_TRUE(d.Attach(lease).ok());
+  const std::string prompt = UniquePrompts(1, "Forged endpoint")[0];
+  EXPECT_EQ(d.Generate(prompt), Reference(prompt));
+  EXPECT_EQ(d.Info().transfers_ok(), ok_before + 1);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// A pull slower than the lease's ttl (the test hook stalls it 2 s; the ttl
+// is 0.6 s): the decode node renews the lease meanwhile, so it never
+// expires, and the transfer commits.
+TEST_F(PdTest, LongPullRenewsTheLease) {
+  Client p(prefill_->grpc_port());
+  auto slow = StartNode("decode", {"--pd-test-pull-delay", "2"});
+  ASSERT_TRUE(slow);
+  Client d(slow->grpc_port());
+  const std::string prompt = UniquePrompts(1, "Slow link")[0];
+  const int64_t expired = p.Info().leases_expired();
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(prompt, &lease, /*ttl_ms=*/600).ok());
+  ASSERT_GT(lease.block_ids_size(), 0);
+  ASSERT_TRUE(d.Attach(lease).ok());
+  EXPECT_EQ(d.Generate(prompt), Reference(prompt));
+  const pdv1::NodeInfo info = d.Info();
+  EXPECT_EQ(info.transfers_ok(), 1);
+  EXPECT_EQ(info.transfers_failed(), 0);
+  EXPECT_GE(info.lease_renewals(), 3);  // 2 s of stall at a renewal every ttl/3
+  EXPECT_EQ(info.blocks_pulled(), lease.block_ids_size());
+  EXPECT_EQ(p.Info().leases_expired(), expired);  // renewed, never expired
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// A decode node whose pool cannot hold the lease refuses it at attach
+// (RESOURCE_EXHAUSTED naming both sizes); through the router the request
+// then fails with a clear status, the prefill lease is released at once,
+// and both nodes keep serving with their blocks back at baseline.
+TEST_F(PdTest, DecodeOutOfBlocksRefusesThePullCleanly) {
+  Client p(prefill_->grpc_port());
+  auto small = StartNode("decode", {"--kv-cache-memory", "48KiB"});
+  ASSERT_TRUE(small);
+  Client d(small->grpc_port());
+  const int32_t num_blocks = d.Info().num_blocks();
+  ASSERT_GT(num_blocks, 0);
+  std::string prompt = "Out of blocks:";
+  // Longer than the decode pool, shorter than the model's context (128
+  // tokens).
+  const char* words[] = {"the", "dog", "ran", "to", "the", "park", "and", "saw", "a", "cat."};
+  auto count = [&](const std::string& text) {
+    v1::TokenizeRequest t;
+    t.set_text(text);
+    v1::TokenizeResponse resp;
+    grpc::ClientContext c;
+    EXPECT_TRUE(p.api->Tokenize(&c, t, &resp).ok());
+    return resp.token_ids_size();
+  };
+  for (int i = 0; count(prompt) < (num_blocks + 1) * 16 + 4; ++i) {
+    prompt += std::string(" ") + words[i % 10];
+  }
+  pdv1::Lease lease;
+  grpc::Status ps = p.Prefill(prompt, &lease);
+  ASSERT_TRUE(ps.ok()) << ps.error_message() << " (pool " << num_blocks << " blocks)";
+  ASSERT_GT(lease.block_ids_size(), num_blocks);
+  grpc::Status s = d.Attach(lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("this decode node's pool has " + std::to_string(num_blocks)));
+  ASSERT_TRUE(p.Release(lease.transfer_id(), lease.incarnation()).ok());
+
+  auto router = StartRouter({prefill_, small.get()}, {"--pd-mode", "always"}, 2);
+  ASSERT_TRUE(router);
+  Client r(router->grpc_port());
+  const int64_t granted = p.Info().leases_granted(), released = p.Info().leases_released();
+  const std::string got = r.Generate(prompt);
+  EXPECT_THAT(got, HasSubstr("KV blocks"));  // request needs N KV blocks; the cache has M
+  EXPECT_EQ(p.Info().leases_granted(), granted + 1);
+  EXPECT_EQ(p.Info().leases_released(), released + 1);  // by the router, at once
+  EXPECT_EQ(d.Info().leases_refused_no_blocks(), 2);
+  // A prompt that fits still goes through both nodes.
+  const std::string fits = "Fits: Once upon a time, there was a big dog.";
+  EXPECT_EQ(r.Generate(fits), Reference(fits));
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// The router dies with a lease granted (before AttachLease) and with it
+// attached (before Generate): the prefill lease expires or the decode node
+// releases the lease nobody claimed, within the ttl; no block leaks.
+TEST_F(PdTest, RouterKilledAfterGrantOrAttachLeavesNoLeak) {
+  Client p(prefill_->grpc_port()), d(decode_->grpc_port());
+  for (const std::string state : {"granted", "attached"}) {
+    auto router = StartRouter({prefill_, decode_},
+                              {"--pd-mode", "always", "--pd-lease-ttl-ms", "1000",
+                               "--test-stall", state},
+                              2);
+    ASSERT_TRUE(router);
+    const pdv1::NodeInfo p0 = p.Info(), d0 = d.Info();
+    const std::string prompt = UniquePrompts(1, "Router dies " + state)[0];
+    std::string result;
+    std::thread client([&] { result = Client(router->grpc_port()).Generate(prompt); });
+    EXPECT_TRUE(WaitForLog(router.get(), "request stopped with its lease " + state)) << state;
+    router->StopWith(SIGKILL, 5);
+    client.join();
+    EXPECT_THAT(result, HasSubstr("error")) << state;
+    EXPECT_EQ(p.Info().leases_granted(), p0.leases_granted() + 1) << state;
+    EXPECT_TRUE(p.AtBaseline()) << state;
+    EXPECT_TRUE(d.AtBaseline()) << state;
+    const pdv1::NodeInfo p1 = p.Info(), d1 = d.Info();
+    if (state == "granted") {
+      EXPECT_EQ(p1.leases_expired(), p0.leases_expired() + 1);
+      EXPECT_EQ(d1.leases_attached(), d0.leases_attached());
+    } else {
+      EXPECT_EQ(d1.leases_attached(), d0.leases_attached() + 1);
+      // Released by the decode node as unused, or expired first; gone either way.
+      EXPECT_EQ(p1.leases_active(), 0);
+      for (int i = 0; i < 100 && d.Info().leases_unused() == d0.leases_unused(); ++i) {
+        std::this_thread::sleep_for(50ms);
+      }
+      EXPECT_EQ(d.Info().leases_unused(), d0.leases_unused() + 1);
+    }
+    // The nodes keep serving.
+    const std::string after = UniquePrompts(1, "After router " + state)[0];
+    EXPECT_EQ(Client(router_->grpc_port()).Generate(after), Reference(after));
+  }
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// The router dies mid-pull (the pull stalls 1.5 s by the test hook): the
+// decode node finishes (or abandons) the pull, releases the lease, and
+// both nodes return to baseline.
+TEST_F(PdTest, RouterKilledMidPullLeavesNoLeak) {
+  Client p(prefill_->grpc_port());
+  auto slow = StartNode("decode", {"--pd-test-pull-delay", "1.5"});
+  ASSERT_TRUE(slow);
+  Client d(slow->grpc_port());
+  auto router =
+      StartRouter({prefill_, slow.get()}, {"--pd-mode", "always", "--pd-lease-ttl-ms", "1000"}, 2);
+  ASSERT_TRUE(router);
+  const std::string prompt = UniquePrompts(1, "Router dies mid-pull")[0];
+  const pdv1::NodeInfo p0 = p.Info();
+  std::string result;
+  std::thread client([&] { result = Client(router->grpc_port()).Generate(prompt); });
+  bool pulling = false;
+  for (int i = 0; i < 600 && !pulling; ++i) {
+    pulling = d.Stats().kv_arriving() > 0;
+    if (!pulling) std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(pulling);
+  router->StopWith(SIGKILL, 5);
+  client.join();
+  EXPECT_THAT(result, HasSubstr("error"));
+  EXPECT_TRUE(d.AtBaseline());
+  EXPECT_TRUE(p.AtBaseline());
+  const pdv1::NodeInfo p1 = p.Info(), d1 = d.Info();
+  EXPECT_EQ(p1.leases_granted(), p0.leases_granted() + 1);
+  EXPECT_EQ(d1.transfers_ok() + d1.transfers_failed(), 1);
+  EXPECT_EQ(p1.leases_active(), 0);
+  // Released by the decode node when the pull ended (renewed meanwhile).
+  EXPECT_EQ(p1.leases_released(), p0.leases_released() + 1);
+  EXPECT_EQ(p1.leases_expired(), p0.leases_expired());
+}
+
+// Protocol messages out of order and repeated: a second AttachLease is a
+// no-op; the router's release arriving before the decode node's pull and
+// commit notification (the decode node's own release then finds nothing);
+// a release after expiry. None disturbs anything; outputs stay exact.
+TEST_F(PdTest, DuplicateReorderedAndStaleMessagesAreIdempotent) {
+  Client p(prefill_->grpc_port()), d(decode_->grpc_port());
+  const std::vector<std::string> prompts = UniquePrompts(2, "Reordered");
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(prompts[0], &lease).ok());
+  const pdv1::NodeInfo d0 = d.Info(), p0 = p.Info();
+  ASSERT_TRUE(d.Attach(lease).ok());
+  ASSERT_TRUE(d.Attach(lease).ok());  // duplicate: no second claim
+  EXPECT_EQ(d.Info().duplicate_attaches(), d0.duplicate_attaches() + 1);
+  EXPECT_EQ(d.Info().leases_attached(), d0.leases_attached() + 1);
+  // The router's release overtakes the decode node's pull.
+  bool released = false;
+  ASSERT_TRUE(p.Release(lease.transfer_id(), lease.incarnation(), &released).ok());
+  EXPECT_TRUE(released);
+  EXPECT_EQ(d.Generate(prompts[0]), Reference(prompts[0]));
+  // The decode node's own release ("committed"/"failed") came after: a
+  // duplicate, answered released: false.
+  for (int i = 0; i < 100 && p.Info().duplicate_releases() == p0.duplicate_releases(); ++i) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(p.Info().duplicate_releases(), p0.duplicate_releases() + 1);
+
+  // Stale: a lease that expired, then released and attached late.
+  pdv1::Lease expiring;
+  ASSERT_TRUE(p.Prefill(prompts[1], &expiring, /*ttl_ms=*/300).ok());
+  EXPECT_TRUE(p.AtBaseline());
+  ASSERT_TRUE(p.Release(expiring.transfer_id(), expiring.incarnation(), &released).ok());
+  EXPECT_FALSE(released);
+  grpc::Status s = d.Attach(expiring);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("unknown transfer id"));
+  EXPECT_EQ(d.Generate(prompts[1]), Reference(prompts[1]));
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// Two prefill nodes: the one the router picks dies before the router
+// notices (polls are a minute apart here); the router retries on the other
+// within the request's deadline. With both dead, the decode node computes
+// the prompt itself. Outputs stay exact, nothing leaks.
+TEST(PdRouterTest, DeadPrefillNodeIsRetriedOnAnother) {
+  auto both = StartNode("both");
+  auto p1 = StartNode("prefill");
+  auto p2 = StartNode("prefill");
+  auto d = StartNode("decode");
+  ASSERT_TRUE(both && p1 && p2 && d);
+  auto router = StartRouter({p1.get(), p2.get(), d.get()},
+                            {"--pd-mode", "always", "--poll-interval-ms", "60000"}, 3);
+  ASSERT_TRUE(router);
+  Client r(router->grpc_port()), c2(p2->grpc_port()), cd(d->grpc_port());
+  p1->StopWith(SIGKILL, 5);
+  const std::vector<std::string> prompts = UniquePrompts(2, "Retry");
+  EXPECT_EQ(r.Generate(prompts[0]), Client(both->grpc_port()).Generate(prompts[0]));
+  nlohmann::json h = RouterHealth(router.get());
+  EXPECT_EQ(h.value("pd_retries", -1), 1) << h.dump();
+  EXPECT_EQ(h.value("disaggregated", -1), 1) << h.dump();
+  EXPECT_EQ(c2.Info().leases_granted(), 1);
+  EXPECT_EQ(cd.Info().transfers_ok(), 1);
+  p2->StopWith(SIGKILL, 5);
+  EXPECT_EQ(r.Generate(prompts[1]), Client(both->grpc_port()).Generate(prompts[1]));
+  h = RouterHealth(router.get());
+  EXPECT_EQ(h.value("pd_fallbacks", -1), 1) << h.dump();
+  EXPECT_EQ(h.value("local", -1), 1) << h.dump();
+  EXPECT_TRUE(cd.AtBaseline());
+}
+
+// Chat through the router is disaggregated like Generate (the prefill
+// node renders the template as the decode node does, so the leased tokens
+// match and the blocks are pulled) and equals the single node's reply, on
+// gRPC Chat and on /v1/chat/completions. SmolLM2 (stories260K has no chat
+// template).
+TEST(PdRouterTest, ChatThroughRouterIsDisaggregatedAndEqualsOneNode) {
+  const std::string model = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(model, "SmolLM2");
+  auto both_node = StartNode("both", {}, model);
+  auto prefill = StartNode("prefill", {}, model);
+  auto decode = StartNode("decode", {}, model);
+  ASSERT_TRUE(both_node && prefill && decode);
+  auto r = StartRouter({prefill.get(), decode.get()}, {"--pd-mode", "always"}, 2);
+  ASSERT_TRUE(r);
+  Client router(r->grpc_port()), both(both_node->grpc_port()), d(decode->grpc_port());
+  const pdv1::NodeInfo d0 = d.Info();
+  const std::vector<std::string> users = UniquePrompts(4, "Chat");
+  for (const std::string& u : users) {
+    const std::string want = both.Chat(u);
+    EXPECT_THAT(want, Not(HasSubstr("error"))) << u;
+    EXPECT_EQ(router.Chat(u), want) << u;
+  }
+  const pdv1::NodeInfo d1 = d.Info();
+  EXPECT_EQ(d1.leases_attached() - d0.leases_attached(), 4);
+  EXPECT_EQ(d1.transfers_ok() - d0.transfers_ok(), 4);  // the leases matched the rendered prompt
+  EXPECT_GT(d1.blocks_pulled(), d0.blocks_pulled());
+
+  httplib::Client rh("127.0.0.1", r->http_port()), bh("127.0.0.1", both_node->http_port());
+  rh.set_read_timeout(60, 0);
+  bh.set_read_timeout(60, 0);
+  for (const std::string& u : UniquePrompts(3, "HTTP chat")) {
+    nlohmann::json body = {
+        {"messages", {{{"role", "system"}, {"content", "You tell short stories."}},
+                      {{"role", "user"}, {"content", u}}}},
+        {"max_tokens", kMaxTokens},
+        {"temperature", 0},
+        {"ignore_eos", true}};
+    auto want = bh.Post("/v1/chat/completions", body.dump(), "application/json");
+    auto got = rh.Post("/v1/chat/completions", body.dump(), "application/json");
+    ASSERT_TRUE(want && got);
+    ASSERT_EQ(got->status, 200) << got->body;
+    EXPECT_EQ(nlohmann::json::parse(got->body)["choices"][0]["message"]["content"],
+              nlohmann::json::parse(want->body)["choices"][0]["message"]["content"]);
+  }
+  const pdv1::NodeInfo d2 = d.Info();
+  EXPECT_EQ(d2.leases_attached() - d1.leases_attached(), 3);
+  EXPECT_EQ(d2.transfers_ok() - d1.transfers_ok(), 3);
+  EXPECT_TRUE(Client(prefill->grpc_port()).AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
 }
 
 }  // namespace

@@ -195,5 +195,56 @@ TEST(KvArrivingTest, OtherRequestsRunWhileOneIsParked) {
   EXPECT_EQ(e->kv_pool().num_free_blocks(), 64);
 }
 
+// A loader that supplies from block boundaries only (as a decode node's
+// does), with or without asking for the whole-block re-match
+// (KvLoader::RematchWholeBlocks).
+class BoundaryLoader : public ComputingLoader {
+ public:
+  BoundaryLoader(LlamaModel* model, bool rematch)
+      : ComputingLoader(model, /*polls=*/1, /*fail=*/false), rematch_(rematch) {}
+  int32_t Lookup(std::string_view, absl::Span<const int32_t>, int32_t from,
+                 int32_t limit) override {
+    ++lookups;
+    return supply && from % 16 == 0 ? limit - from : 0;
+  }
+  bool RematchWholeBlocks() const override { return rematch_; }
+  bool supply = false;
+
+ private:
+  bool rematch_;
+};
+
+std::vector<int32_t> Tokens(int n, int salt) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(1 + (i * 7 + salt * 13) % 500);
+  return t;
+}
+
+TEST(KvArrivingTest, WholeBlockRematchIsTheLoadersChoice) {
+  const Model& m = Tiny();
+  // B shares A's first 24 tokens: its radix match ends inside block 1.
+  const std::vector<int32_t> a = Tokens(40, 1);
+  std::vector<int32_t> b(a.begin(), a.begin() + 24);
+  for (int32_t t : Tokens(24, 2)) b.push_back(t);
+  std::vector<int32_t> want;
+  {
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), Opts(nullptr)).value();
+    want = Generate(*e, b, 6);
+  }
+  for (const bool rematch : {true, false}) {
+    BoundaryLoader loader(m.model.get(), rematch);
+    EngineOptions o = Opts(&loader);
+    o.prefix_cache = true;
+    auto e = Engine::Create(m.model.get(), m.tokenizer.get(), Pool(), o).value();
+    (void)Generate(*e, a, 4);  // computed here: A's blocks enter the prefix cache
+    ASSERT_EQ(loader.started, 0);
+    loader.supply = true;
+    EXPECT_EQ(Generate(*e, b, 6), want) << "rematch " << rematch;
+    // With the re-match the load runs from the block boundary (16); without
+    // it the match stays at 24, where this loader supplies nothing.
+    EXPECT_EQ(loader.started, rematch ? 1 : 0) << "rematch " << rematch;
+  }
+}
+
 }  // namespace
 }  // namespace kvserve
