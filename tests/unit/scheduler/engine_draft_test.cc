@@ -6,6 +6,7 @@
 // off-by-one in acceptance fails here), also when the prompt and draft are
 // prefilled over several steps and when the prompt comes from the prefix
 // cache; and no block is left behind.
+#include <chrono>
 #include <condition_variable>
 #include <fstream>
 #include <mutex>
@@ -53,13 +54,13 @@ struct Output {
 };
 
 std::unique_ptr<Engine> MakeEngine(int32_t budget = 512, bool prefix_cache = true,
-                                   int32_t num_blocks = 128) {
+                                   int32_t num_blocks = 128, bool start = true) {
   EngineOptions o;
   o.num_blocks = num_blocks;
   o.max_batched_tokens = budget;
   o.prefix_cache = prefix_cache;
   auto e = Engine::Create(Tiny().model.get(), Tiny().tokenizer.get(), Pool(), o).value();
-  e->Start();
+  if (start) e->Start();
   return e;
 }
 
@@ -72,29 +73,39 @@ EngineRequest Greedy(int32_t max_tokens) {
   return r;
 }
 
-Output Generate(Engine* e, EngineRequest r) {
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    Output out;
-    bool done = false;
-  } st;
-  auto id = e->Submit(std::move(r), [&st](const SeqEvent& ev) {
-    std::lock_guard<std::mutex> lock(st.mu);
-    st.out.tokens.insert(st.out.tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
-    if (!ev.token_ids.empty()) st.out.event_tokens.push_back(ev.token_ids);
-    st.out.text += ev.text;
-    st.out.accepted = std::max(st.out.accepted, ev.draft_accepted);
+// One request's output as its events arrive; Wait() blocks until it ends.
+struct Collected {
+  std::mutex mu;
+  std::condition_variable cv;
+  Output out;
+  bool done = false;
+  Output Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    return out;
+  }
+};
+
+void Submit(Engine* e, EngineRequest r, Collected* st) {
+  auto id = e->Submit(std::move(r), [st](const SeqEvent& ev) {
+    std::lock_guard<std::mutex> lock(st->mu);
+    st->out.tokens.insert(st->out.tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
+    if (!ev.token_ids.empty()) st->out.event_tokens.push_back(ev.token_ids);
+    st->out.text += ev.text;
+    st->out.accepted = std::max(st->out.accepted, ev.draft_accepted);
     if (ev.finish != FinishReason::kNone) {
-      st.out.finish = ev.finish;
-      st.done = true;
-      st.cv.notify_all();
+      st->out.finish = ev.finish;
+      st->done = true;
+      st->cv.notify_all();
     }
   });
   EXPECT_TRUE(id.ok()) << id.status();
-  std::unique_lock<std::mutex> lock(st.mu);
-  st.cv.wait(lock, [&] { return st.done; });
-  return st.out;
+}
+
+Output Generate(Engine* e, EngineRequest r) {
+  Collected st;
+  Submit(e, std::move(r), &st);
+  return st.Wait();
 }
 
 void ExpectSame(const Output& got, const Output& want, const std::string& what) {
@@ -188,18 +199,20 @@ TEST(EngineDraftPreemptionTest, DraftedRequestsSurvivePreemptionByRecompute) {
   }();
   // Six requests of three blocks each in a pool of seven: they preempt each
   // other (recompute) while their drafts are being verified.
-  auto e = MakeEngine(512, /*prefix_cache=*/false, /*num_blocks=*/7);
-  std::vector<std::thread> threads;
-  std::vector<Output> outs(6);
+  // All six are submitted before the engine starts, so they run together
+  // however the machine schedules threads (with a submitting thread each, a
+  // loaded CI machine let them arrive one at a time and none was preempted).
+  auto e = MakeEngine(512, /*prefix_cache=*/false, /*num_blocks=*/7, /*start=*/false);
+  std::vector<Collected> collected(6);
   for (int i = 0; i < 6; ++i) {
-    threads.emplace_back([&, i] {
-      EngineRequest r = Greedy(kMax);
-      r.draft_tokens = plain.tokens;
-      if (i % 2 == 1) r.draft_tokens[5 + i] = Other(r.draft_tokens[5 + i]);
-      outs[i] = Generate(e.get(), r);
-    });
+    EngineRequest r = Greedy(kMax);
+    r.draft_tokens = plain.tokens;
+    if (i % 2 == 1) r.draft_tokens[5 + i] = Other(r.draft_tokens[5 + i]);
+    Submit(e.get(), std::move(r), &collected[i]);
   }
-  for (auto& t : threads) t.join();
+  e->Start();
+  std::vector<Output> outs;
+  for (Collected& c : collected) outs.push_back(c.Wait());
   for (int i = 0; i < 6; ++i) {
     EXPECT_EQ(outs[i].tokens, plain.tokens) << "request " << i;
     EXPECT_EQ(outs[i].text, plain.text) << "request " << i;
