@@ -92,12 +92,14 @@ class FieldReader {
       return static_cast<Int>(i);
     }
     if (v.is_number_float()) {
+      // The range first: casting a double beyond int64 (1.9e85) is undefined
+      // behaviour (the request fuzzer's finding), and so is NaN.
       const double d = v.get<double>();
-      if (d != static_cast<double>(static_cast<int64_t>(d))) return std::nullopt;
-      if (d < static_cast<double>(std::numeric_limits<Int>::min()) ||
-          d > static_cast<double>(std::numeric_limits<Int>::max())) {
+      if (!(d >= static_cast<double>(std::numeric_limits<Int>::min()) &&
+            d < static_cast<double>(std::numeric_limits<Int>::max()) + 1.0)) {
         return std::nullopt;
       }
+      if (d != std::trunc(d)) return std::nullopt;
       return static_cast<Int>(d);
     }
     return std::nullopt;

@@ -200,5 +200,20 @@ TEST(OpenAiRequestTest, FloatsBeyondFloatRangeAreRefused) {
   EXPECT_FLOAT_EQ(MustParse(R"({"prompt": "x", "top_p": 3e38})").params.top_p, 3e38f);
 }
 
+// The request fuzzer's finding: an integer field given a float beyond int64
+// (1.9e85) was cast before its range was checked (undefined behaviour).
+TEST(OpenAiRequestTest, IntegerFieldsRefuseFloatsBeyondTheirRange) {
+  for (const char* body : {R"({"prompt": "x", "max_tokens": 1.88889e85})",
+                           R"({"prompt": "x", "max_tokens": -1e19})",
+                           R"({"prompt": "x", "max_tokens": 2147483648.0})",
+                           R"({"prompt": "x", "max_tokens": 9.223372036854775808e18})",
+                           R"({"prompt": "x", "max_tokens": 2.5})"}) {
+    const ApiError e = MustFail(body);
+    EXPECT_EQ(e.param, "max_tokens") << body;
+    EXPECT_THAT(e.message, HasSubstr("must be an integer")) << body;
+  }
+  EXPECT_EQ(MustParse(R"({"prompt": "x", "max_tokens": 7.0})").params.max_tokens, 7);
+}
+
 }  // namespace
 }  // namespace kvserve
