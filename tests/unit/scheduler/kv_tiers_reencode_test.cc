@@ -15,53 +15,22 @@
 #include "scheduler/kv_tiers.h"
 #include "tests/testing/generate.h"
 #include "tests/testing/test_models.h"
+#include "tests/unit/scheduler/kv_tiers_fixture.h"
 
 namespace kvserve {
 namespace {
 
 using Model = testing::WrittenModel;
-const Model& Tiny() { return testing::TinyWrittenModel("kv-tiers-tiny", 512); }
-ThreadPool* Pool() { return testing::TestPool(); }
-
-constexpr int32_t kBlocks = 5;  // 80 tokens: one 64-token prompt and its output
-
-SamplingParams Greedy(int max_tokens) {
-  SamplingParams p;
-  p.temperature = 0;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
-
-std::vector<int32_t> PromptOf(int seed, int len = 64) {
-  std::vector<int32_t> p(len);
-  std::mt19937 rng(seed);
-  for (int32_t& t : p) t = 1 + static_cast<int32_t>(rng() % 40);
-  return p;
-}
-
-std::string ScratchDir(const char* name) {
-  std::string d = testing::TempDir() + "/tiers-reencode-" + name;
-  std::filesystem::remove_all(d);
-  return d;
-}
-
-struct Result {
-  std::vector<int32_t> tokens;
-  SeqEvent last;
-};
-
+using tiers_testing::Greedy;
+using tiers_testing::kBlocks;
+using tiers_testing::Pool;
+using tiers_testing::PromptOf;
+using tiers_testing::Result;
+using tiers_testing::Tiny;
 Result Generate(Engine& e, const std::vector<int32_t>& prompt, int max_tokens = 8) {
-  Result r;
-  auto id = e.Submit({prompt, Greedy(max_tokens)}, [&](const SeqEvent& ev) {
-    r.tokens.insert(r.tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
-    r.last = ev;
-  });
-  EXPECT_TRUE(id.ok());
-  while (e.Step()) {
-  }
-  return r;
+  return tiers_testing::Generate(e, prompt, max_tokens);
 }
+std::string ScratchDir(const char* name) { return tiers_testing::ScratchDir("tiers-reencode-", name); }
 
 absl::StatusOr<std::unique_ptr<Engine>> TryEngine(std::shared_ptr<KvTiers> tiers,
                                                   kernels::KvDType dtype = kernels::KvDType::kF16,
