@@ -36,14 +36,30 @@ void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n,
 void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 neg = _mm256_set1_ps(-0.0f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
+  auto eight = [&](const float* g8, const float* u8, float* o8) {
+    const __m256 g = _mm256_loadu_ps(g8);
     const __m256 e = Exp(_mm256_xor_ps(g, neg));
     const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(o8, _mm256_mul_ps(silu, _mm256_loadu_ps(u8)));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) eight(gate + i, up + i, out + i);
+  // The tail goes through the same vector arithmetic, padded: each output
+  // is a function of its own inputs alone, never of where it sits. Callers
+  // pass a whole batch flattened (n_tokens * ffn_dim), so a scalar tail
+  // made a token's activations depend on the batch's size whenever ffn_dim
+  // is not a multiple of 8 (stories260K: 172), and a seeded sample could
+  // change with the company its request kept.
+  if (i < n) {
+    alignas(32) float g8[8] = {}, u8[8] = {}, o8[8];
+    const int64_t rest = n - i;
+    for (int64_t j = 0; j < rest; ++j) {
+      g8[j] = gate[i + j];
+      u8[j] = up[i + j];
+    }
+    eight(g8, u8, o8);
+    for (int64_t j = 0; j < rest; ++j) out[i + j] = o8[j];
   }
-  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
 void AddInPlaceAvx2(float* x, const float* y, int64_t n) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
@@ -71,6 +72,26 @@ TEST_P(OpsTest, SiluMulMatchesReference) {
   std::vector<float> inplace = gate;
   SiluMul(inplace.data(), up.data(), n(), inplace.data());
   ExpectNear(inplace, want, 1e-6f);
+}
+
+// The model passes a whole batch flattened (n_tokens * ffn_dim), so an
+// element's output must not depend on where it sits or how long the array
+// is: a token's activations would otherwise change with its batch's size.
+TEST_P(OpsTest, SiluMulOfAnElementDoesNotDependOnItsPositionOrTheLength) {
+  const auto gate = RandomFloats(n() + 16, 21, 4.0f);
+  const auto up = RandomFloats(n() + 16, 22);
+  std::vector<float> whole(n() + 16);
+  SiluMul(gate.data(), up.data(), n() + 16, whole.data());
+  for (int64_t start : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{5}, int64_t{12}}) {
+    for (int64_t len = 1; start + len <= n() + 16 && len <= n(); len += (len < 20 ? 1 : 7)) {
+      std::vector<float> part(len);
+      SiluMul(gate.data() + start, up.data() + start, len, part.data());
+      for (int64_t i = 0; i < len; ++i) {
+        ASSERT_EQ(std::memcmp(&part[i], &whole[start + i], sizeof(float)), 0)
+            << "element " << start + i << " computed at offset " << i << " of " << len;
+      }
+    }
+  }
 }
 
 TEST_P(OpsTest, AddInPlaceAdds) {

@@ -4,6 +4,7 @@
 #include "model/llama.h"
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -264,6 +265,70 @@ TEST(LlamaForwardTest, ChunkedPrefillGivesTheSameLogitsAsOnePass) {
                                  chunked.data(), &tp).ok());
   }
   for (int v = 0; v < c.vocab_size; ++v) EXPECT_NEAR(one[v], chunked[v], 1e-4f) << v;
+}
+
+// Batch invariance, bit for bit: a row's logits are the same whatever else
+// shares its forward pass. Seeded sampling (and speculation, which changes
+// who batches with whom) relies on it: a last-bit difference can move a
+// draw across a token boundary. ffn_dim 103 is not a multiple of 8, so a
+// flattened element-wise op with a scalar tail would break it.
+TEST(LlamaForwardTest, ARowsLogitsDoNotDependOnWhatItIsBatchedWith) {
+  testing::TinyLlamaOptions o;
+  o.ffn_dim = 103;
+  Engine e = LoadEngine(WriteTiny(o, "tiny-ffn103.gguf"));
+  ASSERT_TRUE(e.model);
+  const LlamaConfig& c = e.model->config();
+  KvPoolOptions po{c.n_layers, c.n_kv_heads, c.head_dim, 4, 32, kernels::KvDType::kF32};
+  const std::vector<int32_t> prompt = {1, 40, 41, 42, 43, 44, 45};
+  const int n = static_cast<int>(prompt.size());
+  ThreadPool tp(3);
+  // Sequence 0 is the one watched; 1..k run alongside it (k = 0 alone).
+  auto logits_of_seq0 = [&](int k) {
+    auto pool = KvPool::Create(po).value();
+    std::vector<BlockHandle> blocks;
+    EXPECT_TRUE(pool->Allocate(4 * (k + 1), &blocks).ok());
+    std::vector<int32_t> ids, offsets;
+    for (const BlockHandle& h : blocks) ids.push_back(h.id);
+    for (int s = 0; s <= k + 1; ++s) offsets.push_back(4 * s);  // k + 2 bounds
+    std::vector<float> out(static_cast<size_t>(c.vocab_size) * (k + 1));
+    // Prefill: every sequence's prompt (the others' shifted by one token).
+    std::vector<int32_t> t, seq, pos, rows;
+    for (int s = k; s >= 0; --s) {
+      for (int i = 0; i < n; ++i) {
+        t.push_back(prompt[i] + (s > 0 ? 1 + s : 0));
+        seq.push_back(s);
+        pos.push_back(i);
+      }
+      rows.push_back(static_cast<int32_t>(t.size()) - 1);
+    }
+    auto kv = pool->View(ids.data(), offsets.data(), k + 1);
+    absl::Status st = e.model->Forward({t, seq, pos, rows}, kv, out.data(), &tp);
+    EXPECT_TRUE(st.ok()) << st;
+    // Then decode steps, sequence 0 last in the batch; its logits of
+    // every step are kept.
+    std::vector<float> kept;
+    for (int step = 0; step < 8; ++step) {
+      t.clear(), seq.clear(), pos.clear(), rows.clear();
+      for (int s = k; s >= 0; --s) {
+        t.push_back(50 + step);
+        seq.push_back(s);
+        pos.push_back(n + step);
+        rows.push_back(static_cast<int32_t>(t.size()) - 1);
+      }
+      st = e.model->Forward({t, seq, pos, rows}, kv, out.data(), &tp);
+      EXPECT_TRUE(st.ok()) << st;
+      kept.insert(kept.end(), out.begin() + static_cast<int64_t>(k) * c.vocab_size,
+                  out.begin() + static_cast<int64_t>(k + 1) * c.vocab_size);
+    }
+    return kept;
+  };
+  const std::vector<float> alone = logits_of_seq0(0);
+  for (int k : {1, 2, 4, 5}) {
+    const std::vector<float> batched = logits_of_seq0(k);
+    ASSERT_EQ(batched.size(), alone.size());
+    EXPECT_EQ(std::memcmp(batched.data(), alone.data(), alone.size() * sizeof(float)), 0)
+        << "logits changed when batched with " << k << " other sequences";
+  }
 }
 
 TEST(LlamaForwardTest, BadBatchesAreRejectedWithAMessage) {
