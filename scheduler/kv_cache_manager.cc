@@ -99,6 +99,21 @@ int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
   return m.num_tokens;
 }
 
+void KvCacheManager::DropPartialMatch(SeqKv* kv) {
+  if (kv->num_computed != kv->num_committed || kv->num_computed != kv->table.num_tokens()) {
+    Die("DropPartialMatch on a sequence past its match", kv->num_computed, kv->table.num_tokens());
+  }
+  const int32_t aligned = kv->num_computed - kv->num_computed % block_size();
+  if (aligned == kv->num_computed) return;
+  kv->table.Truncate(aligned);
+  kv->num_computed = aligned;
+  kv->num_committed = aligned;
+  kv->num_offered_blocks = std::min(kv->num_offered_blocks, aligned / block_size());
+  // Lossy tokens are counted per matched block; the dropped one may have
+  // been lossy or not, so the count stays an upper bound.
+  kv->num_lossy_matched = std::min(kv->num_lossy_matched, aligned);
+}
+
 int32_t KvCacheManager::PeekPrefix(std::string_view salt, absl::Span<const int32_t> tokens,
                                    int32_t max_tokens) const {
   return prefix_cache_ ? prefix_cache_->MatchLength(salt, tokens, max_tokens) : 0;

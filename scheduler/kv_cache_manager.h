@@ -5,6 +5,7 @@
 // KVCacheManager:
 //
 //   MatchPrefix    start an empty sequence from its longest cached prefix
+//   DropPartialMatch  keep only the match's whole blocks (a loader goes on)
 //   AllocateSlots  slots for n new tokens + k lookahead (draft) tokens + e
 //                  external tokens (KV arriving from a tier or a peer)
 //   MarkComputed   the forward (or a load) wrote K/V into m more slots
@@ -124,6 +125,13 @@ class KvCacheManager {
   // REQUIRES: kv has no blocks.
   int32_t MatchPrefix(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens,
                       int32_t max_tokens);
+  // Gives up the part of a fresh match that ends inside a block (a resident
+  // block sharing only its first tokens): the table keeps the whole blocks
+  // below num_computed. A loader that supplies whole blocks continues from
+  // there. Not a second lookup, so the index's hit counts stay as they are.
+  // REQUIRES: only MatchPrefix has touched kv (computed == committed ==
+  // the table's tokens).
+  void DropPartialMatch(SeqKv* kv);
   // What MatchPrefix would match, without pinning (LPM ordering).
   int32_t PeekPrefix(std::string_view salt, absl::Span<const int32_t> tokens,
                      int32_t max_tokens) const;

@@ -79,8 +79,8 @@ class KvLoader {
   // True when the scheduler may give up a radix match that ends inside a
   // block (a shared, partly matched block) and re-match whole blocks only,
   // so this loader supplies from the block boundary below (its loads write
-  // whole blocks, never a shared one). A decode node's loader wants this;
-  // the KV tiers keep the match as it is (their hit accounting assumes it).
+  // whole blocks, never a shared one). A decode node's loader and the KV
+  // tiers want this.
   virtual bool RematchWholeBlocks() const { return false; }
   // Starts writing the target's slots. The returned load is polled until
   // Done; the blocks stay pinned until then even if the request is cancelled.

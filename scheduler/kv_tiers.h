@@ -142,6 +142,10 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   int32_t LookupWorthLoading(std::string_view salt, absl::Span<const int32_t> tokens,
                              int32_t from, int32_t limit,
                              double recompute_seconds_per_token) override;
+  // A match that ends inside a resident block (prompts sharing a BOS or a
+  // template header) is re-matched at the block boundary when the tiers
+  // hold more from there.
+  bool RematchWholeBlocks() const override { return true; }
   std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) override;
 
   // Retention (scheduler/cache_control.h): a block this says is or was

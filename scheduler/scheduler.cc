@@ -264,19 +264,18 @@ bool Scheduler::StartLoad(Sequence* s) {
                                            cost_.prefill_seconds_per_token()),
                limit - from);
   const int32_t bs = kv_->block_size();
-  // Only for loaders that ask for it (a decode node's, not the KV tiers').
   if (n <= 0 && from % bs != 0 && loader_->RematchWholeBlocks()) {
-    // The radix match ended inside a block (a shared, partly matched one)
-    // and loaders supply whole blocks: when one supplies more from the
-    // block boundary below, match only whole blocks and load from there.
+    // The radix match ended inside a block (a resident block that shares
+    // only its first tokens: a BOS, a template header) and loaders supply
+    // whole blocks: when one supplies more from the block boundary below,
+    // match only whole blocks and load from there.
     const int32_t aligned = from - from % bs;
-    const int32_t m = loader_->Lookup(s->group()->salt(), s->tokens(), aligned, limit);
-    if (aligned + m > from) {
-      kv_->Discard(&s->kv);
-      kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), aligned);
-      from = s->kv.num_computed;
-      n = std::min(loader_->Lookup(s->group()->salt(), s->tokens(), from, limit), limit - from);
-    }
+    n = std::min(loader_->LookupWorthLoading(s->group()->salt(), s->tokens(), aligned, limit,
+                                             cost_.prefill_seconds_per_token()),
+                 limit - aligned);
+    if (aligned + n <= from) return false;  // no more from there: keep the partial match
+    kv_->DropPartialMatch(&s->kv);
+    from = s->kv.num_computed;
   }
   if (n <= 0) return false;
   if (!kv_->AllocateSlots(&s->kv, 0, 0, n).ok()) return false;

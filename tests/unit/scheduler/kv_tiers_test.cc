@@ -105,6 +105,30 @@ TEST(KvTiersTest, EvictedPrefixComesBackFromTheHostTierBitIdentical) {
   EXPECT_EQ(tiers->host()->stats().pinned, 0);
 }
 
+// Prompts that share their first tokens (a BOS, a chat template's header)
+// leave a resident block that matches a demoted prefix only part-way. The
+// radix match then ends inside that block; the tiers hold the prefix from
+// its first block on, so the scheduler re-matches whole blocks and loads
+// from there instead of recomputing all of it.
+TEST(KvTiersTest, ADemotedPrefixLoadsEvenWhenAResidentBlockSharesItsFirstTokens) {
+  std::vector<int32_t> p1 = PromptOf(1), p2 = PromptOf(2);
+  for (int i = 0; i < 5; ++i) p2[i] = p1[i];  // the shared header: 5 of a 16-token block
+  auto tiers = HostTiers();
+  auto e = MakeEngine(tiers);
+  const Result first = Generate(*e, p1);
+  Generate(*e, p2);  // evicts and demotes p1's blocks; p2's stay resident
+  tiers->Flush();
+  ASSERT_GE(tiers->stats().demotions_host, 4);
+  const Result again = Generate(*e, p1);
+  EXPECT_EQ(again.tokens, first.tokens);
+  EXPECT_EQ(again.tokens, Reference(p1));
+  EXPECT_EQ(again.last.cached_tokens, 63) << "the 5 shared tokens alone would be a 5-token hit";
+  EXPECT_EQ(again.last.cached_host_tokens, 63);
+  EXPECT_EQ(e->Stats().kv_loads, 1);
+  ExpectBaseline(*e);
+  EXPECT_EQ(tiers->host()->stats().pinned, 0);
+}
+
 TEST(KvTiersTest, ACorruptedHostPageFailsItsChecksumAndIsRecomputed) {
   const std::vector<int32_t> p1 = PromptOf(3), p2 = PromptOf(4);
   auto tiers = HostTiers();
