@@ -94,6 +94,35 @@ Clock* SteadyClock() {
 
 std::unique_ptr<EvictionPolicy> MakeLruPolicy() { return std::make_unique<LruPolicy>(); }
 
+namespace {
+
+class CostAwarePolicy final : public EvictionPolicy {
+ public:
+  explicit CostAwarePolicy(const EvictionCosts* costs) : costs_(costs) {}
+  const char* name() const override { return "cost"; }
+  double Key(const CachedBlockInfo& b) const override {
+    double restore = costs_->RecomputeSeconds(b);
+    const double reload = costs_->ReloadSeconds(b);
+    if (reload >= 0) restore = std::min(restore, reload);
+    const double frequency = static_cast<double>(std::min<int64_t>(b.hits + 1, kMaxFrequency));
+    return b.access_base + frequency * restore;
+  }
+  double AccessBase() const override { return inflation_; }
+  void OnEvicted(double key) override { inflation_ = std::max(inflation_, key); }
+
+ private:
+  // Hits past this count no more: a prefix hot an hour ago must still age.
+  static constexpr int64_t kMaxFrequency = 8;
+  const EvictionCosts* costs_;
+  double inflation_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(const EvictionCosts* costs) {
+  return std::make_unique<CostAwarePolicy>(costs);
+}
+
 // One cached block, or a namespace root (parent == nullptr, no block, no
 // tokens). Nodes sit on an intrusive list in insertion order; since a node is
 // only ever created under an existing parent, that order is also a
@@ -109,6 +138,7 @@ struct PrefixCache::Node {
   std::vector<Node*> children;
   int32_t index_in_parent = 0;  // where this node sits in parent->children
   int64_t last_access_ns = 0;
+  double access_base = 0;  // the policy's AccessBase() at that access
   int64_t hits = 0;
   int32_t depth = 0;
   uint64_t seq = 0;  // insertion order: the policy's tie-break
@@ -487,9 +517,15 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     SetPinned(n, pool->ref_count(block) != 1);
   }
 
+  void Touch(Node* n, int64_t now) const {
+    n->last_access_ns = now;
+    n->access_base = options.policy->AccessBase();
+  }
+
   CachedBlockInfo Info(const Node* n) const {
     CachedBlockInfo info;
     info.last_access_ns = n->last_access_ns;
+    info.access_base = n->access_base;
     info.hits = n->hits;
     info.depth = n->depth;
     info.hash = n->hash;
@@ -537,7 +573,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
                                              &pub, &derived, &pub_hashes);
     if (pub_tokens > 0) {
       const int64_t t = clock->NowNanos();
-      for (Node* n : pub) n->last_access_ns = t;
+      for (Node* n : pub) Touch(n, t);
       const size_t n_pub = pub_hashes.size();
       int32_t added = 0;
       if (pub.size() < n_pub) {
@@ -591,7 +627,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
         // Dedupe: the cached block already holds this K/V; keep it. A
         // hollow one takes the caller's block (it computed the K/V again).
         if (existing->hollow && !(blocks[i] == stand_in)) Refill(existing, blocks[i]);
-        existing->last_access_ns = now;
+        Touch(existing, now);
         node = existing;
         continue;
       }
@@ -617,7 +653,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       }
       const uint64_t hash = ChainHash(node->hash, rest_tokens);
       if (covering != nullptr) {
-        covering->last_access_ns = now;
+        Touch(covering, now);
       } else if (nodes.find(hash) == nodes.end() && !(window > 0 && blocks[full] == stand_in)) {
         AddChild(node, hash, blocks[full], rest_tokens, now, &events)->lossy = lossy;
         ++added;
@@ -640,7 +676,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     child->parent = parent;
     child->block = block;
     child->tokens.assign(tokens.begin(), tokens.end());
-    child->last_access_ns = now;
+    Touch(child, now);
     child->depth = parent->depth + 1;
     child->seq = next_seq++;
     pool->AddRef(child->block);
@@ -725,7 +761,7 @@ PrefixMatch PrefixCache::Match(std::string_view salt, absl::Span<const int32_t> 
     m.pool->AddRef(b);
     match.blocks.push_back(b);
     lossy.push_back(n->lossy);
-    n->last_access_ns = now;
+    m.Touch(n, now);
     ++n->hits;
   }, nullptr, &dropped);
   const int32_t lossy_bs = m.pool->block_size();
@@ -850,7 +886,9 @@ int32_t PrefixCache::Evict(int32_t n) {
   while (!heap.empty() && (evicted < n || std::get<2>(heap.front())->hollow)) {
     std::pop_heap(heap.begin(), heap.end(), later);
     Node* victim = std::get<2>(heap.back());
+    const double victim_key = std::get<0>(heap.back());
     heap.pop_back();
+    if (!victim->hollow) m.options.policy->OnEvicted(victim_key);
     Node* parent = victim->parent;
     KvTier moved_to = KvTier::kNone;
     // Write-back: a full block's K/V goes to the tier below before its pool

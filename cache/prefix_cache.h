@@ -46,17 +46,45 @@ struct CachedBlockInfo {
   int64_t hits = 0;            // Matches that used the block
   int32_t depth = 0;           // 1 for a block directly under a namespace root
   uint64_t hash = 0;
+  double access_base = 0;      // the policy's AccessBase() when last touched
 };
 
 // Chooses eviction order among evictable leaves: smaller Key goes first.
-// Ties go to the block inserted earlier.
+// Ties go to the block inserted earlier. Called on the engine thread only.
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
   virtual const char* name() const = 0;
   virtual double Key(const CachedBlockInfo& b) const = 0;
+  // Recorded with a block whenever it is touched (access_base); a
+  // GreedyDual policy's inflation value. LRU: unused.
+  virtual double AccessBase() const { return 0; }
+  // The key of each block Evict removed, in eviction order.
+  virtual void OnEvicted(double key) { (void)key; }
 };
 std::unique_ptr<EvictionPolicy> MakeLruPolicy();
+
+// What a cost-aware policy asks about a block before it may evict it.
+class EvictionCosts {
+ public:
+  virtual ~EvictionCosts() = default;
+  // Seconds to compute the block's tokens again (its prefix still cached).
+  virtual double RecomputeSeconds(const CachedBlockInfo& b) const = 0;
+  // Seconds to load it back from the tier evicting it now would demote it
+  // to; negative when no tier would take it (it would be dropped).
+  virtual double ReloadSeconds(const CachedBlockInfo& b) const = 0;
+};
+
+// GreedyDual-Size-Frequency over what losing a block costs: the key of a
+// block is L + min(hits + 1, 8) * restore, where restore is the cheaper of
+// recomputing it and reloading it from the tier below (recompute when no
+// tier would take it), and L (the inflation) is the key of the last block
+// evicted, recorded with a block each time it is touched. So a block that
+// is cheap to bring back (a tier holds it) goes before one that must be
+// recomputed, a block hit often outlives one used once, and every block
+// ages: L rises past an untouched block's key. With equal costs and no
+// hits it is LRU. `costs` must outlive the policy.
+std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(const EvictionCosts* costs);
 
 // The tiers a block's K/V can live in below the primary pool (cache/host_tier.h,
 // cache/disk_tier.h). kNone: nowhere (dropped).

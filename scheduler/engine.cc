@@ -22,6 +22,50 @@ absl::StatusOr<SchedulePolicy> ParseSchedulePolicy(std::string_view name) {
       absl::StrCat("unknown schedule policy '", std::string(name), "' (expected fcfs or lpm)"));
 }
 
+const char* EvictionPolicyName(EvictionPolicyKind k) {
+  return k == EvictionPolicyKind::kCost ? "cost" : "lru";
+}
+
+// The cost-aware eviction policy's prices (cache/prefix_cache.h). Recompute:
+// the scheduler's measured prefill seconds per token, times a block's
+// tokens, scaled by how much more a token costs deep in a context (its
+// attention reads every earlier position: per token, 4 * n_layers * q_dim
+// flops per context position against 2 * the layers' weights). Reload: the
+// KV tiers' timed estimate. Engine thread, like the policy.
+class Engine::EvictionCostsImpl final : public EvictionCosts {
+ public:
+  EvictionCostsImpl(const LlamaConfig& c, int32_t block_size, const KvTiers* tiers)
+      : block_size_(block_size), tiers_(tiers) {
+    const double q_dim = static_cast<double>(c.n_heads) * c.head_dim;
+    const double kv_dim = static_cast<double>(c.n_kv_heads) * c.head_dim;
+    const double layer_weights =
+        c.dim * (q_dim + 2 * kv_dim) + q_dim * c.dim + 3.0 * c.dim * c.ffn_dim;
+    attention_per_position_ = layer_weights > 0 ? (2.0 * q_dim) / layer_weights : 0;
+  }
+  void set_scheduler(const Scheduler* s) { scheduler_ = s; }
+
+  double RecomputeSeconds(const CachedBlockInfo& b) const override {
+    double per_token = 0;
+    if (scheduler_ != nullptr && scheduler_->cost_model().ready()) {
+      per_token = scheduler_->cost_model().prefill_seconds_per_token();
+    }
+    // Before the first step is timed every block is priced alike.
+    if (!(per_token > 0)) per_token = kUnmeasuredSecondsPerToken;
+    const double context = (std::max(1, b.depth) - 0.5) * block_size_;
+    return per_token * block_size_ * (1.0 + attention_per_position_ * context);
+  }
+  double ReloadSeconds(const CachedBlockInfo& b) const override {
+    return tiers_ != nullptr ? tiers_->PredictReloadSeconds(b.hits) : -1;
+  }
+
+ private:
+  static constexpr double kUnmeasuredSecondsPerToken = 1e-3;
+  int32_t block_size_;
+  const KvTiers* tiers_;
+  const Scheduler* scheduler_ = nullptr;
+  double attention_per_position_ = 0;
+};
+
 Engine::Engine(LlamaModel* model, const Tokenizer* tokenizer, const EngineOptions& options)
     : model_(model), tokenizer_(tokenizer), options_(options) {}
 
@@ -60,10 +104,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   ko.prefix.model_identity = o.model_identity;
   ko.prefix.clock = o.clock;
   ko.prefix.events = o.kv_events;
+  std::unique_ptr<EvictionCostsImpl> costs;
+  if (o.eviction_policy == EvictionPolicyKind::kCost) {
+    costs = std::make_unique<EvictionCostsImpl>(c, o.block_size, o.kv_tiers.get());
+    ko.prefix.policy = MakeCostAwarePolicy(costs.get());
+  } else {
+    ko.prefix.policy = MakeLruPolicy();
+  }
   if (o.cache_control != nullptr) {
     CacheControl* cc = o.cache_control.get();
-    // LRU is the only policy the engine builds (PrefixCacheOptions::policy).
-    ko.prefix.on_evict = [cc](uint64_t hash, KvTier to) { cc->OnEvict(hash, to, "lru"); };
+    const char* policy = EvictionPolicyName(o.eviction_policy);
+    ko.prefix.on_evict = [cc, policy](uint64_t hash, KvTier to) { cc->OnEvict(hash, to, policy); };
   }
   KvLoader* loader = o.kv_loader;
   if (o.kv_tiers != nullptr) {
@@ -89,6 +140,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
     cc->RestoreRetention(kv.get(), o.kv_tiers.get());
   }
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
+  e->eviction_costs_ = std::move(costs);
   e->kv_ = std::move(kv);
   SchedulerOptions so;
   so.max_batched_tokens = o.max_batched_tokens;
@@ -100,6 +152,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   so.max_stall_factor = o.max_stall_factor;
   so.min_prefill_tokens = o.min_prefill_tokens;
   e->scheduler_ = std::make_unique<Scheduler>(so, e->kv_.get(), loader);
+  if (e->eviction_costs_ != nullptr) e->eviction_costs_->set_scheduler(e->scheduler_.get());
   e->runner_ = std::make_unique<ModelRunner>(std::move(backend), e->kv_.get(), pool);
   e->output_ = std::make_unique<OutputProcessor>(e->kv_.get(), e->scheduler_.get(), tokenizer,
                                                  e->EvictorOptions());
@@ -145,6 +198,8 @@ Engine::~Engine() {
   // Leases hold pool references: they go before the pool (the disk tier got
   // their blocks above, as cached blocks).
   if (options_.cache_control != nullptr) options_.cache_control->ReleaseAll(kv_.get());
+  // The scheduler goes before the cache whose policy asks it for prices.
+  if (eviction_costs_ != nullptr) eviction_costs_->set_scheduler(nullptr);
   output_.reset();
   runner_.reset();
   scheduler_.reset();

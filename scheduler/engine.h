@@ -59,6 +59,9 @@ class ModelRunner;
 class OutputProcessor;
 struct SequenceGroup;
 
+enum class EvictionPolicyKind { kLru, kCost };
+const char* EvictionPolicyName(EvictionPolicyKind k);  // "lru", "cost"
+
 struct EngineOptions {
   int32_t max_batched_tokens = 512;  // token budget of one step
   int32_t max_seqs = 64;             // running sequences at most
@@ -80,6 +83,10 @@ struct EngineOptions {
   using SchedulePolicy = kvserve::SchedulePolicy;  // scheduler/scheduler.h
   SchedulePolicy schedule_policy = SchedulePolicy::kFcfs;
   int32_t lpm_max_waiting = 128;
+  // Which cached blocks the prefix cache evicts first: kLru, or kCost
+  // (MakeCostAwarePolicy, priced by the engine: recompute from the measured
+  // prefill rate and the model's shape, reload from the KV tiers' timings).
+  EvictionPolicyKind eviction_policy = EvictionPolicyKind::kLru;
   std::string model_identity;            // seeds the prefix cache's hashes
   KvEventSink* kv_events = nullptr;      // optional: receives the cache's changes
   Clock* clock = nullptr;                // prefix-cache LRU clock (tests)
@@ -237,9 +244,14 @@ class Engine {
   void PublishStats(const BatchPlan* plan);
   void CheckInvariants() const;
 
+  class EvictionCostsImpl;
+
   LlamaModel* model_;
   const Tokenizer* tokenizer_;
   EngineOptions options_;
+  // Prices blocks for the cost-aware eviction policy; outlives kv_ (the
+  // policy inside the prefix cache points at it).
+  std::unique_ptr<EvictionCostsImpl> eviction_costs_;
   std::unique_ptr<KvCacheManager> kv_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ModelRunner> runner_;

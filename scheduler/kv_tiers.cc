@@ -380,6 +380,13 @@ int32_t KvTiers::Lookup(std::string_view salt, absl::Span<const int32_t> tokens,
   return LookupWorthLoading(salt, tokens, from, limit, 0);
 }
 
+double KvTiers::PredictReloadSeconds(int64_t hits) const {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  if (host_ != nullptr) return BlockLoadSecondsLocked(KvTier::kHost);
+  if (disk_ != nullptr && hits >= options_.disk_min_hits) return BlockLoadSecondsLocked(KvTier::kDisk);
+  return -1;
+}
+
 double KvTiers::BlockLoadSecondsLocked(KvTier tier) const {
   return tier == KvTier::kHost ? stats_.host_block_load_s : stats_.disk_block_load_s;
 }

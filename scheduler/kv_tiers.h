@@ -142,6 +142,11 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   int32_t LookupWorthLoading(std::string_view salt, absl::Span<const int32_t> tokens,
                              int32_t from, int32_t limit,
                              double recompute_seconds_per_token) override;
+  // Seconds to load one block back that is evicted now with `hits` radix
+  // hits: the host tier's estimate when there is one, else the disk's when
+  // the block qualifies for it (disk_min_hits); negative when no tier would
+  // take it. The cost-aware eviction policy's price (any thread).
+  double PredictReloadSeconds(int64_t hits) const;
   // A match that ends inside a resident block (prompts sharing a BOS or a
   // template header) is re-matched at the block boundary when the tiers
   // hold more from there.

@@ -46,6 +46,14 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
         absl::StrCat("--schedule-policy: ", policy.status().message()));
   }
   o.schedule_policy = *policy;
+  if (flags.eviction_policy == "lru") {
+    o.eviction_policy = EvictionPolicyKind::kLru;
+  } else if (flags.eviction_policy == "cost") {
+    o.eviction_policy = EvictionPolicyKind::kCost;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--eviction-policy: unknown policy '",
+                                                   flags.eviction_policy, "' (lru, cost)"));
+  }
   ASSIGN_OR_RETURN(o.speculation, SpeculationOptionsFromFlags(flags.speculative));
   return o;
 }

@@ -33,6 +33,12 @@ void AddEngineFlags(CLI::App* app, EngineFlags* f) {
   app->add_option("--schedule-policy", f->schedule_policy,
                   "Waiting-queue order: fcfs, or lpm (longest cached prefix first)")
       ->capture_default_str();
+  app->add_option("--eviction-policy", f->eviction_policy,
+                  "Which cached prefix blocks the KV cache evicts first: lru (least recently "
+                  "used), or cost (GreedyDual: what losing a block costs, recompute or reload "
+                  "from a KV tier, times how often it was hit, aged)")
+      ->check(CLI::IsMember({"lru", "cost"}))
+      ->capture_default_str();
   app->add_option("--target-itl-ms", f->target_itl_ms,
                   "Stall-free steps: a step that carries decode tokens is sized (from measured "
                   "step times) to take at most this long; the rest of the prefill waits for "

@@ -33,6 +33,8 @@ struct EngineFlags {
   bool static_batching = false;
   bool prefix_cache = true;
   std::string schedule_policy = "fcfs";
+  // Prefix-cache eviction order: "lru" or "cost" (cache/prefix_cache.h).
+  std::string eviction_policy = "lru";
   std::string device = "auto";
   // Stall-free steps (scheduler/scheduler.h): 0 turns the limit off.
   double target_itl_ms = 0;

@@ -1066,5 +1066,97 @@ INSTANTIATE_TEST_SUITE_P(Seeds, PrefixCachePropertyTest,
                          ::testing::Values(std::make_tuple(20240611u, 48), std::make_tuple(7u, 48),
                                            std::make_tuple(99u, 24), std::make_tuple(1234u, 96)));
 
+// --- Cost-aware eviction (MakeCostAwarePolicy) ---------------------------
+
+// Prices set per block by the first token of its prompt (the test's tag):
+// recompute and reload in seconds, reload < 0 meaning no tier takes it.
+class FakeCosts : public EvictionCosts {
+ public:
+  double RecomputeSeconds(const CachedBlockInfo& b) const override {
+    auto it = recompute.find(b.hash);
+    return it == recompute.end() ? 1.0 : it->second;
+  }
+  double ReloadSeconds(const CachedBlockInfo& b) const override {
+    auto it = reload.find(b.hash);
+    return it == reload.end() ? -1.0 : it->second;
+  }
+  std::map<uint64_t, double> recompute, reload;
+};
+
+class CostAwareEvictionTest : public PrefixCacheTest {
+ protected:
+  CostAwareEvictionTest() {
+    PrefixCacheOptions o;
+    o.model_identity = "test-model";
+    o.clock = &clock_;
+    o.policy = MakeCostAwarePolicy(&costs_);
+    cache_ = std::make_unique<PrefixCache>(pool_.get(), std::move(o));
+  }
+  // A one-block prompt tagged t, inserted at time `at`; returns its hash.
+  uint64_t Put(int32_t t, int64_t at) {
+    clock_.now = at;
+    const std::vector<int32_t> tokens = {t, t, t, t};
+    InsertFresh("", tokens);
+    return ExpectedHash(cache_->RootHash(""), tokens);
+  }
+  void Hit(int32_t t, int64_t at) {
+    clock_.now = at;
+    const std::vector<int32_t> tokens = {t, t, t, t, 0};
+    PrefixMatch m = cache_->Match("", tokens, 4);
+    ASSERT_EQ(m.num_tokens, 4);
+    pool_->Release(m.blocks);
+  }
+  bool Cached(int32_t t) const {
+    const std::vector<int32_t> tokens = {t, t, t, t, 0};
+    return cache_->MatchLength("", tokens, 4) == 4;
+  }
+  FakeCosts costs_;
+};
+
+TEST_F(CostAwareEvictionTest, EqualCostsAndNoHitsEvictInInsertionOrderLikeLru) {
+  for (int32_t t = 1; t <= 4; ++t) Put(t, t);
+  EXPECT_STREQ(cache_->policy().name(), "cost");
+  EXPECT_EQ(cache_->Evict(2), 2);
+  EXPECT_FALSE(Cached(1));
+  EXPECT_FALSE(Cached(2));
+  EXPECT_TRUE(Cached(3));
+  EXPECT_TRUE(Cached(4));
+}
+
+TEST_F(CostAwareEvictionTest, ABlockATierWouldReloadGoesBeforeOneThatMustBeRecomputed) {
+  const uint64_t a = Put(1, 1);  // older, but dropped if evicted: recompute 1 s
+  const uint64_t b = Put(2, 2);  // newer, but the host tier would take it
+  costs_.reload[b] = 0.001;
+  (void)a;
+  EXPECT_EQ(cache_->Evict(1), 1);
+  EXPECT_TRUE(Cached(1)) << "LRU would have evicted the older block";
+  EXPECT_FALSE(Cached(2));
+}
+
+TEST_F(CostAwareEvictionTest, AnExpensiveBlockOutlivesACheapOne) {
+  const uint64_t deep = Put(1, 1);
+  Put(2, 2);
+  costs_.recompute[deep] = 5.0;  // a block deep in a long prompt
+  EXPECT_EQ(cache_->Evict(1), 1);
+  EXPECT_TRUE(Cached(1));
+  EXPECT_FALSE(Cached(2));
+}
+
+TEST_F(CostAwareEvictionTest, HitsProtectABlockButEveryBlockAges) {
+  Put(1, 1);
+  for (int i = 0; i < 3; ++i) Hit(1, 2 + i);  // frequency 4
+  // Fresh one-use blocks arrive and the pool evicts one at a time: the hit
+  // block outlives the first few, then inflation passes its key and it
+  // goes too (it is not kept forever for being popular once).
+  int32_t evicted_before_it = 0;
+  for (int32_t t = 2; t < 20 && Cached(1); ++t) {
+    Put(t, 10 + t);
+    ASSERT_EQ(cache_->Evict(1), 1);
+    if (Cached(1)) ++evicted_before_it;
+  }
+  EXPECT_GE(evicted_before_it, 3) << "hits bought the block no extra life";
+  EXPECT_FALSE(Cached(1)) << "an untouched block must age out eventually";
+}
+
 }  // namespace
 }  // namespace kvserve

@@ -129,6 +129,28 @@ TEST(KvTiersTest, ADemotedPrefixLoadsEvenWhenAResidentBlockSharesItsFirstTokens)
   EXPECT_EQ(tiers->host()->stats().pinned, 0);
 }
 
+// --eviction-policy cost: the engine prices blocks (measured prefill rate,
+// the host tier's reload estimate) and the outputs stay what they were.
+TEST(KvTiersTest, TheCostAwarePolicyServesTheSameTokensThroughTheTiers) {
+  const std::vector<int32_t> p1 = PromptOf(1), p2 = PromptOf(2), p3 = PromptOf(3);
+  auto tiers = HostTiers();
+  EngineOptions o;
+  o.num_blocks = kBlocks;
+  o.kv_tiers = tiers;
+  o.eviction_policy = EvictionPolicyKind::kCost;
+  auto e = Engine::Create(Tiny().model.get(), Tiny().tokenizer.get(), Pool(), o).value();
+  EXPECT_STREQ(e->prefix_cache()->policy().name(), "cost");
+  const Result first = Generate(*e, p1);
+  Generate(*e, p2);
+  Generate(*e, p3);
+  tiers->Flush();
+  const Result again = Generate(*e, p1);
+  EXPECT_EQ(first.tokens, Reference(p1));
+  EXPECT_EQ(again.tokens, first.tokens);
+  EXPECT_EQ(again.last.cached_host_tokens, 63);
+  ExpectBaseline(*e);
+}
+
 TEST(KvTiersTest, ACorruptedHostPageFailsItsChecksumAndIsRecomputed) {
   const std::vector<int32_t> p1 = PromptOf(3), p2 = PromptOf(4);
   auto tiers = HostTiers();
