@@ -164,7 +164,19 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
     ASSIGN_OR_RETURN(const float factor, scaling_f32("factor", 8.0f));
     ASSIGN_OR_RETURN(const float low, scaling_f32("low_freq_factor", 1.0f));
     ASSIGN_OR_RETURN(const float high, scaling_f32("high_freq_factor", 4.0f));
-    ASSIGN_OR_RETURN(const float original, scaling_f32("original_context_length", 8192.0f));
+    // gguf-py writes the original context length as a uint32 (llama.cpp
+    // reads it so); a float is taken too.
+    float original = 8192.0f;
+    const std::string orig_key = a + "rope.scaling.original_context_length";
+    if (absl::StatusOr<int64_t> n = f.GetI64(orig_key); n.ok()) {
+      if (*n <= 0 || *n > (int64_t{1} << 30)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("metadata ", orig_key, " = ", *n, " is out of range"));
+      }
+      original = static_cast<float>(*n);
+    } else {
+      ASSIGN_OR_RETURN(original, scaling_f32("original_context_length", 8192.0f));
+    }
     if (!(high > low)) {
       return absl::InvalidArgumentError(
           "rope.scaling.high_freq_factor must exceed rope.scaling.low_freq_factor");

@@ -317,8 +317,9 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
     w.SetF32(a + "rope.scaling.factor", o.rope_scaling_factor);
     w.SetF32(a + "rope.scaling.low_freq_factor", 1.0f);
     w.SetF32(a + "rope.scaling.high_freq_factor", 4.0f);
-    w.SetF32(a + "rope.scaling.original_context_length",
-             static_cast<float>(o.rope_original_context));
+    // An integer, as gguf-py's add_rope_scaling_orig_ctx_len writes it.
+    w.SetU32(a + "rope.scaling.original_context_length",
+             static_cast<uint32_t>(o.rope_original_context));
   }
   if (!o.rope_scaling.empty() && o.rope_scaling != "llama3" && o.rope_scaling != "llama3-tensor") {
     w.SetString(a + "rope.scaling.type", o.rope_scaling);
@@ -362,7 +363,10 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   if (!o.tied_output) {
     matrix("output.weight", o.dim, n_vocab, 1.0f / std::sqrt(static_cast<float>(o.dim)));
   }
-  if (o.rope_scaling == "llama3-tensor") {
+  if (!o.rope_freqs.empty()) {
+    w.AddTensorFromFloats("rope_freqs.weight", GgmlType::kF32,
+                          {static_cast<int64_t>(o.rope_freqs.size())}, o.rope_freqs);
+  } else if (o.rope_scaling == "llama3-tensor") {
     // What convert_hf_to_gguf.py stores for Llama 3.1: the divisors as F32.
     std::vector<float> factors(head_dim / 2);
     for (int32_t i = 0; i < head_dim / 2; ++i) factors[i] = 1.0f + 0.5f * static_cast<float>(i);

@@ -73,6 +73,10 @@ struct TinyLlamaOptions {
   std::string rope_scaling;
   float rope_scaling_factor = 8.0f;
   int32_t rope_original_context = 64;
+  // When not empty: written as rope_freqs.weight (rot_dim / 2 divisors)
+  // instead of "llama3-tensor"'s made-up ones, e.g. what the converter
+  // computes from a config's llama3 scaling.
+  std::vector<float> rope_freqs;
   // Sliding-window attention (attention.sliding_window, and
   // attention.sliding_window_pattern when > 0).
   int32_t sliding_window = 0;

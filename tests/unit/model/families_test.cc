@@ -4,6 +4,7 @@
 // with each family's metadata layout, against a plain-loop forward written
 // here from the papers' formulas (double precision, no kernels).
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -289,6 +290,30 @@ TEST(FamilyConfigTest, MetadataIsReadPerFamily) {
   EXPECT_FLOAT_EQ(c->rope_freq_factors[7], 8.0f);   // long ones stretched by factor
   EXPECT_GT(c->rope_freq_factors[1], 1.0f);         // the band between interpolated
   EXPECT_LT(c->rope_freq_factors[1], 8.0f);
+
+  // original_context_length as gguf-py writes it (uint32, what the fixture
+  // writes) and as a float: the same factors.
+  EXPECT_TRUE((*f)->GetI64("llama.rope.scaling.original_context_length").ok());
+  const std::vector<float> from_u32 = c->rope_freq_factors;
+  std::string bytes = testing::MakeTinyLlamaGguf(o);
+  {
+    // The same file with the key's type tag and value rewritten as F32.
+    const std::string key = "llama.rope.scaling.original_context_length";
+    const size_t at = bytes.find(key);
+    ASSERT_NE(at, std::string::npos);
+    const size_t tag = at + key.size();
+    uint32_t f32_tag = 6;
+    float v = 64.0f;
+    std::memcpy(&bytes[tag], &f32_tag, 4);
+    std::memcpy(&bytes[tag + 4], &v, 4);
+    const std::string path = testing::TempDir() + "/cfg-llama3-f32len.gguf";
+    std::ofstream(path, std::ios::binary) << bytes;
+    auto ff = GgufFile::Open(path);
+    ASSERT_TRUE(ff.ok()) << ff.status();
+    auto cf = LlamaConfig::FromGguf(**ff);
+    ASSERT_TRUE(cf.ok()) << cf.status();
+    EXPECT_EQ(cf->rope_freq_factors, from_u32);
+  }
 
   o = Small();
   o.architecture = "qwen2";
