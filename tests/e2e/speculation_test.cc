@@ -4,12 +4,9 @@
 // metrics say so: the comparison is not vacuous); a bad mode is refused
 // naming the field on both protocols; and every KV block is back afterwards.
 #include <grpcpp/grpcpp.h>
-#include <httplib.h>
 
 #include <chrono>
 #include <memory>
-#include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -18,6 +15,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/kvserve.grpc.pb.h"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -28,39 +26,14 @@ using json = nlohmann::json;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
-struct Reply {
-  int status = -1;
-  json body;
-  std::string raw;
-};
+using Reply = testing::HttpReply;
 
-Reply Post(int port, const json& body) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  Reply r;
-  auto res = c.Post("/v1/completions", body.dump(), "application/json");
-  if (!res) return r;
-  r.status = res->status;
-  r.raw = res->body;
-  r.body = json::parse(res->body, nullptr, false);
-  return r;
-}
+// POSTs a /v1/completions body.
+Reply Post(int port, const json& body) { return testing::HttpPost(port, "/v1/completions", body); }
 
 // The value of an unlabelled-but-model series `name{...labels...}` summed
 // over its label sets.
-double Metric(int port, const std::string& name) {
-  httplib::Client c("127.0.0.1", port);
-  auto res = c.Get("/metrics");
-  if (!res) return -1;
-  double sum = 0;
-  std::regex line("^" + name + "\\{[^}]*\\} ([0-9.e+-]+)$");
-  std::istringstream in(res->body);
-  for (std::string l; std::getline(in, l);) {
-    std::smatch m;
-    if (std::regex_match(l, m, line)) sum += std::stod(m[1]);
-  }
-  return sum;
-}
+double Metric(int port, const std::string& name) { return testing::MetricSum(port, name); }
 
 const std::vector<std::string> kPrompts = {
     "The cat sat on the mat. The cat sat on the mat. The cat",
