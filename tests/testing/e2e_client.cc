@@ -35,6 +35,11 @@ HttpReply HttpPost(int port, const std::string& path, const json& body, const st
   return HttpCall(port, "POST", path, body, key);
 }
 
+int CachedTokens(const HttpReply& r) {
+  if (!r.body.is_object() || !r.body.contains("usage")) return -1;
+  return r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();
+}
+
 namespace {
 
 // The /metrics text, or false when it did not answer 200.

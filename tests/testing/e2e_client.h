@@ -37,6 +37,10 @@ HttpReply HttpCall(int port, const std::string& method, const std::string& path,
 HttpReply HttpPost(int port, const std::string& path, const nlohmann::json& body,
                    const std::string& key = "");
 
+// usage.prompt_tokens_details.cached_tokens of a completion reply; -1 when
+// the body has no usage.
+int CachedTokens(const HttpReply& r);
+
 // ---- /metrics (a 30 s read timeout; -1 when /metrics does not answer 200) ----
 
 // The value of the first sample of `name` (unlabelled, or labelled when
