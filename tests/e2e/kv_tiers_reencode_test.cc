@@ -10,7 +10,6 @@
 #include <httplib.h>
 #include <signal.h>
 
-#include <chrono>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -29,7 +28,6 @@ namespace {
 namespace pb = ::kvserve::v1;
 using json = nlohmann::json;
 using ::testing::HasSubstr;
-using namespace std::chrono_literals;
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::vector<std::string>& extra) {
   return testing::StartServe(KVSERVE_BINARY, testing::Stories260KPath(), "info",
