@@ -5,7 +5,6 @@
 // naming the field on both protocols; and every KV block is back afterwards.
 #include <grpcpp/grpcpp.h>
 
-#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,7 +23,6 @@ namespace {
 namespace pb = ::kvserve::v1;
 using json = nlohmann::json;
 using ::testing::HasSubstr;
-using namespace std::chrono_literals;
 
 using Reply = testing::HttpReply;
 
@@ -46,12 +44,12 @@ const std::vector<std::string> kPrompts = {
 
 TEST(SpeculationE2eTest, SameOutputsOnAndOffOverHttpAndGrpc) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
-  auto d = testing::Daemon::Start(
-      KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", testing::Stories260KPath()},
-      {"--kv-cache-memory", "4MiB", "--drain-timeout", "2", "--speculative", "ngram",
-       "--spec-ngram-min", "1", "--no-spec-adaptive"});
-  ASSERT_TRUE(d.ok()) << d.status();
-  const int port = (*d)->http_port();
+  auto d =
+      testing::StartServe(KVSERVE_BINARY, testing::Stories260KPath(), "warn",
+                          {"--kv-cache-memory", "4MiB", "--drain-timeout", "2", "--speculative",
+                           "ngram", "--spec-ngram-min", "1", "--no-spec-adaptive"});
+  ASSERT_TRUE(d);
+  const int port = d->http_port();
   for (const std::string& p : kPrompts) {
     json on = {{"prompt", p}, {"max_tokens", 64}, {"temperature", 0}, {"logprobs", 1}};
     json off = on;
@@ -68,23 +66,16 @@ TEST(SpeculationE2eTest, SameOutputsOnAndOffOverHttpAndGrpc) {
   EXPECT_GT(Metric(port, "kvserve:spec_position_accepted_total"), 0);
 
   // gRPC: the field on GenerateRequest, "suffix" against "off".
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string((*d)->grpc_port()),
-                                     grpc::InsecureChannelCredentials());
-  auto stub = pb::Kvserve::NewStub(channel);
+  auto channel = testing::GrpcChannel(d->grpc_port());
   auto generate = [&](const std::string& prompt, const std::string& mode, grpc::Status* st) {
     pb::GenerateRequest r;
     r.set_prompt(prompt);
     r.mutable_sampling()->set_max_tokens(64);
     r.mutable_sampling()->set_temperature(0);
     r.set_speculative(mode);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 60s);
-    auto reader = stub->Generate(&ctx, r);
-    std::string text;
-    pb::GenerateResponse chunk;
-    while (reader->Read(&chunk)) text += chunk.text();
-    *st = reader->Finish();
-    return text;
+    const testing::GrpcReply reply = testing::GrpcGenerate(channel, r);
+    *st = reply.status;
+    return reply.text;
   };
   for (const std::string& p : kPrompts) {
     grpc::Status s1, s2;
