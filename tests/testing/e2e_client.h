@@ -43,10 +43,10 @@ int CachedTokens(const HttpReply& r);
 
 // ---- /metrics (a 30 s read timeout; -1 when /metrics does not answer 200) ----
 
-// The value of the first sample of `name` (unlabelled, or labelled when
-// `labelled_only` is false or true alike) whose label list contains every
-// string in `labels`; -1 when there is none. With `labelled_only`, only
-// `name{...}` lines count.
+// The value of the first sample named exactly `name` whose line contains
+// every string in `labels` (e.g. `finished_reason="cancelled"`); -1 when
+// there is none. Unlabelled (`name value`) and labelled (`name{...} value`)
+// samples count, or with `labelled_only` the labelled ones only.
 double MetricSample(int port, const std::string& name, const std::vector<std::string>& labels = {},
                     bool labelled_only = false);
 // The sum of every labelled sample `name{...} value`; 0 when there is none.
