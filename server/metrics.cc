@@ -433,24 +433,34 @@ std::string Metrics::Render(const EngineStats& stats) const {
   AppendGauge("kvserve:prefix_cache_enabled", "1 when the prefix cache is on.", l,
               stats.prefix_cache_enabled ? 1.0 : 0.0, &out);
   if (stats.sliding_window > 0) {
-    AppendCounter("kvserve:kv_window_released_blocks_total",
-                  "KV blocks sequences let go as their sliding window moved past them.", l,
-                  static_cast<double>(stats.window_released_blocks), &out);
-    AppendCounter("kvserve:kv_window_kept_cached_blocks_total",
-                  "Of the window-released blocks, those the prefix cache kept for later matches.",
-                  l, static_cast<double>(stats.window_kept_cached_blocks), &out);
-    AppendCounter("kvserve:prefix_cache_window_lost_blocks_total",
-                  "Prefix blocks that could not be cached because the sliding window had let go "
-                  "of an earlier block of their prefix and the cache had evicted it.",
-                  l, static_cast<double>(stats.window_lost_prefix_blocks), &out);
-    AppendCounter("kvserve:kv_window_hollowed_blocks_total",
-                  "Of the window-released blocks the prefix cache held, those it gave back to the "
-                  "pool (no cached prefix boundary needs their K/V; the tokens stay as a path).",
-                  l, static_cast<double>(stats.window_hollowed_blocks), &out);
-    AppendCounter("kvserve:prefix_cache_window_dropped_tokens_total",
-                  "Prompt tokens the prefix cache spells but could not reuse because the sliding "
-                  "window had dropped K/V their continuation needs.",
-                  l, static_cast<double>(stats.window_dropped_prefix_tokens), &out);
+    // The sliding window's counters, in exposition order.
+    const struct {
+      const char* name;
+      const char* help;
+      int64_t value;
+    } window_counters[] = {
+        {"kvserve:kv_window_released_blocks_total",
+         "KV blocks sequences let go as their sliding window moved past them.",
+         stats.window_released_blocks},
+        {"kvserve:kv_window_kept_cached_blocks_total",
+         "Of the window-released blocks, those the prefix cache kept for later matches.",
+         stats.window_kept_cached_blocks},
+        {"kvserve:prefix_cache_window_lost_blocks_total",
+         "Prefix blocks that could not be cached because the sliding window had let go "
+         "of an earlier block of their prefix and the cache had evicted it.",
+         stats.window_lost_prefix_blocks},
+        {"kvserve:kv_window_hollowed_blocks_total",
+         "Of the window-released blocks the prefix cache held, those it gave back to the "
+         "pool (no cached prefix boundary needs their K/V; the tokens stay as a path).",
+         stats.window_hollowed_blocks},
+        {"kvserve:prefix_cache_window_dropped_tokens_total",
+         "Prompt tokens the prefix cache spells but could not reuse because the sliding "
+         "window had dropped K/V their continuation needs.",
+         stats.window_dropped_prefix_tokens},
+    };
+    for (const auto& c : window_counters) {
+      AppendCounter(c.name, c.help, l, static_cast<double>(c.value), &out);
+    }
     AppendGauge("kvserve:prefix_cache_hollow_blocks",
                 "Prefix-cache nodes whose K/V the sliding window dropped (tokens only).", l,
                 static_cast<double>(stats.window_hollow_nodes), &out);

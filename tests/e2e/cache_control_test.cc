@@ -7,10 +7,7 @@
 // its tenant, an over-budget ask is refused with its reason, tenants cannot
 // call operator-only admin calls, and POST /admin/cache/explain answers
 // with the contract's keys.
-#include <httplib.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -20,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -31,56 +29,12 @@ constexpr char kAdmin[] = "operator-key";
 constexpr char kAlice[] = "alice-key";
 constexpr char kBob[] = "bob-key";
 
-struct Reply {
-  int status = -1;
-  json body;
-  std::string raw;
-  double seconds = 0;
-};
-
-Reply Call(int port, const std::string& method, const std::string& path, const json& body,
-           const std::string& key) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  if (!key.empty()) c.set_bearer_token_auth(key);
-  Reply r;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto res = method == "GET" ? c.Get(path) : c.Post(path, body.dump(), "application/json");
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!res) return r;
-  r.status = res->status;
-  r.raw = res->body;
-  r.body = json::parse(res->body, nullptr, false);
-  return r;
-}
-
-Reply Post(int port, const std::string& path, const json& body, const std::string& key) {
-  return Call(port, "POST", path, body, key);
-}
-
-json Completion(const std::string& prompt) {
-  return {{"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}};
-}
-
-int Cached(const Reply& r) {
-  if (!r.body.is_object() || !r.body.contains("usage")) return -1;
-  return r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();
-}
-
-// A distinct prompt of about `len` characters (stories260K's context is
-// 128 tokens: 150 characters are about 95 of them).
-std::string Words(const std::string& tag, int i, size_t len = 150) {
-  static const char* kWords[] = {"river", "lantern", "pebble", "meadow", "cobalt", "thistle",
-                                 "harbor", "quill",  "ember",  "saffron", "willow", "granite"};
-  std::string s = tag + " " + std::to_string(i) + ":";
-  uint32_t x = 2654435761u * static_cast<uint32_t>(i + 1) + static_cast<uint32_t>(tag.size());
-  while (s.size() < len) {
-    x = x * 1664525u + 1013904223u;
-    s += " ";
-    s += kWords[(x >> 16) % 12];
-  }
-  return s;
-}
+using Reply = testing::HttpReply;
+using testing::CachedTokens;
+using testing::Completion;
+using testing::HttpCall;
+using testing::HttpPost;
+using testing::Words;
 
 struct Dist {
   double p10, p50, p90, mean;
@@ -118,25 +72,26 @@ class CacheControlE2eTest : public ::testing::Test {
 TEST_F(CacheControlE2eTest, TenantCannotHitOrTimeProbeAnotherTenantsPrivatePrefix) {
   // A caches a prefix; A hits it, B does not.
   const std::string p = Words("alice-private", 0);
-  ASSERT_EQ(Post(port(), "/v1/completions", Completion(p), kAlice).status, 200);
-  const Reply again = Post(port(), "/v1/completions", Completion(p), kAlice);
+  ASSERT_EQ(HttpPost(port(), "/v1/completions", Completion(p), kAlice).status, 200);
+  const Reply again = HttpPost(port(), "/v1/completions", Completion(p), kAlice);
   ASSERT_EQ(again.status, 200) << again.raw;
-  EXPECT_GT(Cached(again), 16) << "A reuses its own prefix";
+  EXPECT_GT(CachedTokens(again), 16) << "A reuses its own prefix";
   // B with the same prompt, and with a salt naming A's scope: nothing.
-  const Reply b = Post(port(), "/v1/completions", Completion(p), kBob);
+  const Reply b = HttpPost(port(), "/v1/completions", Completion(p), kBob);
   ASSERT_EQ(b.status, 200) << b.raw;
-  EXPECT_EQ(Cached(b), 0) << "B must not reuse A's blocks";
+  EXPECT_EQ(CachedTokens(b), 0) << "B must not reuse A's blocks";
   json salted = Completion(p);
   salted["cache_salt"] = "tenant:alice";
-  const Reply bs = Post(port(), "/v1/completions", salted, kBob);
-  EXPECT_EQ(Cached(bs), 0) << "a client salt only narrows the caller's own scope";
+  const Reply bs = HttpPost(port(), "/v1/completions", salted, kBob);
+  EXPECT_EQ(CachedTokens(bs), 0) << "a client salt only narrows the caller's own scope";
   // B's explain does not reveal A's scope either.
-  const Reply ex = Post(port(), "/admin/cache/explain", {{"prompt", Words("alice-private", 0) + "!"}}, kBob);
+  const Reply ex =
+      HttpPost(port(), "/admin/cache/explain", {{"prompt", Words("alice-private", 0) + "!"}}, kBob);
   ASSERT_EQ(ex.status, 200) << ex.raw;
   EXPECT_NE(ex.body["reason"], "scope_mismatch") << ex.raw;
   // The operator sees it.
-  const Reply exo = Post(port(), "/admin/cache/explain",
-                         {{"prompt", Words("alice-private", 0)}, {"tenant", "carol"}}, kAdmin);
+  const Reply exo = HttpPost(port(), "/admin/cache/explain",
+                             {{"prompt", Words("alice-private", 0)}, {"tenant", "carol"}}, kAdmin);
   ASSERT_EQ(exo.status, 200) << exo.raw;
   EXPECT_EQ(exo.body["reason"], "scope_mismatch") << exo.raw;
 
@@ -144,7 +99,9 @@ TEST_F(CacheControlE2eTest, TenantCannotHitOrTimeProbeAnotherTenantsPrivatePrefi
   // would show as a faster reply) and N prefixes nobody sent (the control).
   constexpr int kProbes = 60;
   for (int i = 1; i <= kProbes; ++i) {
-    ASSERT_EQ(Post(port(), "/v1/completions", Completion(Words("alice-private", i)), kAlice).status, 200);
+    ASSERT_EQ(
+        HttpPost(port(), "/v1/completions", Completion(Words("alice-private", i)), kAlice).status,
+        200);
   }
   // Each probe narrows B's scope with a fresh cache_salt, so B's own
   // earlier probes (which share leading words) cannot answer it: any cached
@@ -154,18 +111,19 @@ TEST_F(CacheControlE2eTest, TenantCannotHitOrTimeProbeAnotherTenantsPrivatePrefi
     // Interleaved, so drift of the machine's load hits both alike.
     json pr = Completion(Words("alice-private", i));
     pr["cache_salt"] = "probe-" + std::to_string(i);
-    const Reply r = Post(port(), "/v1/completions", pr, kBob);
+    const Reply r = HttpPost(port(), "/v1/completions", pr, kBob);
     ASSERT_EQ(r.status, 200) << r.raw;
-    EXPECT_EQ(Cached(r), 0) << "probe " << i;
+    EXPECT_EQ(CachedTokens(r), 0) << "probe " << i;
     probe.push_back(r.seconds);
     json co = Completion(Words("never-sent", i));
     co["cache_salt"] = "control-" + std::to_string(i);
-    const Reply c = Post(port(), "/v1/completions", co, kBob);
+    const Reply c = HttpPost(port(), "/v1/completions", co, kBob);
     ASSERT_EQ(c.status, 200) << c.raw;
-    EXPECT_EQ(Cached(c), 0);
+    EXPECT_EQ(CachedTokens(c), 0);
     control.push_back(c.seconds);
-    const Reply a = Post(port(), "/v1/completions", Completion(Words("alice-private", i)), kAlice);
-    EXPECT_GT(Cached(a), 0);
+    const Reply a =
+        HttpPost(port(), "/v1/completions", Completion(Words("alice-private", i)), kAlice);
+    EXPECT_GT(CachedTokens(a), 0);
     own.push_back(a.seconds);
   }
   const Dist dp = Summarize(probe), dc = Summarize(control), da = Summarize(own);
@@ -184,30 +142,31 @@ TEST_F(CacheControlE2eTest, TenantCannotHitOrTimeProbeAnotherTenantsPrivatePrefi
 TEST_F(CacheControlE2eTest, BothTenantsHitThePublicPrefixTheRestStaysPrivate) {
   const std::string system = Words("shared system prompt", 7, 80);
   // Only the operator may mark it.
-  EXPECT_EQ(Post(port(), "/admin/cache/public", {{"prompt", system}}, kBob).status, 403);
-  const Reply mark = Post(port(), "/admin/cache/public", {{"prompt", system}}, kAdmin);
+  EXPECT_EQ(HttpPost(port(), "/admin/cache/public", {{"prompt", system}}, kBob).status, 403);
+  const Reply mark = HttpPost(port(), "/admin/cache/public", {{"prompt", system}}, kAdmin);
   ASSERT_EQ(mark.status, 200) << mark.raw;
   const int pub = mark.body["public_tokens"].get<int>();
   ASSERT_GE(pub, 32) << mark.raw;
   const std::string a_prompt =
       system + " Alice asks about lanterns and the meadow by the harbor.";
-  const Reply a1 = Post(port(), "/v1/completions", Completion(a_prompt), kAlice);
+  const Reply a1 = HttpPost(port(), "/v1/completions", Completion(a_prompt), kAlice);
   ASSERT_EQ(a1.status, 200) << a1.raw;
-  EXPECT_GE(Cached(a1), pub) << "A reuses the public prefix";
+  EXPECT_GE(CachedTokens(a1), pub) << "A reuses the public prefix";
   const Reply b1 =
-      Post(port(), "/v1/completions", Completion(system + " Bob wonders about quills."), kBob);
+      HttpPost(port(), "/v1/completions", Completion(system + " Bob wonders about quills."), kBob);
   ASSERT_EQ(b1.status, 200) << b1.raw;
-  EXPECT_GE(Cached(b1), pub) << "B reuses the public prefix";
+  EXPECT_GE(CachedTokens(b1), pub) << "B reuses the public prefix";
   // What A appended after the public part stays A's.
-  const Reply a2 = Post(port(), "/v1/completions", Completion(a_prompt), kAlice);
-  const Reply b2 = Post(port(), "/v1/completions", Completion(a_prompt), kBob);
-  EXPECT_GT(Cached(a2), pub) << "A hits its private continuation";
+  const Reply a2 = HttpPost(port(), "/v1/completions", Completion(a_prompt), kAlice);
+  const Reply b2 = HttpPost(port(), "/v1/completions", Completion(a_prompt), kBob);
+  EXPECT_GT(CachedTokens(a2), pub) << "A hits its private continuation";
   // B gets the public part, plus at most the leading tokens of one block
   // its own earlier prompt shared with A's (the rest of the system text).
-  EXPECT_GE(Cached(b2), pub);
-  EXPECT_LT(Cached(b2), pub + 16) << "B gets the public part only";
-  EXPECT_GE(Cached(a2), pub + 16);
-  const Reply ex = Post(port(), "/admin/cache/explain", {{"prompt", a_prompt + " more"}}, kAlice);
+  EXPECT_GE(CachedTokens(b2), pub);
+  EXPECT_LT(CachedTokens(b2), pub + 16) << "B gets the public part only";
+  EXPECT_GE(CachedTokens(a2), pub + 16);
+  const Reply ex =
+      HttpPost(port(), "/admin/cache/explain", {{"prompt", a_prompt + " more"}}, kAlice);
   ASSERT_EQ(ex.status, 200) << ex.raw;
   EXPECT_EQ(ex.body["public_tokens"], pub);
 }
@@ -216,7 +175,7 @@ TEST_F(CacheControlE2eTest, RetentionOnRequestListsBudgetsAndAdminRules) {
   const std::string p = Words("alice-agent-tools", 3);
   json req = Completion(p);
   req["cache_control"] = {{"retain", {{"ttl_s", 60}}}};
-  const Reply r = Post(port(), "/v1/completions", req, kAlice);
+  const Reply r = HttpPost(port(), "/v1/completions", req, kAlice);
   ASSERT_EQ(r.status, 200) << r.raw;
   const json ret = r.body["kvserve_cache_control"]["retention"];
   EXPECT_EQ(ret["outcome"], "granted") << r.raw;
@@ -225,45 +184,47 @@ TEST_F(CacheControlE2eTest, RetentionOnRequestListsBudgetsAndAdminRules) {
   EXPECT_DOUBLE_EQ(ret["ttl_s"].get<double>(), 60);
   const uint64_t lease = ret["lease_id"].get<uint64_t>();
   // Listed to A, not to B; B cannot release it.
-  const Reply la = Call(port(), "GET", "/admin/cache/list", {}, kAlice);
+  const Reply la = HttpCall(port(), "GET", "/admin/cache/list", {}, kAlice);
   ASSERT_EQ(la.status, 200) << la.raw;
   EXPECT_EQ(la.body["leases"].size(), 1u);
-  const Reply lb = Call(port(), "GET", "/admin/cache/list", {}, kBob);
+  const Reply lb = HttpCall(port(), "GET", "/admin/cache/list", {}, kBob);
   EXPECT_EQ(lb.body["leases"].size(), 0u) << lb.raw;
-  EXPECT_EQ(Post(port(), "/admin/cache/release", {{"lease_id", lease}}, kBob).status, 404);
+  EXPECT_EQ(HttpPost(port(), "/admin/cache/release", {{"lease_id", lease}}, kBob).status, 404);
   // The metrics name the tenant's retained bytes.
-  const Reply m = Call(port(), "GET", "/metrics", {}, kAdmin);
+  const Reply m = HttpCall(port(), "GET", "/metrics", {}, kAdmin);
   EXPECT_THAT(m.raw, ::testing::HasSubstr("kvserve_cache_retained_bytes{tenant=\"alice\"}"));
   // B's budget (1 KiB) is below one block: refused with the reason.
-  const Reply over = Post(port(), "/admin/cache/retain", {{"prompt", Words("bob-tools", 1)}, {"ttl_s", 30}}, kBob);
+  const Reply over = HttpPost(port(), "/admin/cache/retain",
+                              {{"prompt", Words("bob-tools", 1)}, {"ttl_s", 30}}, kBob);
   EXPECT_EQ(over.status, 409) << over.raw;
   EXPECT_EQ(over.body["outcome"], "refused");
   EXPECT_EQ(over.body["reason"], "tenant_budget") << over.raw;
   // Renew and release by its owner.
-  const Reply renew = Post(port(), "/admin/cache/renew", {{"lease_id", lease}, {"ttl_s", 5}}, kAlice);
+  const Reply renew =
+      HttpPost(port(), "/admin/cache/renew", {{"lease_id", lease}, {"ttl_s", 5}}, kAlice);
   ASSERT_EQ(renew.status, 200) << renew.raw;
   EXPECT_DOUBLE_EQ(renew.body["ttl_s"].get<double>(), 5);
-  EXPECT_EQ(Post(port(), "/admin/cache/release", {{"lease_id", lease}}, kAlice).status, 200);
+  EXPECT_EQ(HttpPost(port(), "/admin/cache/release", {{"lease_id", lease}}, kAlice).status, 200);
   // Bad input names the problem.
-  const Reply bad = Post(port(), "/admin/cache/retain", {{"prompt", p}, {"ttl_s", -1}}, kAlice);
+  const Reply bad = HttpPost(port(), "/admin/cache/retain", {{"prompt", p}, {"ttl_s", -1}}, kAlice);
   EXPECT_EQ(bad.status, 400);
   json bad_req = Completion(p);
   bad_req["cache_control"] = {{"retain", {{"ttl", 5}}}};
-  const Reply bad2 = Post(port(), "/v1/completions", bad_req, kAlice);
+  const Reply bad2 = HttpPost(port(), "/v1/completions", bad_req, kAlice);
   EXPECT_EQ(bad2.status, 400) << bad2.raw;
   EXPECT_THAT(bad2.raw, ::testing::HasSubstr("cache_control"));
   // Operator-only calls refuse tenants; no key at all is refused.
-  EXPECT_EQ(Post(port(), "/admin/clear_prefix_cache", json::object(), kAlice).status, 403);
-  EXPECT_EQ(Post(port(), "/v1/completions", Completion(p), "").status, 401);
+  EXPECT_EQ(HttpPost(port(), "/admin/clear_prefix_cache", json::object(), kAlice).status, 403);
+  EXPECT_EQ(HttpPost(port(), "/v1/completions", Completion(p), "").status, 401);
 }
 
 TEST_F(CacheControlE2eTest, ExplainAnswersWithTheContractKeys) {
   const std::string p = Words("explain-me", 1);
-  ASSERT_EQ(Post(port(), "/v1/completions", Completion(p), kAlice).status, 200);
+  ASSERT_EQ(HttpPost(port(), "/v1/completions", Completion(p), kAlice).status, 200);
   // Diverges in the middle of the prompt.
   std::string changed = p;
   changed[100] = changed[100] == 'x' ? 'y' : 'x';
-  const Reply r = Post(port(), "/admin/cache/explain", {{"prompt", changed}}, kAlice);
+  const Reply r = HttpPost(port(), "/admin/cache/explain", {{"prompt", changed}}, kAlice);
   ASSERT_EQ(r.status, 200) << r.raw;
   for (const char* k : {"prompt_tokens", "cached_tokens", "cached_by_tier", "reason", "diverged_at",
                         "context_before", "context_after", "detail"}) {
@@ -275,19 +236,20 @@ TEST_F(CacheControlE2eTest, ExplainAnswersWithTheContractKeys) {
   EXPECT_EQ(r.body["diverged_at"], r.body["cached_tokens"]);
   EXPECT_GT(r.body["cached_tokens"].get<int>(), 16);
   // Never seen, and the cache report on a request.
-  const Reply n = Post(port(), "/admin/cache/explain", {{"prompt", Words("nobody", 1)}}, kAlice);
+  const Reply n =
+      HttpPost(port(), "/admin/cache/explain", {{"prompt", Words("nobody", 1)}}, kAlice);
   EXPECT_EQ(n.body["reason"], "never_seen") << n.raw;
   EXPECT_TRUE(n.body["diverged_at"].is_null());
   json req = Completion(p);
   req["cache_report"] = true;
-  const Reply rep = Post(port(), "/v1/completions", req, kAlice);
+  const Reply rep = HttpPost(port(), "/v1/completions", req, kAlice);
   ASSERT_EQ(rep.status, 200) << rep.raw;
   const json report = rep.body["kvserve_cache_control"]["report"];
   EXPECT_EQ(report["reason"], "hit") << rep.raw;
-  EXPECT_EQ(report["cached_tokens"].get<int>(), Cached(rep)) << rep.raw;
+  EXPECT_EQ(report["cached_tokens"].get<int>(), CachedTokens(rep)) << rep.raw;
   // Bad bodies are refused naming the problem.
-  EXPECT_EQ(Post(port(), "/admin/cache/explain", {{"prompt", 5}}, kAlice).status, 400);
-  EXPECT_EQ(Post(port(), "/admin/cache/nope", json::object(), kAlice).status, 404);
+  EXPECT_EQ(HttpPost(port(), "/admin/cache/explain", {{"prompt", 5}}, kAlice).status, 400);
+  EXPECT_EQ(HttpPost(port(), "/admin/cache/nope", json::object(), kAlice).status, 404);
 }
 
 }  // namespace

@@ -19,7 +19,6 @@
 //   token N" with N the first token where the two renderings differ
 //   (tokenized here with the model's own tokenizer), and with
 //   --chat-canonicalize-history the second turn hits the cached first turn.
-#include <httplib.h>
 #include <signal.h>
 #include <xxhash.h>
 
@@ -39,6 +38,7 @@
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -47,56 +47,19 @@ namespace {
 using json = nlohmann::json;
 using ::testing::HasSubstr;
 
-struct Reply {
-  int status = -1;
-  json body;
-  std::string raw;
-};
-
-Reply Post(int port, const std::string& path, const json& body, const std::string& key = "") {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  if (!key.empty()) c.set_bearer_token_auth(key);
-  Reply r;
-  auto res = c.Post(path, body.dump(), "application/json");
-  if (!res) return r;
-  r.status = res->status;
-  r.raw = res->body;
-  r.body = json::parse(res->body, nullptr, false);
-  return r;
-}
-
-// A distinct prompt of about `len` characters (stories260K: 150 characters
-// are about 95 tokens of its 128-token context).
-std::string Words(const std::string& tag, int i, size_t len = 150) {
-  static const char* kWords[] = {"river", "lantern", "pebble", "meadow", "cobalt", "thistle",
-                                 "harbor", "quill",  "ember",  "saffron", "willow", "granite"};
-  std::string s = tag + " " + std::to_string(i) + ":";
-  uint32_t x = 2654435761u * static_cast<uint32_t>(i + 1) + static_cast<uint32_t>(tag.size());
-  while (s.size() < len) {
-    x = x * 1664525u + 1013904223u;
-    s += " ";
-    s += kWords[(x >> 16) % 12];
-  }
-  return s;
-}
-
-json Completion(const std::string& prompt) {
-  return {{"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}};
-}
+using Reply = testing::HttpReply;
+using testing::CachedTokens;
+using testing::Completion;
+using testing::HttpPost;
+using testing::Words;
 
 std::unique_ptr<testing::Daemon> Start(const std::string& model,
                                        const std::vector<std::string>& serve_flags) {
-  std::vector<std::string> serve = {"--drain-timeout", "2"};
-  serve.insert(serve.end(), serve_flags.begin(), serve_flags.end());
-  auto d = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "info", "-t", "1", "-m", model},
-                                  serve);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? std::move(d).value() : nullptr;
+  return testing::StartServe(KVSERVE_BINARY, model, "info", {"--drain-timeout", "2"}, serve_flags);
 }
 
 json Explain(int port, const std::string& prompt, const std::string& key = "") {
-  const Reply r = Post(port, "/admin/cache/explain", {{"prompt", prompt}}, key);
+  const Reply r = HttpPost(port, "/admin/cache/explain", {{"prompt", prompt}}, key);
   EXPECT_EQ(r.status, 200) << r.raw;
   return r.body;
 }
@@ -127,16 +90,17 @@ TEST(CacheControlTiersE2eTest, ALapsedRetainedPrefixIsDemotedNotDropped) {
   const int port = d->http_port();
   const json p = Ids(500, 1);
   auto explain = [&](const json& ids) {
-    const Reply r = Post(port, "/admin/cache/explain", {{"prompt_ids", ids}});
+    const Reply r = HttpPost(port, "/admin/cache/explain", {{"prompt_ids", ids}});
     EXPECT_EQ(r.status, 200) << r.raw << d->Log();
     return r.body;
   };
   auto complete = [&](const json& ids) {
-    return Post(port, "/v1/completions", {{"prompt", ids}, {"max_tokens", 1}, {"temperature", 0}});
+    return HttpPost(port, "/v1/completions",
+                    {{"prompt", ids}, {"max_tokens", 1}, {"temperature", 0}});
   };
   // Computed once by the retain call itself: its blocks are never hit, so
   // unretained they would not qualify for the disk tier.
-  const Reply g = Post(port, "/admin/cache/retain", {{"prompt_ids", p}, {"ttl_s", 1.5}});
+  const Reply g = HttpPost(port, "/admin/cache/retain", {{"prompt_ids", p}, {"ttl_s", 1.5}});
   ASSERT_EQ(g.status, 200) << g.raw;
   ASSERT_EQ(g.body["outcome"], "granted") << g.raw;
   const int kept = g.body["tokens"].get<int>();
@@ -163,11 +127,6 @@ TEST(CacheControlTiersE2eTest, ALapsedRetainedPrefixIsDemotedNotDropped) {
   EXPECT_EQ(early["cached_by_tier"]["disk"].get<int>(), 0) << early.dump();
 }
 
-int Cached(const Reply& r) {
-  if (!r.body.is_object() || !r.body.contains("usage")) return -1;
-  return r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();
-}
-
 TEST(CacheControlTiersE2eTest, ADemotedPublicPrefixIsEveryTenantsHitThePrivatePartStaysPrivate) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   const std::string keys = testing::TempDir() + "/cc-tiers-keys.txt";
@@ -179,35 +138,37 @@ TEST(CacheControlTiersE2eTest, ADemotedPublicPrefixIsEveryTenantsHitThePrivatePa
   ASSERT_TRUE(d);
   const int port = d->http_port();
   const std::string system = Words("shared system prompt", 7, 80);
-  const Reply mark = Post(port, "/admin/cache/public", {{"prompt", system}}, "operator-key");
+  const Reply mark = HttpPost(port, "/admin/cache/public", {{"prompt", system}}, "operator-key");
   ASSERT_EQ(mark.status, 200) << mark.raw;
   const int pub = mark.body["public_tokens"].get<int>();
   ASSERT_GE(pub, 32) << mark.raw;
   const std::string a_prompt = system + " Alice asks about lanterns and the meadow by the harbor.";
-  const Reply a1 = Post(port, "/v1/completions", Completion(a_prompt), "alice-key");
+  const Reply a1 = HttpPost(port, "/v1/completions", Completion(a_prompt), "alice-key");
   ASSERT_EQ(a1.status, 200) << a1.raw;
-  EXPECT_GE(Cached(a1), pub);
+  EXPECT_GE(CachedTokens(a1), pub);
   // The lease lapses; pressure moves everything to the host tier.
   std::this_thread::sleep_for(std::chrono::milliseconds(2200));
   for (int i = 0; i < 16; ++i) {
-    ASSERT_EQ(Post(port, "/v1/completions", Completion(Words("pressure", i)), "alice-key").status,
-              200);
+    ASSERT_EQ(
+        HttpPost(port, "/v1/completions", Completion(Words("pressure", i)), "alice-key").status,
+        200);
   }
   // B, who never sent it, finds the public part in the host tier.
   const std::string b_prompt = system + " Bob wonders about quills.";
   const json ex = Explain(port, b_prompt, "bob-key");
   EXPECT_EQ(ex["cached_by_tier"]["primary"].get<int>(), 0) << "evicted: " << ex.dump();
   EXPECT_GE(ex["cached_by_tier"]["host"].get<int>(), pub) << ex.dump();
-  const Reply b1 = Post(port, "/v1/completions", Completion(b_prompt), "bob-key");
+  const Reply b1 = HttpPost(port, "/v1/completions", Completion(b_prompt), "bob-key");
   ASSERT_EQ(b1.status, 200) << b1.raw;
-  EXPECT_GE(Cached(b1), pub) << "B reuses the demoted public prefix: " << b1.raw;
+  EXPECT_GE(CachedTokens(b1), pub) << "B reuses the demoted public prefix: " << b1.raw;
   // A's continuation (demoted too) is A's: B gets the public part and at
   // most the leading tokens of one block its own prompt shares with A's.
-  const Reply b2 = Post(port, "/v1/completions", Completion(a_prompt), "bob-key");
-  EXPECT_GE(Cached(b2), pub);
-  EXPECT_LT(Cached(b2), pub + 16) << "B gets the public part only: " << b2.raw;
-  const Reply a2 = Post(port, "/v1/completions", Completion(a_prompt), "alice-key");
-  EXPECT_GE(Cached(a2), pub + 16) << "A hits its private continuation from the tier: " << a2.raw;
+  const Reply b2 = HttpPost(port, "/v1/completions", Completion(a_prompt), "bob-key");
+  EXPECT_GE(CachedTokens(b2), pub);
+  EXPECT_LT(CachedTokens(b2), pub + 16) << "B gets the public part only: " << b2.raw;
+  const Reply a2 = HttpPost(port, "/v1/completions", Completion(a_prompt), "alice-key");
+  EXPECT_GE(CachedTokens(a2), pub + 16)
+      << "A hits its private continuation from the tier: " << a2.raw;
   // Back in the pool, the public part is public again (explain counts it).
   const json ex2 = Explain(port, b_prompt + " more", "alice-key");
   EXPECT_EQ(ex2["public_tokens"].get<int>(), pub) << ex2.dump();
@@ -248,11 +209,13 @@ TEST(CacheControlTiersE2eTest, RetentionSurvivesAWarmRestartOnTheDiskTier) {
   {
     auto a = Start(testing::Stories260KPath(), flags);
     ASSERT_TRUE(a);
-    const Reply g = Post(a->http_port(), "/admin/cache/retain", {{"prompt", p}, {"ttl_s", 600}});
+    const Reply g =
+        HttpPost(a->http_port(), "/admin/cache/retain", {{"prompt", p}, {"ttl_s", 600}});
     ASSERT_EQ(g.status, 200) << g.raw;
     kept = g.body["tokens"].get<int>();
     ASSERT_GE(kept, 64) << g.raw;
-    const Reply s = Post(a->http_port(), "/admin/cache/retain", {{"prompt", brief}, {"ttl_s", 1}});
+    const Reply s =
+        HttpPost(a->http_port(), "/admin/cache/retain", {{"prompt", brief}, {"ttl_s", 1}});
     ASSERT_EQ(s.status, 200) << s.raw;
     EXPECT_EQ(a->StopWith(SIGTERM, 20), 0) << a->Log();
     EXPECT_THAT(a->Log(), HasSubstr("2 leases written")) << a->Log();
@@ -276,13 +239,13 @@ TEST(CacheControlTiersE2eTest, RetentionSurvivesAWarmRestartOnTheDiskTier) {
     // Hit from the disk tier.
     json req = Completion(p);
     req["cache_report"] = true;
-    const Reply r = Post(b->http_port(), "/v1/completions", req);
+    const Reply r = HttpPost(b->http_port(), "/v1/completions", req);
     ASSERT_EQ(r.status, 200) << r.raw;
     EXPECT_EQ(r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), kept) << r.raw;
     EXPECT_EQ(r.body["kvserve_cache_control"]["report"]["cached_by_tier"]["disk"].get<int>(), kept)
         << r.raw;
     // Loaded into the pool, the lease pins it there now.
-    const Reply again = Post(b->http_port(), "/v1/completions", Completion(p));
+    const Reply again = HttpPost(b->http_port(), "/v1/completions", Completion(p));
     ASSERT_EQ(again.status, 200);
     const json l2 = CliList(b->grpc_port());
     ASSERT_EQ(l2["leases"].size(), 1u) << l2.dump();
@@ -350,8 +313,9 @@ TEST(CacheControlTiersE2eTest, TemplateDriftDivergesAtTheRightTokenAndCanonicali
       for (const auto& [role, content] : m) a.push_back({{"role", role}, {"content", content}});
       return a;
     };
-    const Reply r1 = Post(d->http_port(), "/v1/chat/completions",
-                          {{"messages", messages(turn1)}, {"max_tokens", 8}, {"temperature", 0}});
+    const Reply r1 =
+        HttpPost(d->http_port(), "/v1/chat/completions",
+                 {{"messages", messages(turn1)}, {"max_tokens", 8}, {"temperature", 0}});
     ASSERT_EQ(r1.status, 200) << r1.raw;
     const std::string reply = r1.body["choices"][0]["message"]["content"];
     ASSERT_FALSE(reply.empty()) << r1.raw;
@@ -366,11 +330,11 @@ TEST(CacheControlTiersE2eTest, TemplateDriftDivergesAtTheRightTokenAndCanonicali
     while (n < t1.size() && n < t2.size() && t1[n] == t2[n]) ++n;
     ASSERT_LT(n, t1.size()) << "the template drifts";
     ASSERT_GT(n, 16u);
-    const Reply r = Post(d->http_port(), "/v1/chat/completions",
-                         {{"messages", messages(turn2)},
-                          {"max_tokens", 1},
-                          {"temperature", 0},
-                          {"cache_report", true}});
+    const Reply r = HttpPost(d->http_port(), "/v1/chat/completions",
+                             {{"messages", messages(turn2)},
+                              {"max_tokens", 1},
+                              {"temperature", 0},
+                              {"cache_report", true}});
     ASSERT_EQ(r.status, 200) << r.raw;
     const json rep = r.body["kvserve_cache_control"]["report"];
     const int cached = r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();

@@ -23,11 +23,8 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 std::unique_ptr<testing::Daemon> StartStories(const std::vector<std::string>& serve_args) {
-  auto d = testing::Daemon::Start(KVSERVE_BINARY,
-                                  {"--log-level", "info", "-t", "2", "-m", testing::Stories260KPath()},
-                                  serve_args);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? std::move(d).value() : nullptr;
+  return testing::StartServe(KVSERVE_BINARY, testing::Stories260KPath(), "info", serve_args, {},
+                             /*threads=*/2);
 }
 
 TEST(DaemonTest, SigtermDrainsInFlightRequestsAndExitsZero) {

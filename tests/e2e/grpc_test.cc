@@ -282,6 +282,13 @@ struct StreamResult {
   int chunks_with_usage = 0;
 };
 
+struct InvalidCase {
+  const char* name;
+  std::function<void(pb::GenerateRequest*)> mutate;
+  grpc::StatusCode code;
+  const char* field;
+};
+
 class GrpcTest : public ::testing::TestWithParam<Mode> {
  protected:
   void SetUp() override {
@@ -351,6 +358,20 @@ class GrpcTest : public ::testing::TestWithParam<Mode> {
   StreamResult Generate(const pb::GenerateRequest& request, const std::string& api_key = "") {
     auto ctx = Context(api_key);
     return Generate(stub_.get(), request, ctx.get());
+  }
+
+  // Each case's mutation of a greedy request is refused with the case's
+  // code, naming its field, before any chunk.
+  void ExpectRefused(const std::vector<InvalidCase>& cases) {
+    for (const InvalidCase& c : cases) {
+      SCOPED_TRACE(c.name);
+      pb::GenerateRequest r = Greedy(golden_[0].prompt, 8);
+      c.mutate(&r);
+      StreamResult out = Generate(r);
+      EXPECT_EQ(out.status.error_code(), c.code) << out.status.error_message();
+      EXPECT_THAT(out.status.error_message(), HasSubstr(c.field));
+      EXPECT_EQ(out.chunks, 0);
+    }
   }
 
   pb::Stats Stats() {
@@ -614,13 +635,6 @@ TEST_P(GrpcTest, FiveHundredConcurrentStreamsAllComplete) {
   EXPECT_EQ(WaitForNoBlocksUsed().blocks_used(), 0);
 }
 
-struct InvalidCase {
-  const char* name;
-  std::function<void(pb::GenerateRequest*)> mutate;
-  grpc::StatusCode code;
-  const char* field;
-};
-
 TEST_P(GrpcTest, InvalidInputsAreRejectedNamingTheField) {
   ASSERT_TRUE(StartServer());
   pb::ModelInfo info;
@@ -664,15 +678,7 @@ TEST_P(GrpcTest, InvalidInputsAreRejectedNamingTheField) {
        },
        grpc::StatusCode::INVALID_ARGUMENT, "prompt"},
   };
-  for (const InvalidCase& c : cases) {
-    SCOPED_TRACE(c.name);
-    pb::GenerateRequest r = Greedy(golden_[0].prompt, 8);
-    c.mutate(&r);
-    StreamResult out = Generate(r);
-    EXPECT_EQ(out.status.error_code(), c.code) << out.status.error_message();
-    EXPECT_THAT(out.status.error_message(), HasSubstr(c.field));
-    EXPECT_EQ(out.chunks, 0);
-  }
+  ExpectRefused(cases);
   // Unknown model on a unary call too.
   pb::TokenizeRequest treq;
   treq.set_model("no-such-model");
@@ -751,15 +757,7 @@ TEST_P(GrpcTest, KvPolicyIsValidatedAndUsageCarriesDroppedTokens) {
        [](pb::GenerateRequest* r) { r->mutable_kv_policy()->set_policy("sinks"); },
        grpc::StatusCode::INVALID_ARGUMENT, "context length"},
   };
-  for (const InvalidCase& c : cases) {
-    SCOPED_TRACE(c.name);
-    pb::GenerateRequest r = Greedy(golden_[0].prompt, 8);
-    c.mutate(&r);
-    StreamResult out = Generate(r);
-    EXPECT_EQ(out.status.error_code(), c.code) << out.status.error_message();
-    EXPECT_THAT(out.status.error_message(), HasSubstr(c.field));
-    EXPECT_EQ(out.chunks, 0);
-  }
+  ExpectRefused(cases);
 
   std::vector<pb::KvPolicy> policies(5);
   policies[0].set_policy("window");

@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
@@ -140,18 +141,9 @@ std::string StreamBody(int max_tokens, int n = 1, int logprobs = 0) {
 }
 
 double MetricValue(int port, const std::string& name, const std::string& label = "") {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(30, 0);
-  auto res = c.Get("/metrics");
-  if (!res || res->status != 200) return -1;
-  std::istringstream in(res->body);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(name + "{", 0) != 0) continue;
-    if (!label.empty() && line.find(label) == std::string::npos) continue;
-    return std::stod(line.substr(line.rfind(' ') + 1));
-  }
-  return -1;
+  return testing::MetricSample(
+      port, name, label.empty() ? std::vector<std::string>{} : std::vector<std::string>{label},
+      /*labelled_only=*/true);
 }
 
 // Polls `cond` every 20 ms for up to `timeout`.

@@ -26,6 +26,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/kvserve.grpc.pb.h"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -43,19 +44,10 @@ constexpr char kApiKey[] = "open-sesame";
 constexpr int kRetain = 32;
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::vector<std::string>& extra) {
-  std::vector<std::string> serve = {
-      "--api-key",         kApiKey,  "--kv-events-retain", std::to_string(kRetain),
-      "--kv-cache-memory", "512KiB", "--drain-timeout",    "2"};
-  serve.insert(serve.end(), extra.begin(), extra.end());
-  auto d = testing::Daemon::Start(
-      KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", testing::Stories260KPath()}, serve);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? std::move(d).value() : nullptr;
-}
-
-std::shared_ptr<grpc::Channel> ChannelTo(int port) {
-  return grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                             grpc::InsecureChannelCredentials());
+  return testing::StartServe(KVSERVE_BINARY, testing::Stories260KPath(), "warn",
+                             {"--api-key", kApiKey, "--kv-events-retain", std::to_string(kRetain),
+                              "--kv-cache-memory", "512KiB", "--drain-timeout", "2"},
+                             extra);
 }
 
 void Authorize(grpc::ClientContext* ctx, const std::string& key = kApiKey) {
@@ -245,23 +237,13 @@ Replica FreshSnapshot(const std::shared_ptr<grpc::Channel>& channel) {
 // Runs one greedy request to its end; returns its usage.
 pb::Usage Generate(const std::shared_ptr<grpc::Channel>& channel, const pb::GenerateRequest& r,
                    grpc::Status* status = nullptr) {
-  auto stub = pb::Kvserve::NewStub(channel);
-  grpc::ClientContext ctx;
-  Authorize(&ctx);
-  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
-  auto reader = stub->Generate(&ctx, r);
-  pb::GenerateResponse chunk;
-  pb::Usage usage;
-  while (reader->Read(&chunk)) {
-    if (chunk.has_usage()) usage = chunk.usage();
-  }
-  grpc::Status s = reader->Finish();
+  const testing::GrpcReply reply = testing::GrpcGenerate(channel, r, kApiKey);
   if (status != nullptr) {
-    *status = s;
+    *status = reply.status;
   } else {
-    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_TRUE(reply.status.ok()) << reply.status.error_message();
   }
-  return usage;
+  return reply.usage;
 }
 
 // A prompt of token ids: BOS, a prefix shared by every request of
@@ -285,7 +267,7 @@ TEST(KvEventsTest, ReplicaFromEventsAloneMatchesTheServerAcrossReconnects) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--prefix-cache"});
   ASSERT_TRUE(d);
-  auto channel = ChannelTo(d->grpc_port());
+  auto channel = testing::GrpcChannel(d->grpc_port());
   int next_seed = 0;
   auto send = [&](int n, int family) {
     for (int i = 0; i < n; ++i) Generate(channel, SharedPrefixRequest(family, next_seed++));
@@ -335,15 +317,11 @@ TEST(KvEventsTest, ReplicaFromEventsAloneMatchesTheServerAcrossReconnects) {
   // The server agrees on what it holds. Stats are a snapshot published at
   // the end of each engine step, while events go out during it: poll briefly
   // so a step still finishing (a loaded machine) is not a mismatch.
-  auto stub = pb::Kvserve::NewStub(channel);
   pb::Stats stats;
-  for (int i = 0; i < 100; ++i) {
-    grpc::ClientContext ctx;
-    Authorize(&ctx);
-    ASSERT_TRUE(stub->GetStats(&ctx, pb::GetStatsRequest(), &stats).ok());
-    if (stats.prefix_cached_blocks() == static_cast<int64_t>(sub.replica().blocks.size())) break;
-    std::this_thread::sleep_for(50ms);
-  }
+  auto agrees = [&](const pb::Stats& st) {
+    return st.prefix_cached_blocks() == static_cast<int64_t>(sub.replica().blocks.size());
+  };
+  ASSERT_TRUE(testing::PollStats(channel, agrees, 100, 50ms, &stats, kApiKey).ok());
   EXPECT_TRUE(stats.prefix_cache_enabled());
   EXPECT_EQ(stats.prefix_cached_blocks(), static_cast<int64_t>(sub.replica().blocks.size()));
   EXPECT_GT(stats.prefix_hit_tokens(), 0);
@@ -355,7 +333,7 @@ TEST(KvEventsTest, CachedTokensAppearInGrpcAndHttpUsage) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--prefix-cache"});
   ASSERT_TRUE(d);
-  auto channel = ChannelTo(d->grpc_port());
+  auto channel = testing::GrpcChannel(d->grpc_port());
   const std::string prompt =
       "Once upon a time there was a little girl named Lily. She loved to play outside in the "
       "park with her friends";
@@ -421,7 +399,7 @@ TEST(KvEventsTest, ClearEndpointsEmptyTheIndexAndPublishAllCleared) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--prefix-cache"});
   ASSERT_TRUE(d);
-  auto channel = ChannelTo(d->grpc_port());
+  auto channel = testing::GrpcChannel(d->grpc_port());
   Subscriber sub(channel);
   sub.Start();
   Generate(channel, SharedPrefixRequest(1, 0));
@@ -503,7 +481,7 @@ TEST(KvEventsTest, ASequenceFromAnotherEpochGetsASnapshot) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--prefix-cache"});
   ASSERT_TRUE(d);
-  auto channel = ChannelTo(d->grpc_port());
+  auto channel = testing::GrpcChannel(d->grpc_port());
   for (int i = 0; i < 3; ++i) Generate(channel, SharedPrefixRequest(1, i));
   const Replica now = FreshSnapshot(channel);
   ASSERT_NE(now.epoch, 0u);
@@ -527,7 +505,7 @@ TEST(KvEventsTest, AWrongApiKeyIsRejected) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--prefix-cache"});
   ASSERT_TRUE(d);
-  auto stub = pb::Kvserve::NewStub(ChannelTo(d->grpc_port()));
+  auto stub = pb::Kvserve::NewStub(testing::GrpcChannel(d->grpc_port()));
   for (const std::string key : {"", "not-the-key"}) {
     grpc::ClientContext ctx;
     Authorize(&ctx, key);
@@ -552,7 +530,7 @@ TEST(KvEventsTest, WithThePrefixCacheOffEventsAndClearAreRefused) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--no-prefix-cache"});
   ASSERT_TRUE(d);
-  auto stub = pb::Kvserve::NewStub(ChannelTo(d->grpc_port()));
+  auto stub = pb::Kvserve::NewStub(testing::GrpcChannel(d->grpc_port()));
   {
     grpc::ClientContext ctx;
     Authorize(&ctx);
@@ -580,7 +558,7 @@ TEST(KvEventsTest, TheDaemonStopsPromptlyWithSubscribersAttached) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--prefix-cache"});
   ASSERT_TRUE(d);
-  auto channel = ChannelTo(d->grpc_port());
+  auto channel = testing::GrpcChannel(d->grpc_port());
   std::vector<std::unique_ptr<Subscriber>> subs;
   for (int i = 0; i < 3; ++i) {
     subs.push_back(std::make_unique<Subscriber>(channel));
@@ -603,7 +581,7 @@ TEST(KvEventsTest, CliKeepsAReplicaAndClearsTheCache) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon({"--prefix-cache"});
   ASSERT_TRUE(d);
-  auto channel = ChannelTo(d->grpc_port());
+  auto channel = testing::GrpcChannel(d->grpc_port());
   Subscriber sub(channel);
   sub.Start();
   for (int i = 0; i < 3; ++i) Generate(channel, SharedPrefixRequest(1, i));

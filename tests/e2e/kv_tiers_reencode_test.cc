@@ -10,9 +10,7 @@
 #include <httplib.h>
 #include <signal.h>
 
-#include <chrono>
 #include <filesystem>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -21,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/kvserve.grpc.pb.h"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -29,71 +28,19 @@ namespace {
 namespace pb = ::kvserve::v1;
 using json = nlohmann::json;
 using ::testing::HasSubstr;
-using namespace std::chrono_literals;
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::vector<std::string>& extra) {
-  std::vector<std::string> serve = {"--kv-cache-memory", "128KiB", "--drain-timeout", "2"};
-  serve.insert(serve.end(), extra.begin(), extra.end());
-  auto d = testing::Daemon::Start(
-      KVSERVE_BINARY, {"--log-level", "info", "-t", "1", "-m", testing::Stories260KPath()}, serve);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? std::move(d).value() : nullptr;
+  return testing::StartServe(KVSERVE_BINARY, testing::Stories260KPath(), "info",
+                             {"--kv-cache-memory", "128KiB", "--drain-timeout", "2"}, extra);
 }
 
-std::shared_ptr<grpc::Channel> ChannelTo(int port) {
-  return grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                             grpc::InsecureChannelCredentials());
-}
-
-struct Reply {
-  std::vector<int32_t> tokens;
-  pb::Usage usage;
-  std::string cache_kind;
-};
-
-Reply Generate(const std::shared_ptr<grpc::Channel>& channel, const pb::GenerateRequest& r) {
-  auto stub = pb::Kvserve::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
-  auto reader = stub->Generate(&ctx, r);
-  pb::GenerateResponse chunk;
-  Reply out;
-  while (reader->Read(&chunk)) {
-    out.tokens.insert(out.tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
-    if (chunk.has_usage()) out.usage = chunk.usage();
-    if (chunk.has_cache()) out.cache_kind = chunk.cache().kind();
-  }
-  const grpc::Status s = reader->Finish();
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return out;
-}
-
-pb::Stats Stats(const std::shared_ptr<grpc::Channel>& channel) {
-  auto stub = pb::Kvserve::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  pb::GetStatsRequest req;
-  pb::Stats resp;
-  const grpc::Status s = stub->GetStats(&ctx, req, &resp);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return resp;
-}
+using Reply = testing::GrpcReply;
 
 // BOS and 99 tokens particular to seed: 6 full blocks of 16.
-std::vector<int32_t> PromptIds(int seed) {
-  std::vector<int32_t> ids = {1};
-  std::mt19937 rng(seed * 7919 + 1);
-  for (int i = 0; i < 99; ++i) ids.push_back(3 + static_cast<int32_t>(rng() % 480));
-  return ids;
-}
+std::vector<int32_t> PromptIds(int seed) { return testing::SeededPromptIds(seed); }
 
 pb::GenerateRequest Prompt(int seed, int max_tokens = 4) {
-  pb::GenerateRequest r;
-  for (int32_t id : PromptIds(seed)) r.add_prompt_ids(id);
-  r.mutable_sampling()->set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_temperature(0);
-  r.mutable_sampling()->set_ignore_eos(true);
-  return r;
+  return testing::SeededGreedyRequest(seed, max_tokens);
 }
 
 TEST(KvTiersReencodeE2eTest, AnInt8HostTierHitIsLossyAndNeverAnExactResponseCacheEntry) {
@@ -102,17 +49,18 @@ TEST(KvTiersReencodeE2eTest, AnInt8HostTierHitIsLossyAndNeverAnExactResponseCach
                         "--response-cache-bytes", "1MiB"});
   ASSERT_TRUE(d);
   EXPECT_THAT(d->Log(), HasSubstr("re-encoded f16 -> int8 on demotion"));
-  auto ch = ChannelTo(d->grpc_port());
-  const Reply first = Generate(ch, Prompt(7));
-  EXPECT_EQ(first.cache_kind, "miss");
+  auto ch = testing::GrpcChannel(d->grpc_port());
+  const Reply first = testing::GrpcGenerateOk(ch, Prompt(7));
+  EXPECT_EQ(first.cache.kind(), "miss");
   EXPECT_EQ(first.usage.cached_lossy_tokens(), 0);
-  for (int s = 8; s < 10; ++s) Generate(ch, Prompt(s));  // evict prompt 7 to the host tier
-  const int64_t stores = Stats(ch).response_cache_stores();
+  // Evict prompt 7 to the host tier.
+  for (int s = 8; s < 10; ++s) testing::GrpcGenerateOk(ch, Prompt(s));
+  const int64_t stores = testing::GrpcStats(ch).response_cache_stores();
   EXPECT_EQ(stores, 3);
 
   // Another max_tokens: a response-cache miss, so the KV path runs.
-  const Reply again = Generate(ch, Prompt(7, 5));
-  EXPECT_EQ(again.cache_kind, "miss");
+  const Reply again = testing::GrpcGenerateOk(ch, Prompt(7, 5));
+  EXPECT_EQ(again.cache.kind(), "miss");
   EXPECT_GE(again.usage.cached_host_tokens(), 64) << again.usage.DebugString();
   EXPECT_GE(again.usage.cached_lossy_tokens(), again.usage.cached_host_tokens())
       << again.usage.DebugString();
@@ -121,17 +69,17 @@ TEST(KvTiersReencodeE2eTest, AnInt8HostTierHitIsLossyAndNeverAnExactResponseCach
   // Greedy-close: stories260K's int8 KV picks f16's top token 98% of the
   // time (docs/quantized-kv.md); the first token must agree.
   EXPECT_EQ(again.tokens[0], first.tokens[0]);
-  pb::Stats st = Stats(ch);
+  pb::Stats st = testing::GrpcStats(ch);
   EXPECT_GE(st.tier_lossy_reencoded_blocks(), 6);
   EXPECT_EQ(st.tier_lossy_hit_tokens(), again.usage.cached_host_tokens());
   EXPECT_EQ(st.response_cache_stores(), stores) << "a lossy answer was stored";
 
   // The same request again: not an exact hit (nothing was stored), and its
   // K/V is lossy again (the promoted blocks' radix nodes are marked).
-  const Reply third = Generate(ch, Prompt(7, 5));
-  EXPECT_EQ(third.cache_kind, "miss");
+  const Reply third = testing::GrpcGenerateOk(ch, Prompt(7, 5));
+  EXPECT_EQ(third.cache.kind(), "miss");
   EXPECT_GT(third.usage.cached_lossy_tokens(), 0) << third.usage.DebugString();
-  EXPECT_EQ(Stats(ch).response_cache_stores(), stores);
+  EXPECT_EQ(testing::GrpcStats(ch).response_cache_stores(), stores);
 
   // HTTP: the lossy count in kvserve's usage field, and no exact hit.
   httplib::Client c("127.0.0.1", d->http_port());
@@ -163,10 +111,10 @@ TEST(KvTiersReencodeE2eTest, ARestartWithAnotherHostDtypeIgnoresTheOldDiskTier) 
     flags.insert(flags.end(), {"--kv-host-dtype", "int8"});
     auto a = StartDaemon(flags);
     ASSERT_TRUE(a);
-    auto ch = ChannelTo(a->grpc_port());
-    Generate(ch, Prompt(1));
-    for (int s = 2; s < 4; ++s) Generate(ch, Prompt(s));
-    EXPECT_GE(Stats(ch).tier_lossy_reencoded_blocks(), 4);
+    auto ch = testing::GrpcChannel(a->grpc_port());
+    testing::GrpcGenerateOk(ch, Prompt(1));
+    for (int s = 2; s < 4; ++s) testing::GrpcGenerateOk(ch, Prompt(s));
+    EXPECT_GE(testing::GrpcStats(ch).tier_lossy_reencoded_blocks(), 4);
     EXPECT_EQ(a->StopWith(SIGTERM, 20), 0) << a->Log();
   }
   {
@@ -174,7 +122,7 @@ TEST(KvTiersReencodeE2eTest, ARestartWithAnotherHostDtypeIgnoresTheOldDiskTier) 
     flags.insert(flags.end(), {"--kv-host-dtype", "int8"});
     auto b = StartDaemon(flags);  // the same codec: found
     ASSERT_TRUE(b);
-    const Reply r = Generate(ChannelTo(b->grpc_port()), Prompt(1));
+    const Reply r = testing::GrpcGenerateOk(testing::GrpcChannel(b->grpc_port()), Prompt(1));
     EXPECT_EQ(r.usage.cached_disk_tokens(), 96) << r.usage.DebugString();
     EXPECT_EQ(r.usage.cached_lossy_tokens(), 96);
     EXPECT_EQ(b->StopWith(SIGTERM, 20), 0) << b->Log();
@@ -182,7 +130,7 @@ TEST(KvTiersReencodeE2eTest, ARestartWithAnotherHostDtypeIgnoresTheOldDiskTier) 
   {
     auto c = StartDaemon(tier);  // --kv-host-dtype same: the int8 files are not read
     ASSERT_TRUE(c);
-    const Reply r = Generate(ChannelTo(c->grpc_port()), Prompt(1));
+    const Reply r = testing::GrpcGenerateOk(testing::GrpcChannel(c->grpc_port()), Prompt(1));
     EXPECT_EQ(r.usage.cached_disk_tokens(), 0);
     EXPECT_EQ(r.usage.cached_lossy_tokens(), 0);
     EXPECT_THAT(c->Log(), HasSubstr("ignoring 1 directories"));

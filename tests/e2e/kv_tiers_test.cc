@@ -12,15 +12,14 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/kvserve.grpc.pb.h"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -32,57 +31,13 @@ using namespace std::chrono_literals;
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::string& model,
                                              const std::vector<std::string>& extra) {
-  std::vector<std::string> serve = {"--kv-cache-memory", "128KiB", "--drain-timeout", "2"};
-  serve.insert(serve.end(), extra.begin(), extra.end());
-  auto d = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "info", "-t", "1", "-m", model},
-                                  serve);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? std::move(d).value() : nullptr;
-}
-
-std::shared_ptr<grpc::Channel> ChannelTo(int port) {
-  return grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                             grpc::InsecureChannelCredentials());
-}
-
-pb::Usage Generate(const std::shared_ptr<grpc::Channel>& channel, const pb::GenerateRequest& r) {
-  auto stub = pb::Kvserve::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
-  auto reader = stub->Generate(&ctx, r);
-  pb::GenerateResponse chunk;
-  pb::Usage usage;
-  while (reader->Read(&chunk)) {
-    if (chunk.has_usage()) usage = chunk.usage();
-  }
-  const grpc::Status s = reader->Finish();
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return usage;
-}
-
-pb::Stats Stats(const std::shared_ptr<grpc::Channel>& channel) {
-  auto stub = pb::Kvserve::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  pb::GetStatsRequest req;
-  pb::Stats resp;
-  const grpc::Status s = stub->GetStats(&ctx, req, &resp);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return resp;
+  return testing::StartServe(KVSERVE_BINARY, model, "info",
+                             {"--kv-cache-memory", "128KiB", "--drain-timeout", "2"}, extra);
 }
 
 // BOS and 99 tokens particular to seed: 6 full blocks of 16 in
 // stories260K's 128-token context.
-pb::GenerateRequest Prompt(int seed) {
-  pb::GenerateRequest r;
-  r.add_prompt_ids(1);
-  std::mt19937 rng(seed * 7919 + 1);
-  for (int i = 0; i < 99; ++i) r.add_prompt_ids(3 + static_cast<int32_t>(rng() % 480));
-  r.mutable_sampling()->set_max_tokens(4);
-  r.mutable_sampling()->set_temperature(0);
-  r.mutable_sampling()->set_ignore_eos(true);
-  return r;
-}
+pb::GenerateRequest Prompt(int seed) { return testing::SeededGreedyRequest(seed); }
 
 std::string CopyModel(const std::string& dir, const std::string& name, bool alter) {
   std::filesystem::create_directories(dir);
@@ -111,16 +66,14 @@ TEST(KvTiersE2eTest, ARestartedDaemonFindsItsDiskTierOnTheSameModelOnly) {
   {
     auto a = StartDaemon(CopyModel(root + "/a", "stories.gguf", false), tier_flags);
     ASSERT_TRUE(a);
-    auto ch = ChannelTo(a->grpc_port());
-    for (int i = 0; i < 3; ++i) Generate(ch, p);  // two hits on every block
-    for (int s = 2; s < 5; ++s) Generate(ch, Prompt(s));  // evict it (to disk)
+    auto ch = testing::GrpcChannel(a->grpc_port());
+    for (int i = 0; i < 3; ++i) testing::GrpcGenerateOk(ch, p);          // two hits on every block
+    for (int s = 2; s < 5; ++s) testing::GrpcGenerateOk(ch, Prompt(s));  // evict it (to disk)
     // Disk writes run on the tier's own thread: wait for them (a bound, not
     // a timing assertion), as a loaded machine finishes the last one late.
-    pb::Stats st = Stats(ch);
-    for (int i = 0; i < 100 && st.disk_tier_demotions() < 4; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      st = Stats(ch);
-    }
+    pb::Stats st;
+    auto on_disk = [](const pb::Stats& s) { return s.disk_tier_demotions() >= 4; };
+    EXPECT_TRUE(testing::PollStats(ch, on_disk, 101, 100ms, &st).ok());
     EXPECT_GE(st.disk_tier_demotions(), 4) << "evicted blocks went to disk";
     EXPECT_EQ(a->StopWith(SIGTERM, 20), 0) << a->Log();
     // The first block stayed in the pool until the end: written at shutdown.
@@ -129,12 +82,12 @@ TEST(KvTiersE2eTest, ARestartedDaemonFindsItsDiskTierOnTheSameModelOnly) {
   {
     auto b = StartDaemon(CopyModel(root + "/b", "renamed-copy.gguf", false), tier_flags);
     ASSERT_TRUE(b);
-    auto ch = ChannelTo(b->grpc_port());
-    const pb::Usage u = Generate(ch, p);
+    auto ch = testing::GrpcChannel(b->grpc_port());
+    const pb::Usage u = testing::GrpcGenerateOk(ch, p).usage;
     EXPECT_EQ(u.cached_disk_tokens(), 96) << "six blocks from the disk tier";
     EXPECT_EQ(u.cached_prompt_tokens(), 96);
     EXPECT_EQ(u.cached_host_tokens(), 0);
-    const pb::Stats st = Stats(ch);
+    const pb::Stats st = testing::GrpcStats(ch);
     EXPECT_EQ(st.disk_tier_promotions(), 6);
     EXPECT_EQ(st.disk_tier_hit_tokens(), 96);
     EXPECT_EQ(st.tier_checksum_failures(), 0);
@@ -143,8 +96,8 @@ TEST(KvTiersE2eTest, ARestartedDaemonFindsItsDiskTierOnTheSameModelOnly) {
   {
     auto c = StartDaemon(CopyModel(root + "/c", "stories.gguf", true), tier_flags);
     ASSERT_TRUE(c);
-    auto ch = ChannelTo(c->grpc_port());
-    const pb::Usage u = Generate(ch, p);
+    auto ch = testing::GrpcChannel(c->grpc_port());
+    const pb::Usage u = testing::GrpcGenerateOk(ch, p).usage;
     EXPECT_EQ(u.cached_disk_tokens(), 0) << "another model's blocks are never read";
     EXPECT_EQ(u.cached_prompt_tokens(), 0);
     EXPECT_THAT(c->Log(), HasSubstr("ignoring 1 directories"));
@@ -155,15 +108,15 @@ TEST(KvTiersE2eTest, HostTierHitsAreReportedPerTier) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon(testing::Stories260KPath(), {"--kv-host-memory", "4MiB"});
   ASSERT_TRUE(d);
-  auto ch = ChannelTo(d->grpc_port());
+  auto ch = testing::GrpcChannel(d->grpc_port());
   const pb::GenerateRequest p = Prompt(7);
-  Generate(ch, p);
-  for (int s = 8; s < 10; ++s) Generate(ch, Prompt(s));
-  const pb::Usage u = Generate(ch, p);
+  testing::GrpcGenerateOk(ch, p);
+  for (int s = 8; s < 10; ++s) testing::GrpcGenerateOk(ch, Prompt(s));
+  const pb::Usage u = testing::GrpcGenerateOk(ch, p).usage;
   // The pool may still hold the first block or two; the rest came from host.
   EXPECT_EQ(u.cached_prompt_tokens(), 96) << u.DebugString();
   EXPECT_GE(u.cached_host_tokens(), 64) << u.DebugString();
-  const pb::Stats st = Stats(ch);
+  const pb::Stats st = testing::GrpcStats(ch);
   EXPECT_GE(st.host_tier_demotions(), 6);
   EXPECT_EQ(st.host_tier_promotions() * 16, u.cached_host_tokens());
   EXPECT_GT(st.host_tier_capacity_blocks(), 0);

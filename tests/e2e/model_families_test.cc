@@ -10,9 +10,6 @@
 // leaves, reports a prefix the window dropped, and shows it in /metrics.
 // The jinja2 reference runs at test time (tests/data/render_chat_template.py,
 // python3-jinja2); the test skips without it.
-#include <httplib.h>
-
-#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -24,6 +21,7 @@
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 
@@ -60,39 +58,12 @@ json RenderReference(const std::string& tmpl, const json& messages, const std::s
   return json::parse(r.out, nullptr, false);
 }
 
-struct Reply {
-  int status = -1;
-  json body;
-  std::string raw;
-};
-
-Reply Post(int port, const std::string& path, const json& body) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  Reply r;
-  auto res = c.Post(path, body.dump(), "application/json");
-  if (!res) return r;
-  r.status = res->status;
-  r.raw = res->body;
-  r.body = json::parse(res->body, nullptr, false);
-  return r;
-}
+using Reply = testing::HttpReply;
+using testing::HttpPost;
 
 // The value of an unlabelled-or-labelled sample `name` in /metrics (-1 when
 // absent).
-double Metric(int port, const std::string& name) {
-  httplib::Client c("127.0.0.1", port);
-  auto res = c.Get("/metrics");
-  if (!res || res->status != 200) return -1;
-  std::istringstream lines(res->body);
-  for (std::string line; std::getline(lines, line);) {
-    if (line.rfind(name, 0) != 0) continue;
-    const char next = line.size() > name.size() ? line[name.size()] : '\0';
-    if (next != ' ' && next != '{') continue;
-    return std::strtod(line.substr(line.rfind(' ') + 1).c_str(), nullptr);
-  }
-  return -1;
-}
+double Metric(int port, const std::string& name) { return testing::MetricSample(port, name); }
 
 struct Family {
   std::string name;
@@ -147,13 +118,9 @@ Fixture Write(const Family& family) {
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::string& model,
                                              const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> serve = {"--kv-cache-memory", "8MiB", "--block-size", "4",
-                                    "--drain-timeout", "2"};
-  serve.insert(serve.end(), extra.begin(), extra.end());
-  auto d = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", model},
-                                  serve);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? std::move(d).value() : nullptr;
+  return testing::StartServe(
+      KVSERVE_BINARY, model, "warn",
+      {"--kv-cache-memory", "8MiB", "--block-size", "4", "--drain-timeout", "2"}, extra);
 }
 
 json Conversations() {
@@ -187,15 +154,15 @@ TEST_P(ModelFamiliesE2eTest, ChatRendersTheGgufTemplateAsJinja2Does) {
     const std::vector<int32_t> ids =
         fx.tokenizer->Encode(ref["text"].get<std::string>(), /*add_bos=*/false,
                              /*parse_special=*/true);
-    const Reply chat = Post(d->http_port(), "/v1/chat/completions",
-                            {{"messages", messages}, {"max_tokens", 3}, {"temperature", 0}});
+    const Reply chat = HttpPost(d->http_port(), "/v1/chat/completions",
+                                {{"messages", messages}, {"max_tokens", 3}, {"temperature", 0}});
     ASSERT_EQ(chat.status, 200) << chat.raw;
     EXPECT_EQ(chat.body["usage"]["prompt_tokens"], ids.size());
     // The chat's prompt is in the prefix cache now: jinja2's ids match it in
     // full (all but the last token, which is always computed) only if the
     // daemon rendered and tokenized the same ids.
-    const Reply again = Post(d->http_port(), "/v1/completions",
-                             {{"prompt", ids}, {"max_tokens", 1}, {"temperature", 0}});
+    const Reply again = HttpPost(d->http_port(), "/v1/completions",
+                                 {{"prompt", ids}, {"max_tokens", 1}, {"temperature", 0}});
     ASSERT_EQ(again.status, 200) << again.raw;
     EXPECT_EQ(again.body["usage"]["prompt_tokens_details"]["cached_tokens"], ids.size() - 1)
         << again.raw;
@@ -206,16 +173,16 @@ TEST_P(ModelFamiliesE2eTest, ChatRendersTheGgufTemplateAsJinja2Does) {
   const json bad = json::array({{{"role", "assistant"}, {"content", "first"}},
                                 {{"role", "assistant"}, {"content", "twice"}}});
   const json ref = RenderReference(fx.tmpl, bad, bos, eos);
-  const Reply r = Post(d->http_port(), "/v1/chat/completions",
-                       {{"messages", bad}, {"max_tokens", 2}, {"temperature", 0}});
+  const Reply r = HttpPost(d->http_port(), "/v1/chat/completions",
+                           {{"messages", bad}, {"max_tokens", 2}, {"temperature", 0}});
   if (ref.contains("error")) {
     EXPECT_EQ(r.status, 400) << r.raw;
     EXPECT_NE(r.raw.find(ref["error"].get<std::string>()), std::string::npos) << r.raw;
   } else {
     EXPECT_EQ(r.status, 200) << r.raw;
   }
-  const Reply ok = Post(d->http_port(), "/v1/chat/completions",
-                        {{"messages", Conversations()[0]}, {"max_tokens", 2}});
+  const Reply ok = HttpPost(d->http_port(), "/v1/chat/completions",
+                            {{"messages", Conversations()[0]}, {"max_tokens", 2}});
   EXPECT_EQ(ok.status, 200) << ok.raw;
 }
 
@@ -249,13 +216,13 @@ TEST(SlidingWindowE2eTest, RepeatedLongPromptIsServedFromTheCacheOverHttp) {
   ASSERT_TRUE(d && plain);
   const std::vector<int32_t> prompt = PromptIds(2 * kWindow + 1, 5);
 
-  const Reply ref = Post(plain->http_port(), "/v1/completions", Greedy(prompt, 48));
+  const Reply ref = HttpPost(plain->http_port(), "/v1/completions", Greedy(prompt, 48));
   ASSERT_EQ(ref.status, 200) << ref.raw;
-  const Reply first = Post(d->http_port(), "/v1/completions", Greedy(prompt, 48));
+  const Reply first = HttpPost(d->http_port(), "/v1/completions", Greedy(prompt, 48));
   ASSERT_EQ(first.status, 200) << first.raw << d->Log();
   EXPECT_EQ(first.body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
   EXPECT_EQ(first.body["choices"][0]["text"], ref.body["choices"][0]["text"]);
-  const Reply second = Post(d->http_port(), "/v1/completions", Greedy(prompt, 48));
+  const Reply second = HttpPost(d->http_port(), "/v1/completions", Greedy(prompt, 48));
   ASSERT_EQ(second.status, 200) << second.raw << d->Log();
   EXPECT_GE(second.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 2 * kWindow);
   EXPECT_EQ(second.body["kvserve_cache_control"]["report"]["reason"], "hit") << second.raw;
@@ -271,14 +238,14 @@ TEST(SlidingWindowE2eTest, RepeatedLongPromptIsServedFromTheCacheOverHttp) {
   const std::vector<int32_t> a = PromptIds(60, 9);
   std::vector<int32_t> b(a.begin(), a.begin() + 40);
   for (int32_t i = 0; i < 8; ++i) b.push_back(200 + i);
-  ASSERT_EQ(Post(d->http_port(), "/v1/completions", Greedy(a, 4)).status, 200);
-  const Reply cut = Post(d->http_port(), "/v1/completions", Greedy(b, 16));
+  ASSERT_EQ(HttpPost(d->http_port(), "/v1/completions", Greedy(a, 4)).status, 200);
+  const Reply cut = HttpPost(d->http_port(), "/v1/completions", Greedy(b, 16));
   ASSERT_EQ(cut.status, 200) << cut.raw << d->Log();
   const json& report = cut.body["kvserve_cache_control"]["report"];
   EXPECT_EQ(report["reason"], "window_dropped") << cut.raw;
   EXPECT_GT(report["window_dropped_tokens"].get<int>(), 0) << cut.raw;
   EXPECT_LT(cut.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 40);
-  const Reply cut_ref = Post(plain->http_port(), "/v1/completions", Greedy(b, 16));
+  const Reply cut_ref = HttpPost(plain->http_port(), "/v1/completions", Greedy(b, 16));
   ASSERT_EQ(cut_ref.status, 200) << cut_ref.raw;
   EXPECT_EQ(cut.body["choices"][0]["text"], cut_ref.body["choices"][0]["text"]);
   EXPECT_GT(Metric(d->http_port(), "kvserve:prefix_cache_window_dropped_tokens_total"), 0);

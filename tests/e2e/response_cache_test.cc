@@ -9,7 +9,6 @@
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
 
-#include <chrono>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -20,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/kvserve.grpc.pb.h"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -28,41 +28,19 @@ namespace {
 namespace pb = ::kvserve::v1;
 using json = nlohmann::json;
 using ::testing::HasSubstr;
-using namespace std::chrono_literals;
 
 constexpr char kApiKey[] = "tenant-one-key";
 
 std::unique_ptr<testing::Daemon> StartDaemon(const std::string& model,
                                              const std::vector<std::string>& extra) {
-  std::vector<std::string> serve = {"--kv-cache-memory", "4MiB", "--response-cache-bytes", "1MiB",
-                                    "--drain-timeout",   "2"};
-  serve.insert(serve.end(), extra.begin(), extra.end());
-  auto d = testing::Daemon::Start(KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", model},
-                                  serve);
-  EXPECT_TRUE(d.ok()) << d.status();
-  return d.ok() ? std::move(d).value() : nullptr;
+  return testing::StartServe(
+      KVSERVE_BINARY, model, "warn",
+      {"--kv-cache-memory", "4MiB", "--response-cache-bytes", "1MiB", "--drain-timeout", "2"},
+      extra);
 }
 
-struct Reply {
-  int status = -1;
-  std::string cache_header;
-  json body;
-  std::string raw;
-};
-
-Reply Post(int port, const std::string& path, const json& body, const std::string& key = "") {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  if (!key.empty()) c.set_bearer_token_auth(key);
-  Reply r;
-  auto res = c.Post(path, body.dump(), "application/json");
-  if (!res) return r;
-  r.status = res->status;
-  r.cache_header = res->get_header_value("x-kvserve-cache");
-  r.raw = res->body;
-  r.body = json::parse(res->body, nullptr, false);
-  return r;
-}
+using Reply = testing::HttpReply;
+using testing::HttpPost;
 
 // The texts of a completion stream's chunks, in order.
 std::vector<std::string> StreamChunks(const Reply& r, json* usage_chunk) {
@@ -89,11 +67,11 @@ TEST(ResponseCacheE2eTest, SecondIdenticalGreedyRequestIsAnExactHitOverHttp) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon(testing::Stories260KPath(), {});
   ASSERT_TRUE(d);
-  const Reply first = Post(d->http_port(), "/v1/completions", Greedy());
+  const Reply first = HttpPost(d->http_port(), "/v1/completions", Greedy());
   ASSERT_EQ(first.status, 200) << first.raw;
   EXPECT_EQ(first.cache_header, "miss");
   EXPECT_EQ(first.body["kvserve_cache"]["kind"], "miss");
-  const Reply second = Post(d->http_port(), "/v1/completions", Greedy());
+  const Reply second = HttpPost(d->http_port(), "/v1/completions", Greedy());
   ASSERT_EQ(second.status, 200) << second.raw;
   EXPECT_EQ(second.cache_header, "exact");
   EXPECT_EQ(second.body["kvserve_cache"]["kind"], "exact");
@@ -108,11 +86,11 @@ TEST(ResponseCacheE2eTest, SecondIdenticalGreedyRequestIsAnExactHitOverHttp) {
   stream["stream"] = true;
   stream["stream_options"] = {{"include_usage", true}};
   stream["response_cache"] = {{"lookup", false}};
-  const Reply computed = Post(d->http_port(), "/v1/completions", stream);
+  const Reply computed = HttpPost(d->http_port(), "/v1/completions", stream);
   ASSERT_EQ(computed.status, 200) << computed.raw;
   EXPECT_EQ(computed.cache_header, "bypass");
   stream.erase("response_cache");
-  const Reply replayed = Post(d->http_port(), "/v1/completions", stream);
+  const Reply replayed = HttpPost(d->http_port(), "/v1/completions", stream);
   ASSERT_EQ(replayed.status, 200) << replayed.raw;
   EXPECT_EQ(replayed.cache_header, "exact");
   json usage_computed, usage_replayed;
@@ -135,7 +113,7 @@ TEST(ResponseCacheE2eTest, SecondIdenticalGreedyRequestIsAnExactHitOverHttp) {
                                                  {"logprobs", 1}}) {
     json changed = Greedy();
     changed[field] = value;
-    const Reply r = Post(d->http_port(), "/v1/completions", changed);
+    const Reply r = HttpPost(d->http_port(), "/v1/completions", changed);
     ASSERT_EQ(r.status, 200) << field << ": " << r.raw;
     EXPECT_EQ(r.cache_header, "miss") << field;
   }
@@ -143,31 +121,31 @@ TEST(ResponseCacheE2eTest, SecondIdenticalGreedyRequestIsAnExactHitOverHttp) {
   // Sampled without a seed: never stored, never served.
   json sampled = Greedy();
   sampled["temperature"] = 0.8;
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", sampled).cache_header, "bypass");
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", sampled).cache_header, "bypass");
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", sampled).cache_header, "bypass");
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", sampled).cache_header, "bypass");
   sampled["seed"] = 11;
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", sampled).cache_header, "miss");
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", sampled).cache_header, "exact");
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", sampled).cache_header, "miss");
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", sampled).cache_header, "exact");
 
   // store=false: computed and not kept.
   json no_store = Greedy();
   no_store["max_tokens"] = 5;
   no_store["response_cache"] = {{"store", false}};
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", no_store).cache_header, "miss");
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", no_store).cache_header, "miss");
   no_store.erase("response_cache");
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", no_store).cache_header, "miss");
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", no_store).cache_header, "miss");
 
   // Bad options name the field and disturb nothing.
   json bad = Greedy();
   bad["response_cache"] = {{"semantic", "sometimes"}};
-  Reply r = Post(d->http_port(), "/v1/completions", bad);
+  Reply r = HttpPost(d->http_port(), "/v1/completions", bad);
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(r.body["error"]["param"], "response_cache") << r.raw;
   EXPECT_THAT(r.raw, HasSubstr("off, verified or approximate"));
   bad["response_cache"] = {{"lookup", "yes"}};
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", bad).status, 400);
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", bad).status, 400);
   bad["response_cache"] = {{"min_similarity", 3}};
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", bad).status, 400);
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", bad).status, 400);
 
   httplib::Client c("127.0.0.1", d->http_port());
   auto metrics = c.Get("/metrics");
@@ -179,11 +157,11 @@ TEST(ResponseCacheE2eTest, SecondIdenticalGreedyRequestIsAnExactHitOverHttp) {
   EXPECT_THAT(metrics->body, HasSubstr("kvserve:response_cache_bytes"));
 
   // Purge: everything goes; the next identical request is computed again.
-  const Reply purged = Post(d->http_port(), "/admin/response_cache/purge", json{{"all", true}});
+  const Reply purged = HttpPost(d->http_port(), "/admin/response_cache/purge", json{{"all", true}});
   ASSERT_EQ(purged.status, 200) << purged.raw;
   EXPECT_GE(purged.body["purged"].get<int>(), 2);
-  EXPECT_EQ(Post(d->http_port(), "/v1/completions", Greedy()).cache_header, "miss");
-  EXPECT_EQ(Post(d->http_port(), "/admin/response_cache/purge", json{{"nope", 1}}).status, 400);
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/completions", Greedy()).cache_header, "miss");
+  EXPECT_EQ(HttpPost(d->http_port(), "/admin/response_cache/purge", json{{"nope", 1}}).status, 400);
 }
 
 TEST(ResponseCacheE2eTest, TenantsAreTheApiKeysAndPurgesNeedTheKey) {
@@ -192,58 +170,32 @@ TEST(ResponseCacheE2eTest, TenantsAreTheApiKeysAndPurgesNeedTheKey) {
   // the tenant scope is derived on the server from the key.
   auto one = StartDaemon(testing::Stories260KPath(), {"--api-key", kApiKey});
   ASSERT_TRUE(one);
-  EXPECT_EQ(Post(one->http_port(), "/v1/completions", Greedy(), kApiKey).cache_header, "miss");
-  EXPECT_EQ(Post(one->http_port(), "/v1/completions", Greedy(), kApiKey).cache_header, "exact");
+  EXPECT_EQ(HttpPost(one->http_port(), "/v1/completions", Greedy(), kApiKey).cache_header, "miss");
+  EXPECT_EQ(HttpPost(one->http_port(), "/v1/completions", Greedy(), kApiKey).cache_header, "exact");
   // Unauthenticated purges are refused.
-  EXPECT_EQ(Post(one->http_port(), "/admin/response_cache/purge", json::object()).status, 401);
+  EXPECT_EQ(HttpPost(one->http_port(), "/admin/response_cache/purge", json::object()).status, 401);
   const Reply purged =
-      Post(one->http_port(), "/admin/response_cache/purge", json::object(), kApiKey);
+      HttpPost(one->http_port(), "/admin/response_cache/purge", json::object(), kApiKey);
   ASSERT_EQ(purged.status, 200) << purged.raw;
   EXPECT_EQ(purged.body["purged"], 1);
-  EXPECT_EQ(Post(one->http_port(), "/v1/completions", Greedy(), kApiKey).cache_header, "miss");
+  EXPECT_EQ(HttpPost(one->http_port(), "/v1/completions", Greedy(), kApiKey).cache_header, "miss");
 }
 
-std::shared_ptr<grpc::Channel> ChannelTo(int port) {
-  return grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                             grpc::InsecureChannelCredentials());
-}
-
-struct GrpcReply {
-  std::vector<std::string> chunks;
-  std::string text;
-  pb::CacheInfo cache;
-  grpc::Status status;
-};
-
-GrpcReply Generate(const std::shared_ptr<grpc::Channel>& channel, const pb::GenerateRequest& r) {
-  auto stub = pb::Kvserve::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
-  auto reader = stub->Generate(&ctx, r);
-  GrpcReply out;
-  pb::GenerateResponse chunk;
-  while (reader->Read(&chunk)) {
-    if (!chunk.text().empty()) out.chunks.push_back(chunk.text());
-    out.text += chunk.text();
-    if (chunk.has_cache()) out.cache = chunk.cache();
-  }
-  out.status = reader->Finish();
-  return out;
-}
+using GrpcReply = testing::GrpcReply;
 
 TEST(ResponseCacheE2eTest, GrpcHitsReplayTheStreamAndStatsCountThem) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
   auto d = StartDaemon(testing::Stories260KPath(), {});
   ASSERT_TRUE(d);
-  auto channel = ChannelTo(d->grpc_port());
+  auto channel = testing::GrpcChannel(d->grpc_port());
   pb::GenerateRequest r;
   r.set_prompt("The little dog ran");
   r.mutable_sampling()->set_max_tokens(20);
   r.mutable_sampling()->set_temperature(0);
-  const GrpcReply first = Generate(channel, r);
+  const GrpcReply first = testing::GrpcGenerate(channel, r);
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
   EXPECT_EQ(first.cache.kind(), "miss");
-  const GrpcReply second = Generate(channel, r);
+  const GrpcReply second = testing::GrpcGenerate(channel, r);
   ASSERT_TRUE(second.status.ok()) << second.status.error_message();
   EXPECT_EQ(second.cache.kind(), "exact");
   EXPECT_EQ(second.text, first.text);
@@ -251,17 +203,17 @@ TEST(ResponseCacheE2eTest, GrpcHitsReplayTheStreamAndStatsCountThem) {
   // HTTP and gRPC share the cache (ModelService): the same request over
   // HTTP is a hit too.
   const Reply http =
-      Post(d->http_port(), "/v1/completions",
-           {{"prompt", "The little dog ran"}, {"max_tokens", 20}, {"temperature", 0}});
+      HttpPost(d->http_port(), "/v1/completions",
+               {{"prompt", "The little dog ran"}, {"max_tokens", 20}, {"temperature", 0}});
   EXPECT_EQ(http.cache_header, "exact");
   EXPECT_EQ(http.body["choices"][0]["text"].get<std::string>(), first.text);
 
   pb::GenerateRequest bypass = r;
   bypass.mutable_response_cache()->set_lookup(false);
-  EXPECT_EQ(Generate(channel, bypass).cache.kind(), "bypass");
+  EXPECT_EQ(testing::GrpcGenerate(channel, bypass).cache.kind(), "bypass");
   pb::GenerateRequest bad = r;
   bad.mutable_response_cache()->set_semantic("maybe");
-  const GrpcReply refused = Generate(channel, bad);
+  const GrpcReply refused = testing::GrpcGenerate(channel, bad);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(refused.status.error_message(), HasSubstr("response_cache.semantic"));
 
@@ -285,7 +237,7 @@ TEST(ResponseCacheE2eTest, GrpcHitsReplayTheStreamAndStatsCountThem) {
     ASSERT_TRUE(stub->PurgeResponseCache(&ctx, req, &resp).ok());
     EXPECT_EQ(resp.purged(), 1);
   }
-  EXPECT_EQ(Generate(channel, r).cache.kind(), "miss");
+  EXPECT_EQ(testing::GrpcGenerate(channel, r).cache.kind(), "miss");
 }
 
 TEST(ResponseCacheE2eTest, TheSystemPromptIsPartOfTheKey) {
@@ -300,13 +252,13 @@ TEST(ResponseCacheE2eTest, TheSystemPromptIsPartOfTheKey) {
                 {"max_tokens", 6},
                 {"temperature", 0}};
   };
-  const Reply a = Post(d->http_port(), "/v1/chat/completions", chat("You are terse."));
+  const Reply a = HttpPost(d->http_port(), "/v1/chat/completions", chat("You are terse."));
   ASSERT_EQ(a.status, 200) << a.raw;
   EXPECT_EQ(a.cache_header, "miss");
-  const Reply b = Post(d->http_port(), "/v1/chat/completions", chat("You are terse."));
+  const Reply b = HttpPost(d->http_port(), "/v1/chat/completions", chat("You are terse."));
   EXPECT_EQ(b.cache_header, "exact");
   EXPECT_EQ(b.body["choices"][0]["message"]["content"], a.body["choices"][0]["message"]["content"]);
-  EXPECT_EQ(Post(d->http_port(), "/v1/chat/completions", chat("You are verbose.")).cache_header,
+  EXPECT_EQ(HttpPost(d->http_port(), "/v1/chat/completions", chat("You are verbose.")).cache_header,
             "miss");
 }
 
@@ -335,16 +287,16 @@ TEST(ResponseCacheE2eTest, SemanticHitsAreVerifiedByTheModel) {
   // The model's own answers, with the cache bypassed (neither read nor written).
   std::vector<std::string> own;
   for (const std::string& q : asks) {
-    const Reply r = Post(d->http_port(), "/v1/chat/completions", chat(q, false));
+    const Reply r = HttpPost(d->http_port(), "/v1/chat/completions", chat(q, false));
     ASSERT_EQ(r.status, 200) << r.raw;
     EXPECT_EQ(r.cache_header, "bypass");
     own.push_back(r.body["choices"][0]["message"]["content"]);
   }
-  const Reply first = Post(d->http_port(), "/v1/chat/completions", chat(cached, verified));
+  const Reply first = HttpPost(d->http_port(), "/v1/chat/completions", chat(cached, verified));
   ASSERT_EQ(first.status, 200) << first.raw;
   EXPECT_EQ(first.cache_header, "miss");
   for (size_t i = 0; i < asks.size(); ++i) {
-    const Reply r = Post(d->http_port(), "/v1/chat/completions", chat(asks[i], verified));
+    const Reply r = HttpPost(d->http_port(), "/v1/chat/completions", chat(asks[i], verified));
     ASSERT_EQ(r.status, 200) << r.raw;
     EXPECT_EQ(r.cache_header, "semantic-verified") << asks[i];
     EXPECT_EQ(r.body["choices"][0]["message"]["content"], own[i]) << asks[i];
@@ -361,12 +313,12 @@ TEST(ResponseCacheE2eTest, OffByDefault) {
       {"--kv-cache-memory", "4MiB"});
   ASSERT_TRUE(d.ok()) << d.status();
   for (int i = 0; i < 2; ++i) {
-    const Reply r = Post((*d)->http_port(), "/v1/completions", Greedy());
+    const Reply r = HttpPost((*d)->http_port(), "/v1/completions", Greedy());
     ASSERT_EQ(r.status, 200) << r.raw;
     EXPECT_EQ(r.cache_header, "");
     EXPECT_FALSE(r.body.contains("kvserve_cache"));
   }
-  EXPECT_EQ(Post((*d)->http_port(), "/admin/response_cache/purge", json::object()).status, 409);
+  EXPECT_EQ(HttpPost((*d)->http_port(), "/admin/response_cache/purge", json::object()).status, 409);
 }
 
 TEST(ResponseCacheE2eTest, BadCacheFlagsStopStartUpNamingTheFlag) {

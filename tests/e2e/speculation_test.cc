@@ -4,12 +4,8 @@
 // metrics say so: the comparison is not vacuous); a bad mode is refused
 // naming the field on both protocols; and every KV block is back afterwards.
 #include <grpcpp/grpcpp.h>
-#include <httplib.h>
 
-#include <chrono>
 #include <memory>
-#include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -18,6 +14,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/kvserve.grpc.pb.h"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/test_models.h"
 
 namespace kvserve {
@@ -26,41 +23,15 @@ namespace {
 namespace pb = ::kvserve::v1;
 using json = nlohmann::json;
 using ::testing::HasSubstr;
-using namespace std::chrono_literals;
 
-struct Reply {
-  int status = -1;
-  json body;
-  std::string raw;
-};
+using Reply = testing::HttpReply;
 
-Reply Post(int port, const json& body) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  Reply r;
-  auto res = c.Post("/v1/completions", body.dump(), "application/json");
-  if (!res) return r;
-  r.status = res->status;
-  r.raw = res->body;
-  r.body = json::parse(res->body, nullptr, false);
-  return r;
-}
+// POSTs a /v1/completions body.
+Reply Post(int port, const json& body) { return testing::HttpPost(port, "/v1/completions", body); }
 
 // The value of an unlabelled-but-model series `name{...labels...}` summed
 // over its label sets.
-double Metric(int port, const std::string& name) {
-  httplib::Client c("127.0.0.1", port);
-  auto res = c.Get("/metrics");
-  if (!res) return -1;
-  double sum = 0;
-  std::regex line("^" + name + "\\{[^}]*\\} ([0-9.e+-]+)$");
-  std::istringstream in(res->body);
-  for (std::string l; std::getline(in, l);) {
-    std::smatch m;
-    if (std::regex_match(l, m, line)) sum += std::stod(m[1]);
-  }
-  return sum;
-}
+double Metric(int port, const std::string& name) { return testing::MetricSum(port, name); }
 
 const std::vector<std::string> kPrompts = {
     "The cat sat on the mat. The cat sat on the mat. The cat",
@@ -73,12 +44,12 @@ const std::vector<std::string> kPrompts = {
 
 TEST(SpeculationE2eTest, SameOutputsOnAndOffOverHttpAndGrpc) {
   KVSERVE_SKIP_IF_MISSING(testing::Stories260KPath(), "stories260K.gguf");
-  auto d = testing::Daemon::Start(
-      KVSERVE_BINARY, {"--log-level", "warn", "-t", "1", "-m", testing::Stories260KPath()},
-      {"--kv-cache-memory", "4MiB", "--drain-timeout", "2", "--speculative", "ngram",
-       "--spec-ngram-min", "1", "--no-spec-adaptive"});
-  ASSERT_TRUE(d.ok()) << d.status();
-  const int port = (*d)->http_port();
+  auto d =
+      testing::StartServe(KVSERVE_BINARY, testing::Stories260KPath(), "warn",
+                          {"--kv-cache-memory", "4MiB", "--drain-timeout", "2", "--speculative",
+                           "ngram", "--spec-ngram-min", "1", "--no-spec-adaptive"});
+  ASSERT_TRUE(d);
+  const int port = d->http_port();
   for (const std::string& p : kPrompts) {
     json on = {{"prompt", p}, {"max_tokens", 64}, {"temperature", 0}, {"logprobs", 1}};
     json off = on;
@@ -95,23 +66,16 @@ TEST(SpeculationE2eTest, SameOutputsOnAndOffOverHttpAndGrpc) {
   EXPECT_GT(Metric(port, "kvserve:spec_position_accepted_total"), 0);
 
   // gRPC: the field on GenerateRequest, "suffix" against "off".
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string((*d)->grpc_port()),
-                                     grpc::InsecureChannelCredentials());
-  auto stub = pb::Kvserve::NewStub(channel);
+  auto channel = testing::GrpcChannel(d->grpc_port());
   auto generate = [&](const std::string& prompt, const std::string& mode, grpc::Status* st) {
     pb::GenerateRequest r;
     r.set_prompt(prompt);
     r.mutable_sampling()->set_max_tokens(64);
     r.mutable_sampling()->set_temperature(0);
     r.set_speculative(mode);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 60s);
-    auto reader = stub->Generate(&ctx, r);
-    std::string text;
-    pb::GenerateResponse chunk;
-    while (reader->Read(&chunk)) text += chunk.text();
-    *st = reader->Finish();
-    return text;
+    const testing::GrpcReply reply = testing::GrpcGenerate(channel, r);
+    *st = reply.status;
+    return reply.text;
   };
   for (const std::string& p : kPrompts) {
     grpc::Status s1, s2;

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/test_models.h"
 
@@ -109,6 +110,18 @@ std::string Daemon::Log() const {
 }
 
 Daemon::~Daemon() { StopWith(SIGTERM, 10); }
+
+std::unique_ptr<Daemon> StartServe(const std::string& binary, const std::string& model,
+                                   const std::string& log_level,
+                                   const std::vector<std::string>& serve_flags,
+                                   const std::vector<std::string>& extra_flags, int threads) {
+  std::vector<std::string> serve = serve_flags;
+  serve.insert(serve.end(), extra_flags.begin(), extra_flags.end());
+  auto d = Daemon::Start(
+      binary, {"--log-level", log_level, "-t", std::to_string(threads), "-m", model}, serve);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? std::move(d).value() : nullptr;
+}
 
 CommandResult RunCommand(const std::string& command_line) {
   CommandResult r;

@@ -44,6 +44,16 @@ class Daemon {
   std::string dir_;
 };
 
+// Starts `binary --log-level log_level -t threads -m model serve
+// [serve_flags] [extra_flags]` (the per-test defaults, then the test's own).
+// On failure records a non-fatal failure naming the status and returns
+// null, so a test writes `ASSERT_TRUE(d)`.
+std::unique_ptr<Daemon> StartServe(const std::string& binary, const std::string& model,
+                                   const std::string& log_level,
+                                   const std::vector<std::string>& serve_flags,
+                                   const std::vector<std::string>& extra_flags = {},
+                                   int threads = 1);
+
 // Runs a shell command line and returns its exit status (-1 when it did not
 // exit normally) and everything it wrote to stdout (add 2>&1 for stderr).
 struct CommandResult {

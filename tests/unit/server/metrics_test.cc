@@ -5,6 +5,7 @@
 // with _count), and that recorded events show up in the right series.
 #include "server/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -324,6 +325,41 @@ TEST(MetricsTest, ConcurrentUpdatesAreAllCounted) {
   EXPECT_EQ(Value(p, "kvserve:request_success_total", {{"finished_reason", "stop"}}), 4000);
   const std::string itl = "kvserve:inter_token_latency_seconds";
   EXPECT_EQ(CheckHistogram(p.families.at(itl), itl), 4000);
+}
+
+// A sliding-window model adds its window series, each with its own value,
+// in one block after the prefix cache's; a model without a window has none.
+TEST(MetricsTest, SlidingWindowSeriesCarryTheirValues) {
+  Metrics m("m");
+  EngineStats s = SomeStats();
+  EXPECT_EQ(ParseExposition(m.Render(s)).families.count("kvserve:kv_window_released_blocks_total"),
+            0u);
+  s.sliding_window = 16;
+  s.window_released_blocks = 11;
+  s.window_kept_cached_blocks = 7;
+  s.window_lost_prefix_blocks = 3;
+  s.window_hollowed_blocks = 5;
+  s.window_dropped_prefix_tokens = 40;
+  s.window_hollow_nodes = 2;
+  const Parsed p = ParseExposition(m.Render(s));
+  const std::vector<std::pair<std::string, std::string>> window = {
+      {"kvserve:kv_window_released_blocks_total", "counter"},
+      {"kvserve:kv_window_kept_cached_blocks_total", "counter"},
+      {"kvserve:prefix_cache_window_lost_blocks_total", "counter"},
+      {"kvserve:kv_window_hollowed_blocks_total", "counter"},
+      {"kvserve:prefix_cache_window_dropped_tokens_total", "counter"},
+      {"kvserve:prefix_cache_hollow_blocks", "gauge"}};
+  const double values[] = {11, 7, 3, 5, 40, 2};
+  auto first = std::find(p.order.begin(), p.order.end(), window[0].first);
+  ASSERT_NE(first, p.order.end());
+  for (size_t i = 0; i < window.size(); ++i) {
+    SCOPED_TRACE(window[i].first);
+    ASSERT_LT(first + i, p.order.end());
+    EXPECT_EQ(*(first + i), window[i].first) << "the window block keeps its order";
+    EXPECT_EQ(p.families.at(window[i].first).type, window[i].second);
+    EXPECT_FALSE(p.families.at(window[i].first).help.empty());
+    EXPECT_EQ(Value(p, window[i].first), values[i]);
+  }
 }
 
 TEST(MetricsTest, ValuesUseShortestRoundTripForm) {
