@@ -311,7 +311,13 @@ void Engine::TakeInbox() {
     cancel_all = cancel_all_;
     cancel_all_ = false;
   }
-  for (auto& p : clears) p.set_value(kv_->ClearPrefixCache());
+  for (auto& p : clears) {
+    // An empty cache means no retained prefix either: a lease would keep
+    // its blocks pinned but unreachable (their radix nodes are gone) until
+    // its TTL. Released first, so their blocks are cleared and counted.
+    if (options_.cache_control != nullptr) options_.cache_control->ReleaseAll(kv_.get());
+    p.set_value(kv_->ClearPrefixCache());
+  }
   if (options_.cache_control != nullptr) options_.cache_control->Expire(kv_.get());
   for (EngineTask& t : tasks) {
     t.fn(kv_.get(), options_.kv_tiers.get());

@@ -218,6 +218,45 @@ TEST_F(CacheControlE2eTest, RetentionOnRequestListsBudgetsAndAdminRules) {
   EXPECT_EQ(HttpPost(port(), "/v1/completions", Completion(p), "").status, 401);
 }
 
+// Clearing the prefix cache ends the retention leases too: their blocks
+// would otherwise stay pinned, unreachable, until the TTL.
+TEST_F(CacheControlE2eTest, ClearingThePrefixCacheReleasesLeasesAndFreesTheirBlocks) {
+  json req = Completion(Words("alice-cleared", 4));
+  req["cache_control"] = {{"retain", {{"ttl_s", 600}}}};
+  const Reply r = HttpPost(port(), "/v1/completions", req, kAlice);
+  ASSERT_EQ(r.status, 200) << r.raw;
+  ASSERT_EQ(r.body["kvserve_cache_control"]["retention"]["outcome"], "granted") << r.raw;
+  ASSERT_EQ(HttpCall(port(), "GET", "/admin/cache/list", {}, kAlice).body["leases"].size(), 1u);
+  const Reply c = HttpPost(port(), "/admin/clear_prefix_cache", json::object(), kAdmin);
+  ASSERT_EQ(c.status, 200) << c.raw;
+  EXPECT_GT(c.body["blocks_cleared"].get<int64_t>(), 0) << c.raw;
+  const Reply l = HttpCall(port(), "GET", "/admin/cache/list", {}, kAlice);
+  EXPECT_EQ(l.body["leases"].size(), 0u) << l.raw;
+  // Every block is free again: nothing pinned is left behind.
+  const Reply m = HttpCall(port(), "GET", "/metrics", {}, kAdmin);
+  ASSERT_EQ(m.status, 200);
+  auto sample = [&](const std::string& name) {
+    // "name{labels} value" or "name value", at the start of a line.
+    for (size_t at = m.raw.find(name); at != std::string::npos; at = m.raw.find(name, at + 1)) {
+      if (at > 0 && m.raw[at - 1] != '\n') continue;
+      const char next = m.raw[at + name.size()];
+      if (next != '{' && next != ' ') continue;
+      const size_t eol = m.raw.find('\n', at);
+      const size_t sp = m.raw.rfind(' ', eol);
+      return std::stod(m.raw.substr(sp + 1, eol - sp - 1));
+    }
+    return -1.0;
+  };
+  const double free_blocks = sample("kvserve:kv_blocks_free");
+  const double total_blocks = sample("kvserve:kv_blocks_total");
+  EXPECT_GT(total_blocks, 0) << m.raw.substr(0, 2000);
+  EXPECT_EQ(free_blocks, total_blocks);
+  // And the daemon keeps serving and retaining.
+  const Reply again = HttpPost(port(), "/v1/completions", req, kAlice);
+  ASSERT_EQ(again.status, 200) << again.raw;
+  EXPECT_EQ(again.body["kvserve_cache_control"]["retention"]["outcome"], "granted");
+}
+
 TEST_F(CacheControlE2eTest, ExplainAnswersWithTheContractKeys) {
   const std::string p = Words("explain-me", 1);
   ASSERT_EQ(HttpPost(port(), "/v1/completions", Completion(p), kAlice).status, 200);
