@@ -40,13 +40,6 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kMaxTokens = 12;
-// Seconds decode stalls before its pull (the window the link is cut in).
-constexpr char kPullDelay[] = "4";
-// The lease ttl: long enough that no renewal falls due during the stall
-// (one is due after ttl/3), so the first thing to meet the dead link may be
-// the UCX pull itself or the renewal, depending on the machine's load.
-constexpr uint32_t kLeaseTtlMs = 15000;
-
 // iproute2's `ip`, or "" when it is not installed.
 std::string IpBinary() {
   for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
@@ -105,12 +98,12 @@ struct Client {
     EXPECT_TRUE(pdx->GetNodeInfo(&c, pdv1::GetNodeInfoRequest(), &i).ok());
     return i;
   }
-  grpc::Status Prefill(const std::string& prompt, pdv1::Lease* lease) {
+  grpc::Status Prefill(const std::string& prompt, uint32_t ttl_ms, pdv1::Lease* lease) {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 30s);
     pdv1::PrefillRequest r;
     r.set_generate_request(Request(prompt).SerializeAsString());
-    r.set_ttl_ms(kLeaseTtlMs);
+    r.set_ttl_ms(ttl_ms);
     return pdx->Prefill(&c, r, lease);
   }
   grpc::Status Attach(const pdv1::Lease& lease) {
@@ -118,6 +111,15 @@ struct Client {
     c.set_deadline(std::chrono::system_clock::now() + 10s);
     pdv1::AttachLeaseResponse r;
     return pdx->AttachLease(&c, lease, &r);
+  }
+  grpc::Status Release(const pdv1::Lease& lease) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 5s);
+    pdv1::ReleaseLeaseRequest r;
+    r.set_transfer_id(lease.transfer_id());
+    r.set_incarnation(lease.incarnation());
+    pdv1::ReleaseLeaseResponse resp;
+    return pdx->ReleaseLease(&c, r, &resp);
   }
   // Waits until no block is pinned and no lease is held; false after
   // `bound` (a hang or a leak, not a timing check).
@@ -252,98 +254,128 @@ class PdNetnsTest : public ::testing::Test {
     return d.ok() ? std::move(d).value() : nullptr;
   }
 
+  // Starts the nodes (decode stalling `pull_delay` s before each pull),
+    // checks a pull over the veth, then cuts the link during a stalled pull
+    // of a lease with ttl `ttl_ms` (see the tests for which step meets the
+    // dead link first) and checks the outcome.
+    void CutLinkMidPull(uint32_t ttl_ms, const std::string& pull_delay) {
+    // The reference outputs: a `both` node on 127.0.0.1 in this namespace.
+    auto b = testing::Daemon::Start(
+        KVSERVE_BINARY, {"--log-level", "info", "-t", "1", "-m", testing::Stories260KPath()},
+        {"--role", "both", "--kv-cache-memory", "16MiB"});
+    ASSERT_TRUE(b.ok()) << b.status();
+    both_ = std::move(b).value();
+    // Prefill binds every address in its namespace: decode reaches it on the
+    // P<->D link (the address in its leases), this test on the control link.
+    prefill_ = StartInNamespace(ns_a_, "prefill", "0.0.0.0:0", link_ip_a_, link_a_);
+    decode_ = StartInNamespace(ns_b_, "decode", ctl_ip_b_ + ":0", link_ip_b_, link_b_,
+                               {"--pd-test-pull-delay", pull_delay});
+    ASSERT_TRUE(prefill_ && decode_);
+    Client ref("127.0.0.1:" + std::to_string(both_->grpc_port()));
+    Client p(ctl_ip_a_ + ":" + std::to_string(prefill_->grpc_port()));
+    Client d(ctl_ip_b_ + ":" + std::to_string(decode_->grpc_port()));
+    EXPECT_NE(decode_->Log().find("UCX transports 'tcp"), std::string::npos) << decode_->Log();
+
+    // 1. A pull over the veth works (UCX tcp across the namespaces).
+    const std::string warm = UniquePrompt("Over the wire");
+    pdv1::Lease lease;
+    ASSERT_TRUE(p.Prefill(warm, ttl_ms, &lease).ok());
+    ASSERT_GT(lease.block_ids_size(), 0);
+    EXPECT_EQ(lease.grpc_address().rfind(link_ip_a_ + ":", 0), 0u) << lease.grpc_address();
+    ASSERT_TRUE(d.Attach(lease).ok());
+    EXPECT_EQ(d.Generate(warm), ref.Generate(warm));
+    EXPECT_EQ(d.Info().transfers_ok(), 1);
+    EXPECT_TRUE(p.AtBaseline());
+    EXPECT_TRUE(d.AtBaseline());
+
+    // 2. A pull stalled by the delay, the link cut meanwhile.
+    const std::string cut = UniquePrompt("Cut link");
+    const std::string want = ref.Generate(cut);
+    ASSERT_TRUE(p.Prefill(cut, ttl_ms, &lease).ok());
+    ASSERT_GT(lease.block_ids_size(), 0);
+    ASSERT_TRUE(d.Attach(lease).ok());
+    const int64_t expired = p.Info().leases_expired();
+    // The bound that detects a hang: the stall, the transfer timeout and the
+    // renewal/release deadlines, with a wide margin for a loaded machine.
+    auto result = std::async(std::launch::async, [&] { return d.Generate(cut, 90s); });
+    bool arriving = false;
+    for (auto until = Clock::now() + 30s; Clock::now() < until && !arriving;) {
+      arriving = d.Stats().kv_arriving() > 0;
+      if (!arriving) std::this_thread::sleep_for(20ms);
+    }
+    ASSERT_TRUE(arriving) << "the decode request never waited for the pull";
+    ASSERT_TRUE(Sh("ip netns exec " + ns_a_ + " ip link set " + link_a_ + " down"));
+    const auto cut_at = Clock::now();
+    const auto secs = [&] { return std::chrono::duration<double>(Clock::now() - cut_at).count(); };
+    // Decode cannot reach prefill: it recomputes the prompt locally.
+    EXPECT_EQ(result.get(), want) << decode_->Log();
+    std::printf("[ netns ] decode request finished %.1f s after the cut\n", secs());
+    const pdv1::NodeInfo di = d.Info();
+    EXPECT_EQ(di.transfers_ok(), 1);
+    EXPECT_EQ(di.transfers_failed(), 1);
+    EXPECT_NE(decode_->Log().find("failed, recomputing locally"), std::string::npos);
+    EXPECT_TRUE(d.AtBaseline());
+    // Nobody can release the prefill node's lease: it expires and frees.
+    EXPECT_TRUE(p.AtBaseline(std::chrono::seconds(ttl_ms / 1000 + 30)));
+    std::printf("[ netns ] prefill at baseline %.1f s after the cut (lease ttl %.1f s)\n", secs(),
+                ttl_ms / 1000.0);
+    EXPECT_EQ(p.Info().leases_expired(), expired + 1);
+    std::printf("[ netns ] decode log after the cut:\n");
+    {
+      const std::string log = decode_->Log();
+      for (size_t at = log.find("pd: pull of transfer"); at != std::string::npos;
+           at = log.find("pd: pull of transfer", at + 1)) {
+        std::printf("  %s\n", log.substr(at, log.find('\n', at) - at).c_str());
+      }
+    }
+
+    // 3. Each node still serves on its own...
+    const std::string local = UniquePrompt("Local after the cut");
+    EXPECT_EQ(d.Generate(local), ref.Generate(local));
+    EXPECT_TRUE(d.AtBaseline());
+    // ...and with the link back, a cross-node pull works again. decode's gRPC
+    // channel to prefill may sit in reconnect backoff: retry the attach, each
+    // try with a fresh lease (this test releases a refused one).
+    ASSERT_TRUE(Sh("ip netns exec " + ns_a_ + " ip link set " + link_a_ + " up"));
+    const std::string again = UniquePrompt("Link restored");
+    grpc::Status attached = grpc::Status(grpc::StatusCode::UNKNOWN, "no attempt");
+    int tries = 0;
+    const auto restored_at = Clock::now();
+    for (auto until = Clock::now() + 90s; Clock::now() < until && !attached.ok();) {
+      ASSERT_TRUE(p.Prefill(again, ttl_ms, &lease).ok());
+      attached = d.Attach(lease);
+      ++tries;
+      if (!attached.ok()) {
+        EXPECT_TRUE(p.Release(lease).ok());
+        std::this_thread::sleep_for(1s);
+      }
+    }
+    ASSERT_TRUE(attached.ok()) << attached.error_message();
+    std::printf("[ netns ] attach through the restored link after %d tries, %.1f s\n", tries,
+                std::chrono::duration<double>(Clock::now() - restored_at).count());
+    EXPECT_EQ(d.Generate(again), ref.Generate(again));
+    EXPECT_EQ(d.Info().transfers_ok(), 2);
+    EXPECT_TRUE(d.AtBaseline());
+    EXPECT_TRUE(p.AtBaseline(std::chrono::seconds(ttl_ms / 1000 + 30)));
+  }
+
   std::string ns_a_, ns_b_, link_a_, link_b_, ctl_a_, ctl_a_root_, ctl_b_, ctl_b_root_;
   std::string link_ip_a_, link_ip_b_, ctl_ip_a_, ctl_ip_b_;
   bool created_ = false;
   std::unique_ptr<testing::Daemon> both_, prefill_, decode_;
 };
 
-TEST_F(PdNetnsTest, LinkCutMidPullRecomputesAndBothSidesReturnToBaseline) {
-  // The reference outputs: a `both` node on 127.0.0.1 in this namespace.
-  auto b = testing::Daemon::Start(
-      KVSERVE_BINARY, {"--log-level", "info", "-t", "1", "-m", testing::Stories260KPath()},
-      {"--role", "both", "--kv-cache-memory", "16MiB"});
-  ASSERT_TRUE(b.ok()) << b.status();
-  both_ = std::move(b).value();
-  // Prefill binds every address in its namespace: decode reaches it on the
-  // P<->D link (the address in its leases), this test on the control link.
-  prefill_ = StartInNamespace(ns_a_, "prefill", "0.0.0.0:0", link_ip_a_, link_a_);
-  decode_ = StartInNamespace(ns_b_, "decode", ctl_ip_b_ + ":0", link_ip_b_, link_b_,
-                             {"--pd-test-pull-delay", kPullDelay});
-  ASSERT_TRUE(prefill_ && decode_);
-  Client ref("127.0.0.1:" + std::to_string(both_->grpc_port()));
-  Client p(ctl_ip_a_ + ":" + std::to_string(prefill_->grpc_port()));
-  Client d(ctl_ip_b_ + ":" + std::to_string(decode_->grpc_port()));
-  EXPECT_NE(decode_->Log().find("UCX transports 'tcp"), std::string::npos) << decode_->Log();
+// A lease ttl of 6 s is renewed every 2 s: the renewal during the 4 s
+// stall is the first thing to meet the dead link (gRPC to prefill fails).
+TEST_F(PdNetnsTest, LinkCutDuringStalledPullFailsTheRenewalAndRecomputes) {
+  CutLinkMidPull(6000, "4");
+}
 
-  // 1. A pull over the veth works (UCX tcp across the namespaces).
-  const std::string warm = UniquePrompt("Over the wire");
-  pdv1::Lease lease;
-  ASSERT_TRUE(p.Prefill(warm, &lease).ok());
-  ASSERT_GT(lease.block_ids_size(), 0);
-  EXPECT_EQ(lease.grpc_address().rfind(link_ip_a_ + ":", 0), 0u) << lease.grpc_address();
-  ASSERT_TRUE(d.Attach(lease).ok());
-  EXPECT_EQ(d.Generate(warm), ref.Generate(warm));
-  EXPECT_EQ(d.Info().transfers_ok(), 1);
-  EXPECT_TRUE(p.AtBaseline());
-  EXPECT_TRUE(d.AtBaseline());
-
-  // 2. A pull stalled by the delay, the link cut meanwhile.
-  const std::string cut = UniquePrompt("Cut link");
-  const std::string want = ref.Generate(cut);
-  ASSERT_TRUE(p.Prefill(cut, &lease).ok());
-  ASSERT_GT(lease.block_ids_size(), 0);
-  ASSERT_TRUE(d.Attach(lease).ok());
-  const int64_t expired = p.Info().leases_expired();
-  // The bound that detects a hang: the stall, the transfer timeout and the
-  // renewal/release deadlines, with a wide margin for a loaded machine.
-  auto result = std::async(std::launch::async, [&] { return d.Generate(cut, 90s); });
-  bool arriving = false;
-  for (auto until = Clock::now() + 30s; Clock::now() < until && !arriving;) {
-    arriving = d.Stats().kv_arriving() > 0;
-    if (!arriving) std::this_thread::sleep_for(20ms);
-  }
-  ASSERT_TRUE(arriving) << "the decode request never waited for the pull";
-  ASSERT_TRUE(Sh("ip netns exec " + ns_a_ + " ip link set " + link_a_ + " down"));
-  // Decode cannot reach prefill: it recomputes the prompt locally.
-  EXPECT_EQ(result.get(), want) << decode_->Log();
-  const pdv1::NodeInfo di = d.Info();
-  EXPECT_EQ(di.transfers_ok(), 1);
-  EXPECT_EQ(di.transfers_failed(), 1);
-  EXPECT_NE(decode_->Log().find("failed, recomputing locally"), std::string::npos);
-  EXPECT_TRUE(d.AtBaseline());
-  // Nobody can release the prefill node's lease: it expires and frees.
-  EXPECT_TRUE(p.AtBaseline(std::chrono::seconds(kLeaseTtlMs / 1000 + 30)));
-  EXPECT_EQ(p.Info().leases_expired(), expired + 1);
-  std::printf("[ netns ] decode log after the cut:\n");
-  {
-    const std::string log = decode_->Log();
-    for (size_t at = log.find("pd: pull of transfer"); at != std::string::npos;
-         at = log.find("pd: pull of transfer", at + 1)) {
-      std::printf("  %s\n", log.substr(at, log.find('\n', at) - at).c_str());
-    }
-  }
-
-  // 3. Each node still serves on its own...
-  const std::string local = UniquePrompt("Local after the cut");
-  EXPECT_EQ(d.Generate(local), ref.Generate(local));
-  EXPECT_TRUE(d.AtBaseline());
-  // ...and with the link back, a cross-node pull works again. decode's gRPC
-  // channel to prefill may sit in reconnect backoff: retry the attach (each
-  // try with a fresh lease; an unclaimed one expires).
-  ASSERT_TRUE(Sh("ip netns exec " + ns_a_ + " ip link set " + link_a_ + " up"));
-  const std::string again = UniquePrompt("Link restored");
-  grpc::Status attached = grpc::Status(grpc::StatusCode::UNKNOWN, "no attempt");
-  for (auto until = Clock::now() + 90s; Clock::now() < until && !attached.ok();) {
-    ASSERT_TRUE(p.Prefill(again, &lease).ok());
-    attached = d.Attach(lease);
-    if (!attached.ok()) std::this_thread::sleep_for(1s);
-  }
-  ASSERT_TRUE(attached.ok()) << attached.error_message();
-  EXPECT_EQ(d.Generate(again), ref.Generate(again));
-  EXPECT_EQ(d.Info().transfers_ok(), 2);
-  EXPECT_TRUE(d.AtBaseline());
-  EXPECT_TRUE(p.AtBaseline(std::chrono::seconds(kLeaseTtlMs / 1000 + 30)));
+// A lease ttl of 30 s needs no renewal before the UCX read: after the 3 s
+// stall the read is posted on the dead link and must fail (transport
+// deadline / peer error), not hang.
+TEST_F(PdNetnsTest, LinkCutBeforeTheUcxReadFailsTheReadAndRecomputes) {
+  CutLinkMidPull(30000, "3");
 }
 
 }  // namespace
