@@ -27,9 +27,7 @@ using tiers_testing::Pool;
 using tiers_testing::PromptOf;
 using tiers_testing::Result;
 using tiers_testing::Tiny;
-Result Generate(Engine& e, const std::vector<int32_t>& prompt, int max_tokens = 8) {
-  return tiers_testing::Generate(e, prompt, max_tokens);
-}
+using tiers_testing::Generate;
 std::string ScratchDir(const char* name) { return tiers_testing::ScratchDir("tiers-reencode-", name); }
 
 absl::StatusOr<std::unique_ptr<Engine>> TryEngine(std::shared_ptr<KvTiers> tiers,
