@@ -285,8 +285,15 @@ void RegisterAll() {
   // The model's layout: every matrix in 16-row panels (VNNI / AMX kernels).
   benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/panels/threads:1",
                                BM_SmolLM2DecodeMatMuls, 1, true, true)
+      // 1: decode alone; 2-8: a speculative verify chunk or a small decode
+      // batch; 16, 64: prefill chunks (AMX where the CPU has it).
       ->Arg(1)
+      ->Arg(2)
+      ->Arg(3)
+      ->Arg(4)
       ->Arg(8)
+      ->Arg(16)
+      ->Arg(64)
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/rows/threads:1",
                                BM_SmolLM2DecodeMatMuls, 1, true, false)
