@@ -210,6 +210,16 @@ SpecVerdict RejectionSample(absl::Span<const double> p, absl::Span<const double>
 
 void StepCostFit::Observe(int32_t tokens, double seconds) {
   if (tokens <= 0 || !(seconds > 0) || !std::isfinite(seconds)) return;
+  ++observed_;
+  if (tokens <= kTableTokens) {
+    Size& z = sizes_[static_cast<size_t>(tokens)];
+    // A size not seen for a while starts over: the machine's load may have
+    // changed since.
+    if (observed_ - z.last > kStaleSteps) z.w = 0;
+    z.mean = (kSizeDecay * z.w * z.mean + seconds) / (kSizeDecay * z.w + 1);
+    z.w = kSizeDecay * z.w + 1;
+    z.last = observed_;
+  }
   const double x = tokens, y = seconds;
   w_ = decay_ * w_ + 1;
   sx_ = decay_ * sx_ + x;
@@ -236,7 +246,60 @@ void StepCostFit::Observe(int32_t tokens, double seconds) {
   }
 }
 
+bool StepCostFit::Measured(int32_t tokens) const {
+  if (tokens <= 0 || tokens > kTableTokens) return false;
+  const Size& z = sizes_[static_cast<size_t>(tokens)];
+  return z.w >= 1 + kSizeDecay - 1e-9 && observed_ - z.last <= kStaleSteps;
+}
+
+double StepCostFit::Predict(int32_t tokens) const {
+  if (Measured(tokens)) return sizes_[static_cast<size_t>(tokens)].mean;
+  return alpha_ + beta_ * std::max(tokens, 0);
+}
+
+std::vector<int32_t> SizeDrafts(int32_t batch, absl::Span<const DraftOffer> offers,
+                                const StepCostFit& cost, double min_gain) {
+  std::vector<int32_t> take(offers.size(), 0);
+  if (batch <= 0 || offers.empty()) return take;
+  const double plain = batch / cost.Predict(batch);
+  // Draft tokens best first: the next token of a draft is worth its
+  // acceptance times the one before it, so a heap of each draft's next token.
+  using Item = std::pair<double, size_t>;  // value of the next token, offer
+  std::priority_queue<Item> heap;
+  for (size_t i = 0; i < offers.size(); ++i) {
+    if (offers[i].length > 0) heap.push({offers[i].acceptance, i});
+  }
+  std::vector<size_t> order;
+  double expected = batch;
+  double best_rate = plain * (1 + min_gain);
+  size_t best_k = 0;
+  std::vector<int32_t> popped(offers.size(), 0);
+  while (!heap.empty()) {
+    const auto [v, i] = heap.top();
+    heap.pop();
+    expected += v;
+    order.push_back(i);
+    if (++popped[i] < offers[i].length) heap.push({v * offers[i].acceptance, i});
+    const int32_t tokens = batch + static_cast<int32_t>(order.size());
+    const double rate = expected / cost.Predict(tokens);
+    if (rate > best_rate) {
+      best_rate = rate;
+      best_k = order.size();
+    }
+  }
+  for (size_t k = 0; k < best_k; ++k) ++take[order[k]];
+  return take;
+}
+
 // ---- speculator ----
+
+namespace {
+// Drafts must raise the predicted tokens per second by more than this: the
+// cost table's means are of ~10 noisy steps, and speculation that only breaks
+// even loses to the steps it lengthens (each verify chunk also delays the
+// next prompt's chunks).
+constexpr double kMinGain = 0.03;
+}  // namespace
 
 Speculator::Speculator(const SpeculationOptions& options)
     : options_(options),
@@ -309,22 +372,11 @@ void Speculator::Propose(const std::vector<Sequence*>& running) {
   if (!options_.adaptive) {
     for (size_t i = 0; i < cands.size(); ++i) take[i] = static_cast<int32_t>(cands[i].p.tokens.size());
   } else {
-    // Best tokens first while each raises expected tokens per second:
-    // (N + v) / (C + beta) > N / C  <=>  v * C > beta * N.
-    const double alpha = cost_.alpha(), beta = cost_.beta();
-    double n_tokens = batch, cost = alpha + beta * batch;
-    using Item = std::pair<double, size_t>;  // value of the next token, candidate
-    std::priority_queue<Item> heap;
-    for (size_t i = 0; i < cands.size(); ++i) heap.push({cands[i].a, i});
-    while (!heap.empty()) {
-      const auto [v, i] = heap.top();
-      heap.pop();
-      if (!(v * cost > beta * n_tokens)) break;
-      n_tokens += v;
-      cost += beta;
-      ++take[i];
-      if (take[i] < static_cast<int32_t>(cands[i].p.tokens.size())) heap.push({v * cands[i].a, i});
+    std::vector<DraftOffer> offers(cands.size());
+    for (size_t i = 0; i < cands.size(); ++i) {
+      offers[i] = {cands[i].a, static_cast<int32_t>(cands[i].p.tokens.size())};
     }
+    take = SizeDrafts(batch, offers, cost_, kMinGain);
   }
   for (size_t i = 0; i < cands.size(); ++i) {
     Sequence* s = cands[i].s;
@@ -391,6 +443,8 @@ SpeculationStats Speculator::stats() const {
   SpeculationStats st = stats_;
   st.step_fixed_ms = cost_.alpha() * 1e3;
   st.step_ms_per_token = cost_.beta() * 1e3;
+  for (int32_t n = 1; n <= StepCostFit::kTableTokens; ++n)
+    st.step_sizes_measured += cost_.Measured(n);
   st.suffix_index_tokens = suffix_.size_tokens();
   st.suffix_index_bytes = suffix_.memory_bytes();
   return st;

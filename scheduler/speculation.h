@@ -18,10 +18,11 @@
 //
 // Speculator decides each step how many draft tokens each sequence gets:
 // every draft token j of sequence i is worth a_i^j expected tokens (a_i: its
-// recent acceptance), and costs beta seconds of step time in the measured
-// step cost alpha + beta * tokens. Tokens are added best first while they
-// raise the step's expected tokens per second, so the predicted speedup is
-// never below 1; when the step cost grows with tokens (large batches on a
+// recent acceptance); the step's cost at each size is measured (StepCostFit:
+// per step size, a line for sizes not measured). The number of draft tokens
+// kept, best first, is the one with the most expected tokens per second, and
+// none unless that beats plain decoding by a margin, so the predicted speedup
+// is never below 1; when the step cost grows with tokens (large batches on a
 // compute-bound CPU) speculation turns itself down or off.
 //
 // Not thread-safe: the engine thread owns the Speculator.
@@ -171,31 +172,71 @@ struct SpeculationStats {
   std::array<int64_t, kMaxSpecK> proposed_by_position{};
   std::array<int64_t, kMaxSpecK> accepted_by_position{};
   int64_t skipped_by_cost = 0;  // proposals the cost model dropped in full
-  // The measured step cost (alpha + beta * tokens) the decisions use.
+  // The measured step cost line (alpha + beta * tokens) the decisions use
+  // for step sizes the per-size table has not measured.
   double step_fixed_ms = 0;
   double step_ms_per_token = 0;
+  // Step sizes (tokens) the table prices from measurements now.
+  int32_t step_sizes_measured = 0;
   int64_t suffix_index_tokens = 0;
   int64_t suffix_index_bytes = 0;
 };
 
-// Online least squares of a step's seconds against its tokens, over steps
-// without prompt chunks (decode and verify tokens only), exponentially
-// decayed. Until it has steps of clearly different sizes it assumes
-// beta = alpha * prior_ratio.
+// What a step of decode and verify tokens costs, measured online over steps
+// without prompt chunks: for each step size (tokens) seen lately, the
+// decayed mean time of steps of that size; for other sizes, a least-squares
+// line alpha + beta * tokens over all of them, exponentially decayed (until
+// it has steps of clearly different sizes the line assumes
+// beta = alpha * prior_ratio). The table is what the decisions use where it
+// has data: a step's cost is not linear in its tokens (on a CPU a few
+// tokens cost about one, since the weights stream once, and past that the
+// cost grows with every token), and a line through both regimes prices
+// drafts wrong in both.
 class StepCostFit {
  public:
+  static constexpr int32_t kTableTokens = 256;  // sizes the table keeps
   explicit StepCostFit(double prior_ratio = 1.0 / 16) : prior_ratio_(prior_ratio) {}
   void Observe(int32_t tokens, double seconds);
   double alpha() const { return alpha_; }
   double beta() const { return beta_; }
   bool ready() const { return w_ > 0; }
+  // Predicted seconds of a step of `tokens` tokens: the table's mean for a
+  // size observed at least twice among the last kStaleSteps steps, else the
+  // line.
+  double Predict(int32_t tokens) const;
+  // Whether Predict(tokens) comes from the table.
+  bool Measured(int32_t tokens) const;
 
  private:
+  static constexpr double kSizeDecay = 0.9;     // ~10 recent steps per size
+  static constexpr int64_t kStaleSteps = 4096;  // then re-priced by the line
+  struct Size {
+    double mean = 0, w = 0;
+    int64_t last = 0;
+  };
   double prior_ratio_;
   double decay_ = 0.995;
   double w_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;
   double alpha_ = 1, beta_ = 1.0 / 16;
+  std::vector<Size> sizes_ = std::vector<Size>(kTableTokens + 1);
+  int64_t observed_ = 0;
 };
+
+// The adaptive choice: given `batch` decoding sequences, and for each
+// sequence with a draft its acceptance estimate and draft length, how many
+// draft tokens each verifies. Draft token j of a sequence with acceptance a
+// is worth a^j expected tokens; tokens are ordered best first and the
+// number K kept is the one that maximizes predicted tokens per second,
+// (batch + sum of the first K values) / cost.Predict(batch + K), provided
+// that beats plain decoding, batch / cost.Predict(batch), by more than
+// min_gain (a fraction): below that the measured difference is noise, and
+// speculation that does not clearly pay is turned off.
+struct DraftOffer {
+  double acceptance = 0;
+  int32_t length = 0;
+};
+std::vector<int32_t> SizeDrafts(int32_t batch, absl::Span<const DraftOffer> offers,
+                                const StepCostFit& cost, double min_gain);
 
 class Speculator {
  public:

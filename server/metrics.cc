@@ -319,8 +319,13 @@ std::string Metrics::Render(const EngineStats& stats) const {
                 "Measured fixed cost of a decode/verify step (ms), as speculation sees it.", l,
                 sp.step_fixed_ms, &out);
     AppendGauge("kvserve:spec_step_ms_per_token",
-                "Measured cost of one more token in a decode/verify step (ms).", l,
+                "Measured cost of one more token in a decode/verify step (ms): the line, used "
+                "for step sizes not measured.", l,
                 sp.step_ms_per_token, &out);
+    AppendGauge("kvserve:spec_step_sizes_measured",
+                "Step sizes (tokens) whose cost speculation prices from recent steps of that "
+                "size rather than from the line.",
+                l, static_cast<double>(sp.step_sizes_measured), &out);
     AppendGauge("kvserve:spec_suffix_index_tokens",
                 "Output tokens held by the cross-request suffix index.", l,
                 static_cast<double>(sp.suffix_index_tokens), &out);

@@ -3,6 +3,11 @@
 # Usage: bench/speculation/run.sh [MODEL] [MODE]   (MODE: ngram or suffix; default ngram)
 # Prints kvserve-bench's tables and B/A ratios (B = MODE, A = off) for each
 # workload at concurrency 1, 4 and 16.
+# Environment: KVSERVE, KVSERVE_BENCH (binaries), SPEC_WORKLOADS (default
+# "code-edit summarize json chat"), SPEC_CONCURRENCY (default "1 4 16"),
+# SPEC_REQUESTS_X (requests per load point times this, default 1: longer
+# runs for figures that must stand out of noise), SPEC_DAEMON_FLAGS (extra
+# serve flags).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -12,15 +17,16 @@ kvserve=${KVSERVE:-$root/build/server/kvserve}
 bench=${KVSERVE_BENCH:-$root/build/client/kvserve-bench}
 tmp=$(mktemp -d)
 "$kvserve" --log-level warn -m "$model" serve --grpc-address 127.0.0.1:0 --http-port 0 \
-  --port-file "$tmp/ports" --speculative off --no-prefix-cache 2>"$tmp/log" &
+  --port-file "$tmp/ports" --speculative off --no-prefix-cache ${SPEC_DAEMON_FLAGS:-} 2>"$tmp/log" &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$tmp"' EXIT
 for i in $(seq 1 600); do [ -s "$tmp/ports" ] && break; sleep 0.1; done
 port=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[\"http\"])" "$tmp/ports")
-for w in code-edit summarize json chat; do
-  for c in 1 4 16; do
+for w in ${SPEC_WORKLOADS:-code-edit summarize json chat}; do
+  for c in ${SPEC_CONCURRENCY:-1 4 16}; do
     n=$((c < 4 ? 4 : c))
     [ "$c" = 4 ] && n=8
+    n=$((n * ${SPEC_REQUESTS_X:-1}))
     echo "### workload=$w concurrency=$c requests=$n"
     "$bench" --url "http://127.0.0.1:$port" --api chat --workload file --file "$here/$w.jsonl" \
       --concurrency "$c" --requests "$n" --temperature 0 --no-ignore-eos -q \

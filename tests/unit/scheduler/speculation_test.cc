@@ -113,6 +113,72 @@ TEST(StepCostFitTest, FitsFixedAndPerTokenCost) {
   EXPECT_NEAR(one.alpha() + 4 * one.beta(), 0.020, 1e-9);
 }
 
+TEST(StepCostFitTest, MeasuredSizesComeFromTheTableOthersFromTheLine) {
+  // A CPU-like curve: up to 3 tokens cost about one (the weights stream
+  // once), then every token costs. A line through it is wrong at both ends.
+  auto curve = [](int32_t t) { return t <= 3 ? 0.010 + 0.0002 * t : 0.010 + 0.004 * (t - 3); };
+  StepCostFit fit;
+  for (int i = 0; i < 300; ++i) {
+    for (int32_t t : {1, 2, 3, 8}) fit.Observe(t, curve(t));
+  }
+  for (int32_t t : {1, 2, 3, 8}) {
+    EXPECT_TRUE(fit.Measured(t)) << t;
+    EXPECT_NEAR(fit.Predict(t), curve(t), 1e-9) << t;
+  }
+  EXPECT_FALSE(fit.Measured(5));
+  EXPECT_NEAR(fit.Predict(5), fit.alpha() + 5 * fit.beta(), 1e-12);
+  // One observation is not a measurement.
+  fit.Observe(6, 1.0);
+  EXPECT_FALSE(fit.Measured(6));
+  fit.Observe(6, 1.0);
+  EXPECT_TRUE(fit.Measured(6));
+  // A size not seen for a long time is priced by the line again.
+  for (int i = 0; i < 5000; ++i) fit.Observe(1, curve(1));
+  EXPECT_FALSE(fit.Measured(6));
+  EXPECT_FALSE(fit.Measured(8));
+  EXPECT_TRUE(fit.Measured(1));
+}
+
+TEST(SizeDraftsTest, DraftsWhereTheyPayAndNotWhereTheyDoNot) {
+  // Flat to 4 tokens, then 4 ms a token.
+  StepCostFit cpu;
+  auto curve = [](int32_t t) { return t <= 4 ? 0.005 : 0.005 + 0.004 * (t - 4); };
+  for (int i = 0; i < 50; ++i) {
+    for (int32_t t = 1; t <= 12; ++t) cpu.Observe(t, curve(t));
+  }
+  // One sequence with a good draft: the 3 tokens the flat part makes
+  // nearly free, not the rest (each later token earns < 1 but costs most of
+  // a step).
+  const DraftOffer good{0.9, 8};
+  EXPECT_EQ(SizeDrafts(1, {good}, cpu, 0.03), std::vector<int32_t>{3});
+  // Four sequences decoding: the batch fills the flat part itself.
+  const std::vector<DraftOffer> four(4, DraftOffer{0.6, 8});
+  EXPECT_EQ(SizeDrafts(4, four, cpu, 0.03), std::vector<int32_t>(4, 0));
+  // Low acceptance at batch 1: a flat step still pays a little, but not the
+  // 3% margin... at 0.02 acceptance two extra tokens earn 0.02.
+  EXPECT_EQ(SizeDrafts(1, {DraftOffer{0.02, 8}}, cpu, 0.03), std::vector<int32_t>{0});
+  // The best tokens go first: of two sequences the one with the better
+  // acceptance gets the free slots.
+  EXPECT_EQ(SizeDrafts(2, {DraftOffer{0.3, 8}, DraftOffer{0.9, 8}}, cpu, 0.03),
+            (std::vector<int32_t>{0, 2}));
+  // A step that costs the same at every size drafts everything offered.
+  StepCostFit flat;
+  for (int i = 0; i < 50; ++i) {
+    for (int32_t t = 1; t <= 20; ++t) flat.Observe(t, 0.005);
+  }
+  EXPECT_EQ(SizeDrafts(2, {DraftOffer{0.5, 4}, DraftOffer{0.5, 3}}, flat, 0.03),
+            (std::vector<int32_t>{4, 3}));
+  // The old greedy rule stopped at the first token that did not pay; a step
+  // whose cost drops back (a kernel that turns faster at 8 tokens) is seen
+  // whole: here 1 + 7 tokens cost about what 1 does, 1 + 1 twice that.
+  StepCostFit bump;
+  auto bumpy = [](int32_t t) { return t == 1 ? 0.005 : (t == 8 ? 0.006 : 0.012); };
+  for (int i = 0; i < 50; ++i) {
+    for (int32_t t = 1; t <= 9; ++t) bump.Observe(t, bumpy(t));
+  }
+  EXPECT_EQ(SizeDrafts(1, {DraftOffer{0.9, 8}}, bump, 0.03), std::vector<int32_t>{7});
+}
+
 // Pearson's chi-square of `counts` against probabilities `p`.
 double ChiSquare(const std::vector<int64_t>& counts, const std::vector<double>& p) {
   const double n = static_cast<double>(std::accumulate(counts.begin(), counts.end(), int64_t{0}));
