@@ -372,7 +372,17 @@ bool Engine::Step() {
     return false;
   }
   // Drafts first: a sequence with one token to decode may contribute 1 + k.
-  speculator_->Propose(scheduler_->running());
+  // Not while prompts wait for their chunks (a running sequence still
+  // prefilling, or a waiting one that could be admitted): that step is
+  // compute-bound, so every verify token costs a prompt token's full price
+  // and takes budget from the chunks, delaying first tokens.
+  bool prompts_pending = static_cast<int32_t>(scheduler_->running().size()) < options_.max_seqs &&
+                         !scheduler_->waiting().empty();
+  for (const Sequence* s : scheduler_->running()) {
+    if (prompts_pending) break;
+    prompts_pending = s->state() == SeqState::kRunning && !s->decoding();
+  }
+  speculator_->Propose(scheduler_->running(), prompts_pending);
   const BatchPlan plan = scheduler_->Schedule();
   if (plan.empty()) {
     PublishStats(nullptr);

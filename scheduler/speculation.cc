@@ -320,8 +320,17 @@ double Speculator::AcceptanceOf(const SeqSpec& st, DraftSource src) const {
   return std::clamp(a, 0.01, 0.99);
 }
 
-void Speculator::Propose(const std::vector<Sequence*>& running) {
+void Speculator::Propose(const std::vector<Sequence*>& running, bool prompts_pending) {
   step_drafts_.clear();
+  if (prompts_pending) {
+    for (const Sequence* s : running) {
+      if (s->state() == SeqState::kRunning && s->decoding() && ModeOf(*s) != SpecMode::kOff) {
+        ++stats_.held_for_prompts;
+        break;
+      }
+    }
+    return;
+  }
   struct Cand {
     Sequence* s;
     DraftProposal p;

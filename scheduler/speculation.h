@@ -172,6 +172,7 @@ struct SpeculationStats {
   std::array<int64_t, kMaxSpecK> proposed_by_position{};
   std::array<int64_t, kMaxSpecK> accepted_by_position{};
   int64_t skipped_by_cost = 0;  // proposals the cost model dropped in full
+  int64_t held_for_prompts = 0;  // steps without drafts because prompts waited
   // The measured step cost line (alpha + beta * tokens) the decisions use
   // for step sizes the per-size table has not measured.
   double step_fixed_ms = 0;
@@ -244,8 +245,11 @@ class Speculator {
 
   // Before scheduling: gives the running sequences that are decoding (one
   // token of input left, n = 1, no KV policy, speculation on for them) a
-  // draft, sized by the cost model.
-  void Propose(const std::vector<Sequence*>& running);
+  // draft, sized by the cost model. With `prompts_pending` (prompt chunks
+  // will share the step) no sequence gets one: the step is compute-bound,
+  // and verify tokens would take the chunks' budget (counted in
+  // SpeculationStats::held_for_prompts).
+  void Propose(const std::vector<Sequence*>& running, bool prompts_pending = false);
   // After OutputProcessor::Process: what the drafts earned, and the step's
   // cost. REQUIRES: every sequence Propose saw is still alive (OnDestroy
   // first for those that are not).

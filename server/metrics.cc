@@ -315,6 +315,9 @@ std::string Metrics::Render(const EngineStats& stats) const {
     AppendCounter("kvserve:spec_skipped_by_cost_total",
                   "Proposals dropped whole because the cost model said they would not pay.", l,
                   static_cast<double>(sp.skipped_by_cost), &out);
+    AppendCounter("kvserve:spec_held_for_prompts_total",
+                  "Steps that drafted nothing because prompt chunks shared them.", l,
+                  static_cast<double>(sp.held_for_prompts), &out);
     AppendGauge("kvserve:spec_step_fixed_ms",
                 "Measured fixed cost of a decode/verify step (ms), as speculation sees it.", l,
                 sp.step_fixed_ms, &out);

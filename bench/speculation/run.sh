@@ -7,7 +7,9 @@
 # "code-edit summarize json chat"), SPEC_CONCURRENCY (default "1 4 16"),
 # SPEC_REQUESTS_X (requests per load point times this, default 1: longer
 # runs for figures that must stand out of noise), SPEC_DAEMON_FLAGS (extra
-# serve flags).
+# serve flags), SPEC_ABBA=1 (each load point also with the order reversed,
+# MODE then off: the mode measured second runs on a warmer daemon, and the
+# geometric mean of the two orders' ratios cancels that; table.py does it).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -31,5 +33,11 @@ for w in ${SPEC_WORKLOADS:-code-edit summarize json chat}; do
     "$bench" --url "http://127.0.0.1:$port" --api chat --workload file --file "$here/$w.jsonl" \
       --concurrency "$c" --requests "$n" --temperature 0 --no-ignore-eos -q \
       --speculative "off,$mode" --warmup 1
+    if [ "${SPEC_ABBA:-0}" = 1 ]; then
+      echo "### reversed workload=$w concurrency=$c requests=$n"
+      "$bench" --url "http://127.0.0.1:$port" --api chat --workload file --file "$here/$w.jsonl" \
+        --concurrency "$c" --requests "$n" --temperature 0 --no-ignore-eos -q \
+        --speculative "$mode,off" --warmup 1
+    fi
   done
 done

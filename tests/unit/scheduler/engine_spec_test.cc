@@ -9,6 +9,7 @@
 // token in a cached block would add a block no plain run has); outputs do
 // not change under preemption; and after cancels mid-speculation every
 // block is back in the pool.
+#include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -313,6 +314,45 @@ TEST_F(EngineSpecTest, CancelsMidSpeculationLeaveThePoolAtBaseline) {
   e->Stop();
   EXPECT_EQ(e->kv_pool().num_free_blocks(), baseline);
   EXPECT_EQ(e->prefix_cache()->num_cached_blocks(), 0);
+}
+
+TEST_F(EngineSpecTest, NoDraftsInStepsThatCarryPromptChunks) {
+  // 120 requests through 64 slots: prompts keep arriving while others
+  // decode. A step with prompt chunks is compute-bound, so drafts wait for
+  // the next step without them (every proposal verified in full otherwise).
+  std::atomic<int> mixed{0}, verify{0}, prompt{0};
+  EngineOptions o;
+  o.num_blocks = 4096;
+  o.max_batched_tokens = 512;
+  o.max_seqs = 64;
+  o.speculation.mode = SpecMode::kNgram;
+  o.speculation.adaptive = false;
+  o.speculation.ngram_min = 1;
+  o.speculation.ngram_max = 3;
+  o.plan_observer = [&](const BatchPlan& plan) {
+    bool has_prompt = false, has_verify = false;
+    for (const ScheduledChunk& c : plan.chunks) {
+      if (c.seq->num_speculative() > 0) {
+        has_verify = true;
+      } else if (c.prefill) {
+        has_prompt = true;
+      }
+    }
+    mixed += has_prompt && has_verify;
+    verify += has_verify;
+    prompt += has_prompt;
+  };
+  auto e = Engine::Create(Stories()->model.get(), Stories()->tokenizer.get(), Pool(), o).value();
+  e->Start();
+  std::vector<EngineRequest> reqs;
+  for (const auto& p : Prompts()) reqs.push_back(Request(p, 48));
+  RunAll(e.get(), reqs);
+  e->Stop();
+  EXPECT_EQ(mixed.load(), 0) << "steps with both prompt chunks and drafts";
+  EXPECT_GT(verify.load(), 0);
+  EXPECT_GT(prompt.load(), 1);
+  EXPECT_GT(e->Stats().speculation.held_for_prompts, 0);
+  EXPECT_GT(e->Stats().speculation.accepted_tokens, 0);
 }
 
 TEST_F(EngineSpecTest, RequestOverrideOffDisablesServerDefault) {
