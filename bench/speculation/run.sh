@@ -7,7 +7,7 @@
 # "code-edit summarize json chat"), SPEC_CONCURRENCY (default "1 4 16"),
 # SPEC_REQUESTS_X (requests per load point times this, default 1: longer
 # runs for figures that must stand out of noise), SPEC_DAEMON_FLAGS (extra
-# serve flags), SPEC_ABBA=1 (each load point also with the order reversed,
+# serve flags), SPEC_LOG (the daemon's stderr to this file), SPEC_ABBA=1 (each load point also with the order reversed,
 # MODE then off: the mode measured second runs on a warmer daemon, and the
 # geometric mean of the two orders' ratios cancels that; table.py does it).
 set -eu
@@ -19,7 +19,7 @@ kvserve=${KVSERVE:-$root/build/server/kvserve}
 bench=${KVSERVE_BENCH:-$root/build/client/kvserve-bench}
 tmp=$(mktemp -d)
 "$kvserve" --log-level warn -m "$model" serve --grpc-address 127.0.0.1:0 --http-port 0 \
-  --port-file "$tmp/ports" --speculative off --no-prefix-cache ${SPEC_DAEMON_FLAGS:-} 2>"$tmp/log" &
+  --port-file "$tmp/ports" --speculative off --no-prefix-cache ${SPEC_DAEMON_FLAGS:-} 2>"${SPEC_LOG:-$tmp/log}" &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$tmp"' EXIT
 for i in $(seq 1 600); do [ -s "$tmp/ports" ] && break; sleep 0.1; done
