@@ -376,13 +376,7 @@ bool Engine::Step() {
   // prefilling, or a waiting one that could be admitted): that step is
   // compute-bound, so every verify token costs a prompt token's full price
   // and takes budget from the chunks, delaying first tokens.
-  bool prompts_pending = static_cast<int32_t>(scheduler_->running().size()) < options_.max_seqs &&
-                         !scheduler_->waiting().empty();
-  for (const Sequence* s : scheduler_->running()) {
-    if (prompts_pending) break;
-    prompts_pending = s->state() == SeqState::kRunning && !s->decoding();
-  }
-  speculator_->Propose(scheduler_->running(), prompts_pending);
+  speculator_->Propose(scheduler_->running(), scheduler_->prompts_pending());
   const BatchPlan plan = scheduler_->Schedule();
   if (plan.empty()) {
     PublishStats(nullptr);

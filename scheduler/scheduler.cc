@@ -180,6 +180,14 @@ int32_t InputThisStep(const Sequence* s) {
 
 }  // namespace
 
+bool Scheduler::prompts_pending() const {
+  if (!waiting_.empty() && static_cast<int32_t>(running_.size()) < options_.max_seqs) return true;
+  for (const Sequence* s : running_) {
+    if (s->state() == SeqState::kRunning && !s->decoding()) return true;
+  }
+  return false;
+}
+
 void Scheduler::Schedule(Sequence* s, int32_t take, BatchPlan* plan) {
   ScheduledChunk c;
   c.seq = s;

@@ -115,6 +115,10 @@ class Scheduler {
   const std::vector<Sequence*>& waiting() const { return waiting_; }
   const std::vector<Sequence*>& arriving() const { return arriving_; }
   bool idle() const { return running_.empty() && waiting_.empty() && !loads_pending(); }
+  // Whether the next step will carry prompt chunks: a running sequence
+  // still has prompt to compute, or a waiting one could be admitted (fewer
+  // than max_seqs run).
+  bool prompts_pending() const;
   // Loads in flight (parked sequences and abandoned ones): the engine polls.
   bool loads_pending() const { return !arriving_.empty() || !abandoned_.empty(); }
   const StepCostModel& cost_model() const { return cost_; }

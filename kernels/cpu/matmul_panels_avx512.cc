@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "kernels/cpu/matmul_panels.h"
 
@@ -106,6 +107,19 @@ void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedAct
   for (; p < pe; ++p) PanelTile<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
 }
 
+// RunPanels<kType, 1, T> for the 1 to 7 tokens left after the tiles of 8.
+using PanelsFn = void (*)(const PackedWeight&, int64_t, int64_t, const QuantizedActs&, int64_t,
+                          int64_t, int64_t, float*, int64_t);
+template <DType kType, int... T>
+PanelsFn RemainderTileOf(int64_t left, std::integer_sequence<int, T...>) {
+  static constexpr PanelsFn kTiles[] = {&RunPanels<kType, 1, T + 1>...};
+  return kTiles[left - 1];
+}
+template <DType kType>
+PanelsFn RemainderTile(int64_t left) {
+  return RemainderTileOf<kType>(left, std::make_integer_sequence<int, 7>{});
+}
+
 template <DType kType>
 void PanelsForType(const PackedWeight& w, const QuantizedActs& acts, int64_t n_tokens, int64_t r0,
                    int64_t r1, float* y, int64_t y_stride) {
@@ -130,31 +144,7 @@ void PanelsForType(const PackedWeight& w, const QuantizedActs& acts, int64_t n_t
     int64_t t = 0;
     for (; t + 8 <= n_tokens; t += 8)
       RunPanels<kType, 1, 8>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-    switch (n_tokens - t) {
-      case 7:
-        RunPanels<kType, 1, 7>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-        break;
-      case 6:
-        RunPanels<kType, 1, 6>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-        break;
-      case 5:
-        RunPanels<kType, 1, 5>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-        break;
-      case 4:
-        RunPanels<kType, 1, 4>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-        break;
-      case 3:
-        RunPanels<kType, 1, 3>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-        break;
-      case 2:
-        RunPanels<kType, 1, 2>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-        break;
-      case 1:
-        RunPanels<kType, 1, 1>(w, g0, g1, acts, t, r0, r1, y, y_stride);
-        break;
-      default:
-        break;
-    }
+    if (t < n_tokens) RemainderTile<kType>(n_tokens - t)(w, g0, g1, acts, t, r0, r1, y, y_stride);
   }
 }
 
