@@ -127,6 +127,7 @@ class KvPool {
   int64_t block_bytes_ = 0;
   int64_t layer_bytes_ = 0;
   uint8_t* storage_ = nullptr;          // host memory, or device_storage_'s
+  size_t host_mapped_bytes_ = 0;        // length of the host mapping (munmap)
   cuda::DeviceBuffer device_storage_;  // set when options_.device_memory is
   std::vector<int32_t> free_;
   std::vector<int32_t> refs_;         // per block; 0 when free
