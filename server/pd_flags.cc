@@ -30,6 +30,12 @@ void AddPdFlags(CLI::App* app, PdFlags* f) {
                   "Seconds a decode node's pull of one lease may take before it recomputes")
       ->check(CLI::Range(0.1, 600.0))
       ->capture_default_str();
+  app->add_option("--pd-admission-wait", f->admission_wait,
+                  "Seconds a decode node keeps an attached lease alive (renewing it) while "
+                  "requests wait for admission; past it the lease goes back and the request "
+                  "recomputes")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
   app->add_flag("--pd-test-hooks", f->test_hooks,
                 "Enable the DebugEarlyFree fault-injection RPC (tests only)");
   app->add_option("--pd-test-pull-delay", f->test_pull_delay,

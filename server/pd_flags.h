@@ -22,6 +22,10 @@ struct PdFlags {
   std::string ucx_net_devices;  // UCX_NET_DEVICES; empty: UCX's choice
   double lease_ttl = 30;         // seconds a prefill node holds unclaimed blocks
   double transfer_timeout = 10;  // seconds a decode node's pull may take
+  // Seconds a decode node keeps renewing an attached lease that no request
+  // has claimed yet while requests wait for admission (a transiently full
+  // pool or seat limit), counted from the attach.
+  double admission_wait = 120;
   bool test_hooks = false;       // DebugEarlyFree (fault-injection tests only)
   double test_pull_delay = 0;    // seconds a decode node stalls each pull (tests only)
 };

@@ -284,6 +284,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     out->set_leases_unused(leases_unused_);
     out->set_pull_seconds(pull_seconds_);
     out->set_lease_renewals(lease_renewals_);
+    out->set_admission_renewals(admission_renewals_);
     out->set_leases_refused_no_blocks(leases_refused_no_blocks_);
     out->set_forged_endpoints(forged_endpoints_);
     out->set_duplicate_attaches(duplicate_attaches_);
@@ -565,7 +566,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
     auto a = std::make_shared<Attached>();
     a->lease = *lease;
-    a->received = PdClock::now();
+    a->attached = a->received = PdClock::now();
     a->ttl = std::chrono::milliseconds(*ttl);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -623,9 +624,13 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   };
   struct Attached {
     pb::Lease lease;
-    PdClock::time_point received;  // at attach, then at each renewal (pull thread)
+    PdClock::time_point attached;  // when AttachLease accepted it
+    // At attach, then at each renewal: by housekeeping while no request has
+    // claimed it, by the pull thread once one has. Guarded by mu_.
+    PdClock::time_point received;
     std::chrono::milliseconds ttl{0};
     bool consumed = false;
+    bool renewing = false;  // a housekeeping renewal is in flight (mu_)
   };
   struct Job {
     std::shared_ptr<Attached> lease;
@@ -833,7 +838,10 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   // renewal (released, expired, restarted node) fails the pull.
   absl::Status KeepAlive(Attached* a) {
     const auto now = PdClock::now();
-    if (now < a->received + a->ttl / 3) return absl::OkStatus();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (now < a->received + a->ttl / 3) return absl::OkStatus();
+    }
     absl::StatusOr<uint32_t> ttl = RemoteRenew(a->lease);
     if (!ttl.ok()) {
       return absl::Status(ttl.status().code(),
@@ -906,8 +914,15 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     const auto deadline = PdClock::now() + std::chrono::duration_cast<PdClock::duration>(
                                                std::chrono::duration<double>(flags_.transfer_timeout));
     RETURN_IF_ERROR(KeepAlive(a));
-    const auto margin = std::chrono::milliseconds(std::min<int64_t>(2000, a->ttl.count() / 4));
-    if (PdClock::now() > a->received + a->ttl - margin) {
+    PdClock::time_point received;
+    std::chrono::milliseconds ttl;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      received = a->received;
+      ttl = a->ttl;
+    }
+    const auto margin = std::chrono::milliseconds(std::min<int64_t>(2000, ttl.count() / 4));
+    if (PdClock::now() > received + ttl - margin) {
       return absl::DeadlineExceededError(
           absl::StrCat("lease of transfer ", l.transfer_id(), " too close to expiry to pull"));
     }
@@ -1013,6 +1028,44 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
   }
 
+  // Renews the unclaimed attached leases a third of whose ttl has passed
+  // (at most --pd-admission-wait after their attach). A refused renewal
+  // (the prefill node let it go or restarted) drops the lease: its request
+  // recomputes. REQUIRES: *lock holds mu_; released around the RPCs.
+  void RenewWaitingLeases(std::unique_lock<std::mutex>* lock, PdClock::time_point now) {
+    const auto max_wait = std::chrono::duration_cast<PdClock::duration>(
+        std::chrono::duration<double>(flags_.admission_wait));
+    std::vector<std::shared_ptr<Attached>> due;
+    for (const auto& a : attached_) {
+      if (!a->consumed && !a->renewing && now >= a->received + a->ttl / 3 &&
+          now < a->attached + max_wait) {
+        a->renewing = true;
+        due.push_back(a);
+      }
+    }
+    if (due.empty()) return;
+    lock->unlock();
+    std::vector<absl::StatusOr<uint32_t>> ttls;
+    for (const auto& a : due) ttls.push_back(RemoteRenew(a->lease));
+    lock->lock();
+    for (size_t i = 0; i < due.size(); ++i) {
+      Attached* a = due[i].get();
+      a->renewing = false;
+      if (ttls[i].ok()) {
+        a->received = now;
+        a->ttl = std::chrono::milliseconds(*ttls[i]);
+        ++lease_renewals_;
+        ++admission_renewals_;
+      } else if (!a->consumed) {
+        spdlog::info("pd: lease of transfer {} could not be renewed while its request waits "
+                     "for admission ({}); it will be recomputed",
+                     a->lease.transfer_id(), ttls[i].status().ToString());
+        attached_.erase(std::remove(attached_.begin(), attached_.end(), due[i]),
+                        attached_.end());
+      }
+    }
+  }
+
   void HousekeepingLoop() {
     std::unique_lock<std::mutex> lock(mu_);
     while (!shutdown_) {
@@ -1031,10 +1084,21 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         ++leases_expired_;
         it = held_.erase(it);
       }
+      // Decode: while requests wait for admission (the pool or the seats
+      // are full for now), an attached lease may belong to one of them:
+      // renew it rather than let it lapse into a recompute, up to
+      // --pd-admission-wait from its attach.
+      if (role_ == PdRole::kDecode && !attached_.empty()) {
+        lock.unlock();
+        const int32_t waiting = engine_ != nullptr ? engine_->Stats().waiting : 0;
+        lock.lock();
+        if (waiting > 0) RenewWaitingLeases(&lock, now);
+        if (shutdown_) break;
+      }
       // Decode: leases no request claimed within their ttl go back.
       std::vector<std::shared_ptr<Attached>> unused;
       for (auto it = attached_.begin(); it != attached_.end();) {
-        if (!(*it)->consumed && now > (*it)->received + (*it)->ttl) {
+        if (!(*it)->consumed && !(*it)->renewing && now > (*it)->received + (*it)->ttl) {
           unused.push_back(*it);
           it = attached_.erase(it);
         } else {
@@ -1079,6 +1143,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int64_t transfers_ok_ = 0, transfers_failed_ = 0, generation_mismatches_ = 0;
   int64_t blocks_pulled_ = 0, bytes_pulled_ = 0, leases_attached_ = 0, leases_unused_ = 0;
   int64_t duplicate_attaches_ = 0;
+  int64_t admission_renewals_ = 0;  // of lease_renewals_, while requests waited to be admitted
   int64_t lease_renewals_ = 0, leases_refused_no_blocks_ = 0, forged_endpoints_ = 0;
   double pull_seconds_ = 0;
 

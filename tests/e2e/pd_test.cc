@@ -699,6 +699,42 @@ TEST_F(PdTest, LongPullRenewsTheLease) {
   EXPECT_TRUE(d.AtBaseline());
 }
 
+// A lease attached while its request cannot be admitted yet (here the
+// decode node's only seat is taken by another request whose pull stalls
+// 1.5 s; a transiently full pool waits the same way) outlives its 450 ms
+// ttl: the decode node renews it while requests wait, so the second
+// request still pulls instead of recomputing, and nothing leaks.
+TEST_F(PdTest, LeaseWaitingForAdmissionIsRenewedNotRecomputed) {
+  Client p(prefill_->grpc_port());
+  auto busy = StartNode("decode", {"--pd-test-pull-delay", "1.5", "--max-seqs", "1"});
+  ASSERT_TRUE(busy);
+  Client d(busy->grpc_port());
+  const std::vector<std::string> prompts = UniquePrompts(2, "Waiting seat");
+  const int64_t expired = p.Info().leases_expired();
+  pdv1::Lease first, second;
+  ASSERT_TRUE(p.Prefill(prompts[0], &first, /*ttl_ms=*/5000).ok());
+  ASSERT_TRUE(p.Prefill(prompts[1], &second, /*ttl_ms=*/450).ok());
+  ASSERT_TRUE(d.Attach(first).ok());
+  std::string got_first;
+  std::thread t([&] { got_first = Client(busy->grpc_port()).Generate(prompts[0]); });
+  // The first request holds the seat (its pull is stalled) before the
+  // second arrives.
+  for (int i = 0; i < 200 && d.Stats().kv_arriving() == 0; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(d.Attach(second).ok());
+  const std::string got_second = d.Generate(prompts[1]);
+  t.join();
+  EXPECT_EQ(got_first, Reference(prompts[0]));
+  EXPECT_EQ(got_second, Reference(prompts[1]));
+  const pdv1::NodeInfo info = d.Info();
+  EXPECT_EQ(info.transfers_ok(), 2);  // the waiting request pulled too
+  EXPECT_EQ(info.transfers_failed(), 0);
+  EXPECT_EQ(info.leases_unused(), 0);
+  EXPECT_GE(info.admission_renewals(), 2);  // ~1.5 s waited at one renewal per ttl/3
+  EXPECT_EQ(p.Info().leases_expired(), expired);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
 // A decode node whose pool cannot hold the lease refuses it at attach
 // (RESOURCE_EXHAUSTED naming both sizes); through the router the request
 // then fails with a clear status, the prefill lease is released at once,
