@@ -19,6 +19,7 @@
 
 #include "common/thread_pool.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/kv_transcode.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/dtype.h"
@@ -228,6 +229,28 @@ void BM_Ops(benchmark::State& state, int which, bool reference) {
   }
 }
 
+// One whole KV block re-encoded as the host tier does on demotion (from the
+// pool's codec to --kv-host-dtype) and back on promotion: SmolLM2's block
+// (30 layers, 3 KV heads of 64, 16 slots). The bytes counted are the f32
+// values the block holds.
+void BM_TranscodeKvBlock(benchmark::State& state, KvDType from, KvDType to) {
+  const KvBlockShape shape{30, 3, 64, 16};
+  const int64_t values =
+      2LL * shape.n_layers * shape.n_kv_heads * shape.head_dim * shape.block_size;
+  const auto f32 = MakeActs(values);
+  // A real block of codec `from`: f32 values through the block transcoder.
+  std::vector<uint8_t> src(KvBlockBytes(from, shape));
+  TranscodeKvBlock(shape, KvDType::kF32, reinterpret_cast<const uint8_t*>(f32.data()), from,
+                   src.data());
+  std::vector<uint8_t> dst(KvBlockBytes(to, shape));
+  for (auto _ : state) {
+    TranscodeKvBlock(shape, from, src.data(), to, dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["values/s"] = benchmark::Counter(static_cast<double>(values),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void RegisterAll() {
   struct Shape {
     DType type;
@@ -308,6 +331,16 @@ void RegisterAll() {
       benchmark::RegisterBenchmark((std::string("Ops/") + op_names[which] + "/reference").c_str(),
                                    BM_Ops, which, true);
     }
+  }
+  // Demotion (f16 pool to each host codec) and promotion (back).
+  for (KvDType host : {KvDType::kInt8, KvDType::kFp8E4M3, KvDType::kInt4Kivi}) {
+    const std::string name(KvDTypeName(host));
+    benchmark::RegisterBenchmark(("TranscodeKvBlock/f16->" + name).c_str(), BM_TranscodeKvBlock,
+                                 KvDType::kF16, host)
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("TranscodeKvBlock/" + name + "->f16").c_str(),
+                                 BM_TranscodeKvBlock, host, KvDType::kF16)
+        ->Unit(benchmark::kMicrosecond);
   }
   for (KvDType dt : kAllKvDTypes) {
     const std::string base = std::string("AttentionDecode/") + std::string(KvDTypeName(dt));

@@ -3,7 +3,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "common/half.h"
@@ -304,10 +306,155 @@ void DequantizeKiviKeyRowAvx2(const uint8_t* codes, const float* scale, const fl
   if (c0 < n) DequantizeKiviKeyRow(codes + c0 / 2, scale + c0, offset + c0, n - c0, dst + c0);
 }
 
+namespace {
+
+// f16 rows with F16C. Widening is exact for every f16 but a signalling NaN
+// (F16C quiets it; the plain loop keeps its bits), and narrowing matches
+// Fp32ToFp16 for every non-NaN input: a group of 8 holding a NaN takes the
+// plain conversion either way.
+void F16ToF32RowAvx2(const uint8_t* data, int32_t n, float* dst) {
+  int32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + 2 * i));
+    const __m128i mag = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+    if (_mm_movemask_epi8(_mm_cmpgt_epi16(mag, _mm_set1_epi16(0x7c00))) != 0) {
+      DequantizeRow(KvDType::kF16, data + 2 * i, nullptr, 8, dst + i);
+      continue;
+    }
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  if (i < n) DequantizeRow(KvDType::kF16, data + 2 * i, nullptr, n - i, dst + i);
+}
+
+void F32ToF16RowAvx2(const float* src, int32_t n, uint8_t* data) {
+  int32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0) {
+      QuantizeRow(KvDType::kF16, src + i, 8, data + 2 * i, nullptr);
+      continue;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(data + 2 * i),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  if (i < n) QuantizeRow(KvDType::kF16, src + i, n - i, data + 2 * i, nullptr);
+}
+
+// The largest |x| of a row, NaNs skipped as the plain loop's std::max skips
+// them (max_ps returns its second operand when either is NaN).
+float AbsMaxAvx2(const float* x, int32_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  int32_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float r = 0.0f;
+  for (float v : lanes) r = std::max(r, v);
+  for (; i < n; ++i) r = std::max(r, std::fabs(x[i]));
+  return r;
+}
+
+// x + 2^23 - 2^23: round to the nearest integer, ties to even, for x in [0, 2^22).
+inline __m256 RoundSmall(__m256 x) {
+  const __m256 k = _mm256_set1_ps(8388608.0f);
+  return _mm256_sub_ps(_mm256_add_ps(x, k), k);
+}
+
+// Eight fp8 codes of x * inv, as the plain encoder (kv_codec.cc,
+// Fp8Format::Encode) computes them, lane by lane.
+struct Fp8Params {
+  int man_bits, bias, max_code;
+  float max_value, min_normal, subnormal_scale;
+};
+constexpr Fp8Params kE4M3Params{3, 7, 0x7e, 448.0f, 0x1p-6f, 0x1p9f};
+constexpr Fp8Params kE5M2Params{2, 15, 0x7b, 57344.0f, 0x1p-14f, 0x1p16f};
+
+void EncodeFp8x8(const Fp8Params& f, __m256 x, uint8_t* out) {
+  const __m256i xi = _mm256_castps_si256(x);
+  const __m256 a = _mm256_castsi256_ps(_mm256_and_si256(xi, _mm256_set1_epi32(0x7fffffff)));
+  const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(xi, _mm256_set1_epi32(INT32_MIN)), 24);
+  const __m256i ex =
+      _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(a), 23), _mm256_set1_epi32(127));
+  // 2^(man_bits - ex); garbage in lanes that take another branch below.
+  const __m256 p = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(f.man_bits + 127), ex), 23));
+  const __m256i mant = _mm256_cvttps_epi32(RoundSmall(_mm256_mul_ps(a, p)));
+  const __m256i normal = _mm256_sub_epi32(
+      _mm256_add_epi32(
+          _mm256_slli_epi32(_mm256_add_epi32(ex, _mm256_set1_epi32(f.bias)), f.man_bits), mant),
+      _mm256_set1_epi32(1 << f.man_bits));
+  const __m256i sub =
+      _mm256_cvttps_epi32(RoundSmall(_mm256_mul_ps(a, _mm256_set1_ps(f.subnormal_scale))));
+  const __m256 is_sub = _mm256_cmp_ps(a, _mm256_set1_ps(f.min_normal), _CMP_LT_OQ);
+  const __m256 is_sat = _mm256_cmp_ps(a, _mm256_set1_ps(f.max_value), _CMP_GE_OQ);
+  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  __m256i code = _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), is_sub));
+  code = _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(code), _mm256_castsi256_ps(_mm256_set1_epi32(f.max_code)), is_sat));
+  code = _mm256_or_si256(code, sign);
+  code = _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(code), _mm256_castsi256_ps(_mm256_set1_epi32(0x7f)), is_nan));
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), code);
+  for (int t = 0; t < 8; ++t) out[t] = static_cast<uint8_t>(lanes[t]);
+}
+
+}  // namespace
+
+void QuantizeRowAvx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta) {
+  if (t == KvDType::kF16) {
+    F32ToF16RowAvx2(src, n, data);
+    return;
+  }
+  const bool int8 = t == KvDType::kInt8;
+  if (!int8 && t != KvDType::kFp8E4M3 && t != KvDType::kFp8E5M2) {
+    QuantizeRow(t, src, n, data, meta);
+    return;
+  }
+  // Scale and inverse exactly as the plain loop computes them.
+  const float amax = AbsMaxAvx2(src, n);
+  const Fp8Params& f = t == KvDType::kFp8E5M2 ? kE5M2Params : kE4M3Params;
+  const float scale = int8 ? amax / 127.0f : (amax > 0.0f ? amax / f.max_value : 0.0f);
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  std::memcpy(meta, &scale, sizeof(scale));
+  const __m256 vinv = _mm256_set1_ps(inv);
+  int32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(src + i), vinv);
+    if (int8) {
+      // nearbyint, then clamp to +-127 (NaN lanes: the plain loop's
+      // clamp(NaN) is NaN and its cast undefined; rows are finite).
+      __m256 q = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+      const __m256i qi = _mm256_cvtps_epi32(q);
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
+      for (int k = 0; k < 8; ++k) data[i + k] = static_cast<uint8_t>(static_cast<int8_t>(lanes[k]));
+    } else {
+      EncodeFp8x8(f, x, data + i);
+    }
+  }
+  for (; i < n; ++i) {
+    const float x = src[i] * inv;
+    if (int8) {
+      const float q = std::clamp(std::nearbyint(x), -127.0f, 127.0f);
+      data[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    } else {
+      data[i] = t == KvDType::kFp8E5M2 ? Fp32ToE5M2(x) : Fp32ToE4M3(x);
+    }
+  }
+}
+
 void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
                        float* dst) {
   if (KvIsInt4Rows(t)) {
     DequantizeInt4Avx2(t, data, meta, n, dst);
+    return;
+  }
+  if (t == KvDType::kF16) {
+    F16ToF32RowAvx2(data, n, dst);
     return;
   }
   const bool int8 = t == KvDType::kInt8;

@@ -301,10 +301,14 @@ void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& 
 // The AVX2 steps. REQUIRES: the CPU has AVX2 (and F16C).
 const F16Kernels& F16KernelsAvx2();
 
-// DequantizeRow with AVX2 for int8, fp8 and the int4 rows (other codecs:
-// the plain loop). Exactly equal to DequantizeRow. REQUIRES: the CPU has AVX2.
+// DequantizeRow with AVX2 for f16, int8, fp8 and the int4 rows (other
+// codecs: the plain loop). Exactly equal to DequantizeRow (f16: but for a
+// signalling NaN's bits). REQUIRES: the CPU has AVX2 and F16C.
 void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
                        float* dst);
+// QuantizeRow with AVX2/F16C for f16, int8 and fp8 (other codecs: the plain
+// loop), byte for byte. REQUIRES: AVX2 and F16C.
+void QuantizeRowAvx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta);
 // DequantizeKiviKeyRow with AVX2, exactly equal to it. REQUIRES: AVX2.
 void DequantizeKiviKeyRowAvx2(const uint8_t* codes, const float* scale, const float* offset,
                               int32_t n, float* dst);

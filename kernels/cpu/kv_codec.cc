@@ -22,6 +22,9 @@ struct Fp8Format {
   bool ieee_special;  // e5m2: exponent all-ones is inf/NaN; e4m3 only 0x7f/0xff is NaN
   std::array<float, 256> decode;
   int max_code;  // largest finite positive code
+  float max_value;        // decode[max_code]
+  float min_normal;       // 2^(1 - bias)
+  float subnormal_scale;  // 1 / the smallest subnormal
 
   Fp8Format(int e, int m, bool ieee) : exp_bits(e), man_bits(m), bias((1 << (e - 1)) - 1),
                                        ieee_special(ieee) {
@@ -43,9 +46,47 @@ struct Fp8Format {
       decode[c] = sign ? -v : v;
     }
     max_code = ieee ? ((((1 << e) - 1) << m) - 1) : 0x7e;
+    max_value = decode[max_code];
+    min_normal = std::ldexp(1.0f, 1 - bias);
+    subnormal_scale = std::ldexp(1.0f, bias - 1 + m);
   }
 
+  // Round to nearest, ties to even, on the format's grid, by arithmetic: a
+  // value's code is its exponent field times 2^man_bits plus its mantissa
+  // rounded to man_bits (a carry out of the mantissa lands on the next
+  // exponent's first code, which is the next code); below the smallest
+  // normal the grid is uniform and the code is the value in units of the
+  // smallest subnormal. Equals EncodeBySearch for every input (tested
+  // against it on every code, every midpoint between codes and their
+  // neighbours, and random floats); 5x faster, which is what the host
+  // tier's fp8 re-encoding costs per block.
   uint8_t Encode(float f) const {
+    if (std::isnan(f)) return 0x7f;
+    const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+    const float a = std::fabs(f);
+    if (a >= max_value) return static_cast<uint8_t>(sign | max_code);
+    // x + 2^23 - 2^23 rounds x in [0, 2^22) to an integer, ties to even
+    // (the FPU's default mode), without a libm call.
+    constexpr float kRound = 8388608.0f;
+    int code;
+    if (a < min_normal) {
+      code = static_cast<int>((a * subnormal_scale + kRound) - kRound);
+    } else {
+      uint32_t bits;
+      std::memcpy(&bits, &a, sizeof(bits));
+      const int ex = static_cast<int>(bits >> 23) - 127;  // a is a normal f32 here
+      // 2^(man_bits - ex), built from its bits (man_bits - ex is within f32's range).
+      const uint32_t pbits = static_cast<uint32_t>(man_bits - ex + 127) << 23;
+      float p;
+      std::memcpy(&p, &pbits, sizeof(p));
+      const int mant = static_cast<int>((a * p + kRound) - kRound);  // in [2^m, 2^(m+1)]
+      code = ((ex + bias) << man_bits) + mant - (1 << man_bits);
+    }
+    return static_cast<uint8_t>(sign | code);
+  }
+
+  // The reference: the nearest of the sorted positive codes by binary search.
+  uint8_t EncodeBySearch(float f) const {
     if (std::isnan(f)) return 0x7f;
     const uint8_t sign = std::signbit(f) ? 0x80 : 0;
     const float a = std::fabs(f);
@@ -314,6 +355,8 @@ const float* Fp8DecodeTable(KvDType t) {
 uint8_t Fp32ToE4M3(float f) { return E4M3().Encode(f); }
 float E4M3ToFp32(uint8_t b) { return E4M3().decode[b]; }
 uint8_t Fp32ToE5M2(float f) { return E5M2().Encode(f); }
+uint8_t Fp32ToE4M3Reference(float f) { return E4M3().EncodeBySearch(f); }
+uint8_t Fp32ToE5M2Reference(float f) { return E5M2().EncodeBySearch(f); }
 float E5M2ToFp32(uint8_t b) { return E5M2().decode[b]; }
 
 void PackInt4(const uint8_t* codes, int32_t n, uint8_t* packed) {

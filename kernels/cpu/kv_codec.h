@@ -65,6 +65,10 @@ uint8_t Fp32ToE4M3(float f);
 float E4M3ToFp32(uint8_t b);
 uint8_t Fp32ToE5M2(float f);
 float E5M2ToFp32(uint8_t b);
+// The same conversions by binary search over the sorted codes: the plain
+// reference the arithmetic encoders above are tested against.
+uint8_t Fp32ToE4M3Reference(float f);
+uint8_t Fp32ToE5M2Reference(float f);
 // The 256 decoded values of an fp8 codec (kFp8E4M3 or kFp8E5M2), built once:
 // SIMD decoders gather from it and so match the plain loop bit for bit.
 const float* Fp8DecodeTable(KvDType t);

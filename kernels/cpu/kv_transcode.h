@@ -1,10 +1,10 @@
 // KV block transcoding: one whole block (every layer, K and V, every KV
 // head, every slot, scale areas included) from one KV codec's layout to
 // another's, for the host tier's --kv-host-dtype (a block is re-encoded on
-// demotion and decoded back into the pool's codec on promotion). Built only
-// from the row codecs' plain loops (kv_codec.h): each row is decoded to f32
-// and encoded again; int4-kivi keys are encoded a block at once
-// (AppendKiviKeys from slot 0), which is their most precise write.
+// demotion and decoded back into the pool's codec on promotion). Each row is
+// decoded to f32 and encoded again through the row codecs (kv_codec.h; their
+// AVX2/F16C forms where the CPU has them, equal byte for byte); int4-kivi keys are encoded a block
+// at once (AppendKiviKeys from slot 0), which is their most precise write.
 //
 // Thread-safe (pure functions on caller memory); host memory only.
 #pragma once

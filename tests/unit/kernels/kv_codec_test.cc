@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -123,6 +125,47 @@ TEST_P(KvCodecTest, Avx2DecoderEqualsPlainLoop) {
   }
 }
 
+// The AVX2 row encoders write the plain loop's bytes (codes and scale) for
+// f16, int8 and fp8: rows of every length around the vector width, with
+// zeros, ties (halves of the grid), subnormals and values that saturate.
+TEST(KvCodecTest, Avx2QuantizeRowEqualsPlainLoop) {
+  if (!UseAvx2()) GTEST_SKIP() << "no AVX2 on this CPU";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 9);
+  for (KvDType t : {KvDType::kF16, KvDType::kInt8, KvDType::kFp8E4M3, KvDType::kFp8E5M2}) {
+    for (int32_t n : {1, 7, 8, 9, 16, 63, 64, 65, 128}) {
+      for (int rep = 0; rep < 200; ++rep) {
+        std::vector<float> x(n);
+        for (float& v : x) {
+          switch (pick(rng)) {
+            case 0:
+              v = 0.0f;
+              break;
+            case 1:
+              v = std::ldexp(std::nearbyint(normal(rng) * 16) + 0.5f, -4);
+              break;  // ties
+            case 2:
+              v = normal(rng) * 1e-6f;
+              break;  // tiny against the row's max
+            case 3:
+              v = normal(rng) * 1e4f;
+              break;  // large outliers
+            default:
+              v = normal(rng);
+          }
+        }
+        const size_t bytes = KvRowBytes(t, n), meta_bytes = KvRowMetaBytes(t, n) + 1;
+        std::vector<uint8_t> want(bytes), got(bytes), want_meta(meta_bytes), got_meta(meta_bytes);
+        QuantizeRow(t, x.data(), n, want.data(), want_meta.data());
+        internal::QuantizeRowAvx2(t, x.data(), n, got.data(), got_meta.data());
+        ASSERT_EQ(got, want) << KvDTypeName(t) << " n=" << n << " rep=" << rep;
+        ASSERT_EQ(got_meta, want_meta) << KvDTypeName(t) << " n=" << n << " rep=" << rep;
+      }
+    }
+  }
+}
+
 TEST(KvCodecTest, Int4PackUnpackIsExact) {
   for (int32_t n : {1, 2, 31, 32, 64}) {
     std::vector<uint8_t> codes(n), back(n), packed((n + 1) / 2);
@@ -161,6 +204,64 @@ TEST(KvCodecTest, Fp8KnownEncodings) {
   for (int c = 0; c < 256; ++c) {
     if ((c & 0x7f) == 0x7f) continue;
     EXPECT_EQ(Fp32ToE4M3(E4M3ToFp32(static_cast<uint8_t>(c))), c == 0x80 ? 0x80 : c) << c;
+  }
+}
+
+// The arithmetic fp8 encoders equal the binary search over the sorted codes
+// on every code's value, every midpoint between neighbouring codes (the
+// ties) and the floats just either side of it, both signs, the specials,
+// and random floats of every magnitude.
+TEST(KvCodecTest, Fp8EncodersEqualTheSearchReference) {
+  struct Format {
+    const char* name;
+    uint8_t (*fast)(float);
+    uint8_t (*ref)(float);
+    float (*decode)(uint8_t);
+    int max_code;
+  };
+  const Format formats[] = {{"e4m3", Fp32ToE4M3, Fp32ToE4M3Reference, E4M3ToFp32, 0x7e},
+                            {"e5m2", Fp32ToE5M2, Fp32ToE5M2Reference, E5M2ToFp32, 0x7b}};
+  for (const Format& f : formats) {
+    std::vector<float> probes = {0.0f,
+                                 -0.0f,
+                                 std::numeric_limits<float>::infinity(),
+                                 -std::numeric_limits<float>::infinity(),
+                                 std::numeric_limits<float>::quiet_NaN(),
+                                 std::numeric_limits<float>::denorm_min(),
+                                 std::numeric_limits<float>::min(),
+                                 std::numeric_limits<float>::max()};
+    for (int c = 0; c <= f.max_code; ++c) {
+      const float v = f.decode(static_cast<uint8_t>(c));
+      const float next = c < f.max_code ? f.decode(static_cast<uint8_t>(c + 1)) : 2 * v;
+      const float mid = v + (next - v) / 2;
+      for (float x : {v, mid}) {
+        probes.push_back(x);
+        probes.push_back(std::nextafter(x, 0.0f));
+        probes.push_back(std::nextafter(x, std::numeric_limits<float>::infinity()));
+      }
+    }
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<uint32_t> bits;
+    std::uniform_real_distribution<float> near(-2.5f * f.decode(static_cast<uint8_t>(f.max_code)),
+                                               2.5f * f.decode(static_cast<uint8_t>(f.max_code)));
+    for (int i = 0; i < 200000; ++i) {
+      const uint32_t b = bits(rng);
+      float x;
+      std::memcpy(&x, &b, sizeof(x));
+      probes.push_back(x);
+      probes.push_back(near(rng));
+      probes.push_back(near(rng) * 1e-4f);
+    }
+    const size_t n = probes.size();
+    for (size_t i = 0; i < n; ++i) probes.push_back(-probes[i]);
+    int mismatches = 0;
+    for (float x : probes) {
+      if (f.fast(x) != f.ref(x) && ++mismatches <= 5) {
+        ADD_FAILURE() << f.name << " " << x << ": " << int{f.fast(x)} << " vs reference "
+                      << int{f.ref(x)};
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << f.name << " of " << probes.size();
   }
 }
 
