@@ -47,12 +47,11 @@ void TranscodeKvBlock(const KvBlockShape& s, KvDType from, const uint8_t* src, K
   const int32_t hd = s.head_dim;
   const int32_t bs = s.block_size;
   // The row codecs with AVX2/F16C where the CPU has them (each equal to its
-  // plain loop byte for byte, tested): f16, int8 and fp8 rows both ways.
+  // plain loop byte for byte, tested): decoding every codec, encoding f16,
+  // int8 and fp8.
   const bool simd = UseAvx2();
-  // (Not the int4 rows: their AVX2 decoder may fuse code * scale + min
-  // into one FMA, an ulp away from the plain loop.)
-  auto* const decode_row =
-      simd && !KvIsInt4Rows(from) ? &internal::DequantizeRowAvx2 : &DequantizeRow;
+  auto* const decode_row = simd ? &internal::DequantizeRowAvx2 : &DequantizeRow;
+  auto* const decode_kivi_key = simd ? &internal::DequantizeKiviKeyRowAvx2 : &DequantizeKiviKeyRow;
   auto encode_row = [simd](KvDType t, const float* x, int32_t n, uint8_t* data, uint8_t* meta) {
     if (simd) return internal::QuantizeRowAvx2(t, x, n, data, meta);
     QuantizeRow(t, x, n, data, meta);
@@ -72,8 +71,8 @@ void TranscodeKvBlock(const KvBlockShape& s, KvDType from, const uint8_t* src, K
         if (!value && KvIsKivi(from)) {
           KiviKeyChannelParams(meta, hd, scale.data(), offset.data());
           for (int32_t j = 0; j < bs; ++j) {
-            DequantizeKiviKeyRow(data + j * in_row, scale.data(), offset.data(), hd,
-                                 rows.data() + static_cast<size_t>(j) * hd);
+            decode_kivi_key(data + j * in_row, scale.data(), offset.data(), hd,
+                            rows.data() + static_cast<size_t>(j) * hd);
           }
         } else {
           for (int32_t j = 0; j < bs; ++j) {
