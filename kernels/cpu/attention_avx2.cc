@@ -357,10 +357,7 @@ float AbsMaxAvx2(const float* x, int32_t n) {
   __m256 m = _mm256_setzero_ps();
   int32_t i = 0;
   for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float r = 0.0f;
-  for (float v : lanes) r = std::max(r, v);
+  float r = Hmax(m);
   for (; i < n; ++i) r = std::max(r, std::fabs(x[i]));
   return r;
 }
@@ -371,14 +368,21 @@ inline __m256 RoundSmall(__m256 x) {
   return _mm256_sub_ps(_mm256_add_ps(x, k), k);
 }
 
+// The low byte of each of v's eight lanes, to out[0..7].
+inline void StoreLowBytes(__m256i v, uint8_t* out) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  for (int t = 0; t < 8; ++t) out[t] = static_cast<uint8_t>(lanes[t]);
+}
+
 // Eight fp8 codes of x * inv, as the plain encoder (kv_codec.cc,
 // Fp8Format::Encode) computes them, lane by lane.
 struct Fp8Params {
   int man_bits, bias, max_code;
   float max_value, min_normal, subnormal_scale;
 };
-constexpr Fp8Params kE4M3Params{3, 7, 0x7e, 448.0f, 0x1p-6f, 0x1p9f};
-constexpr Fp8Params kE5M2Params{2, 15, 0x7b, 57344.0f, 0x1p-14f, 0x1p16f};
+constexpr Fp8Params kE4M3Params{3, 7, 0x7e, kE4M3Max, 0x1p-6f, 0x1p9f};
+constexpr Fp8Params kE5M2Params{2, 15, 0x7b, kE5M2Max, 0x1p-14f, 0x1p16f};
 
 void EncodeFp8x8(const Fp8Params& f, __m256 x, uint8_t* out) {
   const __m256i xi = _mm256_castps_si256(x);
@@ -406,9 +410,7 @@ void EncodeFp8x8(const Fp8Params& f, __m256 x, uint8_t* out) {
   code = _mm256_or_si256(code, sign);
   code = _mm256_castps_si256(_mm256_blendv_ps(
       _mm256_castsi256_ps(code), _mm256_castsi256_ps(_mm256_set1_epi32(0x7f)), is_nan));
-  alignas(32) int32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), code);
-  for (int t = 0; t < 8; ++t) out[t] = static_cast<uint8_t>(lanes[t]);
+  StoreLowBytes(code, out);
 }
 
 }  // namespace
@@ -438,10 +440,7 @@ void QuantizeRowAvx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint
       // clamp(NaN) is NaN and its cast undefined; rows are finite).
       __m256 q = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-      const __m256i qi = _mm256_cvtps_epi32(q);
-      alignas(32) int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
-      for (int k = 0; k < 8; ++k) data[i + k] = static_cast<uint8_t>(static_cast<int8_t>(lanes[k]));
+      StoreLowBytes(_mm256_cvtps_epi32(q), data + i);  // two's complement int8
     } else {
       EncodeFp8x8(f, x, data + i);
     }

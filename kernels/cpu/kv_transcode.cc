@@ -52,10 +52,7 @@ void TranscodeKvBlock(const KvBlockShape& s, KvDType from, const uint8_t* src, K
   const bool simd = UseAvx2();
   auto* const decode_row = simd ? &internal::DequantizeRowAvx2 : &DequantizeRow;
   auto* const decode_kivi_key = simd ? &internal::DequantizeKiviKeyRowAvx2 : &DequantizeKiviKeyRow;
-  auto encode_row = [simd](KvDType t, const float* x, int32_t n, uint8_t* data, uint8_t* meta) {
-    if (simd) return internal::QuantizeRowAvx2(t, x, n, data, meta);
-    QuantizeRow(t, x, n, data, meta);
-  };
+  auto* const encode_row = simd ? &internal::QuantizeRowAvx2 : &QuantizeRow;
   const int64_t in_half = in.layer_bytes / 2, out_half = out.layer_bytes / 2;
   const int64_t in_row = in.RowBytes(), in_meta = in.RowMetaBytes();
   const int64_t out_row = out.RowBytes(), out_meta = out.RowMetaBytes();
