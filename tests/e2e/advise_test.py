@@ -7,7 +7,8 @@
    real kvserve-bench run of that workload is compared with the prediction:
    the relative errors of TPOT, output throughput and TTFT are printed; TPOT
    and throughput must be within a factor of MAX_FACTOR (this machine is
-   shared, so the bound is loose; the printed errors are the figure).
+   shared, so the bound is loose and a miss is measured once more before it
+   fails; the printed errors are the figure).
 
 usage: advise_test.py KVSERVE KVSERVE_BENCH MODEL.gguf
 Exit 77 when the model is missing.
@@ -100,23 +101,41 @@ def main():
         effective = open(log.name).read()
         if "max-seqs" in effective and ("%d" % a["config"]["max-seqs"]) not in effective:
             fail("the daemon did not take the advised config")
-        result = os.path.join(tmp, "bench.json")
-        run([bench, "--url", "http://127.0.0.1:%d" % port, "--num-prompts", "12", "--input-len", "uniform:48:80",
-             "--output-len", "32", "--concurrency", "2", "--warmup", "2", "--seed", "1", "--json-out", result, "-q"])
-        s = json.load(open(result))["runs"][0]["summary"]
-        if s["failed"] != 0:
-            fail("the bench run had failures: %r" % s["errors"])
-        p = a["predicted"]
-        rows = [("TPOT ms (mean)", p["tpot_ms"], s["tpot_ms"]["mean"]),
-                ("output tokens/s", p["output_tokens_per_s"], s["output_token_throughput"]),
-                ("TTFT ms (mean)", p["ttft_ms"], s["ttft_ms"]["mean"])]
-        print("prediction vs kvserve-bench (concurrency 2, prompt uniform:48:80, output 32):")
-        for name, pred, meas in rows:
-            err = (pred - meas) / meas * 100 if meas > 0 else float("nan")
-            print("  %-16s predicted %9.2f  measured %9.2f  error %+6.1f %%" % (name, pred, meas, err), flush=True)
-        for name, pred, meas in rows[:2]:
-            if not (pred > 0 and meas > 0) or abs(math.log(pred / meas)) > math.log(MAX_FACTOR):
-                fail("%s: predicted %.2f vs measured %.2f, beyond a factor of %g" % (name, pred, meas, MAX_FACTOR))
+        # A shared machine can be busy during either measurement, so a miss
+        # beyond MAX_FACTOR is measured once more: a fresh calibration, then a
+        # fresh bench run. Only two misses in a row fail.
+        for attempt in (1, 2):
+            if attempt == 2:
+                time.sleep(5)
+                run([kvserve, "--log-level", "warn", "-m", model, "advise", "--memory", "2GiB",
+                     "--prompt-len", "uniform:48:80", "--output-len", "32", "--concurrency", "2",
+                     "--slo-tpot-ms", "200", "--json-out", a_json])
+                a = json.load(open(a_json))
+            result = os.path.join(tmp, "bench%d.json" % attempt)
+            run([bench, "--url", "http://127.0.0.1:%d" % port, "--num-prompts", "12", "--input-len",
+                 "uniform:48:80", "--output-len", "32", "--concurrency", "2", "--warmup", "2", "--seed", "1",
+                 "--json-out", result, "-q"])
+            s = json.load(open(result))["runs"][0]["summary"]
+            if s["failed"] != 0:
+                fail("the bench run had failures: %r" % s["errors"])
+            p = a["predicted"]
+            rows = [("TPOT ms (mean)", p["tpot_ms"], s["tpot_ms"]["mean"]),
+                    ("output tokens/s", p["output_tokens_per_s"], s["output_token_throughput"]),
+                    ("TTFT ms (mean)", p["ttft_ms"], s["ttft_ms"]["mean"])]
+            print("prediction vs kvserve-bench (attempt %d; concurrency 2, prompt uniform:48:80, output 32):"
+                  % attempt)
+            for name, pred, meas in rows:
+                err = (pred - meas) / meas * 100 if meas > 0 else float("nan")
+                print("  %-16s predicted %9.2f  measured %9.2f  error %+6.1f %%" % (name, pred, meas, err),
+                      flush=True)
+            misses = ["%s: predicted %.2f vs measured %.2f, beyond a factor of %g" % (name, pred, meas, MAX_FACTOR)
+                      for name, pred, meas in rows[:2]
+                      if not (pred > 0 and meas > 0) or abs(math.log(pred / meas)) > math.log(MAX_FACTOR)]
+            if not misses:
+                break
+            if attempt == 2:
+                fail("; ".join(misses))
+            print("miss on attempt 1 (%s); measuring again" % "; ".join(misses), flush=True)
         print("PASS")
         return 0
     finally:
