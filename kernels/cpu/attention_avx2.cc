@@ -10,6 +10,7 @@
 
 #include "common/half.h"
 #include "kernels/cpu/attention_internal.h"
+#include "kernels/cpu/kv_codec_internal.h"
 #include "kernels/cpu/simd_avx2.h"
 
 namespace kvserve::kernels::internal {
@@ -413,11 +414,83 @@ void EncodeFp8x8(const Fp8Params& f, __m256 x, uint8_t* out) {
   StoreLowBytes(code, out);
 }
 
+// Eight codes (int32 lanes, 0..15) of channels c..c+7 -> the 4 bytes they
+// pack into (low nibble = even channel).
+inline void StoreNibbles8(__m256i codes, uint8_t* out) {
+  // Each 64-bit lane holds an even code (low half) and an odd one (high).
+  const __m256i packed = _mm256_or_si256(codes, _mm256_srli_epi64(codes, 28));
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), packed);
+  for (int t = 0; t < 4; ++t) out[t] = static_cast<uint8_t>(lanes[t]);
+}
+
+// round(x) clamped to [0, 15], as int32 lanes (NaN lanes give 0).
+inline __m256i Code4(__m256 x) {
+  __m256 q = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  q = _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
+  return _mm256_cvtps_epi32(q);
+}
+
+// Lane-wise min and max of one group's values, in the plain loop's
+// operand order (std::min(lo, x) keeps lo unless x < lo). The result is
+// the plain loop's only where the order of comparisons cannot matter: no
+// NaN and no zero extreme (+0 and -0 compare equal); false otherwise.
+inline bool GroupRange(const float* x, int32_t n, float* lo, float* hi) {
+  __m256 vlo = _mm256_loadu_ps(x), vhi = vlo;
+  __m256 nan = _mm256_cmp_ps(vlo, vlo, _CMP_UNORD_Q);
+  for (int32_t i = 8; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vlo = _mm256_min_ps(v, vlo);
+    vhi = _mm256_max_ps(v, vhi);
+  }
+  if (_mm256_movemask_ps(nan) != 0) return false;
+  *lo = -Hmax(_mm256_sub_ps(_mm256_setzero_ps(), vlo));
+  *hi = Hmax(vhi);
+  return *lo != 0.0f && *hi != 0.0f;
+}
+
+// int4 rows (QuantizeInt4 in kv_codec.cc): per group the f16 minimum and
+// scale, the codes round((x - min) / scale) against the rounded values.
+// Whole groups of a multiple of 8 channels only; any other row, and a row
+// with a NaN or a zero extreme, takes the plain loop.
+bool QuantizeInt4Avx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta) {
+  const int32_t group = KvInt4GroupOf(t);
+  if (group % 8 != 0 || n % group != 0) return false;
+  constexpr int32_t kMaxGroups = 64;
+  float lo[kMaxGroups], hi[kMaxGroups];
+  const int32_t groups = n / group;
+  if (groups > kMaxGroups) return false;
+  for (int32_t g = 0; g < groups; ++g) {
+    if (!GroupRange(src + g * group, group, &lo[g], &hi[g])) return false;
+  }
+  for (int32_t g = 0; g < groups; ++g) {
+    const int32_t g0 = g * group;
+    const float min_h = Fp16ToFp32(Fp32ToFp16(lo[g]));
+    const float scale_h = Fp16ToFp32(Fp32ToFp16((hi[g] - min_h) / 15.0f));
+    const float inv = scale_h > 0.0f ? 1.0f / scale_h : 0.0f;
+    const uint16_t s16 = Fp32ToFp16(scale_h), m16 = Fp32ToFp16(min_h);
+    std::memcpy(meta + 4 * g, &s16, sizeof(s16));
+    std::memcpy(meta + 4 * g + 2, &m16, sizeof(m16));
+    const __m256 vmin = _mm256_set1_ps(min_h), vinv = _mm256_set1_ps(inv);
+    for (int32_t i = 0; i < group; i += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(src + g0 + i), vmin), vinv);
+      StoreNibbles8(Code4(x), data + (g0 + i) / 2);
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 void QuantizeRowAvx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta) {
   if (t == KvDType::kF16) {
     F32ToF16RowAvx2(src, n, data);
+    return;
+  }
+  if (t == KvDType::kInt4 || t == KvDType::kInt4G64 || t == KvDType::kInt4Kivi ||
+      t == KvDType::kInt4KiviG64) {
+    if (!QuantizeInt4Avx2(t, src, n, data, meta)) QuantizeRow(t, src, n, data, meta);
     return;
   }
   const bool int8 = t == KvDType::kInt8;
@@ -452,6 +525,48 @@ void QuantizeRowAvx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint
       data[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
     } else {
       data[i] = t == KvDType::kFp8E5M2 ? Fp32ToE5M2(x) : Fp32ToE4M3(x);
+    }
+  }
+}
+
+void AppendKiviKeysAvx2(const float* src, int64_t src_stride, int32_t n, int32_t first_slot,
+                        int32_t head_dim, uint8_t* codes, uint8_t* meta) {
+  if (first_slot != 0 || n < 1 || head_dim % 8 != 0) {
+    AppendKiviKeys(src, src_stride, n, first_slot, head_dim, codes, meta);
+    return;
+  }
+  const int64_t row_bytes = KvRowBytes(KvDType::kInt4Kivi, head_dim);
+  std::memset(codes, 0, static_cast<size_t>(row_bytes * n));  // as the plain loop clears them
+  const float* steps = KiviStepTable();
+  for (int32_t c0 = 0; c0 < head_dim; c0 += 8) {
+    // Per channel, min and max over the rows in the plain loop's order
+    // (row by row, each lane one channel), so the result is its own.
+    __m256 lo = _mm256_loadu_ps(src + c0), hi = lo;
+    for (int32_t j = 1; j < n; ++j) {
+      const __m256 v = _mm256_loadu_ps(src + j * src_stride + c0);
+      lo = _mm256_min_ps(v, lo);
+      hi = _mm256_max_ps(v, hi);
+    }
+    alignas(32) float lo8[8], hi8[8], s8[8], z8[8];
+    _mm256_store_ps(lo8, lo);
+    _mm256_store_ps(hi8, hi);
+    for (int i = 0; i < 8; ++i) {
+      uint8_t* m = meta + kKiviKeyMetaBytes * (c0 + i);
+      int8_t z;
+      ChooseKiviParams(lo8[i], hi8[i], &m[0], &z);
+      m[1] = static_cast<uint8_t>(z);
+      s8[i] = steps[m[0]];
+      z8[i] = static_cast<float>(z);
+    }
+    const __m256 s = _mm256_load_ps(s8), zf = _mm256_load_ps(z8);
+    for (int32_t j = 0; j < n; ++j) {
+      // KiviCode: nearbyint(x / s) - z, clamped to [0, 15].
+      const __m256 x = _mm256_loadu_ps(src + j * src_stride + c0);
+      const __m256 q = _mm256_sub_ps(
+          _mm256_round_ps(_mm256_div_ps(x, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zf);
+      const __m256i code = _mm256_cvtps_epi32(
+          _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.0f)));
+      StoreNibbles8(code, codes + j * row_bytes + c0 / 2);
     }
   }
 }

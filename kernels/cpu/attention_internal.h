@@ -306,9 +306,13 @@ const F16Kernels& F16KernelsAvx2();
 // signalling NaN's bits). REQUIRES: the CPU has AVX2 and F16C.
 void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
                        float* dst);
-// QuantizeRow with AVX2/F16C for f16, int8 and fp8 (other codecs: the plain
-// loop), byte for byte. REQUIRES: AVX2 and F16C.
+// QuantizeRow with AVX2/F16C for f16, int8, fp8 and the int4 rows (other
+// codecs: the plain loop), byte for byte. REQUIRES: AVX2 and F16C.
 void QuantizeRowAvx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta);
+// AppendKiviKeys with AVX2 for a fresh block (first_slot 0; otherwise the
+// plain loop), byte for byte. REQUIRES: AVX2.
+void AppendKiviKeysAvx2(const float* src, int64_t src_stride, int32_t n, int32_t first_slot,
+                        int32_t head_dim, uint8_t* codes, uint8_t* meta);
 // DequantizeKiviKeyRow with AVX2, exactly equal to it. REQUIRES: AVX2.
 void DequantizeKiviKeyRowAvx2(const uint8_t* codes, const float* scale, const float* offset,
                               int32_t n, float* dst);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "kernels/cpu/kv_codec_internal.h"
 
 namespace kvserve::kernels {
 namespace {
@@ -212,11 +213,22 @@ void SetNibble(uint8_t* row, int32_t c, int q) {
   row[c / 2] = static_cast<uint8_t>((row[c / 2] & ~(0xf << shift)) | (q << shift));
 }
 
+int KiviCode(float x, float s, int z) {
+  const float q = std::nearbyint(x / s) - static_cast<float>(z);
+  return static_cast<int>(std::clamp(q, 0.0f, 15.0f));
+}
+
+}  // namespace
+
+namespace internal {
+
+const float* KiviStepTable() { return Steps().step.data(); }
+
 // Smallest step on the ladder (and its zero point) whose 16 codes cover
 // [lo, hi]: z * step <= lo, (z + 15) * step >= hi, z in int8. Values beyond
 // the largest step's reach saturate.
 void ChooseKiviParams(float lo, float hi, uint8_t* e_out, int8_t* z_out) {
-  const float* steps = Steps().step.data();
+  const float* steps = KiviStepTable();
   float need = (hi - lo) / 15.0f;
   if (lo < 0.0f) need = std::max(need, -lo / 128.0f);
   if (hi > 0.0f) need = std::max(need, hi / 142.0f);
@@ -240,12 +252,7 @@ void ChooseKiviParams(float lo, float hi, uint8_t* e_out, int8_t* z_out) {
   }
 }
 
-int KiviCode(float x, float s, int z) {
-  const float q = std::nearbyint(x / s) - static_cast<float>(z);
-  return static_cast<int>(std::clamp(q, 0.0f, 15.0f));
-}
-
-}  // namespace
+}  // namespace internal
 
 void KiviKeyChannelParams(const uint8_t* meta, int32_t head_dim, float* scale, float* offset) {
   const float* steps = Steps().step.data();
@@ -293,7 +300,7 @@ void AppendKiviKeys(const float* src, int64_t src_stride, int32_t n, int32_t fir
     uint8_t* m = meta + kKiviKeyMetaBytes * c;
     if (first_slot == 0) {
       int8_t z;
-      ChooseKiviParams(lo, hi, &m[0], &z);
+      internal::ChooseKiviParams(lo, hi, &m[0], &z);
       m[1] = static_cast<uint8_t>(z);
     } else {
       const float s = steps[m[0]];
@@ -307,7 +314,7 @@ void AppendKiviKeys(const float* src, int64_t src_stride, int32_t n, int32_t fir
         }
         uint8_t e2;
         int8_t z2;
-        ChooseKiviParams(lo, hi, &e2, &z2);
+        internal::ChooseKiviParams(lo, hi, &e2, &z2);
         if (e2 != m[0] || z2 != z) {
           const float s2 = steps[e2];
           for (int32_t r = 0; r < first_slot; ++r) {

@@ -47,12 +47,12 @@ void TranscodeKvBlock(const KvBlockShape& s, KvDType from, const uint8_t* src, K
   const int32_t hd = s.head_dim;
   const int32_t bs = s.block_size;
   // The row codecs with AVX2/F16C where the CPU has them (each equal to its
-  // plain loop byte for byte, tested): decoding every codec, encoding f16,
-  // int8 and fp8.
+  // plain loop byte for byte, tested): decoding and encoding every codec.
   const bool simd = UseAvx2();
   auto* const decode_row = simd ? &internal::DequantizeRowAvx2 : &DequantizeRow;
   auto* const decode_kivi_key = simd ? &internal::DequantizeKiviKeyRowAvx2 : &DequantizeKiviKeyRow;
   auto* const encode_row = simd ? &internal::QuantizeRowAvx2 : &QuantizeRow;
+  auto* const encode_kivi_keys = simd ? &internal::AppendKiviKeysAvx2 : &AppendKiviKeys;
   const int64_t in_half = in.layer_bytes / 2, out_half = out.layer_bytes / 2;
   const int64_t in_row = in.RowBytes(), in_meta = in.RowMetaBytes();
   const int64_t out_row = out.RowBytes(), out_meta = out.RowMetaBytes();
@@ -80,7 +80,7 @@ void TranscodeKvBlock(const KvBlockShape& s, KvDType from, const uint8_t* src, K
         uint8_t* odata = out.BlockHead(l, 0, h) + (value ? out_half : 0);
         uint8_t* ometa = out.BlockHeadMeta(l, 0, h) + (value ? out_half : 0);
         if (!value && KvIsKivi(to)) {
-          AppendKiviKeys(rows.data(), hd, bs, /*first_slot=*/0, hd, odata, ometa);
+          encode_kivi_keys(rows.data(), hd, bs, /*first_slot=*/0, hd, odata, ometa);
         } else {
           for (int32_t j = 0; j < bs; ++j) {
             encode_row(to, rows.data() + static_cast<size_t>(j) * hd, hd, odata + j * out_row,

@@ -128,8 +128,9 @@ TEST(KvCodecTest, Avx2QuantizeRowEqualsPlainLoop) {
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> pick(0, 9);
-  for (KvDType t : {KvDType::kF16, KvDType::kInt8, KvDType::kFp8E4M3, KvDType::kFp8E5M2}) {
-    for (int32_t n : {1, 7, 8, 9, 16, 63, 64, 65, 128}) {
+  for (KvDType t : {KvDType::kF16, KvDType::kInt8, KvDType::kFp8E4M3, KvDType::kFp8E5M2,
+                    KvDType::kInt4, KvDType::kInt4G64, KvDType::kInt4Kivi, KvDType::kInt4KiviG64}) {
+    for (int32_t n : {1, 7, 8, 9, 16, 32, 63, 64, 65, 128, 192}) {
       for (int rep = 0; rep < 200; ++rep) {
         std::vector<float> x(n);
         for (float& v : x) {
@@ -156,6 +157,48 @@ TEST(KvCodecTest, Avx2QuantizeRowEqualsPlainLoop) {
         internal::QuantizeRowAvx2(t, x.data(), n, got.data(), got_meta.data());
         ASSERT_EQ(got, want) << KvDTypeName(t) << " n=" << n << " rep=" << rep;
         ASSERT_EQ(got_meta, want_meta) << KvDTypeName(t) << " n=" << n << " rep=" << rep;
+      }
+    }
+  }
+}
+
+// The SIMD int4-kivi key encoder of a fresh block against AppendKiviKeys,
+// byte for byte, codes and per-channel meta, over rows of the same mix as
+// above (zeros, ties, tiny values, outliers) and a strided source.
+TEST(KvCodecTest, Avx2KiviKeysEqualPlainLoop) {
+  if (!UseAvx2()) GTEST_SKIP() << "no AVX2 on this CPU";
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 9);
+  for (int32_t head_dim : {8, 12, 64, 128}) {
+    for (int32_t n : {1, 2, 5, 16}) {
+      for (int rep = 0; rep < 100; ++rep) {
+        const int64_t stride = head_dim + 8 * (rep % 2);
+        std::vector<float> x(static_cast<size_t>(n * stride));
+        const float spread = rep % 3 == 0 ? 1e-3f : (rep % 3 == 1 ? 1.0f : 300.0f);
+        for (float& v : x) {
+          switch (pick(rng)) {
+            case 0:
+              v = 0.0f;
+              break;
+            case 1:
+              v = std::ldexp(std::nearbyint(normal(rng) * 16) + 0.5f, -4);
+              break;
+            case 2:
+              v = normal(rng) * 1e4f;
+              break;
+            default:
+              v = normal(rng) * spread;
+          }
+        }
+        const size_t bytes = static_cast<size_t>(KvRowBytes(KvDType::kInt4Kivi, head_dim) * n);
+        const size_t meta_bytes = static_cast<size_t>(kKiviKeyMetaBytes * head_dim);
+        std::vector<uint8_t> want(bytes, 0xa5), got(bytes, 0x5a), want_meta(meta_bytes),
+            got_meta(meta_bytes);
+        AppendKiviKeys(x.data(), stride, n, 0, head_dim, want.data(), want_meta.data());
+        internal::AppendKiviKeysAvx2(x.data(), stride, n, 0, head_dim, got.data(), got_meta.data());
+        ASSERT_EQ(got, want) << "head_dim=" << head_dim << " n=" << n << " rep=" << rep;
+        ASSERT_EQ(got_meta, want_meta) << "head_dim=" << head_dim << " n=" << n << " rep=" << rep;
       }
     }
   }
