@@ -315,9 +315,25 @@ SpecMode Speculator::ModeOf(const Sequence& s) const {
   return m == SpecMode::kDefault ? options_.mode : m;
 }
 
-double Speculator::AcceptanceOf(const SeqSpec& st, DraftSource src) const {
-  const size_t i = static_cast<size_t>(src);
-  const double prior = (src_hits_[i] + 1) / (src_trials_[i] + 2);
+void AcceptancePriors::Observe(DraftSource src, int32_t match_length, double accepted,
+                               double trials) {
+  for (Counts* c :
+       {&source_[static_cast<size_t>(src)],
+        &bucket_[static_cast<size_t>(src)][static_cast<size_t>(Bucket(match_length))]}) {
+    c->hits = kDecay * c->hits + accepted;
+    c->trials = kDecay * c->trials + trials;
+  }
+}
+
+double AcceptancePriors::Estimate(DraftSource src, int32_t match_length) const {
+  const Counts& s = source_[static_cast<size_t>(src)];
+  const Counts& b = bucket_[static_cast<size_t>(src)][static_cast<size_t>(Bucket(match_length))];
+  const double source_rate = (s.hits + 1) / (s.trials + 2);
+  return (b.hits + kSourceWeight * source_rate) / (b.trials + kSourceWeight);
+}
+
+double Speculator::AcceptanceOf(const SeqSpec& st, const DraftProposal& p) const {
+  const double prior = priors_.Estimate(p.source, p.match_length);
   constexpr double kPriorWeight = 2;
   const double a = (st.acc_hits + kPriorWeight * prior) / (st.acc_trials + kPriorWeight);
   return std::clamp(a, 0.01, 0.99);
@@ -363,7 +379,7 @@ void Speculator::Propose(const std::vector<Sequence*>& running, bool prompts_pen
     double best_value = 0;
     auto consider = [&](DraftProposer& proposer) {
       if (!proposer.Propose(ctx, max_k, &p)) return;
-      const double a = AcceptanceOf(st, p.source);
+      const double a = AcceptanceOf(st, p);
       // Expected tokens the draft adds: sum of a^j over its positions.
       double v = 0, aj = 1;
       for (size_t j = 0; j < p.tokens.size(); ++j) v += (aj *= a);
@@ -402,6 +418,7 @@ void Speculator::Propose(const std::vector<Sequence*>& running, bool prompts_pen
     st.pending_k = take[i];
     st.accepted_before = s->spec_accepted;
     st.pending_source = cands[i].p.source;
+    st.pending_match = cands[i].p.match_length;
     step_drafts_[s] = take[i];
   }
 }
@@ -423,11 +440,14 @@ void Speculator::AfterStep(const BatchPlan& plan, double seconds) {
     const int32_t j = std::min(k, s->spec_accepted - st.accepted_before);
     st.pending_k = 0;
     const size_t src = static_cast<size_t>(st.pending_source);
+    const size_t bucket = static_cast<size_t>(AcceptancePriors::Bucket(st.pending_match));
     stats_.proposed_tokens += k;
     stats_.accepted_tokens += j;
     stats_.proposed_by_source[src] += k;
     stats_.accepted_by_source[src] += j;
     ++stats_.drafts;
+    stats_.proposed_by_match[bucket] += k;
+    stats_.accepted_by_match[bucket] += j;
     stats_.emitted_tokens += j + 1;
     for (int32_t q = 0; q < k && q < kMaxSpecK; ++q) {
       ++stats_.proposed_by_position[static_cast<size_t>(q)];
@@ -435,11 +455,10 @@ void Speculator::AfterStep(const BatchPlan& plan, double seconds) {
     }
     // Conditional acceptance: j successes in min(j + 1, k) trials.
     const double trials = std::min(j + 1, k);
-    constexpr double kSeqDecay = 0.7, kSrcDecay = 0.98;
+    constexpr double kSeqDecay = 0.7;
     st.acc_hits = kSeqDecay * st.acc_hits + j;
     st.acc_trials = kSeqDecay * st.acc_trials + trials;
-    src_hits_[src] = kSrcDecay * src_hits_[src] + j;
-    src_trials_[src] = kSrcDecay * src_trials_[src] + trials;
+    priors_.Observe(st.pending_source, st.pending_match, j, trials);
   }
 }
 

@@ -160,6 +160,8 @@ struct SpeculationOptions {
 [[nodiscard]] absl::Status ValidateSpeculationOptions(const SpeculationOptions& o);
 
 inline constexpr int kMaxSpecK = 16;  // the scheduler verifies at most 16 draft tokens a step
+// Match lengths the acceptance statistics tell apart (the last: that or more).
+inline constexpr int kSpecMatchBuckets = 8;
 
 struct SpeculationStats {
   int64_t proposed_tokens = 0;  // draft tokens verified
@@ -171,6 +173,9 @@ struct SpeculationStats {
   // Position j (0-based) of a draft: how often it was verified, and kept.
   std::array<int64_t, kMaxSpecK> proposed_by_position{};
   std::array<int64_t, kMaxSpecK> accepted_by_position{};
+  // By the match length the draft was found on (1 to 8, the last "8 or more").
+  std::array<int64_t, kSpecMatchBuckets> proposed_by_match{};
+  std::array<int64_t, kSpecMatchBuckets> accepted_by_match{};
   int64_t skipped_by_cost = 0;  // proposals the cost model dropped in full
   int64_t held_for_prompts = 0;  // steps without drafts because prompts waited
   // The measured step cost line (alpha + beta * tokens) the decisions use
@@ -239,6 +244,34 @@ struct DraftOffer {
 std::vector<int32_t> SizeDrafts(int32_t batch, absl::Span<const DraftOffer> offers,
                                 const StepCostFit& cost, double min_gain);
 
+// The acceptance a new sequence's drafts start from, learned from the
+// drafts every earlier sequence verified: per proposer and per match length
+// (the tokens of context the draft was matched on, 1 to kMatchBuckets, the
+// last bucket holding every longer match), as exponentially decayed
+// (accepted, trials) counts. A bucket with little evidence leans on its
+// proposer's overall rate, which leans on 1/2. One prior per proposer let a
+// run of code edits (long matches, most accepted) set the prior of the chat
+// requests after them (short matches, few accepted): chat then drafted at a
+// loss until each sequence had seen its own rejections.
+class AcceptancePriors {
+ public:
+  static constexpr int kMatchBuckets = kSpecMatchBuckets;
+  static int Bucket(int32_t match_length) { return std::clamp(match_length, 1, kMatchBuckets) - 1; }
+  // `accepted` of `trials` conditional acceptances, from one verified draft.
+  void Observe(DraftSource src, int32_t match_length, double accepted, double trials);
+  // The estimated acceptance of a draft token, in (0, 1).
+  double Estimate(DraftSource src, int32_t match_length) const;
+
+ private:
+  static constexpr double kDecay = 0.98;      // per verified draft
+  static constexpr double kSourceWeight = 4;  // trials the proposer's rate counts as in a bucket
+  struct Counts {
+    double hits = 0, trials = 0;
+  };
+  std::array<Counts, kNumDraftSources> source_{};
+  std::array<std::array<Counts, kMatchBuckets>, kNumDraftSources> bucket_{};
+};
+
 class Speculator {
  public:
   explicit Speculator(const SpeculationOptions& options);
@@ -270,8 +303,9 @@ class Speculator {
     int32_t pending_k = 0;
     int32_t accepted_before = 0;
     DraftSource pending_source = DraftSource::kNgram;
+    int32_t pending_match = 0;
   };
-  double AcceptanceOf(const SeqSpec& st, DraftSource src) const;
+  double AcceptanceOf(const SeqSpec& st, const DraftProposal& p) const;
 
   SpeculationOptions options_;
   PromptLookupProposer ngram_;
@@ -279,8 +313,8 @@ class Speculator {
   SuffixIndex suffix_;
   StepCostFit cost_;
   std::unordered_map<const Sequence*, SeqSpec> seqs_;
-  // Per source, decayed acceptance counts (the prior for a new sequence).
-  std::array<double, kNumDraftSources> src_hits_{}, src_trials_{};
+  // The prior for a new sequence, per source and match length.
+  AcceptancePriors priors_;
   // This step's drafts: sequence -> draft length (to classify the step for the cost fit).
   std::unordered_map<const Sequence*, int32_t> step_drafts_;
   SpeculationStats stats_;

@@ -299,6 +299,23 @@ std::string Metrics::Render(const EngineStats& stats) const {
                  "Drafts that reached position (0-based) of the draft.", sp.proposed_by_position);
     per_position("kvserve:spec_position_accepted_total",
                  "Drafts whose token at position (0-based) was accepted.", sp.accepted_by_position);
+    auto per_match = [&](const std::string& name, const char* help,
+                         const std::array<int64_t, kSpecMatchBuckets>& v) {
+      AppendHeader(name, help, "counter", &out);
+      for (int i = 0; i < kSpecMatchBuckets; ++i) {
+        AppendSample(
+            name,
+            with(absl::StrCat("match=\"", i + 1, i + 1 == kSpecMatchBuckets ? "+" : "", "\"")),
+            static_cast<double>(v[static_cast<size_t>(i)]), &out);
+      }
+    };
+    per_match(
+        "kvserve:spec_match_proposed_tokens_total",
+        "Draft tokens verified, by the match length (tokens of context) the draft was found on.",
+        sp.proposed_by_match);
+    per_match("kvserve:spec_match_accepted_tokens_total",
+              "Draft tokens accepted, by the match length the draft was found on.",
+              sp.accepted_by_match);
     AppendGauge("kvserve:spec_acceptance_rate", "Accepted over proposed draft tokens, so far.", l,
                 sp.proposed_tokens > 0
                     ? static_cast<double>(sp.accepted_tokens) / sp.proposed_tokens

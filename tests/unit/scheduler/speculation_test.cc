@@ -273,6 +273,27 @@ TEST(RejectionSampleTest, EngineSamplerVerifyIsLossless) {
   EXPECT_GT(ChiSquare(broken, p), 1000.0);
 }
 
+TEST(AcceptancePriorsTest, MatchLengthsKeepTheirOwnAcceptance) {
+  AcceptancePriors pr;
+  EXPECT_DOUBLE_EQ(pr.Estimate(DraftSource::kNgram, 2), 0.5);  // nothing seen: 1/2
+  // Code edits: drafts on 4-token matches, nearly all kept.
+  for (int i = 0; i < 200; ++i) pr.Observe(DraftSource::kNgram, 4, 3, 4);
+  // A bucket not seen yet leans on the proposer's overall rate.
+  EXPECT_GT(pr.Estimate(DraftSource::kNgram, 2), 0.7);
+  // Chat after them: drafts on 2-token matches, mostly rejected.
+  for (int i = 0; i < 40; ++i) pr.Observe(DraftSource::kNgram, 2, 0, 1);
+  EXPECT_LT(pr.Estimate(DraftSource::kNgram, 2), 0.15);
+  EXPECT_GT(pr.Estimate(DraftSource::kNgram, 4), 0.7);
+  // Other proposers are untouched; long matches share the last bucket.
+  EXPECT_DOUBLE_EQ(pr.Estimate(DraftSource::kSuffix, 4), 0.5);
+  EXPECT_EQ(AcceptancePriors::Bucket(100),
+            AcceptancePriors::Bucket(AcceptancePriors::kMatchBuckets));
+  EXPECT_EQ(AcceptancePriors::Bucket(0), 0);
+  // Old evidence decays: a bucket follows a change of workload.
+  for (int i = 0; i < 300; ++i) pr.Observe(DraftSource::kNgram, 4, 0, 1);
+  EXPECT_LT(pr.Estimate(DraftSource::kNgram, 4), 0.2);
+}
+
 TEST(SpecModeTest, ParsesNamesAndRejectsOthersNamingTheField) {
   SpecMode m;
   ASSERT_TRUE(ParseSpecMode("suffix", "speculative", &m).ok());
