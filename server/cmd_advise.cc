@@ -211,7 +211,8 @@ class AdviseCommand final : public Command {
     const int gen = 12;
     using DecodeSamples = std::vector<std::pair<double, double>>;                // (seqs, seconds)
     using PrefillSamples = std::vector<std::tuple<double, double, double>>;      // (tokens, decodes, seconds)
-    // Runs `batch` requests to completion; returns the total step time.
+    // Runs `batch` requests to completion; returns the total step time. With
+    // null sample vectors (the warm-up) it records nothing.
     auto run_batch = [&](int batch, DecodeSamples* decode, PrefillSamples* prefill) {
       std::unique_ptr<Engine> engine = ValueOrDie(builder.Build(&ThreadPool::Global()));
       for (int i = 0; i < batch; ++i) {
@@ -234,7 +235,7 @@ class AdviseCommand final : public Command {
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         total += dt;
         const EngineStats st = engine->Stats();
-        if (st.last_batch_tokens == 0) continue;
+        if (decode == nullptr || st.last_batch_tokens == 0) continue;
         const double p = static_cast<double>(st.last_batch_prefill_tokens);
         if (p > 0) {
           prefill->emplace_back(p, static_cast<double>(st.last_batch_seqs) - 1, dt);
@@ -246,11 +247,7 @@ class AdviseCommand final : public Command {
     };
     DecodeSamples decode;
     PrefillSamples prefill;
-    {
-      DecodeSamples d;
-      PrefillSamples p;
-      run_batch(1, &d, &p);  // warms the caches; not kept
-    }
+    run_batch(1, nullptr, nullptr);  // warms the caches
     for (int batch : {1, 4, 16}) {
       double best = 1e300;
       DecodeSamples best_d;

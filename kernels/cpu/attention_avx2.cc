@@ -444,9 +444,11 @@ inline void StoreNibbles8(__m256i codes, uint8_t* out) {
   for (int t = 0; t < 4; ++t) out[t] = static_cast<uint8_t>(lanes[t]);
 }
 
-// round(x) clamped to [0, 15], as int32 lanes (NaN lanes give 0).
-inline __m256i Code4(__m256 x) {
-  __m256 q = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// nearbyint(x) - zero_point clamped to [0, 15], as int32 lanes (NaN lanes
+// give 0): the int4 rows' codes (zero_point 0) and int4-kivi keys' (KiviCode).
+inline __m256i Code4(__m256 x, __m256 zero_point) {
+  __m256 q = _mm256_sub_ps(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                           zero_point);
   q = _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
   return _mm256_cvtps_epi32(q);
 }
@@ -495,7 +497,7 @@ bool QuantizeInt4Avx2(KvDType t, const float* src, int32_t n, uint8_t* data, uin
     const __m256 vmin = _mm256_set1_ps(min_h), vinv = _mm256_set1_ps(inv);
     for (int32_t i = 0; i < group; i += 8) {
       const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(src + g0 + i), vmin), vinv);
-      StoreNibbles8(Code4(x), data + (g0 + i) / 2);
+      StoreNibbles8(Code4(x, _mm256_setzero_ps()), data + (g0 + i) / 2);
     }
   }
   return true;
@@ -582,11 +584,7 @@ void AppendKiviKeysAvx2(const float* src, int64_t src_stride, int32_t n, int32_t
     for (int32_t j = 0; j < n; ++j) {
       // KiviCode: nearbyint(x / s) - z, clamped to [0, 15].
       const __m256 x = _mm256_loadu_ps(src + j * src_stride + c0);
-      const __m256 q = _mm256_sub_ps(
-          _mm256_round_ps(_mm256_div_ps(x, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zf);
-      const __m256i code = _mm256_cvtps_epi32(
-          _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.0f)));
-      StoreNibbles8(code, codes + j * row_bytes + c0 / 2);
+      StoreNibbles8(Code4(_mm256_div_ps(x, s), zf), codes + j * row_bytes + c0 / 2);
     }
   }
 }

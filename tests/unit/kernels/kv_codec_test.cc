@@ -120,37 +120,45 @@ TEST_P(KvCodecTest, Avx2DecoderEqualsPlainLoop) {
   }
 }
 
+// Values the SIMD-against-plain codec tests draw: zeros, ties (halves of a
+// 1/16 grid), values tiny against the row's max, large outliers, and normal
+// values times `spread`.
+class CodecValueMix {
+ public:
+  explicit CodecValueMix(uint32_t seed) : rng_(seed) {}
+  float operator()(float spread) {
+    switch (pick_(rng_)) {
+      case 0:
+        return 0.0f;
+      case 1:
+        return std::ldexp(std::nearbyint(normal_(rng_) * 16) + 0.5f, -4);
+      case 2:
+        return normal_(rng_) * 1e-6f;
+      case 3:
+        return normal_(rng_) * 1e4f;
+      default:
+        return normal_(rng_) * spread;
+    }
+  }
+
+ private:
+  std::mt19937 rng_;
+  std::normal_distribution<float> normal_{0.0f, 1.0f};
+  std::uniform_int_distribution<int> pick_{0, 9};
+};
+
 // The AVX2 row encoders write the plain loop's bytes (codes and scale) for
 // f16, int8 and fp8: rows of every length around the vector width, with
 // zeros, ties (halves of the grid), subnormals and values that saturate.
 TEST(KvCodecTest, Avx2QuantizeRowEqualsPlainLoop) {
   if (!UseAvx2()) GTEST_SKIP() << "no AVX2 on this CPU";
-  std::mt19937 rng(11);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> pick(0, 9);
+  CodecValueMix mix(11);
   for (KvDType t : {KvDType::kF16, KvDType::kInt8, KvDType::kFp8E4M3, KvDType::kFp8E5M2,
                     KvDType::kInt4, KvDType::kInt4G64, KvDType::kInt4Kivi, KvDType::kInt4KiviG64}) {
     for (int32_t n : {1, 7, 8, 9, 16, 32, 63, 64, 65, 128, 192}) {
       for (int rep = 0; rep < 200; ++rep) {
         std::vector<float> x(n);
-        for (float& v : x) {
-          switch (pick(rng)) {
-            case 0:
-              v = 0.0f;
-              break;
-            case 1:
-              v = std::ldexp(std::nearbyint(normal(rng) * 16) + 0.5f, -4);
-              break;  // ties
-            case 2:
-              v = normal(rng) * 1e-6f;
-              break;  // tiny against the row's max
-            case 3:
-              v = normal(rng) * 1e4f;
-              break;  // large outliers
-            default:
-              v = normal(rng);
-          }
-        }
+        for (float& v : x) v = mix(1.0f);
         const size_t bytes = KvRowBytes(t, n), meta_bytes = KvRowMetaBytes(t, n) + 1;
         std::vector<uint8_t> want(bytes), got(bytes), want_meta(meta_bytes), got_meta(meta_bytes);
         QuantizeRow(t, x.data(), n, want.data(), want_meta.data());
@@ -167,30 +175,14 @@ TEST(KvCodecTest, Avx2QuantizeRowEqualsPlainLoop) {
 // above (zeros, ties, tiny values, outliers) and a strided source.
 TEST(KvCodecTest, Avx2KiviKeysEqualPlainLoop) {
   if (!UseAvx2()) GTEST_SKIP() << "no AVX2 on this CPU";
-  std::mt19937 rng(12);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> pick(0, 9);
+  CodecValueMix mix(12);
   for (int32_t head_dim : {8, 12, 64, 128}) {
     for (int32_t n : {1, 2, 5, 16}) {
       for (int rep = 0; rep < 100; ++rep) {
         const int64_t stride = head_dim + 8 * (rep % 2);
         std::vector<float> x(static_cast<size_t>(n * stride));
         const float spread = rep % 3 == 0 ? 1e-3f : (rep % 3 == 1 ? 1.0f : 300.0f);
-        for (float& v : x) {
-          switch (pick(rng)) {
-            case 0:
-              v = 0.0f;
-              break;
-            case 1:
-              v = std::ldexp(std::nearbyint(normal(rng) * 16) + 0.5f, -4);
-              break;
-            case 2:
-              v = normal(rng) * 1e4f;
-              break;
-            default:
-              v = normal(rng) * spread;
-          }
-        }
+        for (float& v : x) v = mix(spread);
         const size_t bytes = static_cast<size_t>(KvRowBytes(KvDType::kInt4Kivi, head_dim) * n);
         const size_t meta_bytes = static_cast<size_t>(kKiviKeyMetaBytes * head_dim);
         std::vector<uint8_t> want(bytes, 0xa5), got(bytes, 0x5a), want_meta(meta_bytes),
