@@ -1,19 +1,82 @@
 #include "cache/host_tier.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <utility>
 
 namespace kvserve {
 
-void PageDeleter::operator()(uint8_t* p) const { std::free(p); }
+void PageDeleter::operator()(uint8_t* p) const {
+  if (arena != nullptr) {
+    arena->Return(p);
+  } else {
+    std::free(p);
+  }
+}
 
 PageBuffer AllocatePage(int64_t bytes) {
   const int64_t rounded = (bytes + 63) / 64 * 64;
   return PageBuffer(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(rounded))));
 }
 
-HostTier::HostTier(int64_t capacity_bytes, int64_t page_bytes)
-    : page_bytes_(page_bytes), capacity_pages_(page_bytes > 0 ? capacity_bytes / page_bytes : 0) {}
+PageArena::PageArena(int64_t page_bytes, int64_t max_pages, int64_t pages_per_chunk,
+                     ChunkAlloc alloc, ChunkFree free)
+    : page_bytes_(page_bytes),
+      stride_((page_bytes + 63) / 64 * 64),
+      max_pages_(max_pages),
+      pages_per_chunk_(std::max<int64_t>(1, pages_per_chunk)),
+      alloc_(std::move(alloc)),
+      free_(std::move(free)) {}
+
+PageArena::~PageArena() {
+  absl::MutexLock lock(&mu_);
+  if (out_ != 0) {
+    std::fprintf(stderr, "PageArena: destroyed with %lld pages still lent\n",
+                 static_cast<long long>(out_));
+    std::abort();  // a lent page would point into freed memory
+  }
+  for (void* c : chunks_) free_(c);
+}
+
+PageBuffer PageArena::Allocate() {
+  absl::MutexLock lock(&mu_);
+  if (free_pages_.empty()) {
+    const int64_t n = std::min(pages_per_chunk_, max_pages_ - made_);
+    if (n <= 0) return PageBuffer(nullptr, PageDeleter{this});
+    // Chunks start 64-byte aligned (cudaHostAlloc gives page alignment).
+    auto* chunk = static_cast<uint8_t*>(alloc_(static_cast<size_t>(n * stride_)));
+    if (chunk == nullptr) return PageBuffer(nullptr, PageDeleter{this});
+    chunks_.push_back(chunk);
+    for (int64_t i = n - 1; i >= 0; --i) free_pages_.push_back(chunk + i * stride_);
+    made_ += n;
+  }
+  uint8_t* p = free_pages_.back();
+  free_pages_.pop_back();
+  ++out_;
+  return PageBuffer(p, PageDeleter{this});
+}
+
+void PageArena::Return(uint8_t* page) {
+  absl::MutexLock lock(&mu_);
+  free_pages_.push_back(page);
+  --out_;
+}
+
+int64_t PageArena::pages_out() const {
+  absl::MutexLock lock(&mu_);
+  return out_;
+}
+
+int64_t PageArena::pages_made() const {
+  absl::MutexLock lock(&mu_);
+  return made_;
+}
+
+HostTier::HostTier(int64_t capacity_bytes, int64_t page_bytes, PageArena* arena)
+    : page_bytes_(page_bytes),
+      capacity_pages_(page_bytes > 0 ? capacity_bytes / page_bytes : 0),
+      arena_(arena) {}
 
 void HostTier::TouchLocked(Entry* e) { lru_.splice(lru_.end(), lru_, e->lru); }
 
@@ -53,7 +116,7 @@ HostTier::ReserveResult HostTier::Reserve(uint64_t hash, int64_t hits, uint8_t**
     ++full_drops_;
     return ReserveResult::kFull;
   }
-  PageBuffer data = AllocatePage(page_bytes_);
+  PageBuffer data = arena_ != nullptr ? arena_->Allocate() : AllocatePage(page_bytes_);
   if (data == nullptr) {
     ++full_drops_;
     return ReserveResult::kFull;

@@ -11,11 +11,16 @@
 // eviction skips it, and when every page is pinned Reserve fails rather than
 // waits (no deadlock under pressure: the demotion is dropped).
 //
+// Pages come from the heap, or from a PageArena (pinned host memory when
+// the pool above is on a GPU, so copies to and from the device run on a
+// copy stream without the driver's bounce buffer).
+//
 // Thread-safe (one mutex); page bytes are read and written outside it under
 // the pin.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <vector>
@@ -26,12 +31,50 @@
 
 namespace kvserve {
 
-// Page memory (64-byte aligned), movable between tiers without a copy.
+class PageArena;
+
+// Page memory (64-byte aligned), movable between tiers without a copy. A
+// page from an arena goes back to it.
 struct PageDeleter {
+  PageArena* arena = nullptr;  // null: the heap
   void operator()(uint8_t* p) const;
 };
 using PageBuffer = std::unique_ptr<uint8_t, PageDeleter>;
 PageBuffer AllocatePage(int64_t bytes);  // nullptr when out of memory
+
+// Pages of one size carved from chunks a supplied allocator gives (pinned
+// host memory, cudaHostAlloc, for a device pool: pinning is slow, so it is
+// done a chunk at a time and kept), up to max_pages at once; a returned
+// page is reused. Thread-safe. REQUIRES: every page is returned before the
+// arena goes.
+class PageArena {
+ public:
+  using ChunkAlloc = std::function<void*(size_t bytes)>;  // nullptr: no memory
+  using ChunkFree = std::function<void(void* chunk)>;
+  PageArena(int64_t page_bytes, int64_t max_pages, int64_t pages_per_chunk, ChunkAlloc alloc,
+            ChunkFree free);
+  ~PageArena();
+  PageArena(const PageArena&) = delete;
+  PageArena& operator=(const PageArena&) = delete;
+
+  // nullptr when max_pages are out or the allocator failed.
+  PageBuffer Allocate();
+  int64_t page_bytes() const { return page_bytes_; }
+  int64_t pages_out() const;
+  int64_t pages_made() const;  // carved so far (never more than max_pages)
+
+ private:
+  friend struct PageDeleter;
+  void Return(uint8_t* page);
+  const int64_t page_bytes_, stride_, max_pages_, pages_per_chunk_;
+  ChunkAlloc alloc_;
+  ChunkFree free_;
+  mutable absl::Mutex mu_;
+  std::vector<void*> chunks_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint8_t*> free_pages_ ABSL_GUARDED_BY(mu_);
+  int64_t made_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t out_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 // A page that left the host tier by LRU eviction (ready, so checksummed).
 struct EvictedPage {
@@ -51,8 +94,9 @@ struct HostTierStats {
 
 class HostTier {
  public:
-  // REQUIRES: page_bytes > 0.
-  HostTier(int64_t capacity_bytes, int64_t page_bytes);
+  // REQUIRES: page_bytes > 0; an arena's pages are page_bytes long and it
+  // outlives the tier and every page it lends.
+  HostTier(int64_t capacity_bytes, int64_t page_bytes, PageArena* arena = nullptr);
   HostTier(const HostTier&) = delete;
   HostTier& operator=(const HostTier&) = delete;
 
@@ -103,6 +147,7 @@ class HostTier {
 
   const int64_t page_bytes_;
   const int64_t capacity_pages_;
+  PageArena* const arena_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
   std::list<uint64_t> lru_ ABSL_GUARDED_BY(mu_);  // front: least recently used

@@ -216,6 +216,11 @@ const uint8_t* KvPool::HostBlockData(BlockHandle h) const {
   return storage_ + static_cast<int64_t>(h.id) * block_bytes_;
 }
 
+const uint8_t* KvPool::BlockData(BlockHandle h) const {
+  if (!IsLive(h)) DieOnBadHandle("BlockData", h, "is not live");
+  return storage_ + static_cast<int64_t>(h.id) * block_bytes_;
+}
+
 kernels::PagedKvView KvPool::View(const int32_t* block_ids, const int32_t* seq_block_offsets,
                                   int32_t n_seqs) const {
   kernels::PagedKvView v;

@@ -94,6 +94,9 @@ class KvPool {
   // The bytes of a live block in host memory (every layer, block_bytes()
   // long), for copies to the tiers below. REQUIRES: live, !on_device().
   const uint8_t* HostBlockData(BlockHandle h) const;
+  // The same block wherever it lives: a device pointer when on_device()
+  // (for copies on a stream; host code must not read it). REQUIRES: live.
+  const uint8_t* BlockData(BlockHandle h) const;
 
   // Prefill/decode disaggregation registers these with the transport: the
   // host storage (block i at host_storage() + i * block_bytes()) and the

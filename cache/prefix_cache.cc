@@ -894,15 +894,16 @@ int32_t PrefixCache::Evict(int32_t n) {
     // Write-back: a full block's K/V goes to the tier below before its pool
     // block is released (the sink copies it now; the block is still live).
     const bool hollow = victim->hollow;
-    if (m.options.demotion != nullptr && !m.pool->on_device() && !hollow &&
+    if (m.options.demotion != nullptr && !hollow &&
         static_cast<int32_t>(victim->tokens.size()) == m.pool->block_size()) {
       EvictedBlock b;
       b.hash = victim->hash;
       b.depth = victim->depth;
       b.hits = victim->hits;
       b.lossy = victim->lossy;
-      b.data = m.pool->HostBlockData(victim->block);
+      b.data = m.pool->BlockData(victim->block);
       b.bytes = m.pool->block_bytes();
+      b.on_device = m.pool->on_device();
       moved_to = m.options.demotion->Demote(b);
       if (moved_to != KvTier::kNone) ++m.stats.demoted_blocks;
     }
@@ -976,7 +977,6 @@ const EvictionPolicy& PrefixCache::policy() const { return *impl_->options.polic
 
 void PrefixCache::ForEachFullBlock(const std::function<void(const EvictedBlock&)>& fn) const {
   const Impl& m = *impl_;
-  if (m.pool->on_device()) return;
   for (const Node* n = m.oldest; n != nullptr; n = n->next) {
     if (static_cast<int32_t>(n->tokens.size()) != m.pool->block_size() || n->hollow) continue;
     EvictedBlock b;
@@ -984,8 +984,9 @@ void PrefixCache::ForEachFullBlock(const std::function<void(const EvictedBlock&)
     b.depth = n->depth;
     b.hits = n->hits;
     b.lossy = n->lossy;
-    b.data = m.pool->HostBlockData(n->block);
+    b.data = m.pool->BlockData(n->block);
     b.bytes = m.pool->block_bytes();
+    b.on_device = m.pool->on_device();
     fn(b);
   }
 }

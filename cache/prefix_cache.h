@@ -110,8 +110,11 @@ struct EvictedBlock {
   int32_t depth = 0;
   int64_t hits = 0;            // Matches that used the block while cached
   bool lossy = false;          // the node was marked lossy (Insert's `lossy`)
-  const uint8_t* data = nullptr;  // the block's bytes (host memory), valid during the call
+  // The block's bytes, valid during the call: host memory, or device
+  // memory when on_device (the pool's; the sink copies it on a stream).
+  const uint8_t* data = nullptr;
   int64_t bytes = 0;
+  bool on_device = false;
 };
 
 // Takes evicted blocks into a lower tier (write-back on eviction). Called on
@@ -306,8 +309,9 @@ class PrefixCache {
   int32_t num_public_blocks() const;
   const std::string& public_salt() const;
 
-  // Calls fn for every cached full block (host memory pools only), parents
-  // first, without changing anything: what a shutdown persists.
+  // Calls fn for every cached full block (data in device memory for a
+  // device pool), parents first, without changing anything: what a
+  // shutdown persists.
   void ForEachFullBlock(const std::function<void(const EvictedBlock&)>& fn) const;
 
   // Every node as a BlockStored event, parents before children (the snapshot

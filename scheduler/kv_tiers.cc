@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "kernels/kv_view.h"
 #include "spdlog/spdlog.h"
 
@@ -96,6 +97,11 @@ class KvTiers::TierLoad final : public KvLoad {
   std::atomic<bool> done_{false};
 };
 
+struct KvTiers::DeviceFence {
+  cuda::CudaEvent after;  // on the forward's stream
+  cuda::CudaEvent done;   // on the copy stream, after the copy (demotions)
+};
+
 struct KvTiers::LoadItem {
   uint64_t hash = 0;
   KvTier tier = KvTier::kNone;
@@ -132,8 +138,14 @@ absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
     return absl::InvalidArgumentError("KV tiers (--kv-host-memory, --kv-disk-dir) need the prefix cache");
   }
   if (pool.on_device()) {
-    return absl::UnimplementedError(
-        "KV tiers (--kv-host-memory, --kv-disk-dir) run with --device cpu only for now");
+    device_ = true;
+    compute_stream_ = pool.options().device_stream;
+    auto stream = cuda::CudaStream::Create();
+    if (!stream.ok()) {
+      return absl::UnavailableError(absl::StrCat("KV tiers: no copy stream for the device pool: ",
+                                                 stream.status().message()));
+    }
+    copy_stream_ = std::move(stream).value();
   }
   cache_ = cache;
   block_size_ = pool.block_size();
@@ -172,8 +184,35 @@ absl::Status KvTiers::Attach(const KvPool& pool, const PrefixCache* cache) {
                                    ? options_.disk_block_load_s
                                    : static_cast<double>(page_bytes_) / 4e8;
   }
+  if (device_) {
+    auto staging = cuda::PinnedHostBuffer::Allocate(static_cast<size_t>(block_bytes_));
+    if (!staging.ok()) return staging.status();
+    device_staging_ = std::move(staging).value();
+    if (options_.host_bytes > 0) {
+      // Host pages in pinned memory, pinned a chunk (~32 MiB) at a time as
+      // the tier fills; room for the tier's pages and for pages on their way
+      // to disk (at most max_pending_disk_bytes).
+      const int64_t pages =
+          options_.host_bytes / page_bytes_ + options_.max_pending_disk_bytes / page_bytes_ + 4;
+      const int64_t per_chunk = std::max<int64_t>(1, (int64_t{32} << 20) / page_bytes_);
+      pinned_pages_ = std::make_unique<PageArena>(
+          page_bytes_, pages, per_chunk,
+          [this](size_t bytes) -> void* {
+            auto b = cuda::PinnedHostBuffer::Allocate(bytes);
+            if (!b.ok()) {
+              spdlog::warn("KV host tier: no pinned memory for more pages: {}",
+                           std::string(b.status().message()));
+              return nullptr;
+            }
+            void* p = b->data();
+            pinned_chunks_.push_back(std::move(b).value());
+            return p;
+          },
+          [](void*) {});  // pinned_chunks_ frees them, after the arena
+    }
+  }
   if (options_.host_bytes > 0) {
-    host_ = std::make_unique<HostTier>(options_.host_bytes, page_bytes_);
+    host_ = std::make_unique<HostTier>(options_.host_bytes, page_bytes_, pinned_pages_.get());
     if (host_->capacity_pages() == 0) {
       return absl::InvalidArgumentError(absl::StrCat("--kv-host-memory ", options_.host_bytes,
                                                      " bytes holds no block (one is ", page_bytes_,
@@ -287,11 +326,80 @@ void KvTiers::DecodePage(const uint8_t* page, uint8_t* block) const {
   kernels::TranscodeKvBlock(shape_, page_dtype_, page, pool_dtype_, block);
 }
 
+absl::StatusOr<KvTiers::Fence> KvTiers::CopyBlockOut(const uint8_t* block, uint8_t* dst,
+                                                     int64_t bytes) {
+  if (!device_) {
+    std::memcpy(dst, block, static_cast<size_t>(bytes));
+    return Fence();
+  }
+  // After the forward's work so far (the block's last writes)...
+  ASSIGN_OR_RETURN(Fence fence, MarkComputeStream());
+  RETURN_IF_ERROR(fence->after.BlockStream(copy_stream_.get()));
+  absl::Status s =
+      cuda::CopyToHostAsync(dst, block, static_cast<size_t>(bytes), copy_stream_.get());
+  if (s.ok()) {
+    auto e = cuda::CudaEvent::Create();
+    s = e.status();
+    if (e.ok()) fence->done = std::move(e).value();
+  }
+  if (s.ok()) s = fence->done.Record(copy_stream_.get());
+  // ... and before the forward's next work: the pool lends the block out
+  // again as soon as Demote returns.
+  if (s.ok()) s = fence->done.BlockStream(compute_stream_);
+  if (!s.ok()) {
+    // A copy may be in flight into dst, which the caller frees: let it land.
+    (void)copy_stream_.Synchronize();
+    return s;
+  }
+  return fence;
+}
+
+absl::StatusOr<KvTiers::Fence> KvTiers::MarkComputeStream() {
+  if (!device_) return Fence();
+  auto fence = std::make_shared<DeviceFence>();
+  ASSIGN_OR_RETURN(fence->after, cuda::CudaEvent::Create());
+  RETURN_IF_ERROR(fence->after.Record(compute_stream_));
+  return fence;
+}
+
+bool KvTiers::WaitFence(const Fence& fence) {
+  if (fence == nullptr) return true;
+  const absl::Status s = fence->done.Synchronize();
+  if (!s.ok()) spdlog::warn("KV tiers: a device copy failed: {}", std::string(s.message()));
+  return s.ok();
+}
+
+void KvTiers::PostDiskStore(uint64_t hash, int64_t hits, PageBuffer page,
+                            std::shared_ptr<uint8_t> raw, Fence fence) {
+  pending_disk_bytes_ += page_bytes_;
+  auto shared = std::make_shared<EvictedPage>(EvictedPage{hash, 0, hits, std::move(page)});
+  writer_->Post([this, shared, raw = std::move(raw), fence = std::move(fence)] {
+    if (!WaitFence(fence)) {
+      pending_disk_bytes_ -= page_bytes_;
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.dropped_demotions;
+      return;
+    }
+    if (raw != nullptr) EncodePage(raw.get(), shared->data.get());
+    shared->checksum = XXH3_64bits(shared->data.get(), static_cast<size_t>(page_bytes_));
+    StoreOnDisk(*shared);
+  });
+}
+
 KvTier KvTiers::Demote(const EvictedBlock& evicted) {
-  if (evicted.bytes != block_bytes_ || evicted.data == nullptr) return KvTier::kNone;
+  if (evicted.bytes != block_bytes_ || evicted.data == nullptr || evicted.on_device != device_) {
+    return KvTier::kNone;
+  }
   EvictedBlock b = evicted;
   b.hits += TakeGhostHits(b.hash);
   if (retained_ && retained_(b.hash)) b.hits = std::max<int64_t>(b.hits, options_.disk_min_hits);
+  // With a re-encoding (--kv-host-dtype) the block is first copied as it is
+  // into a staging buffer and re-encoded on the writer (a block's transcode
+  // takes hundreds of microseconds, the copy tens).
+  auto staging = [&]() -> std::shared_ptr<uint8_t> {
+    if (!reencode_) return nullptr;
+    return std::shared_ptr<uint8_t>(AllocatePage(block_bytes_).release(), PageDeleter());
+  };
   if (host_ != nullptr) {
     uint8_t* page = nullptr;
     std::vector<EvictedPage> evicted;
@@ -299,32 +407,33 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     for (EvictedPage& p : evicted) SpillToDisk(std::move(p));
     if (r == HostTier::ReserveResult::kPresent) return KvTier::kHost;  // a second eviction is free
     if (r == HostTier::ReserveResult::kReserved) {
-      // The pool block is released when we return: copy now, on the engine
-      // thread; checksum and publication happen on the writer, and until
-      // then the page is invisible and pinned. A re-encoding
-      // (--kv-host-dtype) runs on the writer too (a block's plain-loop
-      // transcode takes milliseconds, the copy microseconds): the engine
-      // thread copies the block into a staging buffer.
+      // The pool block is released when we return: the copy starts now, on
+      // the engine thread (a memcpy; on a device an async copy); checksum and
+      // publication happen on the writer, and until then the page is
+      // invisible and pinned.
       const uint64_t hash = b.hash;
-      if (!reencode_) {
-        std::memcpy(page, b.data, static_cast<size_t>(page_bytes_));
-        writer_->Post([this, hash, page] {
-          host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
-        });
-      } else {
-        std::shared_ptr<uint8_t> raw(AllocatePage(block_bytes_).release(), PageDeleter());
-        if (raw == nullptr) {
+      std::shared_ptr<uint8_t> raw = staging();
+      absl::StatusOr<Fence> fence =
+          reencode_ && raw == nullptr
+              ? absl::ResourceExhaustedError("no memory for a staging block")
+              : CopyBlockOut(b.data, reencode_ ? raw.get() : page,
+                             reencode_ ? block_bytes_ : page_bytes_);
+      if (!fence.ok()) {
+        host_->Abort(hash);
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        ++stats_.dropped_demotions;
+        return KvTier::kNone;
+      }
+      writer_->Post([this, hash, page, raw, fence = *std::move(fence)] {
+        if (!WaitFence(fence)) {
           host_->Abort(hash);
           std::lock_guard<std::mutex> lock(stats_mu_);
           ++stats_.dropped_demotions;
-          return KvTier::kNone;
+          return;
         }
-        std::memcpy(raw.get(), b.data, static_cast<size_t>(block_bytes_));
-        writer_->Post([this, hash, page, raw] {
-          EncodePage(raw.get(), page);
-          host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
-        });
-      }
+        if (raw != nullptr) EncodePage(raw.get(), page);
+        host_->Publish(hash, XXH3_64bits(page, static_cast<size_t>(page_bytes_)));
+      });
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.demotions_host;
       stats_.bytes_to_host += page_bytes_;
@@ -334,29 +443,20 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     // kFull: every page is pinned. Fall through to the disk tier.
   }
   if (disk_ != nullptr && b.hits >= options_.disk_min_hits) {
-    PageBuffer copy = AllocatePage(page_bytes_);
-    if (copy != nullptr &&
-        pending_disk_bytes_.load() + page_bytes_ <= options_.max_pending_disk_bytes) {
-      if (!reencode_) {
-        std::memcpy(copy.get(), b.data, static_cast<size_t>(page_bytes_));
-        const uint64_t checksum = XXH3_64bits(copy.get(), static_cast<size_t>(page_bytes_));
-        SpillToDisk(EvictedPage{b.hash, checksum, b.hits, std::move(copy)});
-        return KvTier::kDisk;
-      }
-      // Re-encoded, checksummed and stored on the writer (as above).
-      std::shared_ptr<uint8_t> raw(AllocatePage(block_bytes_).release(), PageDeleter());
-      if (raw != nullptr) {
-        std::memcpy(raw.get(), b.data, static_cast<size_t>(block_bytes_));
-        pending_disk_bytes_ += page_bytes_;
-        auto shared = std::make_shared<EvictedPage>(EvictedPage{b.hash, 0, b.hits, std::move(copy)});
-        writer_->Post([this, shared, raw] {
-          EncodePage(raw.get(), shared->data.get());
-          shared->checksum = XXH3_64bits(shared->data.get(), static_cast<size_t>(page_bytes_));
-          StoreOnDisk(*shared);
-        });
-        std::lock_guard<std::mutex> lock(stats_mu_);
-        ++stats_.lossy_reencoded_blocks;
-        return KvTier::kDisk;
+    if (pending_disk_bytes_.load() + page_bytes_ <= options_.max_pending_disk_bytes) {
+      PageBuffer copy = AllocatePage(page_bytes_);
+      std::shared_ptr<uint8_t> raw = staging();
+      if (copy != nullptr && (!reencode_ || raw != nullptr)) {
+        absl::StatusOr<Fence> fence = CopyBlockOut(b.data, reencode_ ? raw.get() : copy.get(),
+                                                   reencode_ ? block_bytes_ : page_bytes_);
+        if (fence.ok()) {
+          PostDiskStore(b.hash, b.hits, std::move(copy), std::move(raw), *std::move(fence));
+          if (reencode_) {
+            std::lock_guard<std::mutex> lock(stats_mu_);
+            ++stats_.lossy_reencoded_blocks;
+          }
+          return KvTier::kDisk;
+        }
       }
     }
   } else if (disk_ != nullptr) {
@@ -487,16 +587,109 @@ std::shared_ptr<KvLoad> KvTiers::Start(const KvLoadTarget& t) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     for (const LoadItem& it : items) stats_.load_predicted_sum_s += BlockLoadSecondsLocked(it.tier);
   }
+  // A device pool: the copies into the blocks follow what the forward has
+  // enqueued so far (a block's previous owner's last reads).
+  absl::StatusOr<Fence> after = MarkComputeStream();
+  if (!after.ok()) {
+    spdlog::warn("KV tiers: load not started: {}", std::string(after.status().message()));
+    unpin();
+    return nullptr;
+  }
   auto load = std::make_shared<TierLoad>();
-  loader_->Post([this, load, items = std::move(items)]() mutable { RunLoad(load, std::move(items)); });
+  loader_->Post([this, load, items = std::move(items), after = *std::move(after)]() mutable {
+    RunLoad(load, std::move(items), std::move(after));
+  });
   return load;
 }
 
-void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items) {
+absl::Status KvTiers::ChecksumFailed(const LoadItem& it) {
+  absl::Status s = absl::DataLossError(
+      absl::StrFormat("KV %s tier block %016x failed its checksum", KvTierName(it.tier), it.hash));
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.checksum_failures;
+  }
+  spdlog::warn("{}; recomputing its tokens", std::string(s.message()));
+  if (it.tier == KvTier::kHost) host_->Remove(it.hash);
+  if (it.tier == KvTier::kDisk) disk_->Remove(it.hash);
+  return s;
+}
+
+absl::Status KvTiers::LoadToDevice(const std::vector<LoadItem>& items, const Fence& after,
+                                   KvLoadSources* src, int64_t* from_host, int64_t* from_disk) {
   const auto t0 = std::chrono::steady_clock::now();
+  cuda::StreamHandle stream = copy_stream_.get();
+  absl::Status status = after != nullptr ? after->after.BlockStream(stream) : absl::OkStatus();
+  uint8_t* staging = device_staging_.as<uint8_t>();
+  bool staging_in_flight = false;  // a copy out of `staging` may not have run yet
+  auto free_staging = [&]() -> absl::Status {
+    if (!staging_in_flight) return absl::OkStatus();
+    staging_in_flight = false;
+    return copy_stream_.Synchronize();
+  };
+  int64_t loaded = 0;
+  for (const LoadItem& it : items) {
+    if (!status.ok()) break;
+    absl::Status s;
+    // The page in host memory: a pinned host-tier page, or a disk page read
+    // into the pinned staging block (the pageable scratch when it is decoded).
+    const uint8_t* page = it.host_page;
+    if (it.tier == KvTier::kDisk) {
+      uint8_t* into = reencode_ ? load_scratch_.get() : staging;
+      if (!reencode_) s = free_staging();
+      if (s.ok()) s = disk_->Read(it.hash, into);
+      page = into;
+    }
+    // Verified before the upload: device memory is not hashed here.
+    if (s.ok() && XXH3_64bits(page, static_cast<size_t>(page_bytes_)) != it.checksum) {
+      s = ChecksumFailed(it);
+    }
+    const uint8_t* upload = page;
+    if (s.ok() && reencode_) {
+      s = free_staging();
+      if (s.ok()) DecodePage(page, staging);
+      upload = staging;
+    }
+    if (s.ok()) {
+      s = cuda::CopyToDeviceAsync(it.dest, upload, static_cast<size_t>(block_bytes_), stream);
+    }
+    if (upload == staging) staging_in_flight = true;
+    if (!s.ok()) {
+      status = s;
+      break;
+    }
+    ++loaded;
+    if (it.tier == KvTier::kHost) {
+      src->host_tokens += it.tokens;
+      ++*from_host;
+    } else {
+      src->disk_tokens += it.tokens;
+      ++*from_disk;
+    }
+    if (reencode_) src->lossy_tokens += it.tokens;
+  }
+  // One wait for every copy; the host pages stay pinned until it.
+  const absl::Status synced = copy_stream_.Synchronize();
+  if (status.ok()) status = synced;
+  for (const LoadItem& it : items) {
+    if (it.tier == KvTier::kHost) host_->Unpin(it.hash);
+    if (it.tier == KvTier::kDisk) disk_->Unpin(it.hash);
+  }
+  if (status.ok() && loaded > 0) {
+    // The copies overlap: each block is charged its share of the whole.
+    const double block_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+        static_cast<double>(loaded);
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    if (*from_host > 0) RecordBlockLoadLocked(KvTier::kHost, block_s);
+    if (*from_disk > 0) RecordBlockLoadLocked(KvTier::kDisk, block_s);
+  }
+  return status;
+}
+
+absl::Status KvTiers::LoadToHost(const std::vector<LoadItem>& items, KvLoadSources* src,
+                                 int64_t* from_host, int64_t* from_disk) {
   absl::Status status;
-  KvLoadSources src;
-  int64_t from_host = 0, from_disk = 0;
   for (const LoadItem& it : items) {
     if (status.ok()) {
       const auto b0 = std::chrono::steady_clock::now();
@@ -522,17 +715,7 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
         verified = s.ok() && XXH3_64bits(page, static_cast<size_t>(page_bytes_)) == it.checksum;
         if (verified) DecodePage(page, it.dest);
       }
-      if (s.ok() && !verified) {
-        s = absl::DataLossError(absl::StrFormat("KV %s tier block %016x failed its checksum",
-                                                KvTierName(it.tier), it.hash));
-        {
-          std::lock_guard<std::mutex> lock(stats_mu_);
-          ++stats_.checksum_failures;
-        }
-        spdlog::warn("{}; recomputing its tokens", std::string(s.message()));
-        if (it.tier == KvTier::kHost) host_->Remove(it.hash);
-        if (it.tier == KvTier::kDisk) disk_->Remove(it.hash);
-      }
+      if (s.ok() && !verified) s = ChecksumFailed(it);
       if (s.ok()) {
         const double block_s =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - b0).count();
@@ -541,13 +724,13 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
           RecordBlockLoadLocked(it.tier, block_s);
         }
         if (it.tier == KvTier::kHost) {
-          src.host_tokens += it.tokens;
-          ++from_host;
+          src->host_tokens += it.tokens;
+          ++*from_host;
         } else {
-          src.disk_tokens += it.tokens;
-          ++from_disk;
+          src->disk_tokens += it.tokens;
+          ++*from_disk;
         }
-        if (reencode_) src.lossy_tokens += it.tokens;
+        if (reencode_) src->lossy_tokens += it.tokens;
       } else {
         status = s;
       }
@@ -555,6 +738,16 @@ void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadIte
     if (it.tier == KvTier::kHost) host_->Unpin(it.hash);
     if (it.tier == KvTier::kDisk) disk_->Unpin(it.hash);
   }
+  return status;
+}
+
+void KvTiers::RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items,
+                      Fence after) {
+  const auto t0 = std::chrono::steady_clock::now();
+  KvLoadSources src;
+  int64_t from_host = 0, from_disk = 0;
+  const absl::Status status = device_ ? LoadToDevice(items, after, &src, &from_host, &from_disk)
+                                      : LoadToHost(items, &src, &from_host, &from_disk);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   {
@@ -589,6 +782,8 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
   Flush();
   int64_t written = 0;
   PageBuffer encoded = reencode_ ? AllocatePage(page_bytes_) : nullptr;
+  // A device pool's blocks come to host memory first, one at a time.
+  PageBuffer host_copy = device_ ? AllocatePage(block_bytes_) : nullptr;
   auto store = [&](uint64_t hash, const uint8_t* data, int64_t hits) {
     auto ghost = ghost_hits_.find(hash);
     int64_t all = hits + (ghost == ghost_hits_.end() ? 0 : ghost->second);
@@ -606,9 +801,16 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
   // of it needs to be found.
   // (The pool's blocks are re-encoded into the pages' codec first.)
   cache.ForEachFullBlock([&](const EvictedBlock& b) {
-    if (!reencode_) return store(b.hash, b.data, b.hits);
+    const uint8_t* data = b.data;
+    if (b.on_device) {
+      if (host_copy == nullptr) return;
+      absl::StatusOr<Fence> fence = CopyBlockOut(b.data, host_copy.get(), block_bytes_);
+      if (!fence.ok() || !WaitFence(*fence)) return;
+      data = host_copy.get();
+    }
+    if (!reencode_) return store(b.hash, data, b.hits);
     if (encoded == nullptr) return;
-    EncodePage(b.data, encoded.get());
+    EncodePage(data, encoded.get());
     store(b.hash, encoded.get(), b.hits);
   });
   if (host_ != nullptr) {

@@ -23,6 +23,18 @@
 // they enter lossy. The default (the pool's own dtype) moves the bytes
 // unchanged: bit-identical.
 //
+// A device pool (--device cuda): blocks move on a copy stream of the tiers'
+// own. A demotion's device-to-host copy is enqueued after what the forward's
+// stream has enqueued so far (the block's last writes) and the forward's
+// stream waits for it before its next work (the pool hands the block out
+// again as soon as Demote returns), without the engine thread waiting; the
+// writer waits for the copy's event before it checksums. Host pages are
+// pinned memory (a PageArena over cudaHostAlloc), so copies both ways run
+// asynchronously. A load verifies each page's checksum in host memory
+// before its host-to-device copy (disk pages and re-encoded pages pass
+// through a pinned staging block), waits for the copies' event, and only
+// then unpins the host pages and completes.
+//
 // Pages being written or read are pinned in their tier and never evicted;
 // a full tier refuses new pages instead of waiting, so nothing here blocks
 // the engine thread on another thread's progress.
@@ -52,6 +64,7 @@
 #include "cache/kv_pool.h"
 #include "cache/prefix_cache.h"
 #include "kernels/cpu/kv_transcode.h"
+#include "kernels/cuda/runtime.h"
 #include "kernels/kv_view.h"
 #include "scheduler/kv_loader.h"
 
@@ -176,6 +189,9 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   bool disk_enabled_requested() const { return !options_.disk_dir.empty(); }
   const std::string& model_fingerprint() const { return options_.model_fingerprint; }
   int64_t host_bytes() const { return options_.host_bytes; }
+  // After Attach: the pool is in device memory (copies run on a copy stream
+  // and host pages are pinned).
+  bool on_device() const { return device_; }
   // After Attach: pages are re-encoded into another codec than the pool's
   // (lossy), and that codec.
   bool lossy() const { return reencode_; }
@@ -209,7 +225,36 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   // (ARC's ghost list, bounded). Engine thread only.
   int64_t TakeGhostHits(uint64_t hash);
   void RememberGhost(uint64_t hash, int64_t hits);
-  void RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items);
+  // The device path's ordering token: the event on the forward's stream a
+  // copy waits for, and the copy's own event (null: a host pool, whose
+  // copies are done when they return). Both live until the copy was waited
+  // for.
+  struct DeviceFence;
+  using Fence = std::shared_ptr<DeviceFence>;
+  // Engine thread: a pool block's bytes into host memory `dst`: a memcpy for
+  // a host pool; for a device pool an asynchronous copy on the copy stream,
+  // after the forward's stream's work so far and before its next (see the
+  // file comment). The bytes are there once WaitFence(fence) returned true.
+  absl::StatusOr<Fence> CopyBlockOut(const uint8_t* block, uint8_t* dst, int64_t bytes);
+  // An event recorded on the forward's stream now (a load's copies follow
+  // the work already enqueued on the blocks it writes); null on the host.
+  absl::StatusOr<Fence> MarkComputeStream();
+  static bool WaitFence(const Fence& fence);
+  // The writer stores a page on disk once its bytes are there (fence), after
+  // re-encoding `raw` into it when set; the checksum is taken on the writer.
+  void PostDiskStore(uint64_t hash, int64_t hits, PageBuffer page, std::shared_ptr<uint8_t> raw,
+                     Fence fence);
+  void RunLoad(const std::shared_ptr<TierLoad>& load, std::vector<LoadItem> items, Fence after);
+  // RunLoad's halves. Host: each page copied (or read) into its block and
+  // verified there. Device: every page verified, then copied on the copy
+  // stream, then one wait.
+  absl::Status LoadToHost(const std::vector<LoadItem>& items, KvLoadSources* src,
+                          int64_t* from_host, int64_t* from_disk);
+  absl::Status LoadToDevice(const std::vector<LoadItem>& items, const Fence& after,
+                            KvLoadSources* src, int64_t* from_host, int64_t* from_disk);
+  // A page that failed its checksum: counted, logged, dropped from its tier;
+  // returns the load's error.
+  absl::Status ChecksumFailed(const LoadItem& it);
   // The cost model's estimate for one block from `tier` (stats_mu_).
   double BlockLoadSecondsLocked(KvTier tier) const;
   void RecordBlockLoadLocked(KvTier tier, double seconds);
@@ -224,6 +269,15 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   kernels::KvDType page_dtype_ = kernels::KvDType::kF16;
   bool reencode_ = false;
   PageBuffer load_scratch_;  // loader thread: a disk page before decoding
+  // A device pool: the forward's stream, the tiers' copy stream, pinned
+  // memory for host pages (the chunks outlive the arena, which outlives the
+  // host tier) and the loader's pinned staging block.
+  bool device_ = false;
+  cuda::StreamHandle compute_stream_ = nullptr;
+  cuda::CudaStream copy_stream_;
+  std::vector<cuda::PinnedHostBuffer> pinned_chunks_;
+  std::unique_ptr<PageArena> pinned_pages_;
+  cuda::PinnedHostBuffer device_staging_;
   std::unique_ptr<HostTier> host_;
   std::unique_ptr<DiskTier> disk_;
   std::unique_ptr<Worker> writer_;  // host checksums, disk stores

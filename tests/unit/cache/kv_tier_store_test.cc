@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <vector>
 
 #include "cache/disk_tier.h"
@@ -76,6 +77,49 @@ TEST(HostTierTest, LruSkipsPinnedPagesAndAFullTierRefusesInsteadOfWaiting) {
   t.Abort(4);
   EXPECT_FALSE(t.Contains(4));
   EXPECT_EQ(t.stats().pinned, 0);
+}
+
+// Host pages from an arena (pinned memory for a device pool): carved a chunk
+// at a time up to its limit, reused when returned (a page evicted from the
+// tier goes back), and a tier whose arena is out refuses like a full tier.
+TEST(HostTierTest, ArenaPagesAreCarvedByChunkReusedAndBounded) {
+  std::vector<std::unique_ptr<uint8_t[]>> chunks;
+  int chunk_allocs = 0;
+  PageArena arena(
+      100, 5, 2,
+      [&](size_t bytes) -> void* {
+        ++chunk_allocs;
+        EXPECT_EQ(bytes % 128, 0u) << "pages of 100 bytes on a 64-byte stride";
+        chunks.push_back(std::make_unique<uint8_t[]>(bytes));
+        return chunks.back().get();
+      },
+      [](void*) {});
+  {
+    PageBuffer a = arena.Allocate(), b = arena.Allocate();
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(chunk_allocs, 1);
+    EXPECT_EQ(b.get() - a.get(), 128) << "one chunk, consecutive pages";
+    EXPECT_EQ(arena.pages_out(), 2);
+  }
+  EXPECT_EQ(arena.pages_out(), 0) << "a dropped page goes back to its arena";
+  HostTier tier(100 * 10, 100, &arena);  // room for 10 pages, the arena for 5
+  std::vector<EvictedPage> evicted;
+  uint8_t* page = nullptr;
+  for (uint64_t h = 1; h <= 5; ++h) {
+    ASSERT_EQ(tier.Reserve(h, 0, &page, &evicted), HostTier::ReserveResult::kReserved);
+    tier.Publish(h, 0);
+  }
+  EXPECT_EQ(arena.pages_made(), 5);
+  EXPECT_EQ(chunk_allocs, 3) << "the last chunk holds only the fifth page";
+  EXPECT_EQ(tier.Reserve(6, 0, &page, &evicted), HostTier::ReserveResult::kFull)
+      << "the arena is out: refused, not waited for";
+  tier.Remove(1);
+  EXPECT_EQ(tier.Reserve(6, 0, &page, &evicted), HostTier::ReserveResult::kReserved)
+      << "a removed page's memory is reused";
+  tier.Publish(6, 0);
+  EXPECT_EQ(arena.pages_made(), 5);
+  EXPECT_EQ(arena.pages_out(), 5);
 }
 
 TEST(HostTierTest, RemovingAPinnedPageWaitsForItsReader) {

@@ -25,20 +25,12 @@
 #include "scheduler/engine.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
+#include "tests/unit/model/cuda_test_skip.h"
 
 namespace kvserve {
 namespace {
 
 using ::testing::HasSubstr;
-
-#define KVSERVE_SKIP_WITHOUT_GPU()                                                          \
-  do {                                                                                      \
-    const absl::Status usable = cuda::CudaUsable();                                         \
-    if (!usable.ok()) {                                                                     \
-      GTEST_SKIP() << "no usable CUDA device (" << usable.message()                         \
-                   << "); GPU test skipped (deploy/gpu-check.sh runs it on a GPU machine)"; \
-    }                                                                                       \
-  } while (0)
 
 struct Loaded {
   std::unique_ptr<LlamaModel> model;
