@@ -117,16 +117,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
     ko.prefix.on_evict = [cc, policy](uint64_t hash, KvTier to) { cc->OnEvict(hash, to, policy); };
   }
   KvLoader* loader = o.kv_loader;
+  std::unique_ptr<ChainedKvLoader> chained;
   if (o.kv_tiers != nullptr) {
-    if (o.kv_loader != nullptr) {
-      return absl::InvalidArgumentError("an engine takes KV tiers or another KV loader, not both");
-    }
     if (!o.prefix_cache) {
       return absl::InvalidArgumentError(
           "KV tiers (--kv-host-memory, --kv-disk-dir) need the prefix cache (drop --no-prefix-cache)");
     }
     ko.prefix.demotion = o.kv_tiers.get();
     loader = o.kv_tiers.get();
+    if (o.kv_loader != nullptr) {
+      // A decode node with tiers: its own tiers first, then the pull.
+      chained = std::make_unique<ChainedKvLoader>(o.kv_tiers.get(), o.kv_loader);
+      loader = chained.get();
+    }
   }
   // The cache and its tiers are complete before the Engine exists (its
   // destructor assumes a whole engine).
@@ -141,6 +144,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   }
   std::unique_ptr<Engine> e(new Engine(model, tokenizer, o));
   e->eviction_costs_ = std::move(costs);
+  e->chained_loader_ = std::move(chained);
   e->kv_ = std::move(kv);
   SchedulerOptions so;
   so.max_batched_tokens = o.max_batched_tokens;

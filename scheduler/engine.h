@@ -105,7 +105,8 @@ struct EngineOptions {
   KvLoader* kv_loader = nullptr;
   // The host and disk tiers under the pool (scheduler/kv_tiers.h): the
   // prefix cache demotes evicted blocks into them and they load matches
-  // back (they are the engine's KvLoader; kv_loader must then be null).
+  // back (they are the engine's KvLoader; with kv_loader too, a
+  // ChainedKvLoader asks the tiers first and kv_loader for the rest).
   // Needs the prefix cache and host KV memory. Null: no tiers.
   std::shared_ptr<KvTiers> kv_tiers;
   // Testing and introspection: sees each step's plan before it runs (engine
@@ -252,6 +253,8 @@ class Engine {
   // Prices blocks for the cost-aware eviction policy; outlives kv_ (the
   // policy inside the prefix cache points at it).
   std::unique_ptr<EvictionCostsImpl> eviction_costs_;
+  // The tiers then kv_loader, when both are given (the scheduler's loader).
+  std::unique_ptr<ChainedKvLoader> chained_loader_;
   std::unique_ptr<KvCacheManager> kv_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ModelRunner> runner_;

@@ -87,4 +87,33 @@ class KvLoader {
   virtual std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) = 0;
 };
 
+// Two loaders in order: `first` (the KV tiers: local memory and disk)
+// supplies what it can from the front of a match and `second` (a decode
+// node's pulls from a prefill node) the rest, in one load; either alone
+// when the other has nothing. A load whose second half could not be started
+// fails once its first half has finished (the scheduler then recomputes),
+// since a started load cannot be withdrawn. Both must outlive the chain.
+// Engine thread, like the loaders.
+class ChainedKvLoader final : public KvLoader {
+ public:
+  ChainedKvLoader(KvLoader* first, KvLoader* second) : first_(first), second_(second) {}
+
+  int32_t Lookup(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                 int32_t limit) override;
+  int32_t LookupWorthLoading(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                             int32_t limit, double recompute_seconds_per_token) override;
+  bool RematchWholeBlocks() const override {
+    return first_->RematchWholeBlocks() || second_->RematchWholeBlocks();
+  }
+  std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) override;
+
+ private:
+  int32_t Split(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                int32_t limit, double recompute_seconds_per_token);
+  KvLoader* first_;
+  KvLoader* second_;
+  // The first loader's share of the last lookup (Start splits the same way).
+  int32_t last_from_ = -1, last_first_ = 0;
+};
+
 }  // namespace kvserve

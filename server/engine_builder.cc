@@ -145,14 +145,8 @@ absl::StatusOr<std::unique_ptr<Engine>> EngineBuilder::Build(ThreadPool* pool,
     spdlog::info("KV tiers: host {} bytes, disk {}", o.kv_tiers->host_bytes(),
                  flags_.kv_disk_dir.empty() ? std::string("off") : flags_.kv_disk_dir);
   }
-  if (kv_loader != nullptr) {
-    if (o.kv_tiers != nullptr) {
-      return absl::InvalidArgumentError(
-          "--role decode does not combine with the KV tiers (--kv-host-memory, --kv-disk-dir) "
-          "yet: both load KV through the engine's one KvLoader");
-    }
-    o.kv_loader = kv_loader;
-  }
+  // A decode node's pulls; with tiers the engine asks its tiers first.
+  o.kv_loader = kv_loader;
   if (backend_ == nullptr) {
     ASSIGN_OR_RETURN(backend_, CreateBackend(flags_.device, model_, o.kv_dtype, flags_.block_size));
     spdlog::info("device: {} (--device {})", backend_->name(), flags_.device);

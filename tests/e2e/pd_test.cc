@@ -91,7 +91,8 @@ struct Client {
     return r;
   }
   // Greedy token ids, or the error as text.
-  std::string Generate(const std::string& prompt, int32_t* cached = nullptr) {
+  std::string Generate(const std::string& prompt, int32_t* cached = nullptr,
+                       int32_t* cached_host = nullptr) {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 60s);
     auto reader = api->Generate(&c, Request(prompt));
@@ -100,6 +101,7 @@ struct Client {
     while (reader->Read(&resp)) {
       for (int32_t t : resp.token_ids()) ids += std::to_string(t) + " ";
       if (resp.has_usage() && cached) *cached = resp.usage().cached_prompt_tokens();
+      if (resp.has_usage() && cached_host) *cached_host = resp.usage().cached_host_tokens();
     }
     grpc::Status s = reader->Finish();
     if (!s.ok()) return "error: " + s.error_message();
@@ -783,6 +785,62 @@ TEST_F(PdTest, DecodeOutOfBlocksRefusesThePullCleanly) {
   // A prompt that fits still goes through both nodes.
   const std::string fits = "Fits: Once upon a time, there was a big dog.";
   EXPECT_EQ(r.Generate(fits), Reference(fits));
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// A decode node with a host KV tier under its pool: a prompt it served
+// through a pull and then lost to eviction comes back from its own host
+// tier, and a lease for a longer prompt is pulled only past that: one load,
+// output equal to the single node's, both nodes back at baseline.
+TEST_F(PdTest, ADecodeNodeWithAHostTierLoadsFromItAndPullsOnlyTheRest) {
+  Client p(prefill_->grpc_port());
+  auto tiered = StartNode("decode", {"--kv-cache-memory", "128KiB", "--kv-host-memory", "8MiB"});
+  ASSERT_TRUE(tiered);
+  Client d(tiered->grpc_port());
+  auto count = [&](const std::string& text) {
+    v1::TokenizeRequest t;
+    t.set_text(text);
+    v1::TokenizeResponse resp;
+    grpc::ClientContext c;
+    EXPECT_TRUE(p.api->Tokenize(&c, t, &resp).ok());
+    return resp.token_ids_size();
+  };
+  const char* words[] = {"the", "dog", "ran", "to", "the", "park", "and", "saw", "a", "cat."};
+  auto grow = [&](std::string text, int tokens) {
+    for (int i = 0; count(text) < tokens; ++i) text += std::string(" ") + words[i % 10];
+    return text;
+  };
+  const std::string base = grow("Host tier base:", 50);
+  const std::string longer = grow(base + " Then", 90);
+  auto pulled = [&](const std::string& prompt, pdv1::Lease* lease) {
+    grpc::Status s = p.Prefill(prompt, lease);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    s = d.Attach(*lease);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  };
+  pdv1::Lease first;
+  pulled(base, &first);
+  EXPECT_EQ(d.Generate(base), Reference(base));
+  // Prompts computed on the decode node itself push base's blocks out of
+  // its pool, into its host tier.
+  for (int i = 0; i < 4; ++i) {
+    const std::string filler = grow("Filler " + std::to_string(i) + ":", 50);
+    EXPECT_EQ(d.Generate(filler), Reference(filler));
+  }
+  EXPECT_GT(d.Stats().host_tier_demotions(), 0);
+  pdv1::Lease second;
+  pulled(longer, &second);
+  const pdv1::NodeInfo before = d.Info();
+  int32_t cached = 0, cached_host = 0;
+  EXPECT_EQ(d.Generate(longer, &cached, &cached_host), Reference(longer));
+  const pdv1::NodeInfo after = d.Info();
+  EXPECT_GE(cached_host, 48) << "base's whole blocks from the host tier";
+  EXPECT_EQ(after.transfers_ok(), before.transfers_ok() + 1);
+  EXPECT_EQ(after.blocks_pulled() - before.blocks_pulled(),
+            second.block_ids_size() - cached_host / 16)
+      << "only the blocks past the host tier's are pulled";
+  EXPECT_GT(cached, cached_host);
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
 }

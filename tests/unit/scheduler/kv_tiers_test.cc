@@ -395,6 +395,88 @@ TEST(KvTiersTest, NoDeadlockWhenEveryTierIsFullOfPinnedBlocks) {
   EXPECT_EQ(tiers->host()->stats().pinned, 0);
 }
 
+// A decode node's pulls, in-process: it computes a prompt's K/V on a pool of
+// its own (as a prefill node would, knowing nothing of the decode side's
+// blocks) and copies the requested whole blocks into the target.
+class FakePrefillNode : public KvLoader {
+ public:
+  explicit FakePrefillNode(const KvPoolOptions& o) : pool_(KvPool::Create(o).value()) {}
+  bool RematchWholeBlocks() const override { return true; }
+  int32_t Lookup(std::string_view, absl::Span<const int32_t>, int32_t from,
+                 int32_t limit) override {
+    const int32_t bs = pool_->block_size();
+    if (from % bs != 0 || limit <= from) return 0;
+    return (limit / bs) * bs - from;
+  }
+  std::shared_ptr<KvLoad> Start(const KvLoadTarget& t) override {
+    starts.emplace_back(t.first_slot, t.num_tokens);
+    const int32_t bs = pool_->block_size();
+    const int32_t end = t.first_slot + t.num_tokens;
+    std::vector<BlockHandle> blocks;
+    EXPECT_TRUE(pool_->Allocate(end / bs, &blocks).ok());
+    std::vector<int32_t> ids, seq(end, 0), pos(end);
+    for (const BlockHandle& b : blocks) ids.push_back(b.id);
+    for (int32_t i = 0; i < end; ++i) pos[i] = i;
+    const int32_t offsets[2] = {0, static_cast<int32_t>(ids.size())};
+    auto load = std::make_shared<Landed>();
+    load->st = Tiny().model->Forward(
+        ForwardBatch{t.tokens.subspan(0, static_cast<size_t>(end)), seq, pos, {}},
+        pool_->View(ids.data(), offsets, 1), nullptr, Pool());
+    for (int32_t b = t.first_slot / bs; b < end / bs; ++b) {
+      std::memcpy(t.view.pool + static_cast<int64_t>(t.view.block_ids[b]) * t.view.block_bytes,
+                  pool_->HostBlockData(blocks[b]), static_cast<size_t>(pool_->block_bytes()));
+    }
+    pool_->Release(blocks);
+    return load;
+  }
+  struct Landed : KvLoad {
+    absl::Status st;
+    bool Done() override { return true; }
+    absl::Status status() override { return st; }
+  };
+  std::vector<std::pair<int32_t, int32_t>> starts;  // (first_slot, num_tokens)
+
+ private:
+  std::unique_ptr<KvPool> pool_;
+};
+
+// A decode node with a host tier: the front of a prompt comes from its own
+// tier, the rest from the prefill node, in one load; the output is the one
+// computed locally.
+TEST(KvTiersTest, ADecodeNodeLoadsFromItsTiersFirstAndPullsTheRest) {
+  const std::vector<int32_t> p1 = PromptOf(21), p2 = PromptOf(22), p3 = PromptOf(23);
+  std::vector<int32_t> longer = p1;  // p1 and two more blocks
+  const std::vector<int32_t> more = PromptOf(24, 32);
+  longer.insert(longer.end(), more.begin(), more.end());
+  auto tiers = HostTiers();
+  EngineOptions o;
+  o.num_blocks = 8;
+  o.kv_tiers = tiers;
+  KvPoolOptions po;
+  {
+    auto probe = MakeEngine(nullptr, 8);
+    po = probe->kv_pool().options();
+  }
+  FakePrefillNode node(po);
+  o.kv_loader = &node;
+  auto e = Engine::Create(Tiny().model.get(), Tiny().tokenizer.get(), Pool(), o).value();
+  Generate(*e, p1);
+  Generate(*e, p2);
+  Generate(*e, p3);  // p1's blocks are evicted into the host tier
+  tiers->Flush();
+  ASSERT_GE(tiers->stats().demotions_host, 4);
+  node.starts.clear();
+  const int64_t loads = e->Stats().kv_loads;  // the node supplied p1..p3 too
+  const Result r = Generate(*e, longer);
+  EXPECT_EQ(r.tokens, Reference(longer)) << "tier blocks + pulled blocks = computed KV";
+  EXPECT_EQ(r.last.cached_host_tokens, 64) << "p1's four blocks from the host tier";
+  ASSERT_EQ(node.starts.size(), 1u);
+  EXPECT_EQ(node.starts[0], std::make_pair(64, 16)) << "the node supplies only what follows";
+  EXPECT_EQ(r.last.cached_tokens, 80);
+  EXPECT_EQ(e->Stats().kv_loads, loads + 1) << "one load for both halves";
+  ExpectBaseline(*e);
+}
+
 TEST(KvTiersTest, BadConfigurationsAreNamed) {
   KvTiersOptions t;
   t.disk_dir = ScratchDir("bad");
