@@ -77,7 +77,12 @@ std::shared_ptr<KvLoad> ChainedKvLoader::Start(const KvLoadTarget& t) {
     }
     return nullptr;
   }
-  if (n1 == t.num_tokens) return first;
+  if (n1 == t.num_tokens) {
+    // The first covered it all: whatever the second holds for these tokens
+    // (a prefill node's lease) is not needed.
+    second_->Forgo(t.salt, t.tokens, t.first_slot, end);
+    return first;
+  }
   KvLoadTarget b = t;
   b.first_slot = t.first_slot + n1;
   b.num_tokens = t.num_tokens - n1;

@@ -85,6 +85,14 @@ class KvLoader {
   // Starts writing the target's slots. The returned load is polled until
   // Done; the blocks stay pinned until then even if the request is cancelled.
   virtual std::shared_ptr<KvLoad> Start(const KvLoadTarget& target) = 0;
+  // The caller will not load tokens[from, limit) from this loader (another
+  // supplied them): what it holds only for them can go now rather than
+  // when it lapses (a decode node releases such a prefill lease). Engine
+  // thread; must not block. Default: nothing.
+  virtual void Forgo(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+                     int32_t limit) {
+    (void)salt, (void)tokens, (void)from, (void)limit;
+  }
 };
 
 // Two loaders in order: `first` (the KV tiers: local memory and disk)

@@ -589,6 +589,20 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return end > from ? end - from : 0;
   }
 
+  // The decode node's tiers supplied these tokens: the lease for them goes
+  // back now (housekeeping releases it), not after its ttl.
+  void Forgo(std::string_view salt, absl::Span<const int32_t> tokens, int32_t from,
+             int32_t limit) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      int32_t end = 0;
+      std::shared_ptr<Attached> a = FindLease(salt, tokens, from, limit, &end);
+      if (a == nullptr) return;
+      a->forgone = true;
+    }
+    cv_.notify_all();
+  }
+
   std::shared_ptr<KvLoad> Start(const KvLoadTarget& t) override {
     std::shared_ptr<Attached> a;
     {
@@ -631,6 +645,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     std::chrono::milliseconds ttl{0};
     bool consumed = false;
     bool renewing = false;  // a housekeeping renewal is in flight (mu_)
+    bool forgone = false;   // the decode node's own tiers supplied its tokens (mu_)
   };
   struct Job {
     std::shared_ptr<Attached> lease;
@@ -1098,7 +1113,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       // Decode: leases no request claimed within their ttl go back.
       std::vector<std::shared_ptr<Attached>> unused;
       for (auto it = attached_.begin(); it != attached_.end();) {
-        if (!(*it)->consumed && !(*it)->renewing && now > (*it)->received + (*it)->ttl) {
+        if (!(*it)->consumed && !(*it)->renewing &&
+            ((*it)->forgone || now > (*it)->received + (*it)->ttl)) {
           unused.push_back(*it);
           it = attached_.erase(it);
         } else {
@@ -1108,7 +1124,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       leases_unused_ += static_cast<int64_t>(unused.size());
       if (!unused.empty()) {
         lock.unlock();
-        for (const auto& a : unused) RemoteRelease(a->lease, "unused");
+        for (const auto& a : unused) {
+          RemoteRelease(a->lease, a->forgone ? "served from the decode node's KV tiers" : "unused");
+        }
         lock.lock();
       }
     }

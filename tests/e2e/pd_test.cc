@@ -841,6 +841,27 @@ TEST_F(PdTest, ADecodeNodeWithAHostTierLoadsFromItAndPullsOnlyTheRest) {
             second.block_ids_size() - cached_host / 16)
       << "only the blocks past the host tier's are pulled";
   EXPECT_GT(cached, cached_host);
+  // Evicted again, base is all in the host tier: a lease for it is not
+  // pulled from, and goes back at once rather than after its ttl (20 s).
+  for (int i = 0; i < 4; ++i) {
+    const std::string filler = grow("Second filler " + std::to_string(i) + ":", 50);
+    EXPECT_EQ(d.Generate(filler), Reference(filler));
+  }
+  pdv1::Lease third;
+  ASSERT_TRUE(p.Prefill(base, &third, 20000).ok());
+  ASSERT_TRUE(d.Attach(third).ok());
+  const int64_t unused = d.Info().leases_unused(), pulls = d.Info().transfers_ok();
+  int32_t host_again = 0;
+  EXPECT_EQ(d.Generate(base, nullptr, &host_again), Reference(base));
+  EXPECT_GE(host_again, 48);
+  bool released = false;
+  for (int i = 0; i < 100 && !released; ++i) {
+    released = p.Info().leases_active() == 0;
+    if (!released) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_TRUE(released) << "the lease the host tier made unnecessary is still held";
+  EXPECT_EQ(d.Info().leases_unused(), unused + 1);
+  EXPECT_EQ(d.Info().transfers_ok(), pulls);
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
 }
