@@ -615,6 +615,18 @@ absl::Status KvTiers::ChecksumFailed(const LoadItem& it) {
   return s;
 }
 
+void KvTiers::CountLoaded(const LoadItem& it, KvLoadSources* src, int64_t* from_host,
+                          int64_t* from_disk) const {
+  if (it.tier == KvTier::kHost) {
+    src->host_tokens += it.tokens;
+    ++*from_host;
+  } else {
+    src->disk_tokens += it.tokens;
+    ++*from_disk;
+  }
+  if (reencode_) src->lossy_tokens += it.tokens;
+}
+
 absl::Status KvTiers::LoadToDevice(const std::vector<LoadItem>& items, const Fence& after,
                                    KvLoadSources* src, int64_t* from_host, int64_t* from_disk) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -659,14 +671,7 @@ absl::Status KvTiers::LoadToDevice(const std::vector<LoadItem>& items, const Fen
       break;
     }
     ++loaded;
-    if (it.tier == KvTier::kHost) {
-      src->host_tokens += it.tokens;
-      ++*from_host;
-    } else {
-      src->disk_tokens += it.tokens;
-      ++*from_disk;
-    }
-    if (reencode_) src->lossy_tokens += it.tokens;
+    CountLoaded(it, src, from_host, from_disk);
   }
   // One wait for every copy; the host pages stay pinned until it.
   const absl::Status synced = copy_stream_.Synchronize();
@@ -723,14 +728,7 @@ absl::Status KvTiers::LoadToHost(const std::vector<LoadItem>& items, KvLoadSourc
           std::lock_guard<std::mutex> lock(stats_mu_);
           RecordBlockLoadLocked(it.tier, block_s);
         }
-        if (it.tier == KvTier::kHost) {
-          src->host_tokens += it.tokens;
-          ++*from_host;
-        } else {
-          src->disk_tokens += it.tokens;
-          ++*from_disk;
-        }
-        if (reencode_) src->lossy_tokens += it.tokens;
+        CountLoaded(it, src, from_host, from_disk);
       } else {
         status = s;
       }

@@ -252,6 +252,9 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
                           int64_t* from_host, int64_t* from_disk);
   absl::Status LoadToDevice(const std::vector<LoadItem>& items, const Fence& after,
                             KvLoadSources* src, int64_t* from_host, int64_t* from_disk);
+  // A block loaded: its tokens counted by tier (and as lossy when re-encoded).
+  void CountLoaded(const LoadItem& it, KvLoadSources* src, int64_t* from_host,
+                   int64_t* from_disk) const;
   // A page that failed its checksum: counted, logged, dropped from its tier;
   // returns the load's error.
   absl::Status ChecksumFailed(const LoadItem& it);

@@ -107,6 +107,15 @@ struct Client {
     if (!s.ok()) return "error: " + s.error_message();
     return ids;
   }
+  // Prompt tokens of `text` on this node.
+  int CountTokens(const std::string& text) {
+    v1::TokenizeRequest t;
+    t.set_text(text);
+    v1::TokenizeResponse resp;
+    grpc::ClientContext c;
+    EXPECT_TRUE(api->Tokenize(&c, t, &resp).ok());
+    return resp.token_ids_size();
+  }
   v1::ChatRequest ChatRequest(const std::string& user) const {
     v1::ChatRequest r;
     auto* m = r.add_messages();
@@ -752,14 +761,7 @@ TEST_F(PdTest, DecodeOutOfBlocksRefusesThePullCleanly) {
   // Longer than the decode pool, shorter than the model's context (128
   // tokens).
   const char* words[] = {"the", "dog", "ran", "to", "the", "park", "and", "saw", "a", "cat."};
-  auto count = [&](const std::string& text) {
-    v1::TokenizeRequest t;
-    t.set_text(text);
-    v1::TokenizeResponse resp;
-    grpc::ClientContext c;
-    EXPECT_TRUE(p.api->Tokenize(&c, t, &resp).ok());
-    return resp.token_ids_size();
-  };
+  auto count = [&](const std::string& text) { return p.CountTokens(text); };
   for (int i = 0; count(prompt) < (num_blocks + 1) * 16 + 4; ++i) {
     prompt += std::string(" ") + words[i % 10];
   }
@@ -798,14 +800,7 @@ TEST_F(PdTest, ADecodeNodeWithAHostTierLoadsFromItAndPullsOnlyTheRest) {
   auto tiered = StartNode("decode", {"--kv-cache-memory", "128KiB", "--kv-host-memory", "8MiB"});
   ASSERT_TRUE(tiered);
   Client d(tiered->grpc_port());
-  auto count = [&](const std::string& text) {
-    v1::TokenizeRequest t;
-    t.set_text(text);
-    v1::TokenizeResponse resp;
-    grpc::ClientContext c;
-    EXPECT_TRUE(p.api->Tokenize(&c, t, &resp).ok());
-    return resp.token_ids_size();
-  };
+  auto count = [&](const std::string& text) { return p.CountTokens(text); };
   const char* words[] = {"the", "dog", "ran", "to", "the", "park", "and", "saw", "a", "cat."};
   auto grow = [&](std::string text, int tokens) {
     for (int i = 0; count(text) < tokens; ++i) text += std::string(" ") + words[i % 10];

@@ -31,9 +31,11 @@ namespace kvserve {
 namespace {
 
 using tiers_testing::Generate;
+using tiers_testing::HasTag;
 using tiers_testing::kBlocks;
 using tiers_testing::PromptOf;
 using tiers_testing::Result;
+using tiers_testing::Tag;
 using tiers_testing::Tiny;
 
 std::shared_ptr<CudaLlama> Gpu() {
@@ -80,20 +82,6 @@ std::shared_ptr<KvTiers> DiskTiers(const std::string& dir) {
   t.disk_min_hits = 0;
   t.model_fingerprint = "tiny-cuda-tiers";
   return KvTiers::Create(t).value();
-}
-
-void Tag(uint8_t* p, int64_t n, uint64_t hash) {
-  uint64_t x = hash;
-  for (int64_t i = 0; i < n; ++i) {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    p[i] = static_cast<uint8_t>(x >> 56);
-  }
-}
-
-bool HasTag(const uint8_t* p, int64_t n, uint64_t hash) {
-  std::vector<uint8_t> want(n);
-  Tag(want.data(), n, hash);
-  return std::memcmp(p, want.data(), n) == 0;
 }
 
 // Pool, radix index and tiers driven directly, with a content tag in every

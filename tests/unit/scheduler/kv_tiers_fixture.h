@@ -3,6 +3,7 @@
 // random tokens, and a run-to-completion Generate over a hand-stepped engine.
 #pragma once
 
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -42,6 +43,20 @@ inline std::string ScratchDir(const std::string& prefix, const char* name) {
   std::string d = testing::TempDir() + "/" + prefix + name;
   std::filesystem::remove_all(d);
   return d;
+}
+
+// A block's content tag: n bytes any block of that hash must hold.
+inline void Tag(uint8_t* p, int64_t n, uint64_t hash) {
+  uint64_t x = hash;
+  for (int64_t i = 0; i < n; ++i) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    p[i] = static_cast<uint8_t>(x >> 56);
+  }
+}
+inline bool HasTag(const uint8_t* p, int64_t n, uint64_t hash) {
+  std::vector<uint8_t> want(n);
+  Tag(want.data(), n, hash);
+  return std::memcmp(p, want.data(), n) == 0;
 }
 
 struct Result {

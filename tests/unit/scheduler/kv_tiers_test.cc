@@ -30,13 +30,15 @@ namespace kvserve {
 namespace {
 
 using Model = testing::WrittenModel;
+using tiers_testing::Generate;
 using tiers_testing::Greedy;
+using tiers_testing::HasTag;
 using tiers_testing::kBlocks;
 using tiers_testing::Pool;
 using tiers_testing::PromptOf;
 using tiers_testing::Result;
+using tiers_testing::Tag;
 using tiers_testing::Tiny;
-using tiers_testing::Generate;
 std::string ScratchDir(const char* name) { return tiers_testing::ScratchDir("tiers-", name); }
 
 std::unique_ptr<Engine> MakeEngine(std::shared_ptr<KvTiers> tiers, int32_t blocks = kBlocks) {
@@ -507,19 +509,6 @@ TEST(KvTiersTest, BadConfigurationsAreNamed) {
 // caught wherever it is read. Operations: admit a random prompt (match,
 // load what the tiers hold — sometimes abandoning the load as a cancel
 // does — compute the rest, insert), evict, corrupt a tier page or file.
-
-void Tag(uint8_t* p, int64_t n, uint64_t hash) {
-  uint64_t x = hash;
-  for (int64_t i = 0; i < n; ++i) {
-    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    p[i] = static_cast<uint8_t>(x >> 56);
-  }
-}
-bool HasTag(const uint8_t* p, int64_t n, uint64_t hash) {
-  std::vector<uint8_t> want(n);
-  Tag(want.data(), n, hash);
-  return std::memcmp(p, want.data(), n) == 0;
-}
 
 TEST(KvTiersPropertyTest, RandomDemotePromoteEvictCancelKeepsContentAndCounts) {
   KvPoolOptions po;
