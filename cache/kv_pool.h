@@ -104,6 +104,9 @@ class KvPool {
   // pool's lifetime; a peer reads it remotely to fence its reads).
   // REQUIRES: !on_device() for host_storage().
   uint8_t* host_storage() const { return storage_; }
+  // The blocks wherever they live (block i at storage() + i * block_bytes()):
+  // a device pointer when on_device(), which host code must not dereference.
+  uint8_t* storage() const { return storage_; }
   const uint32_t* generation_table() const { return generation_.data(); }
 
   // Registers or removes an observer. REQUIRES: a registered observer stays

@@ -62,7 +62,10 @@ if [ "$EMU" = 1 ]; then
     EMU_BUILD="$ROOT/build-emu"
     cmake -S "$ROOT" -B "$EMU_BUILD" -G Ninja -DKVSERVE_CUDA_EMULATOR=ON \
       -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-    cmake --build "$EMU_BUILD" --target cuda_emu_test cuda_kernels_test llama_cuda_test
+    # pd_e2e_test (and the kvserve it starts): prefill/decode nodes with
+    # CUDA KV pools (PdCudaTest), moved through UCX's host staging.
+    cmake --build "$EMU_BUILD" --target cuda_emu_test cuda_kernels_test llama_cuda_test \
+      kvserve pd_e2e_test
     echo "test.sh: CUDA tests on the CPU emulator"
     ctest --test-dir "$EMU_BUILD" -R 'Cuda|BackendSelection' --output-on-failure -j "$JOBS" \
       --timeout 900

@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/status.h"
+#include "kernels/cuda/runtime.h"
 #include "proto/kvserve.pb.h"
 #include "proto/pd.grpc.pb.h"
 #include "server/auth.h"
@@ -36,6 +37,36 @@ namespace kvserve {
 namespace pb = ::kvserve::pd::v1;
 namespace kt = ::kvserve::transport;
 using PdClock = std::chrono::steady_clock;
+
+namespace {
+
+// Copies between a CUDA KV pool and the transport's host staging buffers,
+// on a stream of its own, each copy waited for before it returns: a staged
+// read has landed on the device when the transfer reports done, and a
+// staging sync holds the device's bytes when it returns. Thread-safe (the
+// transport's progress thread and gRPC threads share it; one stream, so a
+// wait may also cover another thread's copy).
+class CudaStagingCopier final : public kt::DeviceCopier {
+ public:
+  static absl::StatusOr<std::shared_ptr<CudaStagingCopier>> Create() {
+    ASSIGN_OR_RETURN(cuda::CudaStream stream, cuda::CudaStream::Create());
+    return std::shared_ptr<CudaStagingCopier>(new CudaStagingCopier(std::move(stream)));
+  }
+  absl::Status CopyDeviceToHost(void* host_dst, const void* device_src, size_t length) override {
+    RETURN_IF_ERROR(cuda::CopyToHostAsync(host_dst, device_src, length, stream_.get()));
+    return stream_.Synchronize();
+  }
+  absl::Status CopyHostToDevice(void* device_dst, const void* host_src, size_t length) override {
+    RETURN_IF_ERROR(cuda::CopyToDeviceAsync(device_dst, host_src, length, stream_.get()));
+    return stream_.Synchronize();
+  }
+
+ private:
+  explicit CudaStagingCopier(cuda::CudaStream stream) : stream_(std::move(stream)) {}
+  cuda::CudaStream stream_;
+};
+
+}  // namespace
 
 absl::StatusOr<PdRole> ParsePdRole(const std::string& name) {
   if (name == "both") return PdRole::kBoth;
@@ -179,27 +210,32 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     block_size_ = o.block_size;
     block_bytes_ = pool.block_bytes();
     num_blocks_ = pool.num_blocks();
+    device_pool_ = pool.on_device();
     if (role_ == PdRole::kBoth) return absl::OkStatus();
     if (role_ == PdRole::kPrefill && !engine->options().prefix_cache) {
       return absl::InvalidArgumentError(
           "--role prefill needs the prefix cache (leases pin the prompt's cached blocks)");
-    }
-    if (pool.on_device()) {
-      return absl::UnimplementedError(
-          "--role prefill/decode: KV pools in device memory are not transferable yet "
-          "(use --device cpu)");
     }
     kt::UcxTransportOptions to;
     to.name = absl::StrCat("kvserve-", PdRoleName(role_));
     to.tls = flags_.ucx_tls;
     to.net_devices = flags_.ucx_net_devices;
     to.transfer_timeout = absl::Seconds(flags_.transfer_timeout);
+    // A CUDA pool is registered as CUDA memory: UCX moves it directly where
+    // it has CUDA support (GPUDirect), else through host staging buffers
+    // with this copier (the prefill node syncs a lease's blocks to staging
+    // before granting; the decode node's reads land on the device before
+    // the pull completes).
+    if (device_pool_) {
+      ASSIGN_OR_RETURN(to.device_copier, CudaStagingCopier::Create());
+    }
     ASSIGN_OR_RETURN(transport_, kt::CreateUcxTransport(to));
     ASSIGN_OR_RETURN(ucx_address_, transport_->LocalAddress());
-    ASSIGN_OR_RETURN(kv_region_,
-                     transport_->RegisterRegion(pool.host_storage(),
-                                                static_cast<size_t>(num_blocks_) * block_bytes_,
-                                                kt::MemoryKind::kHost));
+    staged_ = device_pool_ && transport_->GetCapabilities().cuda_staged;
+    ASSIGN_OR_RETURN(
+        kv_region_,
+        transport_->RegisterRegion(pool.storage(), static_cast<size_t>(num_blocks_) * block_bytes_,
+                                   device_pool_ ? kt::MemoryKind::kCuda : kt::MemoryKind::kHost));
     ASSIGN_OR_RETURN(kv_descriptor_, transport_->DescribeRegion(kv_region_.id));
     if (role_ == PdRole::kPrefill) {
       ASSIGN_OR_RETURN(gen_region_,
@@ -213,8 +249,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
     housekeeping_ = std::thread([this] { HousekeepingLoop(); });
     const kt::Capabilities caps = transport_->GetCapabilities();
-    spdlog::info("pd: role {} incarnation {:016x}, UCX transports '{}', {} blocks of {} bytes",
-                 PdRoleName(role_), incarnation_, caps.transports, num_blocks_, block_bytes_);
+    spdlog::info("pd: role {} incarnation {:016x}, UCX transports '{}', {} blocks of {} bytes{}",
+                 PdRoleName(role_), incarnation_, caps.transports, num_blocks_, block_bytes_,
+                 !device_pool_ ? " in host memory"
+                 : staged_     ? " in device memory, moved through host staging buffers"
+                               : " in device memory, moved directly (UCX CUDA support)");
     return absl::OkStatus();
   }
 
@@ -285,6 +324,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     out->set_pull_seconds(pull_seconds_);
     out->set_lease_renewals(lease_renewals_);
     out->set_admission_renewals(admission_renewals_);
+    out->set_kv_memory(!device_pool_           ? "host"
+                       : transport_ == nullptr ? "device"
+                       : staged_               ? "device-staged"
+                                               : "device-direct");
+    out->set_staged_blocks(staged_blocks_);
     out->set_leases_refused_no_blocks(leases_refused_no_blocks_);
     out->set_forged_endpoints(forged_endpoints_);
     out->set_duplicate_attaches(duplicate_attaches_);
@@ -362,12 +406,26 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     struct Pinned {
       std::shared_ptr<SeqKv> kv;
       std::vector<BlockHandle> blocks;
+      absl::Status error;
     };
     auto pinned = std::make_shared<std::promise<Pinned>>();
     std::future<Pinned> pinned_f = pinned->get_future();
     const int32_t n_tokens = static_cast<int32_t>(tokens.size());
     engine_->RunOnEngineThread([pinned, tokens, salt, n_tokens](KvCacheManager* m, KvTiers*) {
       Pinned p;
+      if (m->pool().on_device()) {
+        // Every write to the blocks about to be leased was enqueued on the
+        // forward's stream before now: wait for it, so the staging sync (or
+        // a peer's direct read) sees the finished KV.
+        absl::StatusOr<cuda::CudaEvent> e = cuda::CudaEvent::Create();
+        absl::Status s = e.ok() ? e->Record(m->pool().options().device_stream) : e.status();
+        if (s.ok()) s = e->Synchronize();
+        if (!s.ok()) {
+          p.error = s;
+          pinned->set_value(std::move(p));
+          return;
+        }
+      }
       p.kv = std::make_shared<SeqKv>(m->mutable_pool());
       const int32_t bs = m->block_size();
       const int32_t full = (n_tokens - 1) / bs;
@@ -383,6 +441,18 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Prefill: the engine did not answer");
     }
     Pinned p = pinned_f.get();
+    if (!p.error.ok()) {
+      return grpc::Status(
+          grpc::StatusCode::INTERNAL,
+          absl::StrCat("Prefill: waiting for the device's KV writes failed: ", p.error.message()));
+    }
+    if (absl::Status s = SyncStaging(p.blocks); !s.ok()) {
+      ReleaseBlocks(p.kv);
+      return grpc::Status(grpc::StatusCode::INTERNAL,
+                          absl::StrCat("Prefill: copying the leased KV blocks to the transport's "
+                                       "host staging failed: ",
+                                       s.message()));
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (shutdown_) {
       ReleaseBlocks(p.kv);
@@ -479,6 +549,28 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return grpc::Status::OK;
   }
 
+  // A staged device pool: brings the leased blocks' bytes to the host
+  // buffer the decode node reads (runs of consecutive blocks in one copy).
+  // Nothing to do for host pools and direct (GPUDirect) ones.
+  absl::Status SyncStaging(const std::vector<BlockHandle>& blocks) {
+    if (!staged_ || blocks.empty()) return absl::OkStatus();
+    std::vector<int32_t> ids;
+    for (const BlockHandle& h : blocks) ids.push_back(h.id);
+    std::sort(ids.begin(), ids.end());
+    for (size_t i = 0; i < ids.size();) {
+      size_t j = i + 1;
+      while (j < ids.size() && ids[j] <= ids[j - 1] + 1) ++j;
+      const uint64_t first = static_cast<uint64_t>(ids[i]);
+      const uint64_t count = static_cast<uint64_t>(ids[j - 1]) - first + 1;
+      RETURN_IF_ERROR(transport_->SyncStagingFromDevice(kv_region_.id, first * block_bytes_,
+                                                        count * block_bytes_));
+      i = j;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    staged_blocks_ += static_cast<int64_t>(ids.size());
+    return absl::OkStatus();
+  }
+
   grpc::Status DebugEarlyFree(grpc::ServerContext* ctx, const pb::ReleaseLeaseRequest* req,
                               pb::ReleaseLeaseResponse* out) override {
     if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
@@ -513,9 +605,14 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       KvPool* pool = m->mutable_pool();
       std::vector<BlockHandle> hs;
       if (pool->Allocate(pool->num_free_blocks(), &hs).ok()) {
+        const std::vector<uint8_t> junk(static_cast<size_t>(pool->block_bytes()), 0x5a);
         for (const BlockHandle& h : hs) {
-          std::memset(pool->host_storage() + static_cast<int64_t>(h.id) * pool->block_bytes(),
-                      0x5a, static_cast<size_t>(pool->block_bytes()));
+          uint8_t* block = pool->storage() + static_cast<int64_t>(h.id) * pool->block_bytes();
+          if (pool->on_device()) {
+            (void)cuda::CopyToDevice(block, junk.data(), junk.size());
+          } else {
+            std::memcpy(block, junk.data(), junk.size());
+          }
         }
         pool->Release(hs);
       }
@@ -1145,6 +1242,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int32_t num_blocks_ = 0;
 
   std::unique_ptr<kt::Transport> transport_;
+  bool device_pool_ = false;  // the KV pool is CUDA memory
+  bool staged_ = false;       // ... moved through host staging buffers
   std::string ucx_address_, kv_descriptor_, gen_descriptor_;
   kt::LocalRegion kv_region_, gen_region_, gen_buffer_;
 
@@ -1164,6 +1263,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int64_t admission_renewals_ = 0;  // of lease_renewals_, while requests waited to be admitted
   int64_t lease_renewals_ = 0, leases_refused_no_blocks_ = 0, forged_endpoints_ = 0;
   double pull_seconds_ = 0;
+  int64_t staged_blocks_ = 0;  // prefill, staged device pool: blocks synced to staging
 
   std::mutex peer_mu_;
   std::map<std::string, Peer> peers_;  // guarded by peer_mu_

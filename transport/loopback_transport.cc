@@ -121,6 +121,21 @@ class LoopbackTransport final : public Transport {
     return PackRegionDescriptor(d);
   }
 
+  // Transfers copy from the device memory itself (through the copier), so
+  // there is no staging to refresh; the range is still checked.
+  absl::Status SyncStagingFromDevice(RegionId region, uint64_t offset, uint64_t length) override {
+    absl::MutexLock lock(&FabricMutex());
+    auto it = regions_.find(region);
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat("no local region ", region));
+    }
+    if (offset > it->second.length || length > it->second.length - offset) {
+      return absl::OutOfRangeError(absl::StrCat("SyncStagingFromDevice: [", offset, ", +", length,
+                                                ") is outside region ", region, " of ",
+                                                it->second.length, " bytes"));
+    }
+    return absl::OkStatus();
+  }
   absl::StatusOr<PeerId> Connect(absl::string_view blob) override {
     ASSIGN_OR_RETURN(PeerAddress a, UnpackPeerAddress(blob));
     if (a.backend != kBackend) {

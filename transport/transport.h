@@ -101,6 +101,17 @@ class Transport {
   // Packed descriptor of a local region for a peer's ImportRegion().
   [[nodiscard]] virtual absl::StatusOr<std::string> DescribeRegion(
       RegionId region) = 0;
+  // For a kCuda region staged through host buffers (Capabilities::
+  // cuda_staged): copies [offset, offset + length) of the device memory to
+  // the host buffer peers' reads are served from. A staged region holds the
+  // device's bytes as of its registration (and of peers' writes into it);
+  // device writes made since are invisible to remote reads until synced.
+  // Call it after the device work that wrote the range has completed and
+  // before a peer reads it. A no-op for host regions and for kCuda regions
+  // moved directly (GPUDirect). Thread-safe; the copy runs on the caller's
+  // thread.
+  [[nodiscard]] virtual absl::Status SyncStagingFromDevice(RegionId region, uint64_t offset,
+                                                           uint64_t length) = 0;
 
   [[nodiscard]] virtual absl::StatusOr<PeerId> Connect(
       absl::string_view peer_address) = 0;

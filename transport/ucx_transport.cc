@@ -78,6 +78,7 @@ class UcxTransport final : public Transport {
   absl::StatusOr<std::string> DescribeRegion(RegionId region) override {
     return RunOnWorker([&] { return DoDescribe(region); });
   }
+  absl::Status SyncStagingFromDevice(RegionId region, uint64_t offset, uint64_t length) override;
   absl::StatusOr<PeerId> Connect(absl::string_view peer_address) override {
     return RunOnWorker([&] { return DoConnect(peer_address); });
   }
@@ -519,6 +520,36 @@ absl::Status UcxTransport::DoDeregister(RegionId id) {
   UnmapRegion(it->second);
   regions_.erase(it);
   return absl::OkStatus();
+}
+
+absl::Status UcxTransport::SyncStagingFromDevice(RegionId id, uint64_t offset, uint64_t length) {
+  struct Range {
+    bool staged = false;
+    char* device = nullptr;
+    char* wire = nullptr;
+  };
+  // Look the region up on the worker (regions_ is its); copy here, so a
+  // large copy does not stall the progress thread.
+  absl::StatusOr<Range> range = RunOnWorker([&]() -> absl::StatusOr<Range> {
+    auto it = regions_.find(id);
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat("no local region ", id));
+    }
+    const Region& r = it->second;
+    if (offset > r.info.length || length > r.info.length - offset) {
+      return absl::OutOfRangeError(absl::StrCat("SyncStagingFromDevice: [", offset, ", +", length,
+                                                ") is outside region ", id, " of ", r.info.length,
+                                                " bytes"));
+    }
+    Range out;
+    out.staged = r.staged;
+    out.device = static_cast<char*>(r.info.address) + offset;
+    out.wire = static_cast<char*>(r.wire_address) + offset;
+    return out;
+  });
+  if (!range.ok()) return range.status();
+  if (!range->staged || length == 0) return absl::OkStatus();
+  return options_.device_copier->CopyDeviceToHost(range->wire, range->device, length);
 }
 
 absl::StatusOr<std::string> UcxTransport::DoDescribe(RegionId id) {

@@ -29,13 +29,14 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "gtest/gtest.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
-#include "gtest/gtest.h"
 #include "proto/kvserve.grpc.pb.h"
 #include "proto/pd.grpc.pb.h"
 #include "tests/testing/daemon.h"
 #include "tests/testing/test_models.h"
+#include "tests/unit/model/cuda_test_skip.h"
 
 namespace kvserve {
 namespace {
@@ -1058,6 +1059,61 @@ TEST(PdRouterTest, ChatThroughRouterIsDisaggregatedAndEqualsOneNode) {
   EXPECT_EQ(d2.transfers_ok() - d1.transfers_ok(), 3);
   EXPECT_TRUE(Client(prefill->grpc_port()).AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
+}
+
+// KV pools in CUDA memory on both nodes (the CPU emulator in CI's emulator
+// stage; a GPU where one is lent). UCX here has no CUDA support, so the
+// prefill node copies a lease's blocks to the transport's host staging
+// before granting and the decode node's reads land on its device before the
+// pull completes. Outputs through the router and through direct leases
+// equal a CUDA `both` node's; the generation fence still catches an early
+// free; every node ends at baseline.
+TEST(PdCudaTest, DevicePoolsMoveThroughHostStagingAndEqualOneNode) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const std::vector<std::string> cuda = {"--device", "cuda"};
+  auto both = StartNode("both", cuda);
+  auto prefill = StartNode("prefill", cuda);
+  auto decode = StartNode("decode", cuda);
+  ASSERT_TRUE(both && prefill && decode);
+  Client b(both->grpc_port()), p(prefill->grpc_port()), d(decode->grpc_port());
+  EXPECT_EQ(p.Info().kv_memory(), "device-staged");
+  EXPECT_EQ(d.Info().kv_memory(), "device-staged");
+  EXPECT_EQ(b.Info().kv_memory(), "device");  // role both: no transport
+  const std::vector<std::string> prompts = UniquePrompts(4, "Device pool");
+  int leased_blocks = 0;
+  for (const auto& prompt : prompts) {
+    pdv1::Lease lease;
+    ASSERT_TRUE(p.Prefill(prompt, &lease).ok());
+    ASSERT_GE(lease.block_ids_size(), 2);
+    leased_blocks += lease.block_ids_size();
+    ASSERT_TRUE(d.Attach(lease).ok());
+    EXPECT_EQ(d.Generate(prompt), b.Generate(prompt)) << prompt;
+  }
+  pdv1::NodeInfo di = d.Info();
+  EXPECT_EQ(di.transfers_ok(), 4);
+  EXPECT_EQ(di.blocks_pulled(), leased_blocks);
+  EXPECT_EQ(di.generation_mismatches(), 0);
+  EXPECT_EQ(p.Info().staged_blocks(), leased_blocks);
+  // Through the router, with prefix hits on both sides (shared prefixes).
+  auto router = StartRouter({prefill.get(), decode.get()}, {"--pd-mode", "always"}, 2);
+  ASSERT_TRUE(router);
+  Client r(router->grpc_port());
+  for (const auto& prompt : Prompts(6, " via the router")) {
+    EXPECT_EQ(r.Generate(prompt), b.Generate(prompt)) << prompt;
+  }
+  EXPECT_GT(d.Info().transfers_ok(), 4);
+  // A prefill node that frees the leased device blocks early: the fence.
+  const std::string early = UniquePrompts(1, "Device early free")[0];
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(early, &lease).ok());
+  ASSERT_TRUE(p.EarlyFree(lease).ok());
+  ASSERT_TRUE(d.Attach(lease).ok());
+  EXPECT_EQ(d.Generate(early), b.Generate(early));
+  EXPECT_EQ(d.Info().generation_mismatches(), 1);
+  (void)p.Release(lease.transfer_id(), lease.incarnation());
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+  EXPECT_TRUE(b.AtBaseline());
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <numeric>
 #include <random>
@@ -188,6 +189,33 @@ TEST_F(UcxTransportTest, StagedDeviceRegionsMoveThroughHostBuffers) {
   std::fill(device_src.begin(), device_src.end(), 0);
   ASSERT_TRUE(Move(Direction::kRead, {{gpu_src->id, 0, remote_, 0, 256}}).ok());
   EXPECT_EQ(Fnv1a64(device_src.data(), 256), Fnv1a64(dst_.address, 256));
+}
+
+// A peer reads a staged device region from its host buffer: device writes
+// made after registration are invisible to it until the owner syncs the
+// range (what a prefill node with a CUDA pool does before granting a lease).
+TEST_F(UcxTransportTest, RemoteReadsOfAStagedRegionSeeDeviceWritesOnlyAfterSync) {
+  std::vector<uint8_t> device(8192, 0x11);
+  auto gpu = b_->RegisterRegion(device.data(), device.size(), MemoryKind::kCuda);
+  ASSERT_TRUE(gpu.ok());
+  auto remote = a_->ImportRegion(peer_, *b_->DescribeRegion(gpu->id));
+  ASSERT_TRUE(remote.ok());
+  auto* got = static_cast<uint8_t*>(src_.address);
+  ASSERT_TRUE(Move(Direction::kRead, {{src_.id, 0, *remote, 4096, 1024}}).ok());
+  EXPECT_EQ(got[0], 0x11);                                        // the bytes at registration
+  std::fill(device.begin() + 4096, device.begin() + 5120, 0x22);  // a device write
+  ASSERT_TRUE(Move(Direction::kRead, {{src_.id, 0, *remote, 4096, 1024}}).ok());
+  EXPECT_EQ(got[0], 0x11) << "unsynced device writes must not be what this test sees";
+  const size_t d2h = copier_->device_to_host_bytes();
+  ASSERT_TRUE(b_->SyncStagingFromDevice(gpu->id, 4096, 1024).ok());
+  EXPECT_EQ(copier_->device_to_host_bytes() - d2h, 1024u);
+  ASSERT_TRUE(Move(Direction::kRead, {{src_.id, 0, *remote, 4096, 1024}}).ok());
+  EXPECT_TRUE(std::all_of(got, got + 1024, [](uint8_t b) { return b == 0x22; }));
+  // Host regions have no staging (a no-op); bad ranges and ids are errors.
+  EXPECT_TRUE(b_->SyncStagingFromDevice(dst_.id, 0, 64).ok());
+  EXPECT_EQ(copier_->device_to_host_bytes() - d2h, 1024u);
+  EXPECT_EQ(b_->SyncStagingFromDevice(gpu->id, 8000, 400).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(b_->SyncStagingFromDevice(gpu->id + 1000, 0, 1).code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(UcxTransportTest, CancelEndsTheTransferAndReleasesIt) {
