@@ -7,7 +7,8 @@
 # GPU == CPU greedy up to near-ties, every weight type and KV codec; no device
 # memory left after a run with cancellations; a test skipped for want of a
 # GPU is a failure, one skipped for a missing model is reported) and
-# `kvserve generate --device cuda`, measures the device's copy bandwidth and
+# `kvserve generate --device cuda` and prefill/decode nodes with GPU KV
+# pools (pd_e2e_test PdCudaTest), measures the device's copy bandwidth and
 # the paged decode attention bandwidth, and prints a summary.
 # Fails loudly when no GPU is visible. Budget: < 10 minutes on 16 cores.
 #
@@ -67,7 +68,9 @@ if [ -n "$PACK" ]; then
   done
   export LD_LIBRARY_PATH="$PACK/lib$CUDA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   if [ -d "$PACK/shared" ]; then export KVSERVE_SHARED_DIR="$PACK/shared"; fi
-  MISSING="$(for t in tests/cuda_kernels_test tests/llama_cuda_test bench/kvserve_cuda_bench server/kvserve; do
+  if [ -d "$PACK/lib/ucx" ]; then export UCX_MODULE_DIR="$PACK/lib/ucx"; fi
+  MISSING="$(for t in tests/cuda_kernels_test tests/llama_cuda_test tests/pd_e2e_test \
+      bench/kvserve_cuda_bench server/kvserve; do
     ldd "$PACK/$t" | grep 'not found' || true; done | sort -u)"
   [ -z "$MISSING" ] || die "libraries not found for the packed binaries: $MISSING (LD_LIBRARY_PATH=$LD_LIBRARY_PATH)"
   SETUP=0
@@ -85,7 +88,8 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DKVSERVE_WITH_CUDA=ON -DKVSERVE_BUILD_BEN
   -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$CAP" >"$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; die "cmake configure"; }
 grep -q "KVSERVE_WITH_CUDA=ON" "$OUT/configure.log" || die "CUDA was not enabled (see $OUT/configure.log)"
-cmake --build "$BUILD" --target cuda_kernels_test kvserve_cuda_bench llama_cuda_test kvserve -j "$(nproc)" \
+cmake --build "$BUILD" --target cuda_kernels_test kvserve_cuda_bench llama_cuda_test pd_e2e_test \
+  kvserve -j "$(nproc)" \
   >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; die "build"; }
 fi
 
@@ -148,6 +152,20 @@ if [ -f "$SMOL" ]; then
   tail -8 "$OUT/generate.log"
 fi
 
+# Prefill and decode nodes with their KV pools on the GPU (stories260K):
+# leases move through UCX (host staging unless this UCX has CUDA support),
+# outputs equal a GPU `both` node's, the early-free fence holds, no block
+# leaks. Skipped (reported) where the pack has no pd_e2e_test.
+PD_RC=skipped
+if [ -x "$BUILD/tests/pd_e2e_test" ]; then
+  step "prefill/decode with CUDA KV pools (pd_e2e_test PdCudaTest)"
+  PD_RC=0
+  KVSERVE_BINARY="$BUILD/server/kvserve" timeout 240 "$BUILD/tests/pd_e2e_test" --gtest_brief=1 \
+    --gtest_filter='PdCuda*' >"$OUT/pd.log" 2>&1 || PD_RC=$?
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|pd: role' "$OUT/pd.log" | head -20 || true
+  if grep -q '^\[  SKIPPED \]' "$OUT/pd.log"; then PD_RC=skipped-no-gpu; fi
+fi
+
 step "bandwidth probe + paged decode attention benchmark"
 MIN_TIME=0.3
 [ "$QUICK" = 1 ] && MIN_TIME=0.1
@@ -166,6 +184,7 @@ echo "model tests: rc=$MODEL_RC ${MODEL_PASSED:-no PASSED line}; skipped for no 
 [ -n "$MODEL_FAILED" ] && echo "$MODEL_FAILED"
 echo "compute-sanitizer (engine run): $SAN2_RC"
 echo "kvserve generate --device cuda: $CLI_RC"
+echo "P/D with CUDA KV pools: $PD_RC"
 grep -E "device->device|host->device|device->host" "$OUT/bench.log" || true
 grep -E "^BM_PagedDecodeAttention|ctx:" "$OUT/bench.log" | head -20 || true
 echo "logs: $OUT"
@@ -178,4 +197,5 @@ echo "logs: $OUT"
 [ "$MODEL_NO_GPU" = 0 ] || die "$MODEL_NO_GPU model tests found no usable GPU although one is visible"
 [ "$SAN2_RC" != 9 ] || die "compute-sanitizer on the engine run (see $OUT/sanitizer-model.log)"
 [ "$CLI_RC" = 0 ] || [ "$CLI_RC" = skipped ] || die "kvserve generate --device cuda (rc=$CLI_RC, see $OUT/generate.log)"
+[ "$PD_RC" = 0 ] || [ "$PD_RC" = skipped ] || die "P/D with CUDA KV pools (rc=$PD_RC, see $OUT/pd.log)"
 echo "gpu-check: OK"

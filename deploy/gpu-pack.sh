@@ -18,14 +18,16 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ARCH="${KVSERVE_GPU_ARCH:-90}"
 BUILD="${KVSERVE_PACK_BUILD_DIR:-$ROOT/build-gpupack}"
 PACK="${KVSERVE_PACK_DIR:-$ROOT/gpu-pack}"
-TARGETS=(tests/cuda_kernels_test tests/llama_cuda_test bench/kvserve_cuda_bench server/kvserve)
+TARGETS=(tests/cuda_kernels_test tests/llama_cuda_test tests/pd_e2e_test bench/kvserve_cuda_bench
+  server/kvserve)
 
 command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] ||
   { echo "gpu-pack: nvcc not found (bash deploy/setup.sh installs the CUDA toolkit)" >&2; exit 1; }
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DKVSERVE_WITH_CUDA=ON -DKVSERVE_BUILD_BENCH=ON \
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >/dev/null
 grep -q "KVSERVE_WITH_CUDA:BOOL=ON" "$BUILD/CMakeCache.txt" || { echo "gpu-pack: CUDA is off" >&2; exit 1; }
-cmake --build "$BUILD" --target cuda_kernels_test llama_cuda_test kvserve_cuda_bench kvserve
+cmake --build "$BUILD" --target cuda_kernels_test llama_cuda_test pd_e2e_test kvserve_cuda_bench \
+  kvserve
 
 rm -rf "$PACK"
 mkdir -p "$PACK/lib"
@@ -41,6 +43,14 @@ for t in "${TARGETS[@]}"; do ldd "$BUILD/$t"; done | awk '/=> \// {print $3}' | 
   grep -vE '/(libc|libm|libdl|libpthread|librt|libresolv|libutil|libstdc\+\+|libgcc_s)\.so' |
   grep -vE '/libcublas(Lt)?\.so|/libcuda\.so|/libnvidia' |
   while read -r lib; do cp -L "$lib" "$PACK/lib/"; done
+
+# UCX's loadable transport modules (cma here; shm and tcp are in libuct
+# itself): gpu-check.sh points UCX_MODULE_DIR at them.
+UCX_MODULES="$(dirname "$(ldd "$BUILD/server/kvserve" | awk '/libuct\.so/ {print $3}')")/ucx"
+if [ -d "$UCX_MODULES" ]; then
+  mkdir -p "$PACK/lib/ucx"
+  cp -L "$UCX_MODULES"/libuct_cma.so.0 "$PACK/lib/ucx/" 2>/dev/null || true
+fi
 
 SHARED="${KVSERVE_SHARED_DIR:-$ROOT/../shared}"
 if [ -f "$SHARED/models/stories260K.gguf" ]; then

@@ -36,6 +36,12 @@ void AddPdFlags(CLI::App* app, PdFlags* f) {
                   "recomputes")
       ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
+  app->add_option("--kv-wire-dtype", f->wire_dtype,
+                  "Prefill: the codec leased KV blocks move in (same: the pool's own bytes; "
+                  "int8, fp8-e4m3, int4-kivi: re-encoded smaller and lossy, for links where "
+                  "bandwidth is the bottleneck; decode nodes decode them into their pool)")
+      ->check(CLI::IsMember({"same", "int8", "fp8-e4m3", "int4-kivi"}))
+      ->capture_default_str();
   app->add_flag("--pd-test-hooks", f->test_hooks,
                 "Enable the DebugEarlyFree fault-injection RPC (tests only)");
   app->add_option("--pd-test-pull-delay", f->test_pull_delay,

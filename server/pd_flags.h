@@ -26,6 +26,10 @@ struct PdFlags {
   // has claimed yet while requests wait for admission (a transiently full
   // pool or seat limit), counted from the attach.
   double admission_wait = 120;
+  // Prefill: the codec leased blocks travel in (same: the pool's bytes;
+  // int8, fp8-e4m3, int4-kivi: re-encoded, smaller, lossy), for links
+  // where bandwidth is the bottleneck.
+  std::string wire_dtype = "same";
   bool test_hooks = false;       // DebugEarlyFree (fault-injection tests only)
   double test_pull_delay = 0;    // seconds a decode node stalls each pull (tests only)
 };

@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/status.h"
+#include "kernels/cpu/kv_transcode.h"
 #include "kernels/cuda/runtime.h"
 #include "proto/kvserve.pb.h"
 #include "proto/pd.grpc.pb.h"
@@ -142,6 +143,7 @@ uint64_t LeaseDigest(const pb::Lease& l) {
   AppendRepeated(l.tokens(), &s);
   AppendRepeated(l.block_ids(), &s);
   AppendRepeated(l.generations(), &s);
+  absl::StrAppend(&s, "|", l.wire_dtype().size(), ":", l.wire_dtype(), "|", l.wire_block_bytes());
   return XXH3_64bits(s.data(), s.size());
 }
 
@@ -168,18 +170,28 @@ class PullLoad final : public KvLoad {
     std::lock_guard<std::mutex> lock(mu_);
     return status_;
   }
-  void Finish(absl::Status s) {
+  // lossy_tokens: of the loaded tokens, those decoded from a lossy wire
+  // codec (--kv-wire-dtype): the radix nodes they enter are marked lossy.
+  void Finish(absl::Status s, int32_t lossy_tokens = 0) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       status_ = std::move(s);
+      lossy_tokens_ = lossy_tokens;
     }
     done_.store(true, std::memory_order_release);
+  }
+  KvLoadSources sources() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    KvLoadSources src;
+    src.lossy_tokens = lossy_tokens_;
+    return src;
   }
 
  private:
   std::atomic<bool> done_{false};
   std::mutex mu_;
   absl::Status status_;
+  int32_t lossy_tokens_ = 0;
 };
 
 }  // namespace
@@ -211,7 +223,45 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     block_bytes_ = pool.block_bytes();
     num_blocks_ = pool.num_blocks();
     device_pool_ = pool.on_device();
+    pool_dtype_ = o.dtype;
+    shape_ = {o.n_layers, o.n_kv_heads, o.head_dim, o.block_size};
     if (role_ == PdRole::kBoth) return absl::OkStatus();
+    if (flags_.wire_dtype != "same" && role_ == PdRole::kPrefill) {
+      kernels::KvDType w;
+      if (!kernels::ParseKvDType(flags_.wire_dtype, &w)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--kv-wire-dtype: unknown codec '", flags_.wire_dtype, "'"));
+      }
+      if (w != pool_dtype_) {
+        if (device_pool_) {
+          return absl::InvalidArgumentError(
+              "--kv-wire-dtype re-encodes leased blocks on the host: it needs a host KV pool "
+              "(--device cpu)");
+        }
+        const int64_t wbb = kernels::KvBlockBytes(w, shape_);
+        if (wbb >= block_bytes_) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "--kv-wire-dtype ", flags_.wire_dtype, ": ", wbb, " bytes a block, not smaller than ",
+              "the pool's ", std::string(kernels::KvDTypeName(pool_dtype_)), " (", block_bytes_,
+              "); use same"));
+        }
+        if (kernels::KvBlockBytes(pool_dtype_, shape_) != block_bytes_) {
+          return absl::InternalError("--kv-wire-dtype: the pool's block layout is not the codec's");
+        }
+        wire_ = true;
+        wire_dtype_ = w;
+        wire_block_bytes_ = wbb;
+        wire_gen_.assign(static_cast<size_t>(num_blocks_), -1);
+        pool_bytes_ = pool.host_storage();
+      }
+    }
+    if (role_ == PdRole::kDecode && flags_.wire_dtype != "same") {
+      spdlog::warn(
+          "pd: --kv-wire-dtype {} is a prefill node's flag; a decode node decodes "
+          "whatever codec each lease names",
+          flags_.wire_dtype);
+    }
+    if (role_ == PdRole::kDecode && !device_pool_) pool_bytes_ = pool.host_storage();
     if (role_ == PdRole::kPrefill && !engine->options().prefix_cache) {
       return absl::InvalidArgumentError(
           "--role prefill needs the prefix cache (leases pin the prompt's cached blocks)");
@@ -232,10 +282,16 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     ASSIGN_OR_RETURN(transport_, kt::CreateUcxTransport(to));
     ASSIGN_OR_RETURN(ucx_address_, transport_->LocalAddress());
     staged_ = device_pool_ && transport_->GetCapabilities().cuda_staged;
-    ASSIGN_OR_RETURN(
-        kv_region_,
-        transport_->RegisterRegion(pool.storage(), static_cast<size_t>(num_blocks_) * block_bytes_,
-                                   device_pool_ ? kt::MemoryKind::kCuda : kt::MemoryKind::kHost));
+    if (wire_) {
+      // Peers read the re-encoded copies, block i at i * wire_block_bytes_.
+      ASSIGN_OR_RETURN(kv_region_, transport_->AllocateRegion(static_cast<size_t>(num_blocks_) *
+                                                              wire_block_bytes_));
+    } else {
+      ASSIGN_OR_RETURN(kv_region_,
+                       transport_->RegisterRegion(
+                           pool.storage(), static_cast<size_t>(num_blocks_) * block_bytes_,
+                           device_pool_ ? kt::MemoryKind::kCuda : kt::MemoryKind::kHost));
+    }
     ASSIGN_OR_RETURN(kv_descriptor_, transport_->DescribeRegion(kv_region_.id));
     if (role_ == PdRole::kPrefill) {
       ASSIGN_OR_RETURN(gen_region_,
@@ -254,6 +310,12 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                  !device_pool_ ? " in host memory"
                  : staged_     ? " in device memory, moved through host staging buffers"
                                : " in device memory, moved directly (UCX CUDA support)");
+    if (wire_) {
+      spdlog::info(
+          "pd: leased blocks move re-encoded as {} ({} bytes a block instead of {}; "
+          "lossy)",
+          kernels::KvDTypeName(wire_dtype_), wire_block_bytes_, block_bytes_);
+    }
     return absl::OkStatus();
   }
 
@@ -329,6 +391,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                        : staged_               ? "device-staged"
                                                : "device-direct");
     out->set_staged_blocks(staged_blocks_);
+    out->set_wire_dtype(wire_ ? std::string(kernels::KvDTypeName(wire_dtype_)) : "same");
+    out->set_wire_blocks(wire_blocks_);
     out->set_leases_refused_no_blocks(leases_refused_no_blocks_);
     out->set_forged_endpoints(forged_endpoints_);
     out->set_duplicate_attaches(duplicate_attaches_);
@@ -453,6 +517,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                                        "host staging failed: ",
                                        s.message()));
     }
+    EncodeForWire(p.blocks);
     std::lock_guard<std::mutex> lock(mu_);
     if (shutdown_) {
       ReleaseBlocks(p.kv);
@@ -477,6 +542,10 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     const double ttl = req->ttl_ms() > 0 ? req->ttl_ms() / 1000.0 : flags_.lease_ttl;
     l.set_ttl_ms(static_cast<uint32_t>(ttl * 1000));
     l.set_prefill_cached_tokens(done.cached_tokens);
+    if (wire_) {
+      l.set_wire_dtype(std::string(kernels::KvDTypeName(wire_dtype_)));
+      l.set_wire_block_bytes(wire_block_bytes_);
+    }
     l.set_digest(LeaseDigest(l));
     Held h;
     h.kv = std::move(p.kv);
@@ -569,6 +638,32 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     std::lock_guard<std::mutex> lock(mu_);
     staged_blocks_ += static_cast<int64_t>(ids.size());
     return absl::OkStatus();
+  }
+
+  // --kv-wire-dtype: re-encodes the leased blocks into the wire region
+  // (block i at i * wire_block_bytes_). A block's copy is made once per
+  // generation: a block shared by several leases is encoded once, and a
+  // copy is rewritten only for a later generation, which fails the fence of
+  // any earlier lease still reading it. The leased blocks are full and
+  // pinned, so the engine does not write them meanwhile.
+  void EncodeForWire(const std::vector<BlockHandle>& blocks) {
+    if (!wire_ || blocks.empty()) return;
+    auto* wire = static_cast<uint8_t*>(kv_region_.address);
+    int64_t encoded = 0;
+    {
+      std::lock_guard<std::mutex> lock(wire_mu_);
+      for (const BlockHandle& h : blocks) {
+        int64_t& g = wire_gen_[static_cast<size_t>(h.id)];
+        if (g == static_cast<int64_t>(h.generation)) continue;
+        kernels::TranscodeKvBlock(
+            shape_, pool_dtype_, pool_bytes_ + static_cast<int64_t>(h.id) * block_bytes_,
+            wire_dtype_, wire + static_cast<int64_t>(h.id) * wire_block_bytes_);
+        g = h.generation;
+        ++encoded;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    wire_blocks_ += encoded;
   }
 
   grpc::Status DebugEarlyFree(grpc::ServerContext* ctx, const pb::ReleaseLeaseRequest* req,
@@ -807,6 +902,26 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     if (const std::string d = KvLayoutDifference(layout_, l.layout()); !d.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "KV layout mismatch with prefill node ", l.node_id(), ": ", d));
+    }
+    if (!l.wire_dtype().empty()) {
+      kernels::KvDType w;
+      if (!kernels::ParseKvDType(l.wire_dtype(), &w)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lease.wire_dtype: unknown codec '", l.wire_dtype(), "'"));
+      }
+      if (l.wire_block_bytes() != kernels::KvBlockBytes(w, shape_)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lease.wire_block_bytes: ", l.wire_block_bytes(), " for ", l.wire_dtype(),
+                         " blocks of this layout, which take ", kernels::KvBlockBytes(w, shape_)));
+      }
+      if (device_pool_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "prefill node ", l.node_id(), " sends blocks re-encoded as ", l.wire_dtype(),
+            " (--kv-wire-dtype), which this decode node decodes on the host; its KV pool is "
+            "in device memory"));
+      }
+    } else if (l.wire_block_bytes() != 0) {
+      return absl::InvalidArgumentError("lease.wire_block_bytes: set without lease.wire_dtype");
     }
     if (l.tokens_size() != l.block_ids_size() * block_size_) {
       return absl::InvalidArgumentError(
@@ -1049,17 +1164,26 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       peer = it->second;
     }
     const int32_t n = static_cast<int32_t>(job.local_ids.size());
+    // Blocks re-encoded on the wire land in a staging buffer, in order, and
+    // are decoded into the pool once the fence passed; others land in the
+    // pool's blocks directly.
+    kernels::KvDType wire_dtype = pool_dtype_;
+    const bool wire = !l.wire_dtype().empty() && kernels::ParseKvDType(l.wire_dtype(), &wire_dtype);
+    const uint64_t read_bytes =
+        wire ? static_cast<uint64_t>(l.wire_block_bytes()) : static_cast<uint64_t>(block_bytes_);
+    if (wire) RETURN_IF_ERROR(EnsureWireStaging(static_cast<size_t>(n) * read_bytes));
+    const kt::RegionId local_region = wire ? wire_staging_.id : kv_region_.id;
     std::vector<kt::TransferOp> ops;
     for (int32_t k = 0; k < n; ++k) {
-      const uint64_t local = static_cast<uint64_t>(job.local_ids[k]) * block_bytes_;
-      const uint64_t remote =
-          static_cast<uint64_t>(l.block_ids(job.first_block + k)) * block_bytes_;
+      const uint64_t local = wire ? static_cast<uint64_t>(k) * read_bytes
+                                  : static_cast<uint64_t>(job.local_ids[k]) * block_bytes_;
+      const uint64_t remote = static_cast<uint64_t>(l.block_ids(job.first_block + k)) * read_bytes;
       if (!ops.empty() && ops.back().local_offset + ops.back().length == local &&
           ops.back().remote_offset + ops.back().length == remote) {
-        ops.back().length += block_bytes_;  // contiguous on both sides: one op
+        ops.back().length += read_bytes;  // contiguous on both sides: one op
         continue;
       }
-      ops.push_back({kv_region_.id, local, peer.kv, remote, static_cast<uint64_t>(block_bytes_)});
+      ops.push_back({local_region, local, peer.kv, remote, read_bytes});
     }
     absl::StatusOr<kt::TransferId> t = transport_->PostTransfer(peer.id, kt::Direction::kRead, ops);
     if (!t.ok()) return t.status();
@@ -1094,6 +1218,30 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
           " leased blocks were freed on the prefill node during the pull (", first,
           "); their KV is not committed"));
     }
+    if (wire) {
+      const auto* staged = static_cast<const uint8_t*>(wire_staging_.address);
+      for (int32_t k = 0; k < n; ++k) {
+        kernels::TranscodeKvBlock(
+            shape_, wire_dtype, staged + static_cast<uint64_t>(k) * read_bytes, pool_dtype_,
+            pool_bytes_ + static_cast<int64_t>(job.local_ids[k]) * block_bytes_);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      wire_blocks_ += n;
+    }
+    return absl::OkStatus();
+  }
+
+  // Pull thread: a staging buffer for re-encoded blocks of at least
+  // `bytes`, grown (re-registered) when a lease needs more.
+  absl::Status EnsureWireStaging(size_t bytes) {
+    if (wire_staging_.address != nullptr && wire_staging_.length >= bytes) return absl::OkStatus();
+    if (wire_staging_.address != nullptr) {
+      RETURN_IF_ERROR(transport_->DeregisterRegion(wire_staging_.id));
+      wire_staging_ = {};
+    }
+    size_t want = 1 << 20;
+    while (want < bytes) want *= 2;
+    ASSIGN_OR_RETURN(wire_staging_, transport_->AllocateRegion(want));
     return absl::OkStatus();
   }
 
@@ -1110,18 +1258,20 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       const auto t0 = PdClock::now();
       absl::Status s = Pull(*job);
       const double secs = std::chrono::duration<double>(PdClock::now() - t0).count();
+      const pb::Lease& pl = job->lease->lease;
+      const int64_t moved = static_cast<int64_t>(job->local_ids.size()) *
+                            (pl.wire_dtype().empty() ? block_bytes_ : pl.wire_block_bytes());
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (s.ok()) {
           // One line per transfer: bench/pd/run.sh reads the pull rate from it.
-          spdlog::info("pd: transfer {}: pulled {} blocks, {} bytes in {:.3f} ms ({:.1f} MB/s)",
-                       job->lease->lease.transfer_id(), job->local_ids.size(),
-                       static_cast<int64_t>(job->local_ids.size()) * block_bytes_, secs * 1e3,
-                       static_cast<double>(job->local_ids.size()) * block_bytes_ / 1e6 /
-                           std::max(secs, 1e-9));
+          spdlog::info("pd: transfer {}: pulled {} blocks, {} bytes in {:.3f} ms ({:.1f} MB/s){}",
+                       pl.transfer_id(), job->local_ids.size(), moved, secs * 1e3,
+                       static_cast<double>(moved) / 1e6 / std::max(secs, 1e-9),
+                       pl.wire_dtype().empty() ? "" : absl::StrCat(", as ", pl.wire_dtype()));
           ++transfers_ok_;
           blocks_pulled_ += static_cast<int64_t>(job->local_ids.size());
-          bytes_pulled_ += static_cast<int64_t>(job->local_ids.size()) * block_bytes_;
+          bytes_pulled_ += moved;
           pull_seconds_ += secs;
         } else {
           ++transfers_failed_;
@@ -1135,7 +1285,10 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         // A transport failure (dead or wedged peer): reconnect next time.
         if (s.code() != absl::StatusCode::kDataLoss) DropPeer(job->lease->lease);
       }
-      job->load->Finish(s);  // the blocks are ours alone again
+      // The blocks are ours alone again; decoded wire blocks are lossy.
+      job->load->Finish(s, s.ok() && !pl.wire_dtype().empty()
+                               ? static_cast<int32_t>(job->local_ids.size()) * block_size_
+                               : 0);
       RemoteRelease(job->lease->lease, s.ok() ? "committed" : "failed");
     }
   }
@@ -1242,6 +1395,17 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int32_t num_blocks_ = 0;
 
   std::unique_ptr<kt::Transport> transport_;
+  kernels::KvDType pool_dtype_ = kernels::KvDType::kF16;
+  kernels::KvBlockShape shape_;
+  uint8_t* pool_bytes_ = nullptr;  // host pools: the blocks (prefill with wire_, decode)
+  // Prefill, --kv-wire-dtype: kv_region_ holds the re-encoded copies.
+  bool wire_ = false;
+  kernels::KvDType wire_dtype_ = kernels::KvDType::kF16;
+  int64_t wire_block_bytes_ = 0;
+  std::mutex wire_mu_;
+  std::vector<int64_t> wire_gen_;  // guarded by wire_mu_: generation each copy holds (-1: none)
+  // Decode: where re-encoded blocks land before they are decoded (pull thread).
+  kt::LocalRegion wire_staging_;
   bool device_pool_ = false;  // the KV pool is CUDA memory
   bool staged_ = false;       // ... moved through host staging buffers
   std::string ucx_address_, kv_descriptor_, gen_descriptor_;
@@ -1263,7 +1427,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int64_t admission_renewals_ = 0;  // of lease_renewals_, while requests waited to be admitted
   int64_t lease_renewals_ = 0, leases_refused_no_blocks_ = 0, forged_endpoints_ = 0;
   double pull_seconds_ = 0;
-  int64_t staged_blocks_ = 0;  // prefill, staged device pool: blocks synced to staging
+  int64_t staged_blocks_ = 0;
+  int64_t wire_blocks_ = 0;  // re-encoded (prefill) or decoded (decode) for the wire  // prefill,
+                             // staged device pool: blocks synced to staging
 
   std::mutex peer_mu_;
   std::map<std::string, Peer> peers_;  // guarded by peer_mu_

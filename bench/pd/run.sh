@@ -15,7 +15,8 @@
 # Env: BUILD (default build-dev), MODEL (default SmolLM2), OUT (results dir,
 # default a temp dir), N (requests per point, default 48), PULLS (leases
 # pulled per transport, default 12), CORE_A / CORE_B (the two cores,
-# default 0 and 1).
+# default 0 and 1), PULL_TLS (default "posix,cma tcp"), P_FLAGS (extra
+# prefill flags for the pull, e.g. "--kv-wire-dtype int8").
 # Needs kvserve and kvserve-bench built (cmake --build $BUILD --target
 # kvserve kvserve-bench) and ucx_perftest (apt: ucx-utils) for goal 1.
 set -euo pipefail
@@ -87,7 +88,8 @@ pull() {
   # registered with UCX, which posix alone only reaches by AM emulation.
   for tls in ${PULL_TLS:-posix,cma tcp}; do
     local tag=${tls//,/+}
-    node P $A prefill 1 --pd-ucx-tls "$tls"
+    # shellcheck disable=SC2086  # P_FLAGS: extra prefill flags, word-split
+    node P $A prefill 1 --pd-ucx-tls "$tls" ${P_FLAGS:-}
     node D $B decode 1 --pd-ucx-tls "$tls"
     router "127.0.0.1:$P_PORT,127.0.0.1:$D_PORT" --pd-mode always
     # Unique long prompts (no cache hits: every leased block moves).
@@ -150,6 +152,7 @@ PY
     echo "pull $tls: $blocks blocks ($block_bytes B each, $per B per lease) in ${ms} ms of pulls:" \
          "$kv_mbs MB/s; ucx_perftest ucp_get: ${perf[0]} MB/s at one block, ${perf[1]} MB/s at one lease" \
          "(ucx_perftest reports MB/s as MiB/s); memcpy of one lease on core $B: $cold MB/s cold, $hot MB/s hot"
+    summary "$OUT/pull-$tag.json" "pull $tls ${P_FLAGS:-}"
   done
 }
 
