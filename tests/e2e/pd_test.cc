@@ -1078,6 +1078,12 @@ TEST(PdWireTest, BlocksReEncodedOnTheWireMoveSmallerAndAreMarkedLossy) {
   auto prefill = StartNode("prefill", {"--kv-wire-dtype", "int8"});
   auto decode = StartNode("decode");
   ASSERT_TRUE(both && prefill && decode);
+  // A wire codec no smaller than the pool's is refused at start.
+  auto refused = testing::Daemon::Start(
+      Binary(), GlobalArgs(),
+      NodeArgs("prefill", {"--kv-cache-dtype", "int4", "--kv-wire-dtype", "int8"}));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("--kv-wire-dtype int8"));
   Client b(both->grpc_port()), p(prefill->grpc_port()), d(decode->grpc_port());
   EXPECT_EQ(p.Info().wire_dtype(), "int8");
   EXPECT_EQ(d.Info().wire_dtype(), "same");
@@ -1135,6 +1141,11 @@ TEST(PdWireTest, BlocksReEncodedOnTheWireMoveSmallerAndAreMarkedLossy) {
   grpc::Status s = d.Attach(forged);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("wire_block_bytes"));
+  forged = lease;
+  forged.set_wire_dtype("int3");
+  s = d.Attach(forged);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("lease.wire_dtype: unknown codec 'int3'"));
   // The fence: leased blocks freed early are caught on re-encoded copies too.
   ASSERT_TRUE(p.EarlyFree(lease).ok());
   ASSERT_TRUE(d.Attach(lease).ok());
