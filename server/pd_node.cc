@@ -225,6 +225,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     device_pool_ = pool.on_device();
     pool_dtype_ = o.dtype;
     shape_ = {o.n_layers, o.n_kv_heads, o.head_dim, o.block_size};
+    pool_bytes_ = device_pool_ ? nullptr : pool.host_storage();
     if (role_ == PdRole::kBoth) return absl::OkStatus();
     if (flags_.wire_dtype != "same" && role_ == PdRole::kPrefill) {
       kernels::KvDType w;
@@ -252,7 +253,6 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         wire_dtype_ = w;
         wire_block_bytes_ = wbb;
         wire_gen_.assign(static_cast<size_t>(num_blocks_), -1);
-        pool_bytes_ = pool.host_storage();
       }
     }
     if (role_ == PdRole::kDecode && flags_.wire_dtype != "same") {
@@ -261,7 +261,6 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
           "whatever codec each lease names",
           flags_.wire_dtype);
     }
-    if (role_ == PdRole::kDecode && !device_pool_) pool_bytes_ = pool.host_storage();
     if (role_ == PdRole::kPrefill && !engine->options().prefix_cache) {
       return absl::InvalidArgumentError(
           "--role prefill needs the prefix cache (leases pin the prompt's cached blocks)");
@@ -1169,8 +1168,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     // pool's blocks directly.
     kernels::KvDType wire_dtype = pool_dtype_;
     const bool wire = !l.wire_dtype().empty() && kernels::ParseKvDType(l.wire_dtype(), &wire_dtype);
-    const uint64_t read_bytes =
-        wire ? static_cast<uint64_t>(l.wire_block_bytes()) : static_cast<uint64_t>(block_bytes_);
+    const uint64_t read_bytes = static_cast<uint64_t>(MovedBlockBytes(l));
     if (wire) RETURN_IF_ERROR(EnsureWireStaging(static_cast<size_t>(n) * read_bytes));
     const kt::RegionId local_region = wire ? wire_staging_.id : kv_region_.id;
     std::vector<kt::TransferOp> ops;
@@ -1231,6 +1229,12 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return absl::OkStatus();
   }
 
+  // Bytes one of the lease's blocks moves as: the pool's block, or its
+  // re-encoded copy (--kv-wire-dtype on the prefill node).
+  int64_t MovedBlockBytes(const pb::Lease& l) const {
+    return l.wire_dtype().empty() ? block_bytes_ : l.wire_block_bytes();
+  }
+
   // Pull thread: a staging buffer for re-encoded blocks of at least
   // `bytes`, grown (re-registered) when a lease needs more.
   absl::Status EnsureWireStaging(size_t bytes) {
@@ -1259,8 +1263,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       absl::Status s = Pull(*job);
       const double secs = std::chrono::duration<double>(PdClock::now() - t0).count();
       const pb::Lease& pl = job->lease->lease;
-      const int64_t moved = static_cast<int64_t>(job->local_ids.size()) *
-                            (pl.wire_dtype().empty() ? block_bytes_ : pl.wire_block_bytes());
+      const int64_t moved = static_cast<int64_t>(job->local_ids.size()) * MovedBlockBytes(pl);
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (s.ok()) {
@@ -1397,7 +1400,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   std::unique_ptr<kt::Transport> transport_;
   kernels::KvDType pool_dtype_ = kernels::KvDType::kF16;
   kernels::KvBlockShape shape_;
-  uint8_t* pool_bytes_ = nullptr;  // host pools: the blocks (prefill with wire_, decode)
+  uint8_t* pool_bytes_ = nullptr;  // host pools: the blocks (null on the device)
   // Prefill, --kv-wire-dtype: kv_region_ holds the re-encoded copies.
   bool wire_ = false;
   kernels::KvDType wire_dtype_ = kernels::KvDType::kF16;
