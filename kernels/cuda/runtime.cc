@@ -88,7 +88,14 @@ absl::StatusOr<void*> DeviceAlloc(size_t bytes) {
 absl::Status DeviceFree(void* p) { return FromCuda(cudaFree(p), "cudaFree"); }
 
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
-  return FromCuda(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  // From pageable memory cudaMemcpy returns once the driver has staged the
+  // bytes; the DMA finishes later on the legacy default stream, which the
+  // project's non-blocking streams do not wait for. Seen on an H200: a
+  // kernel launched right after read the tail of a 1 MB upload stale. Wait
+  // for the legacy stream so the bytes are on the device when this returns.
+  KVSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice),
+                               "cudaMemcpy H2D");
+  return FromCuda(cudaStreamSynchronize(cudaStreamLegacy), "cudaMemcpy H2D (legacy stream sync)");
 }
 
 absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {

@@ -39,7 +39,9 @@ absl::StatusOr<std::string> DeviceName(int device);
 // their grids with it). 0 when unknown.
 int MultiprocessorCount();
 
-// Synchronous helpers for tests and one-off uploads (default stream).
+// Synchronous helpers for tests and one-off uploads (default stream). The
+// bytes of CopyToDevice are on the device when it returns, visible to work
+// issued afterwards on any stream.
 absl::StatusOr<void*> DeviceAlloc(size_t bytes);
 absl::Status DeviceFree(void* p);
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);

@@ -120,6 +120,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
   }
   const float a_scale = *static_cast<const float*>(alpha);
   const float b_scale = *static_cast<const float*>(beta);
+  OrderAfterLegacy(handle->stream);
   Enqueue([=] {
     // op(A) rows and op(B) columns as contiguous f32 vectors of length k.
     std::vector<float> a_rows(static_cast<size_t>(m) * k), b_cols(static_cast<size_t>(n) * k);

@@ -23,6 +23,7 @@
 
 struct CUstream_st {
   int id = 0;
+  bool blocking = true;  // created without cudaStreamNonBlocking
 };
 
 struct CUevent_st {
@@ -95,7 +96,29 @@ cudaError_t CheckCopy(void* dst, const void* src, size_t n, cudaMemcpyKind kind)
   return cudaErrorInvalidMemcpyDirection;
 }
 
+// Synchronous pageable host-to-device copies whose DMA has not landed.
+std::mutex g_legacy_mu;
+std::vector<std::pair<void*, std::vector<char>>> g_legacy_copies;
+
+bool WaitsForLegacy(cudaStream_t s) {
+  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread || s->blocking;
+}
+
 }  // namespace
+
+void SyncLegacyStream() {
+  std::vector<std::pair<void*, std::vector<char>>> copies;
+  {
+    std::lock_guard<std::mutex> lock(g_legacy_mu);
+    copies.swap(g_legacy_copies);
+  }
+  for (auto& [dst, bytes] : copies) std::memcpy(dst, bytes.data(), bytes.size());
+}
+
+void OrderAfterLegacy(cudaStream_t stream) {
+  if (WaitsForLegacy(stream)) Enqueue([] { SyncLegacyStream(); });
+}
+
 }  // namespace kvserve::cuda_emu
 
 using namespace kvserve::cuda_emu;  // NOLINT: the C API below is the emulator's surface
@@ -211,6 +234,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
   Drain();  // cudaFree waits for the device
+  SyncLegacyStream();
   Allocation a;
   {
     std::lock_guard<std::mutex> lock(g_mem_mu);
@@ -260,14 +284,24 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
   if (cudaError_t e = CheckCopy(dst, src, n, kind); e != cudaSuccess) return Fail(e);
   Drain();
-  if (n > 0) std::memmove(dst, src, n);
+  SyncLegacyStream();  // copies on the legacy stream run one after another
+  if (n == 0) return cudaSuccess;
+  if (kind == cudaMemcpyHostToDevice && !IsPinned(src, n)) {
+    // Staged and returned; the DMA lands later (queue.h).
+    std::lock_guard<std::mutex> lock(g_legacy_mu);
+    g_legacy_copies.emplace_back(dst, std::vector<char>(static_cast<const char*>(src),
+                                                        static_cast<const char*>(src) + n));
+    return cudaSuccess;
+  }
+  std::memmove(dst, src, n);
   return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
-                            cudaStream_t /*stream*/) {
+                            cudaStream_t stream) {
   if (cudaError_t e = CheckCopy(dst, src, n, kind); e != cudaSuccess) return Fail(e);
   if (n == 0) return cudaSuccess;
+  OrderAfterLegacy(stream);
   if (kind == cudaMemcpyHostToDevice && !IsPinned(src, n)) {
     // From pageable memory the driver stages the source before returning.
     auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
@@ -278,6 +312,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   if (kind == cudaMemcpyDeviceToHost && !IsPinned(dst, n)) {
     // To pageable memory the copy is synchronous.
     Drain();
+    if (WaitsForLegacy(stream)) SyncLegacyStream();
     std::memcpy(dst, src, n);
     return cudaSuccess;
   }
@@ -285,8 +320,9 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   return cudaSuccess;
 }
 
-cudaError_t cudaMemsetAsync(void* dst, int value, size_t n, cudaStream_t /*stream*/) {
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t n, cudaStream_t stream) {
   if (!IsDevice(dst, n)) return Fail(cudaErrorInvalidValue);
+  OrderAfterLegacy(stream);
   if (n > 0) Enqueue([dst, value, n] { std::memset(dst, value, n); });
   return cudaSuccess;
 }
@@ -294,12 +330,14 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t n, cudaStream_t /*strea
 cudaError_t cudaMemset(void* dst, int value, size_t n) {
   if (!IsDevice(dst, n)) return Fail(cudaErrorInvalidValue);
   Drain();
+  SyncLegacyStream();
   if (n > 0) std::memset(dst, value, n);
   return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
   Drain();
+  SyncLegacyStream();
   return cudaSuccess;
 }
 
@@ -308,8 +346,10 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) {
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int /*flags*/) {
-  return cudaStreamCreate(s);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  *s = new CUstream_st;
+  (*s)->blocking = (flags & cudaStreamNonBlocking) == 0;
+  return cudaSuccess;
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
@@ -318,8 +358,9 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamSynchronize(cudaStream_t /*stream*/) {
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   Drain();
+  if (WaitsForLegacy(stream)) SyncLegacyStream();
   return cudaSuccess;
 }
 
@@ -345,8 +386,9 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t /*stream*/) {
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
   if (e == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  OrderAfterLegacy(stream);
   e->recorded = true;
   e->done = false;
   Enqueue([e] {

@@ -346,7 +346,7 @@ void WarpShuffle(unsigned mask, const void* in, void* out, size_t bytes, int src
   SwitchToScheduler(f);
 }
 
-void SubmitGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t /*stream*/,
+void SubmitGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                 const char* name, std::function<void()> body) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 ||
@@ -356,6 +356,7 @@ void SubmitGrid(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t /*strea
     return;
   }
   std::string kernel = name;
+  OrderAfterLegacy(stream);
   Enqueue([grid, block, kernel = std::move(kernel), body = std::move(body)] {
     RunGrid(grid, block, kernel.c_str(), body);
   });

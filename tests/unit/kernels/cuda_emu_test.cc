@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/emu/device.h"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/runtime.h"
 
 namespace {
 
@@ -72,6 +73,11 @@ __global__ void DeadlockKernel(int* out) {
 __global__ void ExitedLaneKernel(int* out) {
   if (threadIdx.x == 1) return;
   out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<int>(threadIdx.x), 1);
+}
+
+__global__ void CopyKernel(const int* in, int* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[i];
 }
 
 __global__ void WriteKernel(int* out, int n) {
@@ -215,6 +221,50 @@ TEST(CudaEmuTest, DeviceWorkRunsAtSynchronizeNotBefore) {
   cudaStreamDestroy(s);
   cudaFreeHost(pinned);
   cudaFree(d);
+}
+
+// A synchronous cudaMemcpy from pageable memory returns before its DMA has
+// landed, on the legacy stream; a non-blocking stream does not wait for it
+// (on an H200 a kernel read the tail of such an upload stale). The emulator
+// lands those bytes only when the legacy stream is ordered before the
+// reader; cuda::CopyToDevice waits for it.
+TEST(CudaEmuTest, APageableUploadIsNotOrderedBeforeANonBlockingStream) {
+  const int n = 256;
+  int* in = DeviceAlloc<int>(n);
+  int* out = DeviceAlloc<int>(n);
+  ASSERT_EQ(cudaMemset(in, 0, n * sizeof(int)), cudaSuccess);
+  cudaStream_t nb = nullptr, blocking = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&nb, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&blocking), cudaSuccess);
+  auto run = [&](cudaStream_t s) {
+    EXPECT_EQ(cudaMemsetAsync(out, 0xff, n * sizeof(int), s), cudaSuccess);
+    KVSERVE_CUDA_LAUNCH(n / 128, 128, 0, s, CopyKernel)(in, out, n);
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    return Download(out, n)[n - 1];
+  };
+
+  auto upload = [&](int v) {
+    const std::vector<int> values(n, v);
+    ASSERT_EQ(cudaMemcpy(in, values.data(), n * sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  upload(1);
+  EXPECT_EQ(run(nb), 0) << "a non-blocking stream ran before the legacy stream's DMA";
+  upload(2);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(run(nb), 2) << "a device synchronize lands it";
+  upload(3);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+  EXPECT_EQ(run(nb), 3) << "a legacy-stream synchronize lands it";
+  upload(4);
+  EXPECT_EQ(run(blocking), 4) << "a blocking stream waits for the legacy stream";
+  const std::vector<int> fives(n, 5);
+  ASSERT_TRUE(kvserve::cuda::CopyToDevice(in, fives.data(), n * sizeof(int)).ok());
+  EXPECT_EQ(run(nb), 5) << "CopyToDevice's bytes are on the device when it returns";
+
+  cudaStreamDestroy(nb);
+  cudaStreamDestroy(blocking);
+  cudaFree(in);
+  cudaFree(out);
 }
 
 TEST(CudaEmuTest, CopiesCheckTheirDeviceSide) {
