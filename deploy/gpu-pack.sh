@@ -19,7 +19,7 @@ ARCH="${KVSERVE_GPU_ARCH:-90}"
 BUILD="${KVSERVE_PACK_BUILD_DIR:-$ROOT/build-gpupack}"
 PACK="${KVSERVE_PACK_DIR:-$ROOT/gpu-pack}"
 TARGETS=(tests/cuda_kernels_test tests/llama_cuda_test tests/pd_e2e_test bench/kvserve_cuda_bench
-  server/kvserve)
+  server/kvserve client/kvserve-bench tests/kernels_test)
 
 command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] ||
   { echo "gpu-pack: nvcc not found (bash deploy/setup.sh installs the CUDA toolkit)" >&2; exit 1; }
@@ -27,7 +27,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DKVSERVE_WITH_CUDA=ON -DKVSERVE_BUILD_BEN
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >/dev/null
 grep -q "KVSERVE_WITH_CUDA:BOOL=ON" "$BUILD/CMakeCache.txt" || { echo "gpu-pack: CUDA is off" >&2; exit 1; }
 cmake --build "$BUILD" --target cuda_kernels_test llama_cuda_test pd_e2e_test kvserve_cuda_bench \
-  kvserve
+  kvserve kvserve-bench kernels_test
 
 rm -rf "$PACK"
 mkdir -p "$PACK/lib"
@@ -52,6 +52,15 @@ if [ -d "$UCX_MODULES" ]; then
   cp -L "$UCX_MODULES"/libuct_cma.so.0 "$PACK/lib/ucx/" 2>/dev/null || true
 fi
 
+# SmolLM2's shape with its weights' values dropped (bench/gpu/same_shape_model.py,
+# ~1.4 MiB of xz): the serving benchmarks of bench/gpu/run.sh time it there.
+SMOL="${KVSERVE_MODEL_DIR:-$ROOT/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ -f "$SMOL" ]; then
+  python3 "$ROOT/bench/gpu/same_shape_model.py" "$SMOL" "$PACK/smollm2-shape.gguf.xz"
+else
+  echo "gpu-pack: no $SMOL (bash deploy/setup.sh): no serving benchmarks there"
+fi
+
 SHARED="${KVSERVE_SHARED_DIR:-$ROOT/../shared}"
 if [ -f "$SHARED/models/stories260K.gguf" ]; then
   mkdir -p "$PACK/shared/models" "$PACK/shared/golden"
@@ -62,7 +71,9 @@ else
 fi
 
 # The newest glibc symbol version anything in the pack needs.
-objdump -T "$PACK"/tests/* "$PACK"/bench/* "$PACK"/server/* "$PACK"/lib/* 2>/dev/null |
+# (objdump fails on what is not an ELF file, lib/ucx/ among them: find files only.)
+find "$PACK"/tests "$PACK"/bench "$PACK"/server "$PACK"/client "$PACK"/lib -type f -print0 |
+  xargs -0 objdump -T 2>/dev/null |
   grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1 >"$PACK/GLIBC_REQUIRED"
 git -C "$ROOT" rev-parse HEAD >"$PACK/COMMIT" 2>/dev/null || true
 echo "$ARCH" >"$PACK/CUDA_ARCH"

@@ -182,7 +182,7 @@ std::vector<PanelParam> PanelParams() {
   std::vector<PanelParam> p;
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1}) {
     for (auto [rows, cols] : {std::pair{1, 32}, std::pair{17, 64}, std::pair{37, 96},
-                              std::pair{130, 576}, std::pair{51, 1536}}) {
+                              std::pair{130, 576}, std::pair{51, 1536}, std::pair{77, 4160}}) {
       for (int n_tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 33, 64, 70}) {
         p.emplace_back(type, rows, cols, n_tokens);
       }
