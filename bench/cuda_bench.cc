@@ -1,3 +1,7 @@
+// Also the pieces of a prefill step (BM_MatMul, BM_PagedPrefillAttention) at
+// SmolLM2-135M's shapes, to place the GPU forward's time without a profiler
+// (the lent machines run gVisor, where ncu and nsys do not work).
+//
 // Paged decode attention on the GPU: achieved bandwidth (KV bytes read / time)
 // against the device's measured copy bandwidth (kernels/cuda/probe.h), for
 // contexts of 1k..32k tokens. Built only with CUDA; exits 1 without a device.
@@ -16,7 +20,9 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/matmul.h"
 #include "kernels/cuda/probe.h"
 #include "kernels/cuda/runtime.h"
 
@@ -131,6 +137,139 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
   keep_.clear();
 }
 
+
+// One matmul of SmolLM2-135M (dim 576, FFN 1536, 3 KV heads of 64) on Q4_1
+// weights, kept native (the integer kernels of matmul_q.cu, activations
+// quantized per call) or dequantized to f16 at upload (cuBLAS GemmEx, tensor
+// cores), for 1..512 tokens. TOPS counts 2 * rows * cols * tokens.
+void BM_MatMul(benchmark::State& state) {
+  const int64_t rows = state.range(0), cols = state.range(1), n = state.range(2);
+  const auto format = static_cast<cuda::WeightFormat>(state.range(3));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 0.05f);
+  std::vector<float> wf(static_cast<size_t>(rows * cols));
+  for (float& v : wf) v = nd(rng);
+  const int64_t row_bytes = kernels::RowBytes(kernels::DType::kQ4_1, cols);
+  std::vector<uint8_t> wq(static_cast<size_t>(rows * row_bytes));
+  for (int64_t r = 0; r < rows; ++r) {
+    kernels::QuantizeRowReference(kernels::DType::kQ4_1, wf.data() + r * cols,
+                                  wq.data() + r * row_bytes, cols);
+  }
+  cuda::DeviceMemoryPool pool;
+  auto stream = cuda::CudaStream::Create();
+  if (!stream.ok()) return state.SkipWithError("stream");
+  const kernels::WeightView wv{kernels::DType::kQ4_1, wq.data(), rows, cols};
+  auto w = cuda::UploadWeight(wv, format, &pool, stream->get());
+  auto mm = cuda::CublasMatMul::Create(&pool, stream->get());
+  std::vector<float> xh(static_cast<size_t>(n * cols));
+  for (float& v : xh) v = nd(rng) * 20.0f;
+  auto x = pool.Allocate(xh.size() * 4);
+  auto y = pool.Allocate(static_cast<size_t>(n * rows) * 4);
+  auto e0 = cuda::CudaEvent::Create();
+  auto e1 = cuda::CudaEvent::Create();
+  if (!w.ok() || !mm.ok() || !x.ok() || !y.ok() || !e0.ok() || !e1.ok()) {
+    return state.SkipWithError("setup failed");
+  }
+  (void)cuda::CopyToDevice(x->data(), xh.data(), xh.size() * 4);
+  auto launch = [&] {
+    return (*mm)->MatMul(*w, x->as<float>(), n, cols, y->as<float>(), rows);
+  };
+  if (absl::Status st = launch(); !st.ok() || !stream->Synchronize().ok()) {
+    return state.SkipWithError(st.ok() ? "kernel fault" : std::string(st.message()).c_str());
+  }
+  constexpr int kReps = 20;
+  double total_s = 0;
+  for (auto _ : state) {
+    (void)e0->Record(stream->get());
+    for (int r = 0; r < kReps; ++r) (void)launch();
+    (void)e1->Record(stream->get());
+    (void)e1->Synchronize();
+    auto ms = cuda::CudaEvent::ElapsedMs(*e0, *e1);
+    const double sec = ms.ok() ? *ms / 1e3 / kReps : 0.0;
+    total_s += sec;
+    state.SetIterationTime(sec);
+  }
+  const double per_call = total_s / static_cast<double>(state.iterations());
+  state.counters["TOPS"] = per_call > 0 ? 2.0 * rows * cols * n / per_call / 1e12 : 0;
+  state.counters["weight_GB/s"] =
+      per_call > 0 ? static_cast<double>(w->data.size()) / per_call / 1e9 : 0;
+  state.SetLabel(format == cuda::WeightFormat::kNative ? "q4_1 native" : "f16 cublas");
+}
+
+// One layer's prefill attention of SmolLM2 (9 query heads, 3 KV heads of
+// 64, f16 KV, block 16): one sequence's chunk of `n` query rows at the end
+// of a context of `ctx` positions. TFLOPS counts QK^T and PV over the
+// causal part (2 * 2 * head_dim * heads * attended pairs).
+void BM_PagedPrefillAttention(benchmark::State& state) {
+  const int32_t n = static_cast<int32_t>(state.range(0)), ctx = static_cast<int32_t>(state.range(1));
+  constexpr int32_t kH = 9, kKvH = 3, kD = 64, kB = 16;
+  const auto dtype = kernels::KvDType::kF16;
+  const int64_t half = kernels::PagedKvView::HalfLayerBytes(kB, kKvH, kD, dtype);
+  const int32_t n_blocks = (ctx + kB - 1) / kB;
+  cuda::DeviceMemoryPool pool;
+  auto stream = cuda::CudaStream::Create();
+  auto kv_mem = pool.Allocate(static_cast<size_t>(n_blocks) * 2 * half);
+  if (!stream.ok() || !kv_mem.ok()) return state.SkipWithError("device allocation failed");
+  (void)cuda::MemsetAsync(kv_mem->data(), 0x3c, kv_mem->size(), stream->get());
+  std::vector<int32_t> ids(n_blocks), offsets = {0, n_blocks}, qoff = {0, n}, lens = {ctx};
+  std::iota(ids.begin(), ids.end(), 0);
+  keep_.clear();
+  auto upload = [&](const void* src, size_t bytes) -> void* {
+    auto b = pool.Allocate(bytes);
+    if (!b.ok()) return nullptr;
+    (void)cuda::CopyToDevice(b->data(), src, bytes);
+    void* p = b->data();
+    keep_.push_back(std::move(b).value());
+    return p;
+  };
+  kernels::PagedKvView kv;
+  kv.pool = kv_mem->as<uint8_t>();
+  kv.block_bytes = 2 * half;
+  kv.layer_bytes = 2 * half;
+  kv.block_size = kB;
+  kv.n_kv_heads = kKvH;
+  kv.head_dim = kD;
+  kv.dtype = dtype;
+  kv.block_ids = static_cast<const int32_t*>(upload(ids.data(), ids.size() * 4));
+  kv.seq_block_offsets = static_cast<const int32_t*>(upload(offsets.data(), offsets.size() * 4));
+  kv.n_seqs = 1;
+  cuda::PrefillAttentionBatch b;
+  b.q_seq_offsets = static_cast<const int32_t*>(upload(qoff.data(), qoff.size() * 4));
+  b.seq_lens = static_cast<const int32_t*>(upload(lens.data(), lens.size() * 4));
+  b.max_q_per_seq = n;
+  b.n_heads = kH;
+  b.scale = 0.125f;
+  const int64_t q_dim = int64_t{kH} * kD;
+  std::vector<float> qh(static_cast<size_t>(n * q_dim), 0.01f);
+  const auto* q = static_cast<const float*>(upload(qh.data(), qh.size() * 4));
+  auto out = pool.Allocate(qh.size() * 4);
+  auto e0 = cuda::CudaEvent::Create();
+  auto e1 = cuda::CudaEvent::Create();
+  if (!out.ok() || !e0.ok() || !e1.ok() || q == nullptr) return state.SkipWithError("setup failed");
+  auto launch = [&] {
+    return cuda::PagedPrefillAttention(kv, 0, b, q, q_dim, out->as<float>(), q_dim, stream->get());
+  };
+  if (absl::Status st = launch(); !st.ok() || !stream->Synchronize().ok()) {
+    return state.SkipWithError(st.ok() ? "kernel fault" : std::string(st.message()).c_str());
+  }
+  constexpr int kReps = 10;
+  double total_s = 0;
+  for (auto _ : state) {
+    (void)e0->Record(stream->get());
+    for (int r = 0; r < kReps; ++r) (void)launch();
+    (void)e1->Record(stream->get());
+    (void)e1->Synchronize();
+    auto ms = cuda::CudaEvent::ElapsedMs(*e0, *e1);
+    const double sec = ms.ok() ? *ms / 1e3 / kReps : 0.0;
+    total_s += sec;
+    state.SetIterationTime(sec);
+  }
+  // Query row i (position ctx - n + i) attends ctx - n + i + 1 positions.
+  const double pairs = static_cast<double>(n) * (ctx - n) + 0.5 * n * (n + 1.0);
+  const double per_call = total_s / static_cast<double>(state.iterations());
+  state.counters["TFLOPS"] = per_call > 0 ? 4.0 * kD * kH * pairs / per_call / 1e12 : 0;
+  keep_.clear();
+}
 }  // namespace
 }  // namespace kvserve
 
@@ -142,6 +281,28 @@ BENCHMARK(kvserve::BM_PagedDecodeAttention)
                     static_cast<int64_t>(kvserve::kernels::KvDType::kFp8E4M3),
                     static_cast<int64_t>(kvserve::kernels::KvDType::kInt4)}})
     ->ArgNames({"ctx", "dtype"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK(kvserve::BM_MatMul)
+    ->ArgsProduct({{576}, {576}, {1, 8, 64, 512},
+                   {static_cast<int64_t>(kvserve::cuda::WeightFormat::kNative),
+                    static_cast<int64_t>(kvserve::cuda::WeightFormat::kF16)}})
+    ->ArgsProduct({{1536}, {576}, {1, 8, 64, 512},
+                   {static_cast<int64_t>(kvserve::cuda::WeightFormat::kNative),
+                    static_cast<int64_t>(kvserve::cuda::WeightFormat::kF16)}})
+    ->ArgsProduct({{576}, {1536}, {1, 8, 64, 512},
+                   {static_cast<int64_t>(kvserve::cuda::WeightFormat::kNative),
+                    static_cast<int64_t>(kvserve::cuda::WeightFormat::kF16)}})
+    ->ArgNames({"rows", "cols", "tokens", "fmt"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK(kvserve::BM_PagedPrefillAttention)
+    ->Args({64, 64})
+    ->Args({512, 512})
+    ->Args({512, 2048})
+    ->ArgNames({"chunk", "ctx"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
