@@ -27,8 +27,12 @@ void StepCostModel::Observe(int32_t decode_tokens, int32_t prefill_tokens, doubl
     // (priced by the line so far; the fallback price without one). Never
     // negative: noise must not make prefill look free.
     const double extra = std::max(0.0, seconds - PredictDecode(decode_tokens));
-    prefill_tokens_ = decay_ * prefill_tokens_ + prefill_tokens;
+    const double x = prefill_tokens;
+    pw_ = decay_ * pw_ + 1;
+    prefill_tokens_ = decay_ * prefill_tokens_ + x;
     prefill_seconds_ = decay_ * prefill_seconds_ + extra;
+    pxx_ = decay_ * pxx_ + x * x;
+    pxy_ = decay_ * pxy_ + x * extra;
   }
   all_tokens_ = decay_ * all_tokens_ + decode_tokens + prefill_tokens;
   all_seconds_ = decay_ * all_seconds_ + seconds;
@@ -36,6 +40,20 @@ void StepCostModel::Observe(int32_t decode_tokens, int32_t prefill_tokens, doubl
 }
 
 void StepCostModel::Fit() {
+  // The prefill line: proportional until the chunk sizes differ; then the
+  // least-squares line when its slope is positive and its intercept not
+  // negative (time never falls as a chunk grows).
+  pc_ = 0;
+  ps_ = prefill_tokens_ > 0 && prefill_seconds_ > 0 ? prefill_seconds_ / prefill_tokens_ : 0;
+  const double pvar = pxx_ * pw_ - prefill_tokens_ * prefill_tokens_;
+  if (ps_ > 0 && pvar > 1e-3 * pxx_ * pw_) {
+    const double slope = (pxy_ * pw_ - prefill_tokens_ * prefill_seconds_) / pvar;
+    const double icpt = (prefill_seconds_ - slope * prefill_tokens_) / pw_;
+    if (slope > 0 && icpt >= 0) {
+      pc_ = icpt;
+      ps_ = slope;
+    }
+  }
   a_ = 0;
   if (w_ == 0) {
     b_ = all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
@@ -59,15 +77,18 @@ void StepCostModel::Fit() {
 double StepCostModel::PredictDecode(int32_t d) const { return a_ + b_ * d; }
 
 double StepCostModel::prefill_seconds_per_token() const {
-  if (prefill_tokens_ > 0 && prefill_seconds_ > 0) return prefill_seconds_ / prefill_tokens_;
+  if (ps_ > 0) return ps_;
   return all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
 }
+
+double StepCostModel::prefill_fixed_seconds() const { return ps_ > 0 ? pc_ : 0; }
 
 int32_t StepCostModel::PrefillTokensWithin(int32_t d, double seconds) const {
   const double per = prefill_seconds_per_token();
   if (per <= 0) return INT32_MAX;
   // The epsilon keeps an exact fit (50 ms at 1 ms a token) from flooring to 49.
-  const double n = std::floor((seconds - PredictDecode(d)) / per + 1e-9);
+  const double n =
+      std::floor((seconds - PredictDecode(d) - prefill_fixed_seconds()) / per + 1e-9);
   if (n <= 0) return 0;
   return n >= INT32_MAX ? INT32_MAX : static_cast<int32_t>(n);
 }

@@ -34,10 +34,15 @@ namespace kvserve {
 //   seconds = decode(d) + p * prefill_seconds_per_token
 // decode(d) = a + b * d is a line fitted by exponentially weighted least
 // squares to the steps without prefill (proportional until it has seen two
-// different d); the prefill rate is the weighted mean of what prefill added
-// to mixed steps beyond decode(d). Recent steps count most (the machine and
-// the batch's context lengths drift). Before any decode-only step, every
-// token is priced at the mean seconds per token seen so far.
+// different d); what prefill added to a step beyond decode(d) is a second
+// line, prefill(p) = c + s * p, fitted the same way to the steps with
+// prefill (proportional, c = 0, until their sizes differ). The intercept c
+// is what a step pays for carrying any prefill at all (on a GPU: the
+// prefill kernels' launches and shapes); charged per token instead, it
+// makes small chunks look dear, which shrinks the next stall-free chunk,
+// which makes it look dearer still. Recent steps count most (the machine
+// and the batch's context lengths drift). Before any decode-only step,
+// every token is priced at the mean seconds per token seen so far.
 class StepCostModel {
  public:
   explicit StepCostModel(double decay = 0.97) : decay_(decay) {}
@@ -45,8 +50,13 @@ class StepCostModel {
   bool ready() const { return all_tokens_ > 0; }
   // Predicted seconds of a step with d decode tokens and no prefill.
   double PredictDecode(int32_t d) const;
-  double Predict(int32_t d, int32_t p) const { return PredictDecode(d) + p * prefill_seconds_per_token(); }
+  double Predict(int32_t d, int32_t p) const {
+    return PredictDecode(d) + (p > 0 ? prefill_fixed_seconds() + p * prefill_seconds_per_token() : 0);
+  }
+  // The prefill line's slope s (what one more prompt token costs) and
+  // intercept c (what carrying any prefill costs a step).
   double prefill_seconds_per_token() const;
+  double prefill_fixed_seconds() const;
   // The most prefill tokens a step with d decode tokens can take within
   // `seconds` (>= 0).
   int32_t PrefillTokensWithin(int32_t d, double seconds) const;
@@ -60,8 +70,10 @@ class StepCostModel {
   double a_ = 0, b_ = 0;
   // Decode-only steps: weighted sums for the line.
   double w_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;
-  // Mixed steps: prefill tokens and the seconds they added.
-  double prefill_tokens_ = 0, prefill_seconds_ = 0;
+  // Steps with prefill: weighted sums for the prefill line (x = prefill
+  // tokens, y = the seconds they added), and its fit.
+  double pw_ = 0, prefill_tokens_ = 0, prefill_seconds_ = 0, pxx_ = 0, pxy_ = 0;
+  double pc_ = 0, ps_ = 0;
   // Every step: tokens and seconds (the fallback price).
   double all_tokens_ = 0, all_seconds_ = 0;
 };

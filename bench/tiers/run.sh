@@ -1,12 +1,12 @@
 #!/bin/bash
 # Issue 16's tier benchmarks, one run per configuration, alternated:
-#   bench/tiers/run.sh shared-prefix|multi-turn|restart [model.gguf]
+#   bench/tiers/run.sh shared-prefix|multi-turn|restart|no-reuse [model.gguf]
 # The daemon runs on core 1 with one thread, kvserve-bench on core 0.
 # `restart` drops the page cache (needs root) for its cold-disk point.
 # Output: one TTFT / cached line pair per run, under $OUT (default /tmp/kvserve-tiers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-MODE="${1:?shared-prefix|multi-turn|restart}"
+MODE="${1:?shared-prefix|multi-turn|restart|no-reuse}"
 M="${2:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 KVSERVE="${KVSERVE:-$ROOT/build/server/kvserve}"
 BENCH="${BENCH:-$ROOT/build/client/kvserve-bench}"
@@ -64,6 +64,18 @@ case "$MODE" in
     bench dropped "${F[@]}" --requests 1; stop
     serve cold --kv-cache-memory 48MiB
     bench cold "${F[@]}" --requests 1; stop
+    ;;
+  no-reuse)
+    # Every prompt new: the tiers only cost (write-back of every evicted
+    # block); the goal is no throughput loss. Two rounds, alternated.
+    W=(--workload synthetic --num-prompts 48 --input-len 512 --output-len 64 --concurrency 8
+       --seed 5)
+    for round in 1 2; do
+      serve "no-reuse-off-$round" --kv-cache-memory 48MiB
+      bench "no-reuse-off-$round" "${W[@]}"; grep -E 'tokens/s' "$OUT/no-reuse-off-$round.txt"; stop
+      serve "no-reuse-host-$round" --kv-cache-memory 48MiB --kv-host-memory 1GiB
+      bench "no-reuse-host-$round" "${W[@]}"; grep -E 'tokens/s' "$OUT/no-reuse-host-$round.txt"; stop
+    done
     ;;
   *) echo "unknown mode $MODE" >&2; exit 2 ;;
 esac
