@@ -38,6 +38,26 @@ constexpr int32_t kBatch = 16;
 double g_copy_traffic_gbps = 0;  // from the probe, read + write
 std::vector<cuda::DeviceBuffer> keep_;  // small uploads of the running benchmark
 
+// Times `reps` launches per benchmark iteration between two events on
+// `stream` (amortizing the events' overhead) and reports each launch's
+// time; returns the sum of those per-launch times over the iterations.
+template <class Launch>
+double TimeLaunches(benchmark::State& state, cuda::StreamHandle stream, cuda::CudaEvent& e0,
+                    cuda::CudaEvent& e1, int reps, Launch&& launch) {
+  double total_s = 0;
+  for (auto _ : state) {
+    (void)e0.Record(stream);
+    for (int r = 0; r < reps; ++r) (void)launch();
+    (void)e1.Record(stream);
+    (void)e1.Synchronize();
+    auto ms = cuda::CudaEvent::ElapsedMs(e0, e1);
+    const double sec = ms.ok() ? *ms / 1e3 / reps : 0.0;
+    total_s += sec;
+    state.SetIterationTime(sec);
+  }
+  return total_s;
+}
+
 void BM_PagedDecodeAttention(benchmark::State& state) {
   const int32_t ctx = static_cast<int32_t>(state.range(0));
   const auto dtype = static_cast<kernels::KvDType>(state.range(1));
@@ -112,18 +132,7 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
     state.SkipWithError(s.ok() ? "kernel fault" : std::string(s.message()).c_str());
     return;
   }
-  constexpr int kReps = 10;  // launches per timed iteration (amortizes event overhead)
-  double total_s = 0;
-  for (auto _ : state) {
-    (void)e0->Record(stream->get());
-    for (int r = 0; r < kReps; ++r) (void)launch();
-    (void)e1->Record(stream->get());
-    (void)e1->Synchronize();
-    auto ms = cuda::CudaEvent::ElapsedMs(*e0, *e1);
-    const double sec = ms.ok() ? *ms / 1e3 / kReps : 0.0;
-    total_s += sec;
-    state.SetIterationTime(sec);
-  }
+  const double total_s = TimeLaunches(state, stream->get(), *e0, *e1, 10, launch);
   // K and V (and their scales) of every attended position, every KV head, once.
   const double kv_bytes = 2.0 * kBatch * ctx * kKvHeads * row_bytes;
   state.counters["kv_MB"] = kv_bytes / 1e6;
@@ -177,18 +186,7 @@ void BM_MatMul(benchmark::State& state) {
   if (absl::Status st = launch(); !st.ok() || !stream->Synchronize().ok()) {
     return state.SkipWithError(st.ok() ? "kernel fault" : std::string(st.message()).c_str());
   }
-  constexpr int kReps = 20;
-  double total_s = 0;
-  for (auto _ : state) {
-    (void)e0->Record(stream->get());
-    for (int r = 0; r < kReps; ++r) (void)launch();
-    (void)e1->Record(stream->get());
-    (void)e1->Synchronize();
-    auto ms = cuda::CudaEvent::ElapsedMs(*e0, *e1);
-    const double sec = ms.ok() ? *ms / 1e3 / kReps : 0.0;
-    total_s += sec;
-    state.SetIterationTime(sec);
-  }
+  const double total_s = TimeLaunches(state, stream->get(), *e0, *e1, 20, launch);
   const double per_call = total_s / static_cast<double>(state.iterations());
   state.counters["TOPS"] = per_call > 0 ? 2.0 * rows * cols * n / per_call / 1e12 : 0;
   state.counters["weight_GB/s"] =
@@ -252,18 +250,7 @@ void BM_PagedPrefillAttention(benchmark::State& state) {
   if (absl::Status st = launch(); !st.ok() || !stream->Synchronize().ok()) {
     return state.SkipWithError(st.ok() ? "kernel fault" : std::string(st.message()).c_str());
   }
-  constexpr int kReps = 10;
-  double total_s = 0;
-  for (auto _ : state) {
-    (void)e0->Record(stream->get());
-    for (int r = 0; r < kReps; ++r) (void)launch();
-    (void)e1->Record(stream->get());
-    (void)e1->Synchronize();
-    auto ms = cuda::CudaEvent::ElapsedMs(*e0, *e1);
-    const double sec = ms.ok() ? *ms / 1e3 / kReps : 0.0;
-    total_s += sec;
-    state.SetIterationTime(sec);
-  }
+  const double total_s = TimeLaunches(state, stream->get(), *e0, *e1, 10, launch);
   // Query row i (position ctx - n + i) attends ctx - n + i + 1 positions.
   const double pairs = static_cast<double>(n) * (ctx - n) + 0.5 * n * (n + 1.0);
   const double per_call = total_s / static_cast<double>(state.iterations());
