@@ -1,6 +1,6 @@
 // Also the pieces of a prefill step (BM_MatMul, BM_PagedPrefillAttention) at
 // SmolLM2-135M's shapes, to place the GPU forward's time without a profiler
-// (the lent machines run gVisor, where ncu and nsys do not work).
+// (no profiler ran on the lent machine this was written for).
 //
 // Paged decode attention on the GPU: achieved bandwidth (KV bytes read / time)
 // against the device's measured copy bandwidth (kernels/cuda/probe.h), for
