@@ -8,7 +8,8 @@
 #           1 GiB device pool; a warm restart from the disk tier vs cold; a
 #           workload with no reuse, tiers on vs off
 #   pd      router + prefill + decode node (device pools, KV through UCX's
-#           host staging) vs one `both` node, same workload
+#           host staging) vs one `both` node (stall-free steps on and off),
+#           same workload
 #   bash bench/gpu/run.sh --pack gpu-pack [tiers] [pd]   (default: both)
 # Env: DEVICE (default cuda; cpu tries the script here), MODEL (default the
 # pack's SmolLM2 shape), DEADLINE_S (stop starting runs after this many seconds, default 300),
@@ -116,6 +117,10 @@ pd() {
   late pd && return 0
   local W=(--workload synthetic --num-prompts 48 --input-len 1024 --output-len 32 --concurrency 4 --seed 7)
   node both --kv-cache-memory 1GiB && bench pd-both "${W[@]}"; cleanup
+  # The same node with whole-budget steps: tells stall-free chunking apart
+  # from the split's second engine thread as the reason the split wins.
+  node both-nostall --kv-cache-memory 1GiB --max-stall-factor 0 &&
+    bench pd-both-nostall "${W[@]}"; cleanup
   late pd-split && return 0
   node prefill --role prefill --kv-cache-memory 1GiB || return 0
   local P=$PORT
