@@ -38,6 +38,37 @@ constexpr int32_t kBatch = 16;
 double g_copy_traffic_gbps = 0;  // from the probe, read + write
 std::vector<cuda::DeviceBuffer> keep_;  // small uploads of the running benchmark
 
+// Copies `bytes` of host memory to a new device buffer of `pool`, kept in
+// keep_ until the running benchmark clears it; null when allocation fails.
+void* Upload(cuda::DeviceMemoryPool& pool, const void* src, size_t bytes) {
+  auto b = pool.Allocate(bytes);
+  if (!b.ok()) return nullptr;
+  (void)cuda::CopyToDevice(b->data(), src, bytes);
+  void* p = b->data();
+  keep_.push_back(std::move(b).value());
+  return p;
+}
+
+// A one-layer paged KV view over `pool_mem` with its block table uploaded.
+kernels::PagedKvView OneLayerKv(cuda::DeviceMemoryPool& pool, uint8_t* pool_mem, int64_t half,
+                                int32_t block_size, int32_t n_kv_heads, int32_t head_dim,
+                                kernels::KvDType dtype, const std::vector<int32_t>& ids,
+                                const std::vector<int32_t>& offsets) {
+  kernels::PagedKvView kv;
+  kv.pool = pool_mem;
+  kv.block_bytes = 2 * half;
+  kv.layer_bytes = 2 * half;
+  kv.block_size = block_size;
+  kv.n_kv_heads = n_kv_heads;
+  kv.head_dim = head_dim;
+  kv.dtype = dtype;
+  kv.block_ids = static_cast<const int32_t*>(Upload(pool, ids.data(), ids.size() * 4));
+  kv.seq_block_offsets =
+      static_cast<const int32_t*>(Upload(pool, offsets.data(), offsets.size() * 4));
+  kv.n_seqs = static_cast<int32_t>(offsets.size()) - 1;
+  return kv;
+}
+
 // Times `reps` launches per benchmark iteration between two events on
 // `stream` (amortizing the events' overhead) and reports each launch's
 // time; returns the sum of those per-launch times over the iterations.
@@ -86,26 +117,10 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
   std::iota(seq.begin(), seq.end(), 0);
   std::vector<float> q(static_cast<size_t>(kBatch) * kHeads * kHeadDim, 0.01f);
 
-  auto upload = [&](const void* src, size_t bytes) -> void* {
-    auto b = pool.Allocate(bytes);
-    if (!b.ok()) return nullptr;
-    (void)cuda::CopyToDevice(b->data(), src, bytes);
-    void* p = b->data();
-    keep_.push_back(std::move(b).value());
-    return p;
-  };
+  auto upload = [&](const void* src, size_t bytes) { return Upload(pool, src, bytes); };
   keep_.clear();
-  kernels::PagedKvView kv;
-  kv.pool = kv_mem->as<uint8_t>();
-  kv.block_bytes = 2 * half;
-  kv.layer_bytes = 2 * half;
-  kv.block_size = kBlockSize;
-  kv.n_kv_heads = kKvHeads;
-  kv.head_dim = kHeadDim;
-  kv.dtype = dtype;
-  kv.block_ids = static_cast<const int32_t*>(upload(ids.data(), ids.size() * 4));
-  kv.seq_block_offsets = static_cast<const int32_t*>(upload(offsets.data(), offsets.size() * 4));
-  kv.n_seqs = kBatch;
+  const kernels::PagedKvView kv = OneLayerKv(pool, kv_mem->as<uint8_t>(), half, kBlockSize,
+                                             kKvHeads, kHeadDim, dtype, ids, offsets);
   cuda::DecodeAttentionBatch b;
   b.n_tokens = kBatch;
   b.token_seq = static_cast<const int32_t*>(upload(seq.data(), seq.size() * 4));
@@ -212,25 +227,9 @@ void BM_PagedPrefillAttention(benchmark::State& state) {
   std::vector<int32_t> ids(n_blocks), offsets = {0, n_blocks}, qoff = {0, n}, lens = {ctx};
   std::iota(ids.begin(), ids.end(), 0);
   keep_.clear();
-  auto upload = [&](const void* src, size_t bytes) -> void* {
-    auto b = pool.Allocate(bytes);
-    if (!b.ok()) return nullptr;
-    (void)cuda::CopyToDevice(b->data(), src, bytes);
-    void* p = b->data();
-    keep_.push_back(std::move(b).value());
-    return p;
-  };
-  kernels::PagedKvView kv;
-  kv.pool = kv_mem->as<uint8_t>();
-  kv.block_bytes = 2 * half;
-  kv.layer_bytes = 2 * half;
-  kv.block_size = kB;
-  kv.n_kv_heads = kKvH;
-  kv.head_dim = kD;
-  kv.dtype = dtype;
-  kv.block_ids = static_cast<const int32_t*>(upload(ids.data(), ids.size() * 4));
-  kv.seq_block_offsets = static_cast<const int32_t*>(upload(offsets.data(), offsets.size() * 4));
-  kv.n_seqs = 1;
+  auto upload = [&](const void* src, size_t bytes) { return Upload(pool, src, bytes); };
+  const kernels::PagedKvView kv =
+      OneLayerKv(pool, kv_mem->as<uint8_t>(), half, kB, kKvH, kD, dtype, ids, offsets);
   cuda::PrefillAttentionBatch b;
   b.q_seq_offsets = static_cast<const int32_t*>(upload(qoff.data(), qoff.size() * 4));
   b.seq_lens = static_cast<const int32_t*>(upload(lens.data(), lens.size() * 4));
