@@ -117,18 +117,17 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
   std::iota(seq.begin(), seq.end(), 0);
   std::vector<float> q(static_cast<size_t>(kBatch) * kHeads * kHeadDim, 0.01f);
 
-  auto upload = [&](const void* src, size_t bytes) { return Upload(pool, src, bytes); };
   keep_.clear();
   const kernels::PagedKvView kv = OneLayerKv(pool, kv_mem->as<uint8_t>(), half, kBlockSize,
                                              kKvHeads, kHeadDim, dtype, ids, offsets);
   cuda::DecodeAttentionBatch b;
   b.n_tokens = kBatch;
-  b.token_seq = static_cast<const int32_t*>(upload(seq.data(), seq.size() * 4));
-  b.token_pos = static_cast<const int32_t*>(upload(pos.data(), pos.size() * 4));
+  b.token_seq = static_cast<const int32_t*>(Upload(pool, seq.data(), seq.size() * 4));
+  b.token_pos = static_cast<const int32_t*>(Upload(pool, pos.data(), pos.size() * 4));
   b.n_heads = kHeads;
   b.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
   b.max_context = ctx;
-  const auto* dq = static_cast<const float*>(upload(q.data(), q.size() * 4));
+  const auto* dq = static_cast<const float*>(Upload(pool, q.data(), q.size() * 4));
   auto out = pool.Allocate(q.size() * 4);
   const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(kv, b);
   auto ws = pool.Allocate(std::max<size_t>(ws_bytes, 1));
@@ -227,18 +226,17 @@ void BM_PagedPrefillAttention(benchmark::State& state) {
   std::vector<int32_t> ids(n_blocks), offsets = {0, n_blocks}, qoff = {0, n}, lens = {ctx};
   std::iota(ids.begin(), ids.end(), 0);
   keep_.clear();
-  auto upload = [&](const void* src, size_t bytes) { return Upload(pool, src, bytes); };
   const kernels::PagedKvView kv =
       OneLayerKv(pool, kv_mem->as<uint8_t>(), half, kB, kKvH, kD, dtype, ids, offsets);
   cuda::PrefillAttentionBatch b;
-  b.q_seq_offsets = static_cast<const int32_t*>(upload(qoff.data(), qoff.size() * 4));
-  b.seq_lens = static_cast<const int32_t*>(upload(lens.data(), lens.size() * 4));
+  b.q_seq_offsets = static_cast<const int32_t*>(Upload(pool, qoff.data(), qoff.size() * 4));
+  b.seq_lens = static_cast<const int32_t*>(Upload(pool, lens.data(), lens.size() * 4));
   b.max_q_per_seq = n;
   b.n_heads = kH;
   b.scale = 0.125f;
   const int64_t q_dim = int64_t{kH} * kD;
   std::vector<float> qh(static_cast<size_t>(n * q_dim), 0.01f);
-  const auto* q = static_cast<const float*>(upload(qh.data(), qh.size() * 4));
+  const auto* q = static_cast<const float*>(Upload(pool, qh.data(), qh.size() * 4));
   auto out = pool.Allocate(qh.size() * 4);
   auto e0 = cuda::CudaEvent::Create();
   auto e1 = cuda::CudaEvent::Create();

@@ -10,29 +10,42 @@ namespace kvserve {
 
 // ---- StepCostModel ----
 
+void StepCostModel::WeightedLine::Add(double x, double y, double decay) {
+  w = decay * w + 1;
+  sx = decay * sx + x;
+  sy = decay * sy + y;
+  sxx = decay * sxx + x * x;
+  sxy = decay * sxy + x * y;
+}
+
+void StepCostModel::WeightedLine::Fit(double* intercept, double* slope) const {
+  *intercept = 0;
+  *slope = sx > 0 ? sy / sx : 0;
+  const double var = sxx * w - sx * sx;
+  // Only trust a line through points of clearly different sizes (relative
+  // spread, so one odd step does not tilt it).
+  if (var > 1e-3 * sxx * w) {
+    const double b = (sxy * w - sx * sy) / var;
+    const double a = (sy - b * sx) / w;
+    if (b > 0 && a >= 0) {
+      *intercept = a;
+      *slope = b;
+    }
+  }
+}
+
 void StepCostModel::Observe(int32_t decode_tokens, int32_t prefill_tokens, double seconds) {
   if (decode_tokens < 0 || prefill_tokens < 0 || decode_tokens + prefill_tokens == 0 ||
       !(seconds >= 0) || !std::isfinite(seconds)) {
     return;
   }
   if (prefill_tokens == 0) {
-    const double x = decode_tokens, y = seconds;
-    w_ = decay_ * w_ + 1;
-    sx_ = decay_ * sx_ + x;
-    sy_ = decay_ * sy_ + y;
-    sxx_ = decay_ * sxx_ + x * x;
-    sxy_ = decay_ * sxy_ + x * y;
+    decode_.Add(decode_tokens, seconds, decay_);
   } else {
     // What the prefill added: the step minus its decode tokens' share
     // (priced by the line so far; the fallback price without one). Never
     // negative: noise must not make prefill look free.
-    const double extra = std::max(0.0, seconds - PredictDecode(decode_tokens));
-    const double x = prefill_tokens;
-    pw_ = decay_ * pw_ + 1;
-    prefill_tokens_ = decay_ * prefill_tokens_ + x;
-    prefill_seconds_ = decay_ * prefill_seconds_ + extra;
-    pxx_ = decay_ * pxx_ + x * x;
-    pxy_ = decay_ * pxy_ + x * extra;
+    prefill_.Add(prefill_tokens, std::max(0.0, seconds - PredictDecode(decode_tokens)), decay_);
   }
   all_tokens_ = decay_ * all_tokens_ + decode_tokens + prefill_tokens;
   all_seconds_ = decay_ * all_seconds_ + seconds;
@@ -40,38 +53,13 @@ void StepCostModel::Observe(int32_t decode_tokens, int32_t prefill_tokens, doubl
 }
 
 void StepCostModel::Fit() {
-  // The prefill line: proportional until the chunk sizes differ; then the
-  // least-squares line when its slope is positive and its intercept not
-  // negative (time never falls as a chunk grows).
-  pc_ = 0;
-  ps_ = prefill_tokens_ > 0 && prefill_seconds_ > 0 ? prefill_seconds_ / prefill_tokens_ : 0;
-  const double pvar = pxx_ * pw_ - prefill_tokens_ * prefill_tokens_;
-  if (ps_ > 0 && pvar > 1e-3 * pxx_ * pw_) {
-    const double slope = (pxy_ * pw_ - prefill_tokens_ * prefill_seconds_) / pvar;
-    const double icpt = (prefill_seconds_ - slope * prefill_tokens_) / pw_;
-    if (slope > 0 && icpt >= 0) {
-      pc_ = icpt;
-      ps_ = slope;
-    }
-  }
-  a_ = 0;
-  if (w_ == 0) {
+  prefill_.Fit(&pc_, &ps_);
+  if (decode_.w == 0) {
+    a_ = 0;
     b_ = all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
     return;
   }
-  b_ = sx_ > 0 ? sy_ / sx_ : 0;  // proportional until sizes differ
-  const double var = sxx_ * w_ - sx_ * sx_;
-  // Only trust a line through points of clearly different sizes (relative
-  // spread, so one odd step does not tilt it), with a non-negative slope and
-  // intercept: time never falls as a step grows.
-  if (var > 1e-3 * sxx_ * w_) {
-    const double slope = (sxy_ * w_ - sx_ * sy_) / var;
-    const double icpt = (sy_ - slope * sx_) / w_;
-    if (slope > 0 && icpt >= 0) {
-      a_ = icpt;
-      b_ = slope;
-    }
-  }
+  decode_.Fit(&a_, &b_);
 }
 
 double StepCostModel::PredictDecode(int32_t d) const { return a_ + b_ * d; }
@@ -81,7 +69,7 @@ double StepCostModel::prefill_seconds_per_token() const {
   return all_tokens_ > 0 ? all_seconds_ / all_tokens_ : 0;
 }
 
-double StepCostModel::prefill_fixed_seconds() const { return ps_ > 0 ? pc_ : 0; }
+double StepCostModel::prefill_fixed_seconds() const { return pc_; }
 
 int32_t StepCostModel::PrefillTokensWithin(int32_t d, double seconds) const {
   const double per = prefill_seconds_per_token();

@@ -31,18 +31,18 @@ namespace kvserve {
 // Seconds one step takes, learned from the steps the engine ran. A step is
 // its decode tokens (one per decoding sequence, each with an output-head row
 // and a sample) plus its prefill tokens:
-//   seconds = decode(d) + p * prefill_seconds_per_token
+//   seconds = decode(d) + (p > 0 ? prefill(p) : 0)
 // decode(d) = a + b * d is a line fitted by exponentially weighted least
 // squares to the steps without prefill (proportional until it has seen two
-// different d); what prefill added to a step beyond decode(d) is a second
-// line, prefill(p) = c + s * p, fitted the same way to the steps with
-// prefill (proportional, c = 0, until their sizes differ). The intercept c
-// is what a step pays for carrying any prefill at all (on a GPU: the
-// prefill kernels' launches and shapes); charged per token instead, it
-// makes small chunks look dear, which shrinks the next stall-free chunk,
-// which makes it look dearer still. Recent steps count most (the machine
-// and the batch's context lengths drift). Before any decode-only step,
-// every token is priced at the mean seconds per token seen so far.
+// different d); prefill(p) = c + s * p is a second line, fitted the same way
+// to what prefill added to the other steps beyond decode(d) (proportional,
+// c = 0, until their chunk sizes differ). The intercept c is what a step
+// pays for carrying any prefill at all (on a GPU: the prefill kernels'
+// launches and shapes); priced per token instead, it is spread thin over
+// whole prompts run while nobody decodes, and the chunks sized beside
+// decodes then overshoot the stall-free bound. Recent steps count most (the
+// machine and the batch's context lengths drift). Before any decode-only
+// step, every token is priced at the mean seconds per token seen so far.
 class StepCostModel {
  public:
   explicit StepCostModel(double decay = 0.97) : decay_(decay) {}
@@ -51,7 +51,8 @@ class StepCostModel {
   // Predicted seconds of a step with d decode tokens and no prefill.
   double PredictDecode(int32_t d) const;
   double Predict(int32_t d, int32_t p) const {
-    return PredictDecode(d) + (p > 0 ? prefill_fixed_seconds() + p * prefill_seconds_per_token() : 0);
+    return PredictDecode(d) +
+           (p > 0 ? prefill_fixed_seconds() + p * prefill_seconds_per_token() : 0);
   }
   // The prefill line's slope s (what one more prompt token costs) and
   // intercept c (what carrying any prefill costs a step).
@@ -64,15 +65,24 @@ class StepCostModel {
   double decode_seconds_per_token() const { return b_; }
 
  private:
-  // Refits a_ and b_ from the sums (once per observation, not per query).
+  // Exponentially weighted sums of (x, y) points.
+  struct WeightedLine {
+    double w = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+    void Add(double x, double y, double decay);
+    // Proportional (intercept 0) until the points' x clearly differ; then
+    // the least-squares line, if its slope is positive and its intercept not
+    // negative (time never falls as a step grows).
+    void Fit(double* intercept, double* slope) const;
+  };
+  // Refits both lines from the sums (once per observation, not per query).
   void Fit();
   double decay_;
+  // Decode-only steps (x = decode tokens, y = seconds) and their line a + b x.
+  WeightedLine decode_;
   double a_ = 0, b_ = 0;
-  // Decode-only steps: weighted sums for the line.
-  double w_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;
-  // Steps with prefill: weighted sums for the prefill line (x = prefill
-  // tokens, y = the seconds they added), and its fit.
-  double pw_ = 0, prefill_tokens_ = 0, prefill_seconds_ = 0, pxx_ = 0, pxy_ = 0;
+  // Steps with prefill (x = prefill tokens, y = the seconds they added
+  // beyond the decode line) and their line pc_ + ps_ x.
+  WeightedLine prefill_;
   double pc_ = 0, ps_ = 0;
   // Every step: tokens and seconds (the fallback price).
   double all_tokens_ = 0, all_seconds_ = 0;

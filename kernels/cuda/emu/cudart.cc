@@ -119,6 +119,17 @@ void OrderAfterLegacy(cudaStream_t stream) {
   if (WaitsForLegacy(stream)) Enqueue([] { SyncLegacyStream(); });
 }
 
+namespace {
+
+// What a device-wide wait sees: every queued op, then the legacy stream's
+// pending copies.
+void DrainAll() {
+  Drain();
+  SyncLegacyStream();
+}
+
+}  // namespace
+
 }  // namespace kvserve::cuda_emu
 
 using namespace kvserve::cuda_emu;  // NOLINT: the C API below is the emulator's surface
@@ -233,8 +244,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
-  Drain();  // cudaFree waits for the device
-  SyncLegacyStream();
+  DrainAll();  // cudaFree waits for the device
   Allocation a;
   {
     std::lock_guard<std::mutex> lock(g_mem_mu);
@@ -283,8 +293,7 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
   if (cudaError_t e = CheckCopy(dst, src, n, kind); e != cudaSuccess) return Fail(e);
-  Drain();
-  SyncLegacyStream();  // copies on the legacy stream run one after another
+  DrainAll();  // copies on the legacy stream run one after another
   if (n == 0) return cudaSuccess;
   if (kind == cudaMemcpyHostToDevice && !IsPinned(src, n)) {
     // Staged and returned; the DMA lands later (queue.h).
@@ -311,8 +320,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   }
   if (kind == cudaMemcpyDeviceToHost && !IsPinned(dst, n)) {
     // To pageable memory the copy is synchronous.
-    Drain();
-    if (WaitsForLegacy(stream)) SyncLegacyStream();
+    Drain();  // OrderAfterLegacy above has queued the legacy wait where due
     std::memcpy(dst, src, n);
     return cudaSuccess;
   }
@@ -329,21 +337,18 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t n, cudaStream_t stream)
 
 cudaError_t cudaMemset(void* dst, int value, size_t n) {
   if (!IsDevice(dst, n)) return Fail(cudaErrorInvalidValue);
-  Drain();
-  SyncLegacyStream();
+  DrainAll();
   if (n > 0) std::memset(dst, value, n);
   return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
-  Drain();
-  SyncLegacyStream();
+  DrainAll();
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* s) {
-  *s = new CUstream_st;
-  return cudaSuccess;
+  return cudaStreamCreateWithFlags(s, cudaStreamDefault);
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
