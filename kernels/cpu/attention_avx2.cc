@@ -157,58 +157,83 @@ struct Avx2Ops {
     for (; i < n; ++i) v[i] *= c;
   }
 
-  // Each V chunk is loaded (and converted) once for all H heads. S position
-  // streams per head give S*H independent FMA chains: with 4-cycle FMA
-  // latency, two streams of three heads left the FMA units a quarter idle.
-  // Channels [0, width) of rows `stride` apart; each group of 8 channels (and
-  // each tail channel) sees the same operations whatever width is.
+  // C groups of 8 channels of H heads stay in registers (H*C accumulators)
+  // while the positions stream past: each V chunk is loaded (and converted)
+  // once for all H heads, and each broadcast probability serves C chunks.
+  // Positions in the inner loop, channels outside, reloaded the broadcasts
+  // once per 8 channels and made this loop load-bound (4 loads for 3 FMAs;
+  // now 2 for 3 at C = 3). One FMA chain per output element, positions in
+  // order, so an element's result does not depend on how the channels are
+  // split into calls or register groups (the split path relies on it).
+  template <int H, int C>
+  static void AccumulateVHC(float* acc, int32_t stride, const float* p, int32_t ld,
+                            const Elem* v_rows, int32_t n) {
+    // The call's positions (a block run) sum from zero and join acc once at
+    // the end: a context of L positions costs each element about
+    // run + L / run roundings at acc's magnitude, not L.
+    __m256 o[H][C];
+    #pragma GCC unroll 16
+    for (int h = 0; h < H; ++h) {
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) o[h][c] = _mm256_setzero_ps();
+    }
+    for (int32_t j = 0; j < n; ++j) {
+      const Elem* v_row = v_rows + static_cast<int64_t>(j) * stride;
+      __m256 ph[H];
+      #pragma GCC unroll 16
+      for (int h = 0; h < H; ++h) ph[h] = _mm256_broadcast_ss(p + h * ld + j);
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        const __m256 v = Load8(v_row + 8 * c);
+        #pragma GCC unroll 16
+        for (int h = 0; h < H; ++h) o[h][c] = _mm256_fmadd_ps(ph[h], v, o[h][c]);
+      }
+    }
+    #pragma GCC unroll 16
+    for (int h = 0; h < H; ++h) {
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        float* a = acc + h * stride + 8 * c;
+        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), o[h][c]));
+      }
+    }
+  }
+
+  // Channels [0, width) of H heads, rows `stride` apart: whole groups of 8
+  // in register blocks of at most kMaxC groups (H*C accumulators + H
+  // broadcasts + one V chunk within the 16 ymm registers), then the tail
+  // channels one by one.
   template <int H>
   static void AccumulateVH(float* acc, int32_t stride, int32_t width, const float* p, int32_t ld,
                            const Elem* v_rows, int32_t n) {
-    constexpr int S = H <= 3 ? 4 : 2;
+    constexpr int kMaxC = H == 1 ? 8 : H == 2 ? 5 : H == 3 ? 3 : 2;
+    int32_t groups = width / 8;
     int32_t i = 0;
-    for (; i + 8 <= width; i += 8) {
-      __m256 o[S][H];
-      #pragma GCC unroll 16
-      for (int h = 0; h < H; ++h) {
-        o[0][h] = _mm256_loadu_ps(acc + h * stride + i);
-        #pragma GCC unroll 16
-        for (int st = 1; st < S; ++st) o[st][h] = _mm256_setzero_ps();
+    while (groups > 0) {
+      // Four groups of three heads as 2 + 2 (6 FMA chains each) rather
+      // than 3 + 1 (3 chains in the second: latency-bound).
+      const int32_t c = (kMaxC == 3 && groups == 4) ? 2 : std::min<int32_t>(groups, kMaxC);
+      switch (c) {
+        case 8: AccumulateVHC<H, (kMaxC >= 8 ? 8 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
+        case 7: AccumulateVHC<H, (kMaxC >= 7 ? 7 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
+        case 6: AccumulateVHC<H, (kMaxC >= 6 ? 6 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
+        case 5: AccumulateVHC<H, (kMaxC >= 5 ? 5 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
+        case 4: AccumulateVHC<H, (kMaxC >= 4 ? 4 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
+        case 3: AccumulateVHC<H, (kMaxC >= 3 ? 3 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
+        case 2: AccumulateVHC<H, 2>(acc + i, stride, p, ld, v_rows + i, n); break;
+        default: AccumulateVHC<H, 1>(acc + i, stride, p, ld, v_rows + i, n); break;
       }
-      int32_t j = 0;
-      for (; j + S <= n; j += S) {
-        #pragma GCC unroll 16
-        for (int st = 0; st < S; ++st) {
-          const __m256 v = Load8(v_rows + static_cast<int64_t>(j + st) * stride + i);
-          #pragma GCC unroll 16
-          for (int h = 0; h < H; ++h) {
-            o[st][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * ld + j + st), v, o[st][h]);
-          }
-        }
-      }
-      for (; j < n; ++j) {
-        const __m256 v = Load8(v_rows + static_cast<int64_t>(j) * stride + i);
-        #pragma GCC unroll 16
-        for (int h = 0; h < H; ++h) {
-          o[0][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * ld + j), v, o[0][h]);
-        }
-      }
-      #pragma GCC unroll 16
-      for (int h = 0; h < H; ++h) {
-        __m256 sum = o[0][h];
-        #pragma GCC unroll 16
-        for (int st = 1; st < S; ++st) sum = _mm256_add_ps(sum, o[st][h]);
-        _mm256_storeu_ps(acc + h * stride + i, sum);
-      }
+      groups -= c;
+      i += 8 * c;
     }
     for (; i < width; ++i) {
       #pragma GCC unroll 16
       for (int h = 0; h < H; ++h) {
-        float s = acc[h * stride + i];
+        float s = 0.0f;
         for (int32_t j = 0; j < n; ++j) {
           s += p[h * ld + j] * Load1(v_rows + static_cast<int64_t>(j) * stride + i);
         }
-        acc[h * stride + i] = s;
+        acc[h * stride + i] += s;
       }
     }
   }
@@ -597,6 +622,21 @@ void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int3
   }
   if (t == KvDType::kF16) {
     F16ToF32RowAvx2(data, n, dst);
+    return;
+  }
+  if (t == KvDType::kBF16) {
+    // bf16 is the top half of an f32: widening is a shift, exact for every
+    // input, NaNs included, as Bf16ToFp32.
+    int32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + 2 * i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    for (; i < n; ++i) {
+      uint16_t b;
+      std::memcpy(&b, data + 2 * i, sizeof(b));
+      dst[i] = Bf16ToFp32(b);
+    }
     return;
   }
   const bool int8 = t == KvDType::kInt8;

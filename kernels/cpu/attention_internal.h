@@ -301,7 +301,7 @@ void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& 
 // The AVX2 steps. REQUIRES: the CPU has AVX2 (and F16C).
 const F16Kernels& F16KernelsAvx2();
 
-// DequantizeRow with AVX2 for f16, int8, fp8 and the int4 rows (other
+// DequantizeRow with AVX2 for f16, bf16, int8, fp8 and the int4 rows (other
 // codecs: the plain loop). Exactly equal to DequantizeRow (f16: but for a
 // signalling NaN's bits). REQUIRES: the CPU has AVX2 and F16C.
 void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,

@@ -89,8 +89,12 @@ TEST(LlamaGoldenTest, GreedyMatchesLlamaCppReferenceOnOtherPrompts) {
   // Without the panels (AVX2-only CPUs, or KVSERVE_DISABLE_SIMD: those two
   // give the same tokens here) the per-block order is the plain loop's, which
   // parts from llama.cpp on "def fibonacci(n):" at generated token 13, a
-  // margin of 0.334; those paths get a wider band.
-  const float kNearTie = kernels::UseAvx512Vnni() ? 0.1f : 0.35f;
+  // margin of 0.334; those paths get a wider band. The AVX2 attention's V
+  // accumulation (one FMA chain per output element and block run since
+  // 2026-12-04, instead of four position streams) parts on "Here is a list
+  // of fruits:" at generated token 2, a margin of 0.197, with perplexity
+  // 18.3836 against the four streams' 18.3672 (llama.cpp: 18.3914).
+  const float kNearTie = kernels::UseAvx512Vnni() ? 0.2f : 0.35f;
   std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/greedy_reference.jsonl");
   ASSERT_TRUE(in.good());
   std::map<std::string, Engine> engines;
