@@ -42,6 +42,11 @@ class RouteCommand final : public Command {
     app_->add_option("--pd-lease-ttl-ms", o_.lease_ttl_ms,
                      "Lease ttl asked of prefill nodes (0: theirs)")
         ->capture_default_str();
+    app_->add_option("--pd-overlap", overlap_,
+                     "Pull each prompt block while the prefill computes the rest (progressive "
+                     "leases): on, off")
+        ->check(CLI::IsMember({"on", "off"}))
+        ->capture_default_str();
     app_->add_option("--api-key", o_.api_key, "Required from clients and sent to the nodes");
     app_->add_option("--poll-interval-ms", o_.poll_ms,
                      "Milliseconds between polls of each node's NodeInfo and stats")
@@ -62,6 +67,7 @@ class RouteCommand final : public Command {
   }
 
   int Run(const GlobalFlags&) override {
+    o_.overlap = overlap_ == "on";
     std::unique_ptr<Router> r = ValueOrDie(Router::Start(o_));
     r->WaitForSignal();
     r->Shutdown();
@@ -70,6 +76,7 @@ class RouteCommand final : public Command {
 
  private:
   RouterOptions o_;
+  std::string overlap_ = "on";
 };
 
 }  // namespace

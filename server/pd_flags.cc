@@ -49,6 +49,11 @@ void AddPdFlags(CLI::App* app, PdFlags* f) {
                   "(a slow link; tests only)")
       ->check(CLI::Range(0.0, 600.0))
       ->capture_default_str();
+  app->add_option("--pd-test-progress-delay", f->test_progress_delay,
+                  "Seconds over which a prefill node reveals a progressive lease's blocks, "
+                  "block i of n after (i + 1) / n of them (a slow prefill; tests only)")
+      ->check(CLI::Range(0.0, 600.0))
+      ->capture_default_str();
 }
 
 }  // namespace kvserve

@@ -32,6 +32,9 @@ struct PdFlags {
   std::string wire_dtype = "same";
   bool test_hooks = false;       // DebugEarlyFree (fault-injection tests only)
   double test_pull_delay = 0;    // seconds a decode node stalls each pull (tests only)
+  // Seconds over which a prefill node reveals a progressive lease's blocks,
+  // block i of n after (i + 1) / n of them (tests only).
+  double test_progress_delay = 0;
 };
 
 void AddPdFlags(CLI::App* app, PdFlags* flags);

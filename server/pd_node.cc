@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/status.h"
@@ -143,7 +144,8 @@ uint64_t LeaseDigest(const pb::Lease& l) {
   AppendRepeated(l.tokens(), &s);
   AppendRepeated(l.block_ids(), &s);
   AppendRepeated(l.generations(), &s);
-  absl::StrAppend(&s, "|", l.wire_dtype().size(), ":", l.wire_dtype(), "|", l.wire_block_bytes());
+  absl::StrAppend(&s, "|", l.wire_dtype().size(), ":", l.wire_dtype(), "|", l.wire_block_bytes(),
+                  "|", l.progressive() ? "progressive" : "whole");
   return XXH3_64bits(s.data(), s.size());
 }
 
@@ -197,6 +199,9 @@ class PullLoad final : public KvLoad {
 }  // namespace
 
 class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
+  struct Progress;  // a progressive lease's prefill (below)
+  struct Attached;
+
  public:
   Impl(const PdFlags& flags, PdRole role, std::string fingerprint, std::string api_key)
       : flags_(flags), role_(role), fingerprint_(std::move(fingerprint)),
@@ -341,7 +346,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       shutdown_ = true;
       // Every held lease's blocks go back on the engine thread (run by the
       // engine's destructor at the latest).
-      for (auto& [id, h] : held_) ReleaseBlocks(h.kv);
+      for (auto& [id, h] : held_) ReleaseHeld(&h);
       held_.clear();
       for (auto& a : attached_) {
         if (!a->consumed) a->consumed = true;
@@ -350,6 +355,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     cv_.notify_all();
     if (housekeeping_.joinable()) housekeeping_.join();
     if (pull_thread_.joinable()) pull_thread_.join();
+    {
+      // Progressive pulls see shutdown_ at their next wait for progress.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return progressive_pulls_ == 0; });
+    }
   }
 
   // ---- KvTransfer service ----
@@ -395,6 +405,10 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     out->set_leases_refused_no_blocks(leases_refused_no_blocks_);
     out->set_forged_endpoints(forged_endpoints_);
     out->set_duplicate_attaches(duplicate_attaches_);
+    out->set_progressive_leases(progressive_leases_);
+    out->set_progress_answers(progress_answers_);
+    out->set_overlapped_blocks(overlapped_blocks_);
+    out->set_exposed_pull_seconds(exposed_pull_seconds_);
     return grpc::Status::OK;
   }
 
@@ -445,6 +459,15 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     er.kv_policy = KvPolicy{};
     const auto deadline = PdClock::now() + std::chrono::seconds(120);
     er.deadline = deadline;
+    // Overlap: lease the blocks before they exist and report each as the
+    // prefill commits it. Host pools moved in their own codec only (a
+    // staged device pool or a wire codec needs a copy per block after its
+    // write; those leases are granted whole).
+    const int32_t full_blocks =
+        block_size_ > 0 ? (static_cast<int32_t>(tokens.size()) - 1) / block_size_ : 0;
+    if (req->progressive() && !device_pool_ && !wire_ && full_blocks >= 1) {
+      return GrantProgressive(*req, std::move(er), tokens, salt, full_blocks, out);
+    }
     auto finished = std::make_shared<std::promise<SeqEvent>>();
     auto fired = std::make_shared<std::atomic<bool>>(false);
     std::future<SeqEvent> fin = finished->get_future();
@@ -556,10 +579,194 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return grpc::Status::OK;
   }
 
+  // Prefill with PrefillRequest.progressive: submits the request and grants
+  // the lease at once, with the prompt's full-block tokens and no blocks;
+  // AnswerProgress reports the blocks as the prefill commits them.
+  grpc::Status GrantProgressive(const pb::PrefillRequest& req, EngineRequest er,
+                                const std::vector<int32_t>& tokens, const std::string& salt,
+                                int32_t full_blocks, pb::Lease* out) {
+    auto progress = std::make_shared<Progress>();
+    progress->tokens.assign(tokens.begin(),
+                            tokens.begin() + static_cast<int64_t>(full_blocks) * block_size_);
+    progress->salt = salt;
+    progress->full_blocks = full_blocks;
+    // The request's end (engine thread): the next progress answer matches
+    // once more and tells whether every block made it.
+    std::weak_ptr<Progress> weak = progress;
+    absl::StatusOr<uint64_t> id = engine_->Submit(std::move(er), [this, weak](const SeqEvent& e) {
+      if (e.finish == FinishReason::kNone) return;
+      std::shared_ptr<Progress> p = weak.lock();
+      if (p == nullptr) return;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (p->finished) return;
+        p->finished = true;
+        if (e.finish == FinishReason::kCancelled || e.finish == FinishReason::kDeadline) {
+          p->error = absl::AbortedError(
+              absl::StrCat("the prompt's prefill ended ", FinishReasonName(e.finish)));
+        }
+      }
+      cv_.notify_all();
+    });
+    if (!id.ok()) return ToGrpc(id.status());
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) {
+      engine_->Cancel(*id);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Prefill: the node is shutting down");
+    }
+    progress->request_id = *id;
+    progress->granted = PdClock::now();
+    pb::Lease& l = *out;
+    l.set_transfer_id(RandomNonZero());
+    l.set_node_id(node_id_);
+    l.set_incarnation(incarnation_);
+    l.set_grpc_address(grpc_address_);
+    l.set_ucx_address(ucx_address_);
+    l.set_kv_region(kv_descriptor_);
+    l.set_generation_region(gen_descriptor_);
+    *l.mutable_layout() = layout_;
+    l.set_cache_salt(salt);
+    for (int32_t t : progress->tokens) l.add_tokens(t);
+    const double ttl = req.ttl_ms() > 0 ? req.ttl_ms() / 1000.0 : flags_.lease_ttl;
+    l.set_ttl_ms(static_cast<uint32_t>(ttl * 1000));
+    l.set_progressive(true);
+    l.set_digest(LeaseDigest(l));
+    Held h;
+    h.digest = l.digest();
+    h.ttl = std::chrono::milliseconds(l.ttl_ms());
+    h.expiry = PdClock::now() + h.ttl;
+    h.progress = std::move(progress);
+    held_.emplace(l.transfer_id(), std::move(h));
+    ++leases_granted_;
+    ++progressive_leases_;
+    return grpc::Status::OK;
+  }
+
+  // REQUIRES: mu_ held.
+  void PostRematch(uint64_t id, const std::shared_ptr<Progress>& p) {
+    p->rematch_pending = true;
+    p->next_rematch = PdClock::now() + std::chrono::milliseconds(2);
+    engine_->RunOnEngineThread(
+        [this, id, p](KvCacheManager* m, KvTiers*) { Rematch(m, id, p); });
+  }
+
+  // Engine thread: pins every full block of the prompt the prefix cache
+  // holds now (the prefill commits its blocks there chunk by chunk), in
+  // place of the lease's earlier pin. Blocks already reported stay what
+  // they were: pinned, they cannot have been evicted or reused.
+  void Rematch(KvCacheManager* m, uint64_t id, const std::shared_ptr<Progress>& p) {
+    bool finished;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (p->released || p->early_freed) {
+        p->rematch_pending = false;
+        cv_.notify_all();
+        return;
+      }
+      finished = p->finished;
+    }
+    auto kv = std::make_shared<SeqKv>(m->mutable_pool());
+    const int32_t matched =
+        m->MatchPrefix(kv.get(), p->salt, p->tokens, p->full_blocks * block_size_);
+    const std::vector<BlockHandle>& hs = kv->table.blocks();
+    const size_t n = std::min(static_cast<size_t>(matched / block_size_), hs.size());
+    std::shared_ptr<SeqKv> drop = kv;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      p->rematch_pending = false;
+      auto it = held_.find(id);
+      if (!p->released && !p->early_freed && it != held_.end() && it->second.progress == p &&
+          p->error.ok()) {
+        const size_t have = p->blocks.size();
+        bool same = n >= have;
+        for (size_t i = 0; same && i < have; ++i) {
+          same = hs[i].id == p->blocks[i].id && hs[i].generation == p->blocks[i].generation;
+        }
+        if (!same) {
+          p->error = absl::InternalError(
+              "the prefix cache no longer holds the lease's reported blocks");
+        } else if (n > have || it->second.kv == nullptr) {
+          p->blocks.insert(p->blocks.end(), hs.begin() + static_cast<int64_t>(have),
+                           hs.begin() + static_cast<int64_t>(n));
+          drop = std::move(it->second.kv);
+          it->second.kv = kv;
+        }
+        if (finished && p->error.ok()) {
+          p->final = true;
+          if (static_cast<int32_t>(p->blocks.size()) < p->full_blocks) {
+            p->error = absl::AbortedError(absl::StrCat(
+                "the prefill finished with ", p->blocks.size(), " of the lease's ",
+                p->full_blocks, " blocks in the prefix cache (the rest were evicted before "
+                "they could be pinned)"));
+          }
+        }
+      }
+    }
+    cv_.notify_all();
+    if (drop != nullptr) m->Discard(drop.get());
+  }
+
+  // RenewLease with progress: waits (up to wait_ms, at most 1 s) until the
+  // lease holds more blocks than the decode node has, is complete, or
+  // failed; the prefill's engine thread re-matches meanwhile (at most one
+  // re-match in flight, 2 ms apart). REQUIRES: *lock holds mu_.
+  grpc::Status AnswerProgress(std::unique_lock<std::mutex>* lock, uint64_t id,
+                              std::shared_ptr<Progress> p, const pb::RenewLeaseRequest& req,
+                              pb::RenewLeaseResponse* out) {
+    const int32_t have = req.have_blocks();
+    if (have < 0 || have > p->full_blocks) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("have_blocks: ", have, " of a lease of ", p->full_blocks,
+                                       " blocks"));
+    }
+    const auto until =
+        PdClock::now() + std::chrono::milliseconds(std::min<uint32_t>(req.wait_ms(), 1000));
+    // --pd-test-progress-delay S (tests only): block i of n is shown from
+    // (i + 1) / n of S after the grant, as a prefill that slow would.
+    const double reveal = flags_.test_progress_delay;
+    auto shown = [&](PdClock::time_point now) {
+      if (reveal <= 0 || p->early_freed) return p->blocks.size();
+      const double f = std::chrono::duration<double>(now - p->granted).count() / reveal;
+      return std::min(p->blocks.size(), static_cast<size_t>(f * p->full_blocks));
+    };
+    size_t n = 0;
+    bool complete = false;
+    for (;;) {
+      if (!p->error.ok()) {
+        return grpc::Status(grpc::StatusCode::ABORTED,
+                            absl::StrCat("transfer id ", id, ": ", p->error.message()));
+      }
+      if (p->released) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                            absl::StrCat("transfer id ", id, " was released"));
+      }
+      const auto now = PdClock::now();
+      n = shown(now);
+      complete = (p->final || p->early_freed) && n == p->blocks.size();
+      if (static_cast<int32_t>(n) > have || complete || now >= until) break;
+      if (!p->rematch_pending && now >= p->next_rematch) PostRematch(id, p);
+      auto wake = p->rematch_pending ? until : std::min(until, p->next_rematch);
+      if (reveal > 0 && n < p->blocks.size()) {
+        wake = std::min(wake, p->granted + std::chrono::duration_cast<PdClock::duration>(
+                                               std::chrono::duration<double>(
+                                                   reveal * static_cast<double>(n + 1) /
+                                                   p->full_blocks)));
+      }
+      cv_.wait_until(*lock, wake);
+    }
+    for (size_t i = static_cast<size_t>(have); i < n; ++i) {
+      out->add_block_ids(p->blocks[i].id);
+      out->add_generations(p->blocks[i].generation);
+    }
+    out->set_complete(complete);
+    ++progress_answers_;
+    return grpc::Status::OK;
+  }
+
   grpc::Status RenewLease(grpc::ServerContext* ctx, const pb::RenewLeaseRequest* req,
                           pb::RenewLeaseResponse* out) override {
     if (grpc::Status a = Authorize(ctx); !a.ok()) return a;
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (grpc::Status s = CheckIncarnation(req->incarnation(), "RenewLease"); !s.ok()) return s;
     auto it = held_.find(req->transfer_id());
     if (it == held_.end()) {
@@ -587,6 +794,14 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
     it->second.expiry = PdClock::now() + it->second.ttl;
     out->set_ttl_ms(static_cast<uint32_t>(it->second.ttl.count()));
+    if (req->progress()) {
+      if (it->second.progress == nullptr) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("transfer id ", req->transfer_id(),
+                                         " is a whole lease: its blocks are in the lease"));
+      }
+      return AnswerProgress(&lock, req->transfer_id(), it->second.progress, *req, out);
+    }
     return grpc::Status::OK;
   }
 
@@ -609,7 +824,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                           absl::StrCat("unknown transfer id ", req->transfer_id(),
                                        " (never granted by node ", node_id_, ")"));
     }
-    ReleaseBlocks(it->second.kv);
+    ReleaseHeld(&it->second);
     held_.erase(it);
     RememberGone(req->transfer_id());
     ++leases_released_;
@@ -683,6 +898,14 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         return grpc::Status(grpc::StatusCode::NOT_FOUND,
                             absl::StrCat("unknown transfer id ", req->transfer_id()));
       }
+      if (it->second.progress != nullptr) {
+        if (!it->second.progress->final) {
+          return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                              absl::StrCat("transfer id ", req->transfer_id(),
+                                           ": the progressive lease is not complete yet"));
+        }
+        it->second.progress->early_freed = true;  // answers stay as they were
+      }
       // The lease record stays (Renew still succeeds), as with a buggy
       // node that freed the blocks but kept answering for them.
       kv = std::move(it->second.kv);
@@ -739,11 +962,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       }
       // Out of blocks for good: this pool could never hold the pull (a
       // transiently full pool only delays admission; the engine waits).
-      if (lease->block_ids_size() > num_blocks_) {
+      if (LeaseBlocks(*lease) > num_blocks_) {
         ++leases_refused_no_blocks_;
         return grpc::Status(
             grpc::StatusCode::RESOURCE_EXHAUSTED,
-            absl::StrCat("AttachLease: the lease has ", lease->block_ids_size(),
+            absl::StrCat("AttachLease: the lease has ", LeaseBlocks(*lease),
                          " KV blocks; this decode node's pool has ", num_blocks_));
       }
     }
@@ -821,11 +1044,30 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
  private:
   static constexpr size_t kMaxLeaseBlocks = 1 << 16;
 
+  // A progressive lease's prefill, as the prefill node follows it. Guarded
+  // by mu_; the pinned blocks themselves (Held::kv) change only on the
+  // engine thread (Rematch), under mu_.
+  struct Progress {
+    uint64_t request_id = 0;
+    std::vector<int32_t> tokens;  // the prompt's full blocks' tokens
+    std::string salt;
+    int32_t full_blocks = 0;
+    std::vector<BlockHandle> blocks;  // pinned so far, in prompt order
+    bool finished = false;            // the engine request ended
+    bool final = false;               // ... and a re-match after that ran
+    absl::Status error;               // the prefill failed: the lease is void
+    bool rematch_pending = false;
+    PdClock::time_point next_rematch;  // re-matches at most every 2 ms
+    PdClock::time_point granted;
+    bool released = false;
+    bool early_freed = false;  // test hook: the blocks are gone, keep answering
+  };
   struct Held {
     std::shared_ptr<SeqKv> kv;  // null once early-freed (test hook)
     uint64_t digest = 0;
     std::chrono::milliseconds ttl{0};
     PdClock::time_point expiry;
+    std::shared_ptr<Progress> progress;  // progressive leases only
   };
   struct Attached {
     pb::Lease lease;
@@ -870,6 +1112,18 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                                      " (it restarted: the old leases are gone)"));
   }
 
+  // Drops a lease's hold: its pinned blocks go back on the engine thread,
+  // and a progressive lease's prefill, if still running, is cancelled (its
+  // own blocks are freed with it). REQUIRES: mu_ held.
+  void ReleaseHeld(Held* h) {
+    if (h->progress != nullptr) {
+      h->progress->released = true;
+      if (!h->progress->finished && engine_ != nullptr) engine_->Cancel(h->progress->request_id);
+    }
+    ReleaseBlocks(h->kv);
+    h->kv = nullptr;
+  }
+
   // REQUIRES: mu_ held (or only this thread left).
   void ReleaseBlocks(const std::shared_ptr<SeqKv>& kv) {
     if (kv == nullptr || engine_ == nullptr) return;
@@ -880,6 +1134,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   void RememberGone(uint64_t id) {
     gone_.push_back(id);
     if (gone_.size() > 4096) gone_.pop_front();
+  }
+
+  // The blocks a lease covers: a progressive one's grow to its tokens'.
+  int32_t LeaseBlocks(const pb::Lease& l) const {
+    return l.progressive() ? l.tokens_size() / block_size_ : l.block_ids_size();
   }
 
   absl::Status CheckLeaseShape(const pb::Lease& l) const {
@@ -893,10 +1152,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                                                      " entries for ", l.block_ids_size(),
                                                      " block_ids"));
     }
-    if (static_cast<size_t>(l.block_ids_size()) > kMaxLeaseBlocks) {
+    if (static_cast<size_t>(l.block_ids_size()) > kMaxLeaseBlocks ||
+        static_cast<size_t>(l.tokens_size()) > kMaxLeaseBlocks * block_size_) {
       return absl::InvalidArgumentError(
-          absl::StrCat("lease.block_ids: ", l.block_ids_size(), " blocks, at most ",
-                       kMaxLeaseBlocks));
+          absl::StrCat("lease.block_ids: ", std::max(l.block_ids_size(), LeaseBlocks(l)),
+                       " blocks, at most ", kMaxLeaseBlocks));
     }
     if (const std::string d = KvLayoutDifference(layout_, l.layout()); !d.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -922,7 +1182,19 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     } else if (l.wire_block_bytes() != 0) {
       return absl::InvalidArgumentError("lease.wire_block_bytes: set without lease.wire_dtype");
     }
-    if (l.tokens_size() != l.block_ids_size() * block_size_) {
+    if (l.progressive()) {
+      // Tokens of whole blocks; the blocks known at the grant, at most those.
+      if (l.tokens_size() % block_size_ != 0 || l.block_ids_size() > LeaseBlocks(l)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lease.tokens: ", l.tokens_size(), " tokens of a progressive lease with ",
+                         l.block_ids_size(), " blocks of ", block_size_,
+                         " known (whole blocks, at least the known ones)"));
+      }
+      if (!l.wire_dtype().empty()) {
+        return absl::InvalidArgumentError(
+            "lease.wire_dtype: a progressive lease moves the pool's own bytes");
+      }
+    } else if (l.tokens_size() != l.block_ids_size() * block_size_) {
       return absl::InvalidArgumentError(
           absl::StrCat("lease.tokens: ", l.tokens_size(), " tokens for ", l.block_ids_size(),
                        " blocks of ", block_size_));
@@ -935,7 +1207,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
             absl::StrCat("lease.block_ids[", i, "]: negative id ", l.block_ids(i)));
       }
     }
-    if (l.block_ids_size() > 0 && (l.ucx_address().empty() || l.kv_region().empty() ||
+    if (LeaseBlocks(l) > 0 && (l.ucx_address().empty() || l.kv_region().empty() ||
                                    l.generation_region().empty())) {
       return absl::InvalidArgumentError(
           "lease.ucx_address/kv_region/generation_region: empty");
@@ -1002,7 +1274,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   }
 
   absl::Status EnsurePeer(const pb::Lease& l) {
-    if (l.block_ids_size() == 0) return absl::OkStatus();
+    if (LeaseBlocks(l) == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(peer_mu_);
     if (peers_.count(PeerKey(l)) > 0) return absl::OkStatus();
     Peer p;
@@ -1123,7 +1395,85 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return s;
   }
 
-  absl::Status Pull(const Job& job) {
+  // What a pull reports besides its status.
+  struct PullStats {
+    int32_t overlapped = 0;  // blocks read while the lease's prefill still ran
+    PdClock::time_point complete_at{};  // when every block of the lease was known
+  };
+
+  // A progressive lease's blocks past the first `have`, as the prefill node
+  // reports them (RenewLease with progress, which also renews the lease).
+  struct ProgressAnswer {
+    std::vector<int32_t> block_ids;
+    std::vector<uint32_t> generations;
+    bool complete = false;
+  };
+  absl::StatusOr<ProgressAnswer> RemoteProgress(Attached* a, int32_t have, uint32_t wait_ms) {
+    const pb::Lease& l = a->lease;
+    grpc::ClientContext c;
+    AddAuth(&c);
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(wait_ms) +
+                   std::chrono::seconds(3));
+    pb::RenewLeaseRequest r;
+    r.set_transfer_id(l.transfer_id());
+    r.set_incarnation(l.incarnation());
+    r.set_digest(LeaseDigest(l));
+    r.set_endpoint_digest(EndpointDigest(l));
+    r.set_progress(true);
+    r.set_have_blocks(have);
+    r.set_wait_ms(wait_ms);
+    pb::RenewLeaseResponse resp;
+    const auto sent = PdClock::now();
+    grpc::Status s = StubFor(l.grpc_address())->RenewLease(&c, r, &resp);
+    if (!s.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                          absl::StrCat("progress of transfer ", l.transfer_id(), " from prefill node ",
+                                       l.node_id(), " (", l.grpc_address(), "): ",
+                                       s.error_message()));
+    }
+    if (resp.block_ids_size() != resp.generations_size() ||
+        have + resp.block_ids_size() > l.tokens_size() / block_size_) {
+      return absl::InternalError(absl::StrCat("progress of transfer ", l.transfer_id(), ": ",
+                                              resp.block_ids_size(), " blocks past ", have,
+                                              " for a lease of ", l.tokens_size() / block_size_));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      a->received = sent;
+      a->ttl = std::chrono::milliseconds(resp.ttl_ms());
+    }
+    ProgressAnswer out;
+    out.block_ids.assign(resp.block_ids().begin(), resp.block_ids().end());
+    out.generations.assign(resp.generations().begin(), resp.generations().end());
+    out.complete = resp.complete();
+    return out;
+  }
+
+  // GETs the job's blocks [k0, k1) from the prefill node's blocks `remote`
+  // (indexed by lease block) into their places: the pool's blocks, or in
+  // order into the wire staging buffer.
+  absl::Status ReadBlocks(const Job& job, const Peer& peer, const std::vector<int32_t>& remote,
+                          int32_t k0, int32_t k1, bool wire, uint64_t read_bytes,
+                          PdClock::time_point deadline) {
+    const kt::RegionId local_region = wire ? wire_staging_.id : kv_region_.id;
+    std::vector<kt::TransferOp> ops;
+    for (int32_t k = k0; k < k1; ++k) {
+      const uint64_t local = wire ? static_cast<uint64_t>(k) * read_bytes
+                                  : static_cast<uint64_t>(job.local_ids[k]) * block_bytes_;
+      const uint64_t rem = static_cast<uint64_t>(remote[job.first_block + k]) * read_bytes;
+      if (!ops.empty() && ops.back().local_offset + ops.back().length == local &&
+          ops.back().remote_offset + ops.back().length == rem) {
+        ops.back().length += read_bytes;  // contiguous on both sides: one op
+        continue;
+      }
+      ops.push_back({local_region, local, peer.kv, rem, read_bytes});
+    }
+    absl::StatusOr<kt::TransferId> t = transport_->PostTransfer(peer.id, kt::Direction::kRead, ops);
+    if (!t.ok()) return t.status();
+    return WaitDrained(*t, job.lease.get(), deadline);
+  }
+
+  absl::Status Pull(const Job& job, PullStats* st) {
     const pb::Lease& l = job.lease->lease;
     Attached* a = job.lease.get();
     if (flags_.test_pull_delay > 0) {
@@ -1137,8 +1487,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         RETURN_IF_ERROR(KeepAlive(a));
       }
     }
-    const auto deadline = PdClock::now() + std::chrono::duration_cast<PdClock::duration>(
-                                               std::chrono::duration<double>(flags_.transfer_timeout));
+    const auto timeout = std::chrono::duration_cast<PdClock::duration>(
+        std::chrono::duration<double>(flags_.transfer_timeout));
+    auto deadline = PdClock::now() + timeout;
     RETURN_IF_ERROR(KeepAlive(a));
     PdClock::time_point received;
     std::chrono::milliseconds ttl;
@@ -1170,52 +1521,94 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     const bool wire = !l.wire_dtype().empty() && kernels::ParseKvDType(l.wire_dtype(), &wire_dtype);
     const uint64_t read_bytes = static_cast<uint64_t>(MovedBlockBytes(l));
     if (wire) RETURN_IF_ERROR(EnsureWireStaging(static_cast<size_t>(n) * read_bytes));
-    const kt::RegionId local_region = wire ? wire_staging_.id : kv_region_.id;
-    std::vector<kt::TransferOp> ops;
-    for (int32_t k = 0; k < n; ++k) {
-      const uint64_t local = wire ? static_cast<uint64_t>(k) * read_bytes
-                                  : static_cast<uint64_t>(job.local_ids[k]) * block_bytes_;
-      const uint64_t remote = static_cast<uint64_t>(l.block_ids(job.first_block + k)) * read_bytes;
-      if (!ops.empty() && ops.back().local_offset + ops.back().length == local &&
-          ops.back().remote_offset + ops.back().length == remote) {
-        ops.back().length += read_bytes;  // contiguous on both sides: one op
+    // The lease's blocks as far as known: all of a whole lease's; a
+    // progressive lease's grow as its prefill commits them, and each is read
+    // as soon as it is known while the prefill computes the rest.
+    std::vector<int32_t> remote(l.block_ids().begin(), l.block_ids().end());
+    std::vector<uint32_t> gens(l.generations().begin(), l.generations().end());
+    bool complete = !l.progressive();
+    if (complete) st->complete_at = PdClock::now();
+    const int32_t end = job.first_block + n;
+    for (int32_t done = 0; done < n;) {
+      const int32_t known = std::min<int32_t>(static_cast<int32_t>(remote.size()), end) -
+                            job.first_block;
+      if (known > done) {
+        if (!complete) deadline = PdClock::now() + timeout;  // per read while it overlaps
+        RETURN_IF_ERROR(ReadBlocks(job, peer, remote, done, known, wire, read_bytes, deadline));
+        if (!complete) st->overlapped += known - done;
+        done = known;
         continue;
       }
-      ops.push_back({local_region, local, peer.kv, remote, read_bytes});
-    }
-    absl::StatusOr<kt::TransferId> t = transport_->PostTransfer(peer.id, kt::Direction::kRead, ops);
-    if (!t.ok()) return t.status();
-    RETURN_IF_ERROR(WaitDrained(*t, a, deadline));
-    // The fence: only now, after every data read completed, read the
-    // generations. A block freed at any time since the grant has advanced.
-    std::vector<kt::TransferOp> gops;
-    for (int32_t k = 0; k < n; ++k) {
-      gops.push_back({gen_buffer_.id, static_cast<uint64_t>(k) * 4, peer.gen,
-                      static_cast<uint64_t>(l.block_ids(job.first_block + k)) * 4, 4});
-    }
-    t = transport_->PostTransfer(peer.id, kt::Direction::kRead, gops);
-    if (!t.ok()) return t.status();
-    RETURN_IF_ERROR(WaitDrained(*t, a, deadline));
-    const auto* gens = static_cast<const uint32_t*>(gen_buffer_.address);
-    int32_t changed = 0;
-    std::string first;
-    for (int32_t k = 0; k < n; ++k) {
-      const uint32_t want = l.generations(job.first_block + k);
-      if (gens[k] != want) {
-        if (changed++ == 0) {
-          first = absl::StrCat("block ", l.block_ids(job.first_block + k), " generation ", want,
-                               " -> ", gens[k]);
-        }
+      if (complete) {
+        return absl::InternalError(absl::StrCat("transfer ", l.transfer_id(), ": the lease holds ",
+                                                remote.size(), " blocks; the pull needs ", end));
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (shutdown_) return absl::UnavailableError("the node is shutting down");
+      }
+      // The prefill is still running: wait for its next committed blocks.
+      // Each answer proves the prefill node alive and renews the lease; a
+      // dead or stopped node fails the call within its deadline, a failed
+      // prefill answers an error, and the prefill node gives a prefill 120 s.
+      ASSIGN_OR_RETURN(ProgressAnswer pr,
+                       RemoteProgress(a, static_cast<int32_t>(remote.size()), 200));
+      remote.insert(remote.end(), pr.block_ids.begin(), pr.block_ids.end());
+      gens.insert(gens.end(), pr.generations.begin(), pr.generations.end());
+      if (pr.complete) {
+        complete = true;
+        st->complete_at = PdClock::now();
+        deadline = st->complete_at + timeout;
       }
     }
-    if (changed > 0) {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++generation_mismatches_;
-      return absl::DataLossError(absl::StrCat(
-          "transfer ", l.transfer_id(), ": ", changed, " of ", n,
-          " leased blocks were freed on the prefill node during the pull (", first,
-          "); their KV is not committed"));
+    if (!complete) {
+      // Every block this pull needs is in, but not the lease's last ones
+      // (the decode node held some of the prompt itself): the fence below
+      // still applies; the time after this point is what the request waits.
+      st->complete_at = PdClock::now();
     }
+    // The fence: only now, after every data read completed, read the
+    // generations. A block freed at any time since the grant has advanced.
+    // Progressive pulls run on threads of their own: their own buffer.
+    kt::LocalRegion own_gen;
+    if (l.progressive()) {
+      ASSIGN_OR_RETURN(own_gen, transport_->AllocateRegion(static_cast<size_t>(std::max(n, 1)) * 4));
+    }
+    const kt::LocalRegion& gen_buf = l.progressive() ? own_gen : gen_buffer_;
+    absl::Status fenced = [&]() -> absl::Status {
+      std::vector<kt::TransferOp> gops;
+      for (int32_t k = 0; k < n; ++k) {
+        gops.push_back({gen_buf.id, static_cast<uint64_t>(k) * 4, peer.gen,
+                        static_cast<uint64_t>(remote[job.first_block + k]) * 4, 4});
+      }
+      absl::StatusOr<kt::TransferId> t =
+          transport_->PostTransfer(peer.id, kt::Direction::kRead, gops);
+      if (!t.ok()) return t.status();
+      RETURN_IF_ERROR(WaitDrained(*t, a, deadline));
+      const auto* got = static_cast<const uint32_t*>(gen_buf.address);
+      int32_t changed = 0;
+      std::string first;
+      for (int32_t k = 0; k < n; ++k) {
+        const uint32_t want = gens[job.first_block + k];
+        if (got[k] != want) {
+          if (changed++ == 0) {
+            first = absl::StrCat("block ", remote[job.first_block + k], " generation ", want,
+                                 " -> ", got[k]);
+          }
+        }
+      }
+      if (changed > 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++generation_mismatches_;
+        return absl::DataLossError(absl::StrCat(
+            "transfer ", l.transfer_id(), ": ", changed, " of ", n,
+            " leased blocks were freed on the prefill node during the pull (", first,
+            "); their KV is not committed"));
+      }
+      return absl::OkStatus();
+    }();
+    if (own_gen.address != nullptr) (void)transport_->DeregisterRegion(own_gen.id);
+    RETURN_IF_ERROR(fenced);
     if (wire) {
       const auto* staged = static_cast<const uint8_t*>(wire_staging_.address);
       for (int32_t k = 0; k < n; ++k) {
@@ -1249,6 +1642,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return absl::OkStatus();
   }
 
+  // Whole leases are pulled one after another on the pull thread; a
+  // progressive lease waits on its prefill, so it gets a thread of its own
+  // (counted in progressive_pulls_; Shutdown waits for them).
   void PullLoop() {
     for (;;) {
       std::shared_ptr<Job> job;
@@ -1258,42 +1654,71 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         if (jobs_.empty()) return;  // shutdown with nothing left
         job = jobs_.front();
         jobs_.pop_front();
+        if (job->lease->lease.progressive()) ++progressive_pulls_;
       }
-      const auto t0 = PdClock::now();
-      absl::Status s = Pull(*job);
-      const double secs = std::chrono::duration<double>(PdClock::now() - t0).count();
-      const pb::Lease& pl = job->lease->lease;
-      const int64_t moved = static_cast<int64_t>(job->local_ids.size()) * MovedBlockBytes(pl);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (s.ok()) {
-          // One line per transfer: bench/pd/run.sh reads the pull rate from it.
-          spdlog::info("pd: transfer {}: pulled {} blocks, {} bytes in {:.3f} ms ({:.1f} MB/s){}",
-                       pl.transfer_id(), job->local_ids.size(), moved, secs * 1e3,
-                       static_cast<double>(moved) / 1e6 / std::max(secs, 1e-9),
-                       pl.wire_dtype().empty() ? "" : absl::StrCat(", as ", pl.wire_dtype()));
-          ++transfers_ok_;
-          blocks_pulled_ += static_cast<int64_t>(job->local_ids.size());
-          bytes_pulled_ += moved;
-          pull_seconds_ += secs;
-        } else {
-          ++transfers_failed_;
-        }
-        attached_.erase(std::remove(attached_.begin(), attached_.end(), job->lease),
-                        attached_.end());
+      if (job->lease->lease.progressive()) {
+        std::thread([this, job] {
+          RunJob(*job);
+          std::lock_guard<std::mutex> lock(mu_);
+          --progressive_pulls_;
+          cv_.notify_all();
+        }).detach();
+      } else {
+        RunJob(*job);
       }
-      if (!s.ok()) {
-        spdlog::warn("pd: pull of transfer {} from {} failed, recomputing locally: {}",
-                     job->lease->lease.transfer_id(), job->lease->lease.node_id(), s.ToString());
-        // A transport failure (dead or wedged peer): reconnect next time.
-        if (s.code() != absl::StatusCode::kDataLoss) DropPeer(job->lease->lease);
-      }
-      // The blocks are ours alone again; decoded wire blocks are lossy.
-      job->load->Finish(s, s.ok() && !pl.wire_dtype().empty()
-                               ? static_cast<int32_t>(job->local_ids.size()) * block_size_
-                               : 0);
-      RemoteRelease(job->lease->lease, s.ok() ? "committed" : "failed");
     }
+  }
+
+  void RunJob(const Job& job) {
+    const auto t0 = PdClock::now();
+    PullStats st;
+    absl::Status s = Pull(job, &st);
+    const auto t1 = PdClock::now();
+    const double secs = std::chrono::duration<double>(t1 - t0).count();
+    const pb::Lease& pl = job.lease->lease;
+    const int64_t moved = static_cast<int64_t>(job.local_ids.size()) * MovedBlockBytes(pl);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (s.ok()) {
+        const double exposed =
+            std::chrono::duration<double>(t1 - std::max(st.complete_at, t0)).count();
+        // One line per transfer: bench/pd/run.sh reads the pull rate from it.
+        spdlog::info("pd: transfer {}: pulled {} blocks, {} bytes in {:.3f} ms ({:.1f} MB/s){}{}",
+                     pl.transfer_id(), job.local_ids.size(), moved, secs * 1e3,
+                     static_cast<double>(moved) / 1e6 / std::max(secs, 1e-9),
+                     pl.wire_dtype().empty() ? "" : absl::StrCat(", as ", pl.wire_dtype()),
+                     pl.progressive()
+                         ? absl::StrFormat("; progressive: %d blocks during the prefill, "
+                                           "%.3f ms after it",
+                                           st.overlapped, exposed * 1e3)
+                         : "");
+        ++transfers_ok_;
+        blocks_pulled_ += static_cast<int64_t>(job.local_ids.size());
+        bytes_pulled_ += moved;
+        pull_seconds_ += secs;
+        overlapped_blocks_ += st.overlapped;
+        exposed_pull_seconds_ += exposed;
+      } else {
+        ++transfers_failed_;
+      }
+      attached_.erase(std::remove(attached_.begin(), attached_.end(), job.lease), attached_.end());
+    }
+    if (!s.ok()) {
+      spdlog::warn("pd: pull of transfer {} from {} failed, recomputing locally: {}",
+                   pl.transfer_id(), pl.node_id(), s.ToString());
+      // A transport failure (dead or wedged peer): reconnect next time. Not
+      // for a fenced block or a prefill that failed or was released: the
+      // peer itself is fine.
+      if (s.code() != absl::StatusCode::kDataLoss && s.code() != absl::StatusCode::kAborted &&
+          s.code() != absl::StatusCode::kNotFound) {
+        DropPeer(pl);
+      }
+    }
+    // The blocks are ours alone again; decoded wire blocks are lossy.
+    job.load->Finish(s, s.ok() && !pl.wire_dtype().empty()
+                            ? static_cast<int32_t>(job.local_ids.size()) * block_size_
+                            : 0);
+    RemoteRelease(pl, s.ok() ? "committed" : "failed");
   }
 
   // Renews the unclaimed attached leases a third of whose ttl has passed
@@ -1347,7 +1772,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         }
         spdlog::info("pd: lease of transfer {} expired unreleased; freeing {} blocks", it->first,
                      it->second.kv ? it->second.kv->table.num_blocks() : 0);
-        ReleaseBlocks(it->second.kv);
+        ReleaseHeld(&it->second);
         RememberGone(it->first);
         ++leases_expired_;
         it = held_.erase(it);
@@ -1431,6 +1856,10 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int64_t lease_renewals_ = 0, leases_refused_no_blocks_ = 0, forged_endpoints_ = 0;
   double pull_seconds_ = 0;
   int64_t staged_blocks_ = 0;
+  int64_t progressive_leases_ = 0, progress_answers_ = 0;  // prefill
+  int64_t overlapped_blocks_ = 0;                         // decode
+  int32_t progressive_pulls_ = 0;  // decode: pull threads of progressive leases running
+  double exposed_pull_seconds_ = 0;                       // decode
   int64_t wire_blocks_ = 0;  // re-encoded (prefill) or decoded (decode) for the wire  // prefill,
                              // staged device pool: blocks synced to staging
 

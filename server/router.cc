@@ -569,6 +569,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
             : std::chrono::system_clock::now() + std::chrono::seconds(300);
     pdv1::PrefillRequest pr = base;
     pr.set_ttl_ms(o.lease_ttl_ms);
+    pr.set_progressive(o.overlap);
     pdv1::Lease l;
     bool granted = false;
     for (size_t k = 0; k < candidates.size() && !granted; ++k) {

@@ -11,7 +11,12 @@
 #   3. ttft   TTFT p50 through the router over 2 `both` nodes (one core each)
 #             on a multi-tenant shared-prefix workload: --policy kv vs
 #             round-robin.
-#   bench/pd/run.sh [pull|itl|ttft|all]   (default all)
+#   4. overlap  TTFT through router + prefill + decode with the transfer
+#             overlapped with the prefill (--pd-overlap on: progressive
+#             leases) and after it (off), alternated, per transport; and
+#             the pull time left after each prefill ended (decode log).
+#   bench/pd/run.sh [pull|itl|ttft|overlap|all]   (default all; overlap is
+#   not part of all)
 # Env: BUILD (default build-dev), MODEL (default SmolLM2), OUT (results dir,
 # default a temp dir), N (requests per point, default 48), PULLS (leases
 # pulled per transport, default 12), CORE_A / CORE_B (the two cores,
@@ -185,7 +190,50 @@ ttft() {
   done
 }
 
+overlap() {
+  # Long unique prompts (4 chunks of the default 512-token step), one token
+  # out, one request at a time: TTFT is prefill + what of the pull is left.
+  local len=${OVERLAP_LEN:-2000}
+  for tls in ${PULL_TLS:-posix,cma tcp}; do
+    local tag=${tls//,/+}
+    node P $A prefill 1 --pd-ucx-tls "$tls"
+    node D $B decode 1 --pd-ucx-tls "$tls"
+    local round=0
+    for mode in off on on off; do
+      round=$((round + 1))
+      router "127.0.0.1:$P_PORT,127.0.0.1:$D_PORT" --pd-mode always --pd-overlap "$mode"
+      local before
+      before=$(wc -l <"$OUT/D.log")
+      "$BENCH" --grpc "127.0.0.1:$ROUTER_PORT" --workload synthetic --input-len "$len" \
+        --output-len 1 --num-prompts "$PULLS" --concurrency 1 --seed $((7 + round)) -q \
+        --json-out "$OUT/overlap-$tag-$mode-$round.json" >/dev/null
+      kill "${pids[-1]}" 2>/dev/null || true
+      wait "${pids[-1]}" 2>/dev/null || true
+      unset 'pids[-1]'
+      # Pull time left after the prefill ended, per transfer: a whole
+      # lease's whole pull; a progressive one's "ms after it".
+      local exposed
+      exposed=$(tail -n +"$((before + 1))" "$OUT/D.log" | python3 -c '
+import re, sys
+left = []
+for line in sys.stdin:
+    r = re.search(r"pulled (\d+) blocks, \d+ bytes in ([\d.]+) ms", line)
+    if not r:
+        continue
+    a = re.search(r"([\d.]+) ms after it", line)
+    left.append(float(a[1]) if a else float(r[2]))
+left.sort()
+print(f"{len(left)} pulls, left after the prefill p50 {left[len(left)//2]:.2f} ms" if left else "no pulls")
+')
+      summary "$OUT/overlap-$tag-$mode-$round.json" "overlap $mode, $tls"
+      echo "  decode: $exposed"
+    done
+    stop_all
+  done
+}
+
 case "$WHAT" in
+  overlap) overlap ;;
   pull) pull ;;
   itl) itl ;;
   ttft) ttft ;;

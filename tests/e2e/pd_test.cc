@@ -166,13 +166,43 @@ struct Client {
     EXPECT_TRUE(pdx->GetNodeInfo(&c, pdv1::GetNodeInfoRequest(), &i).ok());
     return i;
   }
-  grpc::Status Prefill(const std::string& prompt, pdv1::Lease* lease, uint32_t ttl_ms = 0) {
+  grpc::Status Prefill(const std::string& prompt, pdv1::Lease* lease, uint32_t ttl_ms = 0,
+                       bool progressive = false) {
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + 30s);
     pdv1::PrefillRequest r;
     r.set_generate_request(Request(prompt).SerializeAsString());
     r.set_ttl_ms(ttl_ms);
+    r.set_progressive(progressive);
     return pdx->Prefill(&c, r, lease);
+  }
+  // RenewLease with progress: the lease's blocks past `have`.
+  grpc::Status Progress(const pdv1::Lease& l, int32_t have, uint32_t wait_ms,
+                        pdv1::RenewLeaseResponse* out) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + 10s);
+    pdv1::RenewLeaseRequest r;
+    r.set_transfer_id(l.transfer_id());
+    r.set_incarnation(l.incarnation());
+    r.set_digest(l.digest());
+    r.set_progress(true);
+    r.set_have_blocks(have);
+    r.set_wait_ms(wait_ms);
+    return pdx->RenewLease(&c, r, out);
+  }
+  // Polls a progressive lease until it is complete: its blocks in order.
+  std::vector<int32_t> ProgressToCompletion(const pdv1::Lease& l, int* answers = nullptr) {
+    std::vector<int32_t> ids;
+    for (int i = 0; i < 200; ++i) {
+      pdv1::RenewLeaseResponse r;
+      grpc::Status s = Progress(l, static_cast<int32_t>(ids.size()), 500, &r);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      if (!s.ok()) break;
+      if (answers != nullptr) ++*answers;
+      ids.insert(ids.end(), r.block_ids().begin(), r.block_ids().end());
+      if (r.complete()) break;
+    }
+    return ids;
   }
   grpc::Status Attach(const pdv1::Lease& lease) {
     grpc::ClientContext c;
@@ -405,12 +435,180 @@ TEST_F(PdTest, RouterPrefillDecodeOutputsEqualOneNode) {
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
   EXPECT_GT(p.Info().leases_granted(), 150);
+  // The router asks for progressive leases (--pd-overlap on, the default).
+  EXPECT_GT(p.Info().progressive_leases(), 150);
+  EXPECT_GT(d.Info().exposed_pull_seconds(), 0);
+}
+
+// Overlap: a progressive lease is granted before the prompt's KV exists,
+// reports its blocks as the prefill commits them, and what the decode node
+// pulls from it equals the single node's output.
+TEST_F(PdTest, ProgressiveLeaseReportsBlocksAsThePrefillCommitsThem) {
+  Client p(prefill_->grpc_port()), d(decode_->grpc_port());
+  const std::string prompt = UniquePrompts(1, "Progressive lease")[0];
+  const pdv1::NodeInfo p0 = p.Info(), d0 = d.Info();
+  pdv1::Lease lease;
+  ASSERT_TRUE(p.Prefill(prompt, &lease, 0, /*progressive=*/true).ok());
+  EXPECT_TRUE(lease.progressive());
+  EXPECT_EQ(lease.block_ids_size(), 0);  // granted before any block was pinned
+  const int32_t bs = p.Info().layout().block_size();
+  ASSERT_GT(lease.tokens_size(), 0);
+  EXPECT_EQ(lease.tokens_size() % bs, 0);
+  int answers = 0;
+  const std::vector<int32_t> ids = p.ProgressToCompletion(lease, &answers);
+  EXPECT_EQ(static_cast<int>(ids.size()), lease.tokens_size() / bs);
+  EXPECT_GE(answers, 1);
+  EXPECT_EQ(p.Info().progress_answers() - p0.progress_answers(), answers);
+
+  // Bad progress requests name the field; a whole lease has no progress.
+  pdv1::RenewLeaseResponse r;
+  grpc::Status s = p.Progress(lease, lease.tokens_size() / bs + 1, 0, &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("have_blocks"));
+  pdv1::Lease whole;
+  ASSERT_TRUE(p.Prefill(UniquePrompts(2, "Whole lease")[1], &whole).ok());
+  EXPECT_FALSE(whole.progressive());
+  s = p.Progress(whole, 0, 0, &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("whole lease"));
+  (void)p.Release(whole.transfer_id(), whole.incarnation());
+  // A progressive lease whose tokens are not whole blocks is refused.
+  pdv1::Lease cut = lease;
+  cut.mutable_tokens()->RemoveLast();
+  s = d.Attach(cut);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("progressive"));
+
+  ASSERT_TRUE(d.Attach(lease).ok());
+  EXPECT_EQ(d.Generate(prompt), Reference(prompt));
+  const pdv1::NodeInfo d1 = d.Info();
+  EXPECT_EQ(d1.transfers_ok(), d0.transfers_ok() + 1);
+  EXPECT_EQ(d1.blocks_pulled() - d0.blocks_pulled(), lease.tokens_size() / bs);
+  EXPECT_EQ(d1.generation_mismatches(), d0.generation_mismatches());
+  EXPECT_EQ(p.Info().progressive_leases(), p0.progressive_leases() + 1);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+TEST_F(PdTest, ProgressiveLeaseEarlyFreeIsCaughtByTheGenerationFence) {
+  Client p(prefill_->grpc_port()), d(decode_->grpc_port());
+  const std::vector<std::string> prompts = UniquePrompts(5, "Progressive early free");
+  const pdv1::NodeInfo before = d.Info();
+  const int64_t frees_before = p.Info().early_frees();
+  for (const auto& prompt : prompts) {
+    pdv1::Lease lease;
+    ASSERT_TRUE(p.Prefill(prompt, &lease, 0, true).ok());
+    ASSERT_TRUE(lease.progressive());
+    ASSERT_FALSE(p.ProgressToCompletion(lease).empty());
+    ASSERT_TRUE(p.EarlyFree(lease).ok());
+    ASSERT_TRUE(d.Attach(lease).ok());
+    EXPECT_EQ(d.Generate(prompt), Reference(prompt)) << prompt;
+    (void)p.Release(lease.transfer_id(), lease.incarnation());
+  }
+  const pdv1::NodeInfo after = d.Info();
+  EXPECT_EQ(after.generation_mismatches() - before.generation_mismatches(), 5);
+  EXPECT_EQ(p.Info().early_frees() - frees_before, 5);
+  EXPECT_EQ(after.transfers_ok(), before.transfers_ok());
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// A slow prefill (--pd-test-progress-delay reveals block i of n at (i + 1)
+// / n of the delay): progress answers come block by block, and the decode
+// node reads blocks before the lease is complete.
+TEST_F(PdTest, ProgressiveLeaseOnASlowPrefillIsPulledBlockByBlock) {
+  auto slow = StartNode("prefill", {"--pd-test-progress-delay", "1.5"});
+  ASSERT_TRUE(slow);
+  Client p(slow->grpc_port()), d(decode_->grpc_port());
+  const int32_t bs = p.Info().layout().block_size();
+  const std::vector<std::string> prompts = UniquePrompts(2, "Block by block");
+  // Polled by hand: the first answer holds some blocks, not all.
+  pdv1::Lease lease;
+  grpc::Status granted = p.Prefill(prompts[0], &lease, 0, true);
+  ASSERT_TRUE(granted.ok()) << granted.error_message();
+  const int32_t total = lease.tokens_size() / bs;
+  ASSERT_GE(total, 2);
+  pdv1::RenewLeaseResponse first;
+  ASSERT_TRUE(p.Progress(lease, 0, 1000, &first).ok());
+  EXPECT_FALSE(first.complete());
+  EXPECT_GE(first.block_ids_size(), 1);
+  EXPECT_LT(first.block_ids_size(), total);
+  int answers = 0;
+  EXPECT_EQ(static_cast<int>(p.ProgressToCompletion(lease, &answers).size()), total);
+  EXPECT_GE(answers, 2);
+  (void)p.Release(lease.transfer_id(), lease.incarnation());
+  // Pulled by the decode node: blocks are read while the prefill "runs".
+  const pdv1::NodeInfo d0 = d.Info();
+  ASSERT_TRUE(p.Prefill(prompts[1], &lease, 0, true).ok());
+  ASSERT_TRUE(d.Attach(lease).ok());
+  EXPECT_EQ(d.Generate(prompts[1]), Reference(prompts[1]));
+  const pdv1::NodeInfo d1 = d.Info();
+  EXPECT_EQ(d1.transfers_ok(), d0.transfers_ok() + 1);
+  EXPECT_GE(d1.overlapped_blocks() - d0.overlapped_blocks(), 1);
+  EXPECT_EQ(d1.blocks_pulled() - d0.blocks_pulled(), lease.tokens_size() / bs);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
+}
+
+// A slow prefill (--pd-test-progress-delay holds its blocks back): the
+// decode node waits on progress; the prefill node dying, or the lease being
+// released, meanwhile makes it recompute, and every survivor is at baseline.
+TEST_F(PdTest, ProgressivePullWaitingOnADeadOrReleasedPrefillRecomputes) {
+  Client d(decode_->grpc_port());
+  for (const bool kill_it : {true, false}) {
+    auto p3 = StartNode("prefill", {"--pd-test-progress-delay", "20"});
+    ASSERT_TRUE(p3);
+    Client p(p3->grpc_port());
+    const std::string prompt =
+        UniquePrompts(1, kill_it ? "Progressive prefill dies" : "Progressive released")[0];
+    const pdv1::NodeInfo d0 = d.Info();
+    pdv1::Lease lease;
+    ASSERT_TRUE(p.Prefill(prompt, &lease, 0, true).ok());
+    ASSERT_TRUE(d.Attach(lease).ok());
+    std::string got;
+    std::thread gen([&] { got = d.Generate(prompt); });
+    // The decode node's pull now waits on the prefill node's progress.
+    for (int i = 0; i < 100 && d.Stats().kv_arriving() == 0; ++i) std::this_thread::sleep_for(20ms);
+    EXPECT_EQ(d.Stats().kv_arriving(), 1);
+    std::this_thread::sleep_for(300ms);
+    if (kill_it) {
+      p3->StopWith(SIGKILL, 5);
+    } else {
+      bool released = false;
+      ASSERT_TRUE(p.Release(lease.transfer_id(), lease.incarnation(), &released).ok());
+      EXPECT_TRUE(released);
+    }
+    gen.join();
+    EXPECT_EQ(got, Reference(prompt));
+    EXPECT_EQ(d.Info().transfers_failed(), d0.transfers_failed() + 1);
+    EXPECT_TRUE(d.AtBaseline());
+    if (!kill_it) EXPECT_TRUE(p.AtBaseline());  // the prefill was cancelled and freed
+  }
+}
+
+// --pd-overlap off: the router asks for whole leases, granted after the
+// prefill, as before overlap existed; outputs are the same.
+TEST_F(PdTest, RouterWithoutOverlapGrantsWholeLeases) {
+  auto r2 = StartRouter({prefill_, decode_}, {"--pd-mode", "always", "--pd-overlap", "off"}, 2);
+  ASSERT_TRUE(r2);
+  Client router(r2->grpc_port()), p(prefill_->grpc_port()), d(decode_->grpc_port());
+  const pdv1::NodeInfo p0 = p.Info(), d0 = d.Info();
+  for (const std::string& prompt : UniquePrompts(6, "No overlap")) {
+    EXPECT_EQ(router.Generate(prompt), Reference(prompt));
+  }
+  const pdv1::NodeInfo p1 = p.Info();
+  EXPECT_GE(p1.leases_granted() - p0.leases_granted(), 6);
+  EXPECT_EQ(p1.progressive_leases(), p0.progressive_leases());
+  EXPECT_GE(d.Info().transfers_ok() - d0.transfers_ok(), 6);
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
 }
 
 TEST_F(PdTest, EarlyFreeOnPrefillIsCaughtByTheGenerationFence) {
   Client p(prefill_->grpc_port()), d(decode_->grpc_port());
   const std::vector<std::string> prompts = UniquePrompts(10, "Early free");
   const pdv1::NodeInfo before = d.Info();
+  const int64_t frees_before = p.Info().early_frees();
   int leased_blocks = 0;
   for (const auto& prompt : prompts) {
     pdv1::Lease lease;
@@ -428,7 +626,7 @@ TEST_F(PdTest, EarlyFreeOnPrefillIsCaughtByTheGenerationFence) {
   // 100%: every one of the ten transfers failed the fence and recomputed.
   EXPECT_EQ(after.generation_mismatches() - before.generation_mismatches(), 10);
   EXPECT_EQ(after.transfers_ok(), before.transfers_ok());
-  EXPECT_EQ(p.Info().early_frees(), 10);
+  EXPECT_EQ(p.Info().early_frees() - frees_before, 10);
   EXPECT_GT(leased_blocks, 10);
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
