@@ -76,7 +76,7 @@ class RouteCommand final : public Command {
 
  private:
   RouterOptions o_;
-  std::string overlap_ = "on";
+  std::string overlap_ = "off";
 };
 
 }  // namespace

@@ -54,8 +54,9 @@ struct RouterOptions {
   int32_t pd_min_remote_tokens = 256;
   uint32_t lease_ttl_ms = 0;  // 0: the prefill node's --pd-lease-ttl
   // Ask prefill nodes for progressive leases, so decode nodes pull each
-  // block while the rest of the prompt is computed (--pd-overlap).
-  bool overlap = true;
+  // block while the rest of the prompt is computed (--pd-overlap; off by
+  // default: no gain measured on CPU pools, docs/disaggregation.md).
+  bool overlap = false;
   std::string api_key;        // sent to nodes, required from clients when set
   int poll_ms = 300;          // how often each node's NodeInfo and stats are polled
   // Fault-injection tests only: the request thread stops (until the router

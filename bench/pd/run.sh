@@ -96,7 +96,8 @@ pull() {
     # shellcheck disable=SC2086  # P_FLAGS: extra prefill flags, word-split
     node P $A prefill 1 --pd-ucx-tls "$tls" ${P_FLAGS:-}
     node D $B decode 1 --pd-ucx-tls "$tls"
-    router "127.0.0.1:$P_PORT,127.0.0.1:$D_PORT" --pd-mode always
+    # Whole leases: the pull's own rate, not overlapped with the prefill.
+    router "127.0.0.1:$P_PORT,127.0.0.1:$D_PORT" --pd-mode always --pd-overlap off
     # Unique long prompts (no cache hits: every leased block moves).
     "$BENCH" --grpc "127.0.0.1:$ROUTER_PORT" --workload synthetic --input-len 480 \
       --output-len 1 --num-prompts $PULLS --concurrency 1 --seed 7 -q \

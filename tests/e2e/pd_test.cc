@@ -351,7 +351,7 @@ class PdTest : public ::testing::Test {
                                          {"--nodes",
                                           "127.0.0.1:" + std::to_string(prefill_->grpc_port()) +
                                               ",127.0.0.1:" + std::to_string(decode_->grpc_port()),
-                                          "--pd-mode", "always"});
+                                          "--pd-mode", "always", "--pd-overlap", "on"});
     ASSERT_TRUE(r.ok()) << r.status();
     router_ = r->release();
     WaitForRouter();
@@ -435,7 +435,7 @@ TEST_F(PdTest, RouterPrefillDecodeOutputsEqualOneNode) {
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
   EXPECT_GT(p.Info().leases_granted(), 150);
-  // The router asks for progressive leases (--pd-overlap on, the default).
+  // This router asks for progressive leases (--pd-overlap on).
   EXPECT_GT(p.Info().progressive_leases(), 150);
   EXPECT_GT(d.Info().exposed_pull_seconds(), 0);
 }
@@ -586,10 +586,10 @@ TEST_F(PdTest, ProgressivePullWaitingOnADeadOrReleasedPrefillRecomputes) {
   }
 }
 
-// --pd-overlap off: the router asks for whole leases, granted after the
-// prefill, as before overlap existed; outputs are the same.
+// --pd-overlap off (the default): the router asks for whole leases,
+// granted after the prefill; outputs are the same.
 TEST_F(PdTest, RouterWithoutOverlapGrantsWholeLeases) {
-  auto r2 = StartRouter({prefill_, decode_}, {"--pd-mode", "always", "--pd-overlap", "off"}, 2);
+  auto r2 = StartRouter({prefill_, decode_}, {"--pd-mode", "always"}, 2);
   ASSERT_TRUE(r2);
   Client router(r2->grpc_port()), p(prefill_->grpc_port()), d(decode_->grpc_port());
   const pdv1::NodeInfo p0 = p.Info(), d0 = d.Info();
