@@ -546,23 +546,13 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Prefill: the node is shutting down");
     }
     pb::Lease& l = *out;
-    l.set_transfer_id(RandomNonZero());
-    l.set_node_id(node_id_);
-    l.set_incarnation(incarnation_);
-    l.set_grpc_address(grpc_address_);
-    l.set_ucx_address(ucx_address_);
-    l.set_kv_region(kv_descriptor_);
-    l.set_generation_region(gen_descriptor_);
-    *l.mutable_layout() = layout_;
-    l.set_cache_salt(salt);
+    StartLease(salt, req->ttl_ms(), &l);
     const size_t leased_tokens = p.blocks.size() * static_cast<size_t>(block_size_);
     for (size_t i = 0; i < leased_tokens; ++i) l.add_tokens(tokens[i]);
     for (const BlockHandle& h : p.blocks) {
       l.add_block_ids(h.id);
       l.add_generations(h.generation);
     }
-    const double ttl = req->ttl_ms() > 0 ? req->ttl_ms() / 1000.0 : flags_.lease_ttl;
-    l.set_ttl_ms(static_cast<uint32_t>(ttl * 1000));
     l.set_prefill_cached_tokens(done.cached_tokens);
     if (wire_) {
       l.set_wire_dtype(std::string(kernels::KvDTypeName(wire_dtype_)));
@@ -617,18 +607,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     progress->request_id = *id;
     progress->granted = PdClock::now();
     pb::Lease& l = *out;
-    l.set_transfer_id(RandomNonZero());
-    l.set_node_id(node_id_);
-    l.set_incarnation(incarnation_);
-    l.set_grpc_address(grpc_address_);
-    l.set_ucx_address(ucx_address_);
-    l.set_kv_region(kv_descriptor_);
-    l.set_generation_region(gen_descriptor_);
-    *l.mutable_layout() = layout_;
-    l.set_cache_salt(salt);
+    StartLease(salt, req.ttl_ms(), &l);
     for (int32_t t : progress->tokens) l.add_tokens(t);
-    const double ttl = req.ttl_ms() > 0 ? req.ttl_ms() / 1000.0 : flags_.lease_ttl;
-    l.set_ttl_ms(static_cast<uint32_t>(ttl * 1000));
     l.set_progressive(true);
     l.set_digest(LeaseDigest(l));
     Held h;
@@ -642,6 +622,23 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     return grpc::Status::OK;
   }
 
+  // The fields every lease of this node carries: a fresh transfer id, who
+  // and where the node is, its KV layout, the salt, and the ttl asked for
+  // (0: --pd-lease-ttl). REQUIRES: mu_ held.
+  void StartLease(const std::string& salt, uint32_t ttl_ms, pb::Lease* l) const {
+    l->set_transfer_id(RandomNonZero());
+    l->set_node_id(node_id_);
+    l->set_incarnation(incarnation_);
+    l->set_grpc_address(grpc_address_);
+    l->set_ucx_address(ucx_address_);
+    l->set_kv_region(kv_descriptor_);
+    l->set_generation_region(gen_descriptor_);
+    *l->mutable_layout() = layout_;
+    l->set_cache_salt(salt);
+    const double ttl = ttl_ms > 0 ? ttl_ms / 1000.0 : flags_.lease_ttl;
+    l->set_ttl_ms(static_cast<uint32_t>(ttl * 1000));
+  }
+
   // REQUIRES: mu_ held.
   void PostRematch(uint64_t id, const std::shared_ptr<Progress>& p) {
     p->rematch_pending = true;
@@ -650,27 +647,32 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
         [this, id, p](KvCacheManager* m, KvTiers*) { Rematch(m, id, p); });
   }
 
-  // Engine thread: pins every full block of the prompt the prefix cache
-  // holds now (the prefill commits its blocks there chunk by chunk), in
-  // place of the lease's earlier pin. Blocks already reported stay what
-  // they were: pinned, they cannot have been evicted or reused.
+  // Engine thread: pins the full blocks of the prompt the prefix cache
+  // holds now (the prefill commits its blocks there chunk by chunk) and
+  // keeps a reference to each new one. PrefixCache::Pin neither touches nor
+  // counts them, so following a prefill does not make its blocks look
+  // reused to the eviction policy or the disk tier. Blocks already reported
+  // stay what they were: referenced, they cannot be evicted or reused.
   void Rematch(KvCacheManager* m, uint64_t id, const std::shared_ptr<Progress>& p) {
     bool finished;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (p->released || p->early_freed) {
+      if (p->released || p->early_freed || m->mutable_prefix_cache() == nullptr) {
+        if (m->mutable_prefix_cache() == nullptr && p->error.ok()) {
+          p->error = absl::AbortedError(
+              "the prefill node has no prefix cache to follow the prefill in");
+        }
         p->rematch_pending = false;
         cv_.notify_all();
         return;
       }
       finished = p->finished;
     }
-    auto kv = std::make_shared<SeqKv>(m->mutable_pool());
-    const int32_t matched =
-        m->MatchPrefix(kv.get(), p->salt, p->tokens, p->full_blocks * block_size_);
-    const std::vector<BlockHandle>& hs = kv->table.blocks();
-    const size_t n = std::min(static_cast<size_t>(matched / block_size_), hs.size());
-    std::shared_ptr<SeqKv> drop = kv;
+    std::vector<uint64_t> hashes;
+    PrefixMatch pin = m->mutable_prefix_cache()->Pin(p->salt, p->tokens,
+                                              p->full_blocks * block_size_, &hashes);
+    std::vector<BlockHandle>& hs = pin.blocks;  // whole blocks, one reference each
+    std::vector<BlockHandle> drop;
     {
       std::lock_guard<std::mutex> lock(mu_);
       p->rematch_pending = false;
@@ -678,18 +680,18 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       if (!p->released && !p->early_freed && it != held_.end() && it->second.progress == p &&
           p->error.ok()) {
         const size_t have = p->blocks.size();
-        bool same = n >= have;
+        bool same = hs.size() >= have;
         for (size_t i = 0; same && i < have; ++i) {
           same = hs[i].id == p->blocks[i].id && hs[i].generation == p->blocks[i].generation;
         }
         if (!same) {
           p->error = absl::InternalError(
               "the prefix cache no longer holds the lease's reported blocks");
-        } else if (n > have || it->second.kv == nullptr) {
-          p->blocks.insert(p->blocks.end(), hs.begin() + static_cast<int64_t>(have),
-                           hs.begin() + static_cast<int64_t>(n));
-          drop = std::move(it->second.kv);
-          it->second.kv = kv;
+          drop = std::move(hs);
+        } else {
+          // The earlier blocks' references are held already: this pin's go.
+          drop.assign(hs.begin(), hs.begin() + static_cast<int64_t>(have));
+          p->blocks.insert(p->blocks.end(), hs.begin() + static_cast<int64_t>(have), hs.end());
         }
         if (finished && p->error.ok()) {
           p->final = true;
@@ -700,10 +702,12 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                 "they could be pinned)"));
           }
         }
+      } else {
+        drop = std::move(hs);
       }
     }
     cv_.notify_all();
-    if (drop != nullptr) m->Discard(drop.get());
+    m->mutable_pool()->Release(drop);
   }
 
   // RenewLease with progress: waits (up to wait_ms, at most 1 s) until the
@@ -888,23 +892,27 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                           "DebugEarlyFree needs --pd-test-hooks");
     }
     std::shared_ptr<SeqKv> kv;
+    std::vector<BlockHandle> pinned;  // a progressive lease's references
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (grpc::Status s = CheckIncarnation(req->incarnation(), "DebugEarlyFree"); !s.ok()) {
         return s;
       }
       auto it = held_.find(req->transfer_id());
-      if (it == held_.end() || it->second.kv == nullptr) {
+      const std::shared_ptr<Progress>& p = it != held_.end() ? it->second.progress : nullptr;
+      if (it == held_.end() || (p == nullptr && it->second.kv == nullptr) ||
+          (p != nullptr && p->early_freed)) {
         return grpc::Status(grpc::StatusCode::NOT_FOUND,
                             absl::StrCat("unknown transfer id ", req->transfer_id()));
       }
-      if (it->second.progress != nullptr) {
-        if (!it->second.progress->final) {
+      if (p != nullptr) {
+        if (!p->final) {
           return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                               absl::StrCat("transfer id ", req->transfer_id(),
                                            ": the progressive lease is not complete yet"));
         }
-        it->second.progress->early_freed = true;  // answers stay as they were
+        p->early_freed = true;  // its answers stay as they were
+        pinned = p->blocks;
       }
       // The lease record stays (Renew still succeeds), as with a buggy
       // node that freed the blocks but kept answering for them.
@@ -916,8 +924,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     // from them now is someone else's KV.
     auto done = std::make_shared<std::promise<void>>();
     std::future<void> f = done->get_future();
-    engine_->RunOnEngineThread([kv, done](KvCacheManager* m, KvTiers*) {
-      m->Discard(kv.get());
+    engine_->RunOnEngineThread([kv, pinned, done](KvCacheManager* m, KvTiers*) {
+      if (kv != nullptr) m->Discard(kv.get());
+      m->mutable_pool()->Release(pinned);
       (void)m->ClearPrefixCache();
       KvPool* pool = m->mutable_pool();
       std::vector<BlockHandle> hs;
@@ -1116,9 +1125,16 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   // and a progressive lease's prefill, if still running, is cancelled (its
   // own blocks are freed with it). REQUIRES: mu_ held.
   void ReleaseHeld(Held* h) {
-    if (h->progress != nullptr) {
-      h->progress->released = true;
-      if (!h->progress->finished && engine_ != nullptr) engine_->Cancel(h->progress->request_id);
+    if (Progress* p = h->progress.get(); p != nullptr && !p->released) {
+      p->released = true;
+      if (!p->finished && engine_ != nullptr) engine_->Cancel(p->request_id);
+      if (!p->early_freed && !p->blocks.empty() && engine_ != nullptr) {
+        // Its references (Rematch pins; the block list stays for answers
+        // in flight, which see `released` first).
+        engine_->RunOnEngineThread([refs = p->blocks](KvCacheManager* m, KvTiers*) {
+          m->mutable_pool()->Release(refs);
+        });
+      }
     }
     ReleaseBlocks(h->kv);
     h->kv = nullptr;
