@@ -199,6 +199,19 @@ struct Avx2Ops {
     }
   }
 
+  // AccumulateVHC<H, c> for a run-time c in [1, C].
+  template <int H, int C>
+  static void AccumulateVHUpTo(int32_t c, float* acc, int32_t stride, const float* p,
+                               int32_t ld, const Elem* v_rows, int32_t n) {
+    if constexpr (C > 1) {
+      if (c < C) {
+        AccumulateVHUpTo<H, C - 1>(c, acc, stride, p, ld, v_rows, n);
+        return;
+      }
+    }
+    AccumulateVHC<H, C>(acc, stride, p, ld, v_rows, n);
+  }
+
   // Channels [0, width) of H heads, rows `stride` apart: whole groups of 8
   // in register blocks of at most kMaxC groups (H*C accumulators + H
   // broadcasts + one V chunk within the 16 ymm registers), then the tail
@@ -213,16 +226,7 @@ struct Avx2Ops {
       // Four groups of three heads as 2 + 2 (6 FMA chains each) rather
       // than 3 + 1 (3 chains in the second: latency-bound).
       const int32_t c = (kMaxC == 3 && groups == 4) ? 2 : std::min<int32_t>(groups, kMaxC);
-      switch (c) {
-        case 8: AccumulateVHC<H, (kMaxC >= 8 ? 8 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
-        case 7: AccumulateVHC<H, (kMaxC >= 7 ? 7 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
-        case 6: AccumulateVHC<H, (kMaxC >= 6 ? 6 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
-        case 5: AccumulateVHC<H, (kMaxC >= 5 ? 5 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
-        case 4: AccumulateVHC<H, (kMaxC >= 4 ? 4 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
-        case 3: AccumulateVHC<H, (kMaxC >= 3 ? 3 : 1)>(acc + i, stride, p, ld, v_rows + i, n); break;
-        case 2: AccumulateVHC<H, 2>(acc + i, stride, p, ld, v_rows + i, n); break;
-        default: AccumulateVHC<H, 1>(acc + i, stride, p, ld, v_rows + i, n); break;
-      }
+      AccumulateVHUpTo<H, kMaxC>(c, acc + i, stride, p, ld, v_rows + i, n);
       groups -= c;
       i += 8 * c;
     }
