@@ -1054,8 +1054,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   static constexpr size_t kMaxLeaseBlocks = 1 << 16;
 
   // A progressive lease's prefill, as the prefill node follows it. Guarded
-  // by mu_; the pinned blocks themselves (Held::kv) change only on the
-  // engine thread (Rematch), under mu_.
+  // by mu_; `blocks` (one pool reference each) grows only on the engine
+  // thread (Rematch), under mu_.
   struct Progress {
     uint64_t request_id = 0;
     std::vector<int32_t> tokens;  // the prompt's full blocks' tokens
@@ -1252,21 +1252,26 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     // A prefill node restarted on the same address: wait out the channel's
     // reconnect backoff (within the deadline) instead of failing at once.
     c.set_wait_for_ready(true);
-    pb::RenewLeaseRequest r;
-    r.set_transfer_id(l.transfer_id());
-    r.set_incarnation(l.incarnation());
-    // Our own digest of what we received: a lease altered on the way (or
-    // made up) does not match the grant the prefill node recorded.
-    r.set_digest(LeaseDigest(l));
-    r.set_endpoint_digest(EndpointDigest(l));
     pb::RenewLeaseResponse resp;
-    grpc::Status s = StubFor(l.grpc_address())->RenewLease(&c, r, &resp);
+    grpc::Status s = StubFor(l.grpc_address())->RenewLease(&c, RenewRequestFor(l), &resp);
     if (!s.ok()) {
       return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
                           absl::StrCat("prefill node ", l.node_id(), " (", l.grpc_address(),
                                        "): ", s.error_message()));
     }
     return resp.ttl_ms();
+  }
+
+  // A RenewLease for lease l: its id, incarnation, and our own digests of
+  // what we received (a lease altered on the way, or made up, does not
+  // match the grant the prefill node recorded).
+  static pb::RenewLeaseRequest RenewRequestFor(const pb::Lease& l) {
+    pb::RenewLeaseRequest r;
+    r.set_transfer_id(l.transfer_id());
+    r.set_incarnation(l.incarnation());
+    r.set_digest(LeaseDigest(l));
+    r.set_endpoint_digest(EndpointDigest(l));
+    return r;
   }
 
   void RemoteRelease(const pb::Lease& l, const std::string& reason) {
@@ -1431,11 +1436,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     AddAuth(&c);
     c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(wait_ms) +
                    std::chrono::seconds(3));
-    pb::RenewLeaseRequest r;
-    r.set_transfer_id(l.transfer_id());
-    r.set_incarnation(l.incarnation());
-    r.set_digest(LeaseDigest(l));
-    r.set_endpoint_digest(EndpointDigest(l));
+    pb::RenewLeaseRequest r = RenewRequestFor(l);
     r.set_progress(true);
     r.set_have_blocks(have);
     r.set_wait_ms(wait_ms);
