@@ -1,12 +1,15 @@
 #!/bin/bash
 # Issue 16's tier benchmarks, one run per configuration, alternated:
-#   bench/tiers/run.sh shared-prefix|multi-turn|restart|no-reuse [model.gguf]
+#   bench/tiers/run.sh shared-prefix|multi-turn|capacity|restart|no-reuse [model.gguf]
+# `capacity`: the shared-prefix workload on the 48 MiB pool + host tier, on a
+# 56 MiB pool + host tier (room for two requests' 156 blocks at once) and on
+# the 1 GiB pool, alternated twice: what the 48 MiB pool's admission wait costs.
 # The daemon runs on core 1 with one thread, kvserve-bench on core 0.
 # `restart` drops the page cache (needs root) for its cold-disk point.
 # Output: one TTFT / cached line pair per run, under $OUT (default /tmp/kvserve-tiers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-MODE="${1:?shared-prefix|multi-turn|restart|no-reuse}"
+MODE="${1:?shared-prefix|multi-turn|capacity|restart|no-reuse}"
 M="${2:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 KVSERVE="${KVSERVE:-$ROOT/build/server/kvserve}"
 BENCH="${BENCH:-$ROOT/build/client/kvserve-bench}"
@@ -49,6 +52,18 @@ case "$MODE" in
     done
     serve "$MODE-small" --kv-cache-memory 48MiB
     bench "$MODE-small" "${W[@]}"; stop
+    ;;
+  capacity)
+    W=(--workload shared-prefix --num-prefixes 6 --prefix-len 1200 --questions-per-prefix 5
+       --input-len 20 --output-len 16 --concurrency 2 --seed 5)
+    for round in 1 2; do
+      serve "capacity-host48-$round" --kv-cache-memory 48MiB --kv-host-memory 1GiB
+      bench "capacity-host48-$round" "${W[@]}"; stop
+      serve "capacity-host56-$round" --kv-cache-memory 56MiB --kv-host-memory 1GiB
+      bench "capacity-host56-$round" "${W[@]}"; stop
+      serve "capacity-big-$round" --kv-cache-memory 1GiB
+      bench "capacity-big-$round" "${W[@]}"; stop
+    done
     ;;
   restart)
     D="$OUT/disk"

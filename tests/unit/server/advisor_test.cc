@@ -71,6 +71,8 @@ TEST(AdvisorTest, ChatWithSharedPrefixVersusLongUnsharedPromptsInLittleMemory) {
   EXPECT_TRUE(AnyReason(y, "f16 would need"));
   EXPECT_TRUE(AnyReason(x, "disaggregation"));
   EXPECT_TRUE(AnyReason(x, "speculative decoding: off"));
+  // A's 4 sequences: a draft token's 0.5 ms on a 4 + 4 x 0.5 ms step.
+  EXPECT_TRUE(AnyReason(x, "a draft token adds 8% to a step of 4 sequences"));
   EXPECT_NE(y.kv_dtype_cost.find("perplexity"), std::string::npos);
   EXPECT_GT(x.predicted.tpot_ms, 0);
   EXPECT_GT(y.predicted.output_tokens_per_s, 0);
