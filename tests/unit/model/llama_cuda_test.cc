@@ -691,6 +691,108 @@ TEST(CudaLlamaTest, H2OPolicyRunsOnTheDevice) {
   EXPECT_EQ(stats.blocks_free, stats.blocks_total) << "KV blocks leaked";
 }
 
+// Speculative decoding through the device: verify chunks (1 + k tokens of a
+// sequence, logits at every position), rollback of rejected slots in device
+// blocks and commits of accepted ones. Greedy output must equal the same
+// backend's plain decoding, drafts must be both accepted and rejected (or
+// the comparison says nothing), and no block or device buffer may leak, also
+// with requests cancelled mid-speculation.
+TEST(CudaLlamaTest, SpeculationOnTheDeviceEqualsPlainDecoding) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const std::string path = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  auto created = CudaLlama::Create(*l.model);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::shared_ptr<CudaLlama> gpu = std::move(created).value();
+  const int64_t weights = gpu->device_memory().live_buffers();
+  // Prompts that repeat themselves, so n-gram drafts are found and accepted.
+  const std::vector<std::string> prompts = {
+      "The cat sat on the mat. The cat sat on the mat. The cat",
+      "Tom and Sue went to the park. Tom and Sue went to the",
+      "There was a tree. The tree was big. The tree was",
+      "Ben had a red car. He liked his red car. He",
+      "Lily said, \"I want to play!\" Mom said, \"You can play.\" Lily said,",
+      "Once upon a time, there was a little girl named Lily. She liked to"};
+  struct Run {
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<FinishReason> finish;
+    SpeculationStats spec;
+    int64_t blocks_free = 0, blocks_total = 0;
+  };
+  // cancel_at: cancel request i once it has this many tokens (-1: never).
+  auto run = [&](SpecMode mode, int32_t cancel_at) {
+    Run r;
+    EngineOptions o;
+    o.num_blocks = 256;
+    o.block_size = 16;
+    o.max_batched_tokens = 96;
+    o.backend = gpu;
+    o.speculation.mode = mode;
+    o.speculation.adaptive = false;  // verify every proposal: the test wants drafts
+    o.speculation.ngram_min = 1;
+    o.speculation.ngram_max = 3;
+    ThreadPool pool(2);
+    auto engine = Engine::Create(l.model.get(), l.tokenizer.get(), &pool, o);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (!engine.ok()) return r;
+    Engine& e = **engine;
+    EXPECT_TRUE(e.kv_pool().on_device());
+    r.tokens.resize(prompts.size());
+    r.finish.resize(prompts.size());
+    std::vector<uint64_t> ids(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EngineRequest req{l.tokenizer->Encode(prompts[i], true, false), Greedy(40)};
+      auto id = e.Submit(req, [&r, &e, &ids, i, cancel_at](const SeqEvent& ev) {
+        r.tokens[i].insert(r.tokens[i].end(), ev.token_ids.begin(), ev.token_ids.end());
+        if (ev.finish != FinishReason::kNone) r.finish[i] = ev.finish;
+        if (cancel_at >= 0 && i % 2 == 1 && ev.finish == FinishReason::kNone &&
+            static_cast<int32_t>(r.tokens[i].size()) >= cancel_at) {
+          e.Cancel(ids[i]);
+        }
+      });
+      EXPECT_TRUE(id.ok()) << id.status();
+      if (id.ok()) ids[i] = *id;
+    }
+    while (e.Step()) {
+    }
+    const EngineStats stats = e.Stats();
+    r.spec = stats.speculation;
+    r.blocks_free = stats.blocks_free;
+    r.blocks_total = stats.blocks_total;
+    return r;
+  };
+  const Run plain = run(SpecMode::kOff, -1);
+  const Run spec = run(SpecMode::kNgram, -1);
+  EXPECT_EQ(plain.spec.proposed_tokens, 0);
+  EXPECT_GT(spec.spec.accepted_tokens, 0) << "no draft accepted: the comparison says nothing";
+  EXPECT_LT(spec.spec.accepted_tokens, spec.spec.proposed_tokens) << "no draft rejected";
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(spec.tokens[i], plain.tokens[i])
+        << prompts[i] << ": first difference at token "
+        << FirstDifference(spec.tokens[i], plain.tokens[i]);
+    EXPECT_EQ(spec.finish[i], plain.finish[i]) << prompts[i];
+  }
+  EXPECT_EQ(spec.blocks_free, spec.blocks_total) << "KV blocks leaked";
+  // Cancels mid-speculation: every other request once it has 9 tokens.
+  const Run cancelled = run(SpecMode::kNgram, 9);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (i % 2 == 1) {
+      // (A plain answer this long is still running at 9 tokens.)
+      if (plain.tokens[i].size() >= 20) {
+        EXPECT_EQ(cancelled.finish[i], FinishReason::kCancelled) << prompts[i];
+      }
+    } else {
+      EXPECT_EQ(cancelled.tokens[i], plain.tokens[i]) << prompts[i];
+    }
+  }
+  EXPECT_GT(cancelled.spec.proposed_tokens, 0);
+  EXPECT_EQ(cancelled.blocks_free, cancelled.blocks_total) << "KV blocks leaked after cancels";
+  ASSERT_TRUE(gpu->ReleaseScratch().ok());
+  EXPECT_EQ(gpu->device_memory().live_buffers(), weights) << "device buffers leaked";
+}
+
 TEST(CudaLlamaTest, EngineRunWithCancellationsLeaksNoDeviceMemory) {
   KVSERVE_SKIP_WITHOUT_GPU();
 #ifdef KVSERVE_CUDA_EMULATOR
