@@ -613,6 +613,7 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
       auto done = [self = Self(), data](beast::error_code ec, size_t n) {
         self->writing_ = false;
         self->bytes_out_ += n;
+        if (ec == beast::error::timeout) return self->DisconnectStalledReader();
         if (ec) return self->Fail(ec, "write");
         self->last_write_ = SteadyTime::now();
         self->Flush();
@@ -635,6 +636,7 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
                                                                        size_t n) {
       self->writing_ = false;
       self->bytes_out_ += n;
+      if (ec == beast::error::timeout) return self->DisconnectStalledReader();
       if (ec) return self->Fail(ec, "write");
       self->FinishExchange();
     });
@@ -662,10 +664,7 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
             self->acked_seen_ = acked;
             self->progress_at_ = now;
           } else if (now - self->progress_at_ >= self->core_->options.write_timeout) {
-            spdlog::info("http: a client stopped reading its stream for {} ms; disconnecting",
-                         self->core_->options.write_timeout.count());
-            if (Metrics* m = self->core_->metrics()) m->HttpStalledReaderDisconnected();
-            return self->Shut();
+            return self->DisconnectStalledReader();
           }
         }
       }
@@ -676,6 +675,19 @@ class Session : public Connection, public std::enable_shared_from_this<Session<S
       }
       self->ArmHeartbeat();
     });
+  }
+
+  // A client that stopped reading its stream: the heartbeat saw no bytes
+  // acknowledged for write_timeout, or a write of the stream could not finish
+  // within it (on a busy machine the heartbeat's tick can come after the
+  // write's own timer). Either way one stalled reader, and the close cancels
+  // the request.
+  void DisconnectStalledReader() {
+    if (closed_) return;
+    spdlog::info("http: a client stopped reading its stream for {} ms; disconnecting",
+                 core_->options.write_timeout.count());
+    if (Metrics* m = core_->metrics()) m->HttpStalledReaderDisconnected();
+    Shut();
   }
 
   void FinishExchange() {

@@ -199,7 +199,8 @@ std::string Metrics::Render(const EngineStats& stats) const {
                 "Idle HTTP connections closed to make room at --max-connections.", l,
                 static_cast<double>(http_evicted_.load()), &out);
   AppendCounter("kvserve:http_timeouts_total",
-                "HTTP connections closed by the idle, header, body or write timeout.", l,
+                "HTTP connections closed by the idle, header, body or write timeout (a stream "
+                "whose client stopped reading counts in http_stalled_readers_total instead).", l,
                 static_cast<double>(http_timed_out_.load()), &out);
   AppendCounter("kvserve:http_stalled_readers_total",
                 "HTTP streams disconnected because the client stopped reading.", l,

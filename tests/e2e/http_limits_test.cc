@@ -8,6 +8,7 @@
 // (WriteSlowTinyLlama), so it needs nothing from ../shared.
 #include <arpa/inet.h>
 #include <httplib.h>
+#include <openssl/ssl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -75,6 +76,7 @@ class Socket {
     if (fd_ >= 0) ::close(fd_);
   }
   bool ok() const { return fd_ >= 0; }
+  int fd() const { return fd_; }
 
   bool Send(const std::string& data) {
     size_t off = 0;
@@ -321,6 +323,82 @@ TEST(HttpLimitsTest, StalledStreamReaderIsDisconnectedAndItsRequestCancelled) {
   std::string rest;
   EXPECT_TRUE(reader.ClosedWithin(std::chrono::seconds(10), &rest));
   EXPECT_EQ(rest.find("[DONE]"), std::string::npos);
+  EXPECT_EQ(d->StopWith(SIGTERM, 30), 0) << d->Log();
+}
+
+// Over TLS the heartbeat cannot see which bytes the client acknowledged (the
+// TLS layer sits between), so only the stream write's own timer notices a
+// client that stopped reading; on a busy machine that timer can also beat
+// the plain-TCP heartbeat. Either way it is one stalled reader: counted,
+// disconnected, its request cancelled and its blocks returned.
+TEST(HttpLimitsTest, StalledTlsStreamReaderIsCountedAndCancelled) {
+  const std::string dir = ::testing::TempDir();
+  const std::string cert = dir + "/limits-cert.pem", key = dir + "/limits-key.pem";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " +
+                          cert + " -days 1 -subj /CN=127.0.0.1 >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "openssl is not available";
+  std::string error;
+  auto d = StartSlowDaemon({"--http-write-timeout", "1", "--tls-cert", cert, "--tls-key", key},
+                           &error);
+  ASSERT_NE(d, nullptr) << error;
+  const int port = d->http_port();
+  // /metrics over TLS; -1 when the scrape fails or the sample is missing.
+  auto metric = [port](const std::string& name, const std::string& label = "") {
+    httplib::SSLClient c("127.0.0.1", port);
+    c.enable_server_certificate_verification(false);
+    c.set_read_timeout(10, 0);
+    auto res = c.Get("/metrics");
+    if (!res || res->status != 200) return -1.0;
+    std::istringstream lines(res->body);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind(name + "{", 0) != 0 || line.find(label) == std::string::npos) continue;
+      return std::strtod(line.substr(line.rfind(' ') + 1).c_str(), nullptr);
+    }
+    return -1.0;
+  };
+  const double free_before = metric("kvserve:kv_blocks_free");
+  ASSERT_GT(free_before, 0);
+  const double cancelled_before =
+      metric("kvserve:request_success_total", "finished_reason=\"cancelled\"");
+  ASSERT_GE(cancelled_before, 0);
+
+  // A TLS client on a socket with a small receive buffer that reads the
+  // first event and then stops reading (~10 MB of stream, as above).
+  constexpr int kSamples = 4;
+  constexpr int kMaxTokens = 4000;
+  Socket sock(port, /*rcvbuf=*/4096);
+  ASSERT_TRUE(sock.ok());
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()),
+                                                        &SSL_CTX_free);
+  ASSERT_NE(ctx, nullptr);
+  std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(ctx.get()), &SSL_free);
+  ASSERT_NE(ssl, nullptr);
+  ASSERT_EQ(SSL_set_fd(ssl.get(), sock.fd()), 1);
+  ASSERT_EQ(SSL_connect(ssl.get()), 1) << "TLS handshake failed";
+  const std::string request = Post("/v1/completions", StreamBody(kMaxTokens, kSamples, 5));
+  ASSERT_EQ(SSL_write(ssl.get(), request.data(), static_cast<int>(request.size())),
+            static_cast<int>(request.size()));
+  std::string first;
+  while (first.find("data: ") == std::string::npos) {
+    char buf[4096];
+    const int n = SSL_read(ssl.get(), buf, sizeof(buf));
+    ASSERT_GT(n, 0) << "the stream ended before its first event: " << first;
+    first.append(buf, static_cast<size_t>(n));
+  }
+  ASSERT_THAT(first, StartsWith("HTTP/1.1 200")) << first;
+  // Stop reading: the server's TLS writes stall once the buffers fill.
+  ASSERT_TRUE(WaitFor(std::chrono::seconds(120), [&] {
+    return metric("kvserve:request_success_total", "finished_reason=\"cancelled\"") >=
+           cancelled_before + kSamples;
+  })) << "the stalled TLS stream was not cancelled";
+  EXPECT_TRUE(WaitFor(std::chrono::seconds(30), [&] {
+    return metric("kvserve:kv_blocks_free") == free_before &&
+           metric("kvserve:num_requests_running") == 0;
+  })) << "KV blocks not back at the baseline";
+  EXPECT_EQ(metric("kvserve:http_stalled_readers_total"), 1);
+  EXPECT_LT(metric("kvserve:generation_tokens_total"), kSamples * kMaxTokens)
+      << "the request ran on after the stall";
+  EXPECT_TRUE(sock.ClosedWithin(std::chrono::seconds(10))) << "the server kept the connection";
   EXPECT_EQ(d->StopWith(SIGTERM, 30), 0) << d->Log();
 }
 
