@@ -10,6 +10,11 @@
 # serve flags), SPEC_LOG (the daemon's stderr to this file), SPEC_ABBA=1 (each load point also with the order reversed,
 # MODE then off: the mode measured second runs on a warmer daemon, and the
 # geometric mean of the two orders' ratios cancels that; table.py does it).
+# SPEC_FRESH=1 instead measures MODE on prompts the daemon has not seen: a
+# fresh daemon per workload, MODE first, each prompt of the file once at
+# concurrency 1, then off; so `suffix` drafts only from the other prompts'
+# answers (in the default runs both modes send the same prompts, and the
+# suffix index holds the very answers it drafts).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -18,12 +23,29 @@ mode=${2:-ngram}
 kvserve=${KVSERVE:-$root/build/server/kvserve}
 bench=${KVSERVE_BENCH:-$root/build/client/kvserve-bench}
 tmp=$(mktemp -d)
-"$kvserve" --log-level warn -m "$model" serve --grpc-address 127.0.0.1:0 --http-port 0 \
-  --port-file "$tmp/ports" --speculative off --no-prefix-cache ${SPEC_DAEMON_FLAGS:-} 2>"${SPEC_LOG:-$tmp/log}" &
-pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$tmp"' EXIT
-for i in $(seq 1 600); do [ -s "$tmp/ports" ] && break; sleep 0.1; done
-port=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[\"http\"])" "$tmp/ports")
+pid=
+start_daemon() {
+  rm -f "$tmp/ports"
+  "$kvserve" --log-level warn -m "$model" serve --grpc-address 127.0.0.1:0 --http-port 0 \
+    --port-file "$tmp/ports" --speculative off --no-prefix-cache ${SPEC_DAEMON_FLAGS:-} 2>>"${SPEC_LOG:-$tmp/log}" &
+  pid=$!
+  for i in $(seq 1 600); do [ -s "$tmp/ports" ] && break; sleep 0.1; done
+  port=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[\"http\"])" "$tmp/ports")
+}
+trap '[ -n "$pid" ] && kill $pid 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
+if [ "${SPEC_FRESH:-0}" = 1 ]; then
+  for w in ${SPEC_WORKLOADS:-code-edit summarize json chat}; do
+    start_daemon
+    n=$(grep -c . "$here/$w.jsonl")
+    echo "### fresh workload=$w concurrency=1 requests=$n"
+    "$bench" --url "http://127.0.0.1:$port" --api chat --workload file --file "$here/$w.jsonl" \
+      --concurrency 1 --requests "$n" --temperature 0 --no-ignore-eos -q \
+      --speculative "$mode,off"
+    kill -INT "$pid"; wait "$pid" 2>/dev/null || true; pid=
+  done
+  exit 0
+fi
+start_daemon
 for w in ${SPEC_WORKLOADS:-code-edit summarize json chat}; do
   for c in ${SPEC_CONCURRENCY:-1 4 16}; do
     n=$((c < 4 ? 4 : c))

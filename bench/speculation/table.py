@@ -27,8 +27,10 @@ def main(path):
         rates = [float(x) for x in re.findall(r"^output tokens/s\s+([\d.]+)", block, re.M)]
         if len(rates) < 2:
             continue
-        # run.sh prints A then B; A is off unless the block is reversed.
-        off, on = (rates[1], rates[0]) if head.startswith("reversed") else (rates[0], rates[1])
+        # run.sh prints A then B; A is off unless the block is reversed (or
+        # SPEC_FRESH's, which measures the mode first).
+        mode_first = head.startswith(("reversed", "fresh"))
+        off, on = (rates[1], rates[0]) if mode_first else (rates[0], rates[1])
         if key not in points:
             points[key] = []
             order.append(key)
