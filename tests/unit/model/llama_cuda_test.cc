@@ -108,6 +108,15 @@ std::shared_ptr<ForwardBackend> CudaBackend(const Loaded& l,
   return std::move(b).value();
 }
 
+// The model's weights on the device; null (and the test failed) when that
+// cannot be done.
+std::shared_ptr<CudaLlama> Upload(const Loaded& l) {
+  auto created = CudaLlama::Create(*l.model);
+  EXPECT_TRUE(created.ok()) << created.status();
+  if (!created.ok()) return nullptr;
+  return std::move(created).value();
+}
+
 // Index of the first difference (size of the shorter when one is a prefix).
 size_t FirstDifference(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
   size_t i = 0;
@@ -285,10 +294,8 @@ TeacherForced RunTeacherForced(const Loaded& l, const std::vector<int32_t>& toke
   kernels::PagedKvView cpu_view = view;
   cpu_view.pool = host_kv.data();
 
-  auto created = CudaLlama::Create(*l.model);
-  EXPECT_TRUE(created.ok()) << created.status();
-  if (!created.ok()) return r;
-  std::unique_ptr<CudaLlama> gpu = std::move(created).value();
+  std::shared_ptr<CudaLlama> gpu = Upload(l);
+  if (gpu == nullptr) return r;
   auto device_kv = gpu->kv_device_memory()->Allocate(host_kv.size());
   EXPECT_TRUE(device_kv.ok()) << device_kv.status();
   if (!device_kv.ok()) return r;
@@ -586,9 +593,8 @@ TEST(CudaLlamaTest, AttentionMassMatchesCpuForward) {
     std::vector<uint8_t> host_kv(static_cast<size_t>(view.block_bytes * 4));
     kernels::PagedKvView cpu_view = view;
     cpu_view.pool = host_kv.data();
-    auto created = CudaLlama::Create(*l.model);
-    ASSERT_TRUE(created.ok()) << created.status();
-    std::unique_ptr<CudaLlama> gpu = std::move(created).value();
+    std::shared_ptr<CudaLlama> gpu = Upload(l);
+    ASSERT_NE(gpu, nullptr);
     auto device_kv = gpu->kv_device_memory()->Allocate(host_kv.size());
     ASSERT_TRUE(device_kv.ok()) << device_kv.status();
     kernels::PagedKvView gpu_view = view;
@@ -703,9 +709,8 @@ TEST(CudaLlamaTest, SpeculationOnTheDeviceEqualsPlainDecoding) {
   KVSERVE_SKIP_IF_MISSING(path, "stories260K.gguf");
   Loaded l = Load(path);
   ASSERT_TRUE(l.model && l.tokenizer);
-  auto created = CudaLlama::Create(*l.model);
-  ASSERT_TRUE(created.ok()) << created.status();
-  std::shared_ptr<CudaLlama> gpu = std::move(created).value();
+  std::shared_ptr<CudaLlama> gpu = Upload(l);
+  ASSERT_NE(gpu, nullptr);
   const int64_t weights = gpu->device_memory().live_buffers();
   // Prompts that repeat themselves, so n-gram drafts are found and accepted.
   const std::vector<std::string> prompts = {
@@ -806,9 +811,8 @@ TEST(CudaLlamaTest, EngineRunWithCancellationsLeaksNoDeviceMemory) {
   KVSERVE_SKIP_IF_MISSING(path, "SmolLM2 or stories260K");
   Loaded l = Load(path);
   ASSERT_TRUE(l.model && l.tokenizer);
-  auto created = CudaLlama::Create(*l.model);
-  ASSERT_TRUE(created.ok()) << created.status();
-  std::shared_ptr<CudaLlama> gpu = std::move(created).value();
+  std::shared_ptr<CudaLlama> gpu = Upload(l);
+  ASSERT_NE(gpu, nullptr);
   const int64_t weights = gpu->device_memory().live_buffers();
   ASSERT_GT(weights, 0);
   {
