@@ -354,26 +354,30 @@ absl::StatusOr<Advice> Advise(const AdvisorInputs& in) {
                                       " ms misses the SLO of ", w.slo_tpot_ms, " ms"));
   }
 
+  // A decode step of the chosen batch: what a draft token rides in, and what
+  // disaggregation leaves the decode node.
+  const double decode_step_s = c.step_fixed_s + c.decode_per_seq_s * a.max_seqs;
+
   // Speculative decoding: drafts from the request's own tokens pay where
   // answers repeat their prompt, which the workload does not say, and only
   // while a draft token is cheap next to the step it rides in (few
   // sequences); give the operator that price, measured here.
   a.speculation = false;
-  const double spec_step_s = c.step_fixed_s + c.decode_per_seq_s * a.max_seqs;
-  const double draft_share = spec_step_s > 0 ? c.decode_per_seq_s / spec_step_s : 0;
+  const double draft_share = decode_step_s > 0 ? c.decode_per_seq_s / decode_step_s : 0;
   a.reasons.push_back(absl::StrCat(
       "speculative decoding: off (the default): --speculative ngram (or a request's "
       "\"speculative\": \"ngram\") drafts from each request's own prompt and output and pays "
       "where answers repeat their prompt (code edits, summaries, extraction) and few sequences "
       "share a step; here a draft token adds ",
       F("%.0f", 100 * draft_share), "% to a step of ", a.max_seqs,
-      a.max_seqs == 1 ? " sequence" : " sequences", "; the workload does not say whether answers repeat, and the adaptive cost "
-      "model turns drafts down where they would not pay"));
+      a.max_seqs == 1 ? " sequence" : " sequences",
+      "; the workload does not say whether answers repeat, and the adaptive cost model turns "
+      "drafts down where they would not pay"));
 
   // Disaggregation: prefill on other nodes takes the prompt work out of the
   // decode steps, at the cost of moving the KV.
   const Prediction colocated = a.predicted;
-  const double decode_only_tpot = 1e3 * (c.step_fixed_s + c.decode_per_seq_s * a.max_seqs);
+  const double decode_only_tpot = 1e3 * decode_step_s;
   const double prefill_share = 1 - decode_only_tpot / std::max(colocated.tpot_ms, 1e-9);
   const double kv_bytes = w.prompt.mean * (1 - hit_share) * bpt_chosen;
   const double transfer_ms = c.copy_gbps > 0 ? 1e3 * kv_bytes / (c.copy_gbps * 1e9) : 0;

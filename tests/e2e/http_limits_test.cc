@@ -8,8 +8,8 @@
 // (WriteSlowTinyLlama), so it needs nothing from ../shared.
 #include <arpa/inet.h>
 #include <httplib.h>
-#include <openssl/ssl.h>
 #include <netinet/in.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -349,12 +349,10 @@ TEST(HttpLimitsTest, StalledTlsStreamReaderIsCountedAndCancelled) {
     c.set_read_timeout(10, 0);
     auto res = c.Get("/metrics");
     if (!res || res->status != 200) return -1.0;
-    std::istringstream lines(res->body);
-    for (std::string line; std::getline(lines, line);) {
-      if (line.rfind(name + "{", 0) != 0 || line.find(label) == std::string::npos) continue;
-      return std::strtod(line.substr(line.rfind(' ') + 1).c_str(), nullptr);
-    }
-    return -1.0;
+    return testing::MetricSampleIn(
+        res->body, name,
+        label.empty() ? std::vector<std::string>{} : std::vector<std::string>{label},
+        /*labelled_only=*/true);
   };
   const double free_before = metric("kvserve:kv_blocks_free");
   ASSERT_GT(free_before, 0);

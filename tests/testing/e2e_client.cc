@@ -58,6 +58,11 @@ double MetricSample(int port, const std::string& name, const std::vector<std::st
                     bool labelled_only) {
   std::string text;
   if (!ScrapeMetrics(port, &text)) return -1;
+  return MetricSampleIn(text, name, labels, labelled_only);
+}
+
+double MetricSampleIn(const std::string& text, const std::string& name,
+                      const std::vector<std::string>& labels, bool labelled_only) {
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {
     if (line.rfind(name, 0) != 0) continue;

@@ -49,6 +49,9 @@ int CachedTokens(const HttpReply& r);
 // samples count, or with `labelled_only` the labelled ones only.
 double MetricSample(int port, const std::string& name, const std::vector<std::string>& labels = {},
                     bool labelled_only = false);
+// The same lookup in /metrics text scraped some other way (over TLS, say).
+double MetricSampleIn(const std::string& text, const std::string& name,
+                      const std::vector<std::string>& labels = {}, bool labelled_only = false);
 // The sum of every labelled sample `name{...} value`; 0 when there is none.
 double MetricSum(int port, const std::string& name);
 
