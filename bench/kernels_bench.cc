@@ -35,7 +35,35 @@ ThreadPool* Pool(int threads) {
 
 // Quantized random weights. Quantizing a tile and repeating it keeps setup
 // fast for the 49152-row head; the kernels' speed does not depend on values.
+// The formats only read from files (no quantizer here): random blocks with
+// finite fp16 scales, which is all a kernel's speed depends on.
+bool HasQuantizer(DType t) {
+  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16 || t == DType::kQ8_0 ||
+         t == DType::kQ4_0 || t == DType::kQ4_1;
+}
+
+std::vector<uint8_t> RandomBlocks(DType type, int64_t rows, int64_t cols) {
+  std::vector<uint8_t> w(RowBytes(type, cols) * rows);
+  std::mt19937 rng(1);
+  for (size_t i = 0; i < w.size(); i += 4) {
+    const uint32_t v = rng();
+    std::memcpy(&w[i], &v, std::min<size_t>(4, w.size() - i));
+  }
+  // fp16 fields at these offsets of each block; 0x2000 is 2^-7.
+  std::vector<int> halves = {0};
+  if (type == DType::kQ5_1 || type == DType::kQ4_K || type == DType::kQ5_K) halves = {0, 2};
+  if (type == DType::kQ2_K) halves = {80, 82};
+  if (type == DType::kQ3_K) halves = {108};
+  if (type == DType::kQ6_K) halves = {208};
+  const uint16_t h = 0x2000;
+  for (size_t off = 0; off < w.size(); off += BlockBytes(type)) {
+    for (int o : halves) std::memcpy(&w[off + o], &h, 2);
+  }
+  return w;
+}
+
 std::vector<uint8_t> MakeWeights(DType type, int64_t rows, int64_t cols) {
+  if (!HasQuantizer(type)) return RandomBlocks(type, rows, cols);
   const int64_t row_bytes = RowBytes(type, cols);
   const int64_t tile_rows = std::min<int64_t>(rows, 256);
   std::mt19937 rng(1);
@@ -87,6 +115,38 @@ void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, 
                                                      benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GFLOP/s"] = benchmark::Counter(2.0 * rows * cols * n_tokens,
                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// One format's decode from DRAM: 24 distinct 1536 x 2048 and 2048 x 1536
+// matrices (75M weights, 40-80 MB for the 4-6 bit formats, beyond the 32 MB
+// L3), all run once per iteration as a forward pass runs its layers.
+// weight_GB/s is the figure to hold against the machine's read bandwidth;
+// tokens/s counts n_tokens per pass.
+void BM_FormatPass(benchmark::State& state, DType type, int threads) {
+  const int n_tokens = static_cast<int>(state.range(0));
+  std::vector<std::vector<uint8_t>> owned;
+  std::vector<WeightView> views;
+  for (int i = 0; i < 24; ++i) {
+    const int64_t rows = i % 2 ? 1536 : 2048;
+    const int64_t cols = i % 2 ? 2048 : 1536;
+    owned.push_back(MakeWeights(type, rows, cols));
+    views.push_back({type, owned.back().data(), rows, cols});
+  }
+  size_t bytes = 0;
+  for (const auto& o : owned) bytes += o.size();
+  const auto x = MakeActs(n_tokens * 2048);
+  std::vector<float> y(n_tokens * 2048);
+  ThreadPool* pool = Pool(threads);
+  for (auto _ : state) {
+    for (const WeightView& v : views) {
+      MatMul(v, x.data(), n_tokens, v.cols, y.data(), v.rows, pool);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.counters["weight_GB/s"] =
+      benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(n_tokens),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Every matmul of one SmolLM2-135M decode step (30 layers of q, k, v, o,
@@ -265,6 +325,11 @@ void RegisterAll() {
     }
   }
   shapes.push_back({DType::kQ8_0, 49152, 576});
+  // Issue 40's formats at an in-cache shape (kernel compute rate).
+  for (DType t : {DType::kQ4_K, DType::kQ6_K, DType::kQ5_0, DType::kQ5_K, DType::kQ3_K,
+                  DType::kQ2_K, DType::kIQ4_NL, DType::kIQ4_XS, DType::kQ5_1}) {
+    shapes.push_back({t, 576, 1536});
+  }
   for (const Shape& s : shapes) {
     const std::string base = std::string("MatMul/") + DTypeName(s.type) + "/" +
                              std::to_string(s.rows) + "x" + std::to_string(s.cols);
@@ -292,6 +357,23 @@ void RegisterAll() {
                                  s.cols, 1, true, 1, false)
         ->UseRealTime();
   }
+  // Per-format passes over DRAM-resident weights (issue 40's formats next to
+  // the older ones): batch-1 decode GB/s, batch 32-128 tokens/s.
+  for (DType t :
+       {DType::kQ4_K, DType::kQ6_K, DType::kQ5_0, DType::kQ8_0, DType::kQ5_K, DType::kQ3_K,
+        DType::kQ2_K, DType::kIQ4_NL, DType::kIQ4_XS, DType::kQ5_1, DType::kQ4_0, DType::kQ4_1}) {
+    for (int threads : {1, 2}) {
+      benchmark::RegisterBenchmark(
+          (std::string("FormatPass/") + DTypeName(t) + "/threads:" + std::to_string(threads))
+              .c_str(),
+          BM_FormatPass, t, threads)
+          ->Arg(1)
+          ->Arg(32)
+          ->Arg(128)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
   for (bool fused : {false, true}) {
     for (int threads : {1, 2}) {
       benchmark::RegisterBenchmark(
@@ -318,8 +400,8 @@ void RegisterAll() {
       ->Arg(16)
       ->Arg(64)
       ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/rows/threads:1",
-                               BM_SmolLM2DecodeMatMuls, 1, true, false)
+  benchmark::RegisterBenchmark("SmolLM2DecodeMatMuls/fused/rows/threads:1", BM_SmolLM2DecodeMatMuls,
+                               1, true, false)
       ->Arg(1)
       ->Arg(8)
       ->Unit(benchmark::kMillisecond);

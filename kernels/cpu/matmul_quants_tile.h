@@ -324,6 +324,183 @@ inline __m256i ChunkDot(const __m256i q, const __m256i x, const __m256i sc16) {
   }
 }
 
+// ---- Groups: 8 chunks (256 elements) with their scales as vectors. A group
+// is one super-block of a 256-element format, or 8 consecutive blocks of a
+// 32-element one. cd: the 8 chunk scales; cm: the 8 offsets (kHasMin);
+// Sc16(j) / Min16(j): the 16-bit madd multipliers of chunk j.
+
+// Bytes 2j (x8) and 2j+1 (x8) of 16 int8 sub-scales, widened to int16.
+inline __m256i PickSub16(__m128i s16, int j) {
+  const int64_t lo = static_cast<int64_t>(0x0101010101010101ull * static_cast<uint64_t>(2 * j));
+  const int64_t hi = static_cast<int64_t>(0x0101010101010101ull * static_cast<uint64_t>(2 * j + 1));
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s16, _mm_set_epi64x(hi, lo)));
+}
+
+// The 8 fp16 values at p, p + stride, ..., as floats.
+inline __m256 Halves8(const uint8_t* p, int64_t stride) {
+  uint16_t h[8];
+  for (int j = 0; j < 8; ++j) std::memcpy(&h[j], p + j * stride, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+template <class F>
+struct Group;
+
+// 32-element formats: 8 blocks.
+template <class F>
+struct Group32 {
+  const uint8_t* base;
+  __m256 cd, cm;
+  explicit Group32(const uint8_t* b) : base(b) {}
+  __m256i Chunk(int j) const { return typename F::State(base + j * F::kBlockBytes).Chunk(0); }
+};
+
+template <>
+struct Group<FmtQ5_0> : Group32<FmtQ5_0> {
+  explicit Group(const uint8_t* b) : Group32(b) {
+    cd = Halves8(b, FmtQ5_0::kBlockBytes);
+    cm = _mm256_mul_ps(cd, _mm256_set1_ps(-16.0f));
+  }
+};
+template <>
+struct Group<FmtQ5_1> : Group32<FmtQ5_1> {
+  explicit Group(const uint8_t* b) : Group32(b) {
+    cd = Halves8(b, FmtQ5_1::kBlockBytes);
+    cm = Halves8(b + 2, FmtQ5_1::kBlockBytes);
+  }
+};
+template <>
+struct Group<FmtIQ4_NL> : Group32<FmtIQ4_NL> {
+  explicit Group(const uint8_t* b) : Group32(b) {
+    cd = Halves8(b, FmtIQ4_NL::kBlockBytes);
+    cm = _mm256_setzero_ps();
+  }
+};
+
+// Q4_K / Q5_K: the 12 scale bytes as 8 scales (bytes 0-7) and 8 mins (8-15).
+inline __m128i ScalesMins6(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  const uint32_t sc_hi = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  const uint32_t m_hi = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  const uint32_t m_lo = u[1] & k6;
+  const uint32_t sc_lo = u[0] & k6;
+  return _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
+                        static_cast<int>(m_hi));
+}
+
+template <class F>
+struct GroupK4 {
+  const uint8_t* base;
+  __m256 cd, cm;
+  explicit GroupK4(const uint8_t* b) : base(b) {
+    const __m128i sm = ScalesMins6(b + 4);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+    cd = _mm256_mul_ps(_mm256_set1_ps(QHalf(b)), sc);
+    cm = _mm256_mul_ps(_mm256_set1_ps(-QHalf(b + 2)), m);
+  }
+};
+template <>
+struct Group<FmtQ4_K> : GroupK4<FmtQ4_K> {
+  using GroupK4::GroupK4;
+  __m256i Chunk(int j) const {
+    const __m256i q = Load256(base + 16 + 32 * (j / 2));
+    return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+  }
+};
+template <>
+struct Group<FmtQ5_K> : GroupK4<FmtQ5_K> {
+  using GroupK4::GroupK4;
+  __m256i Chunk(int j) const {
+    const __m256i q = Load256(base + 48 + 32 * (j / 2));
+    const __m256i lo =
+        _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+    const __m256i hb =
+        _mm256_and_si256(_mm256_srli_epi16(Load256(base + 16), j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+  }
+};
+
+template <>
+struct Group<FmtIQ4_XS> {
+  FmtIQ4_XS::State st;
+  __m256 cd, cm;
+  explicit Group(const uint8_t* b) : st(b) {
+    cd = _mm256_loadu_ps(st.cd);
+    cm = _mm256_setzero_ps();
+  }
+  __m256i Chunk(int j) const { return st.Chunk(j); }
+};
+
+template <>
+struct Group<FmtQ6_K> {
+  const uint8_t* base;
+  __m256 cd, cm;
+  __m128i s16;
+  explicit Group(const uint8_t* b) : base(b) {
+    cd = _mm256_set1_ps(QHalf(b + 208));
+    cm = _mm256_setzero_ps();
+    s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  }
+  __m256i Chunk(int j) const { return FmtQ6_K::State(base).Chunk(j); }
+  __m256i Sc16(int j) const { return PickSub16(s16, j); }
+};
+
+template <>
+struct Group<FmtQ3_K> {
+  FmtQ3_K::State st;
+  __m256 cd, cm;
+  __m128i s16;
+  explicit Group(const uint8_t* b) : st(b) {
+    cd = _mm256_set1_ps(st.d);
+    cm = _mm256_setzero_ps();
+    alignas(16) int8_t sc[16];
+    for (int i = 0; i < 16; ++i) sc[i] = static_cast<int8_t>(st.sc[i]);
+    s16 = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+  }
+  __m256i Chunk(int j) const { return st.Chunk(j); }
+  __m256i Sc16(int j) const { return PickSub16(s16, j); }
+};
+
+template <>
+struct Group<FmtQ2_K> {
+  const uint8_t* base;
+  __m256 cd, cm, min_scale;
+  __m128i s16, m16;
+  explicit Group(const uint8_t* b) : base(b) {
+    cd = _mm256_set1_ps(QHalf(b + 80));
+    cm = _mm256_setzero_ps();
+    min_scale = _mm256_set1_ps(-QHalf(b + 82));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    s16 = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+    m16 = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+  }
+  __m256i Chunk(int j) const { return FmtQ2_K::State(base).Chunk(j); }
+  __m256i Sc16(int j) const { return PickSub16(s16, j); }
+  __m256i Min16(int j) const { return PickSub16(m16, j); }
+};
+
+// Lane j of the result is the sum of the 8 lanes of p[j].
+inline __m256i Reduce8(const __m256i* p) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// d_a and s_a of 8 consecutive activation blocks (stored as d, s pairs).
+inline void ActScales8(const float* ds, __m256* d, __m256* s) {
+  const __m256 a = _mm256_loadu_ps(ds);
+  const __m256 b = _mm256_loadu_ps(ds + 8);
+  // [d0 d1 d4 d5 | d2 d3 d6 d7] -> in order.
+  const __m256 dd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m256 ss = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  *d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(dd), _MM_SHUFFLE(3, 1, 2, 0)));
+  *s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ss), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
 inline float QHsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -331,19 +508,21 @@ inline float QHsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// R rows x T tokens over the whole row.
+// R rows x T tokens over the whole row: groups of 8 chunks, then (32-element
+// formats whose row is not a multiple of 256) the last blocks one by one.
 template <class F, int R, int T>
 void ExtTile(const uint8_t* w, int64_t row_bytes, const QuantizedActs& a, int64_t t0, float* y,
              int64_t y_stride) {
-  constexpr int kChunks = F::kElems / kQK;
+  constexpr int kChunks = F::kElems / kQK;  // chunks per format block
+  constexpr int64_t kGroupBytes = F::kBlockBytes * (8 / kChunks);
   const int64_t nb = a.n_blocks;
-  const int64_t n_super = nb / kChunks;
+  const int64_t n_groups = nb / 8;
   __m256 acc[R][T];
-  float macc[R][T];
+  float tail[R][T];
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < T; ++t) {
       acc[r][t] = _mm256_setzero_ps();
-      macc[r][t] = 0.0f;
+      tail[r][t] = 0.0f;
     }
   }
   const int8_t* xq[T];
@@ -353,37 +532,65 @@ void ExtTile(const uint8_t* w, int64_t row_bytes, const QuantizedActs& a, int64_
     xds[t] = a.ds + (t0 + t) * 2 * nb;
   }
   const uint8_t* pf = w + kQuantsPrefetchAhead;
-  for (int64_t s = 0; s < n_super; ++s) {
-    for (int64_t off = 0; off < R * F::kBlockBytes; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf + s * R * F::kBlockBytes + off), _MM_HINT_T0);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    for (int64_t off = 0; off < R * kGroupBytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + g * R * kGroupBytes + off), _MM_HINT_T0);
     }
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + r * row_bytes + s * F::kBlockBytes;
-      const typename F::State st(blk);
-      for (int j = 0; j < kChunks; ++j) {
-        const int64_t b = s * kChunks + j;
-        const __m256i q = st.Chunk(j);
-        __m256i sc16 = _mm256_setzero_si256();
-        if constexpr (F::kSub16) sc16 = st.Sc16(j);
-        const float cd = st.Cd(j);
-        for (int t = 0; t < T; ++t) {
-          const __m256i x = Load256(reinterpret_cast<const uint8_t*>(xq[t] + b * kQK));
-          const __m256i p = ChunkDot<F>(q, x, sc16);
-          const float xd = xds[t][2 * b];
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(cd * xd), acc[r][t]);
-          if constexpr (F::kHasMin) macc[r][t] += st.Cm(j) * xds[t][2 * b + 1];
-          if constexpr (F::kIntMin) {
-            const __m256i pm =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), st.Min16(j));
-            acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(st.MinScale() * xd),
-                                        acc[r][t]);
+      const Group<F> grp(w + r * row_bytes + g * kGroupBytes);
+      __m256i q[8];
+      __m256i sc16[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        q[j] = grp.Chunk(j);
+        if constexpr (F::kSub16) sc16[j] = grp.Sc16(j);
+      }
+      for (int t = 0; t < T; ++t) {
+        const int8_t* x = xq[t] + g * 8 * kQK;
+        __m256i p[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          p[j] = ChunkDot<F>(q[j], Load256(reinterpret_cast<const uint8_t*>(x + j * kQK)),
+                             F::kSub16 ? sc16[j] : _mm256_setzero_si256());
+        }
+        __m256 xd;
+        __m256 xs;
+        ActScales8(xds[t] + 2 * g * 8, &xd, &xs);
+        acc[r][t] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(p)), _mm256_mul_ps(grp.cd, xd), acc[r][t]);
+        if constexpr (F::kHasMin) acc[r][t] = _mm256_fmadd_ps(grp.cm, xs, acc[r][t]);
+        if constexpr (F::kIntMin) {
+          __m256i pm[8];
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {
+            const __m256i xv = Load256(reinterpret_cast<const uint8_t*>(x + j * kQK));
+            pm[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xv), grp.Min16(j));
           }
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(pm)),
+                                      _mm256_mul_ps(grp.min_scale, xd), acc[r][t]);
+        }
+      }
+    }
+  }
+  if constexpr (kChunks == 1) {
+    for (int64_t b = n_groups * 8; b < nb; ++b) {
+      for (int r = 0; r < R; ++r) {
+        const typename F::State st(w + r * row_bytes + b * F::kBlockBytes);
+        const __m256i q = st.Chunk(0);
+        for (int t = 0; t < T; ++t) {
+          const __m256i p =
+              ChunkDot<F>(q, Load256(reinterpret_cast<const uint8_t*>(xq[t] + b * kQK)),
+                          _mm256_setzero_si256());
+          const float xd = xds[t][2 * b];
+          acc[r][t] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(st.Cd(0) * xd), acc[r][t]);
+          if constexpr (F::kHasMin) tail[r][t] += st.Cm(0) * xds[t][2 * b + 1];
         }
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < T; ++t) y[t * y_stride + r] = QHsum(acc[r][t]) + macc[r][t];
+    for (int t = 0; t < T; ++t) y[t * y_stride + r] = QHsum(acc[r][t]) + tail[r][t];
   }
 }
 
@@ -425,7 +632,7 @@ void ExtRowsForType(const WeightView& w, const QuantizedActs& acts, int64_t n_to
         ExtRows<F, 1, 3>(base, row_bytes, acts, t, tr0, tr1, yt, y_stride);
         break;
       case 2:
-        ExtRows<F, 2, 2>(base, row_bytes, acts, t, tr0, tr1, yt, y_stride);
+        ExtRows<F, 1, 2>(base, row_bytes, acts, t, tr0, tr1, yt, y_stride);
         break;
       case 1:
         ExtRows<F, 4, 1>(base, row_bytes, acts, t, tr0, tr1, yt, y_stride);
