@@ -158,6 +158,11 @@ absl::Status QuantizedMatMul(kernels::DType, const void*, int64_t, int64_t, cons
                              const float*, int64_t, float*, int64_t, StreamHandle) {
   return NotBuilt();
 }
+absl::Status DequantizeWeight(kernels::DType, const void*, int64_t, int64_t, float*,
+                              StreamHandle) {
+  return NotBuilt();
+}
+bool IsNativeType(kernels::DType) { return false; }
 absl::StatusOr<std::unique_ptr<CublasMatMul>> CublasMatMul::Create(DeviceMemoryPool*,
                                                                    StreamHandle) {
   return NotBuilt();

@@ -23,8 +23,39 @@ absl::Status FromCublas(cublasStatus_t s, const char* what) {
 
 size_t ElemBytes(WeightFormat f) { return f == WeightFormat::kF32 ? 4 : 2; }
 
+// The types whose kNative layout splits quants from scales.
 bool IsBlockType(kernels::DType t) {
   return t == kernels::DType::kQ8_0 || t == kernels::DType::kQ4_0 || t == kernels::DType::kQ4_1;
+}
+
+// Extended formats: the GGUF bytes as they are, through pinned staging.
+absl::StatusOr<DeviceWeight> UploadBytes(const kernels::WeightView& w, DeviceMemoryPool* pool,
+                                         StreamHandle stream) {
+  const int64_t row_bytes = kernels::RowBytes(w.type, w.cols);
+  DeviceWeight out;
+  out.format = WeightFormat::kNative;
+  out.type = w.type;
+  out.rows = w.rows;
+  out.cols = w.cols;
+  auto buf = pool->Allocate(static_cast<size_t>(w.rows * row_bytes));
+  if (!buf.ok()) return buf.status();
+  out.data = std::move(buf).value();
+  const int64_t slab_rows = std::max<int64_t>(1, (int64_t{64} << 20) / row_bytes);
+  auto staging =
+      PinnedHostBuffer::Allocate(static_cast<size_t>(row_bytes * std::min(slab_rows, w.rows)));
+  if (!staging.ok()) return staging.status();
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  for (int64_t r0 = 0; r0 < w.rows; r0 += slab_rows) {
+    const int64_t n = std::min(slab_rows, w.rows - r0);
+    KVSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "UploadWeight sync");
+    std::memcpy(staging->data(), src + r0 * row_bytes, static_cast<size_t>(n * row_bytes));
+    KVSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.data.as<uint8_t>() + r0 * row_bytes, staging->data(),
+                        static_cast<size_t>(n * row_bytes), cudaMemcpyHostToDevice, stream),
+        "UploadWeight copy");
+  }
+  KVSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "UploadWeight sync");
+  return out;
 }
 
 // kNative (layout in matmul.h): the block's quants and its scales go to two
@@ -79,6 +110,26 @@ absl::StatusOr<DeviceWeight> UploadNative(const kernels::WeightView& w, DeviceMe
 
 }  // namespace
 
+bool IsNativeType(kernels::DType t) {
+  switch (t) {
+    case kernels::DType::kQ8_0:
+    case kernels::DType::kQ4_0:
+    case kernels::DType::kQ4_1:
+    case kernels::DType::kQ5_0:
+    case kernels::DType::kQ5_1:
+    case kernels::DType::kIQ4_NL:
+    case kernels::DType::kQ2_K:
+    case kernels::DType::kQ3_K:
+    case kernels::DType::kQ4_K:
+    case kernels::DType::kQ5_K:
+    case kernels::DType::kQ6_K:
+    case kernels::DType::kIQ4_XS:
+      return true;
+    default:
+      return false;
+  }
+}
+
 absl::StatusOr<DeviceWeight> UploadWeight(const kernels::WeightView& w, WeightFormat format,
                                           DeviceMemoryPool* pool, StreamHandle stream) {
   if (w.rows <= 0 || w.cols <= 0 || w.cols % kernels::BlockElems(w.type) != 0) {
@@ -86,11 +137,12 @@ absl::StatusOr<DeviceWeight> UploadWeight(const kernels::WeightView& w, WeightFo
                                                    w.cols, " for ", kernels::DTypeName(w.type)));
   }
   if (format == WeightFormat::kNative) {
-    if (!IsBlockType(w.type)) {
+    if (!IsNativeType(w.type)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "UploadWeight: the native format holds Q8_0/Q4_0/Q4_1, not ", kernels::DTypeName(w.type)));
+          "UploadWeight: the native format holds block-quantized types, not ",
+          kernels::DTypeName(w.type)));
     }
-    return UploadNative(w, pool, stream);
+    return IsBlockType(w.type) ? UploadNative(w, pool, stream) : UploadBytes(w, pool, stream);
   }
   DeviceWeight out;
   out.format = format;

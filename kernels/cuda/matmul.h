@@ -33,6 +33,10 @@ namespace kvserve::cuda {
 //               16), block (r, b) at (r * nb + b) * SB: fp16 d (SB = 2) for
 //               Q8_0/Q4_0, fp16 d then fp16 m (SB = 4) for Q4_1.
 //     nb = cols / 32. The size is exactly the GGUF tensor's.
+//   kNative also holds the extended formats (Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K,
+//     Q4_K, Q5_K, Q6_K, IQ4_XS) as the GGUF tensor's bytes unchanged, rows of
+//     whole blocks one after another; their kernels (dequant.cuh) read the
+//     blocks byte-wise.
 enum class WeightFormat : uint8_t { kF32, kF16, kBF16, kNative };
 
 // A row-major [rows][cols] weight matrix in device memory.
@@ -45,10 +49,13 @@ struct DeviceWeight {
   DeviceBuffer data;
 };
 
+// Whether kNative holds type t (Q8_0/Q4_0/Q4_1 and the extended formats).
+bool IsNativeType(kernels::DType t);
+
 // Dequantizes/converts w on the host and uploads it (synchronously on
 // `stream`). F16 weights keep their bits with kF16, BF16 with kBF16, F32 with
-// kF32. kNative takes Q8_0/Q4_0/Q4_1 only and keeps their bytes (layout
-// above); other types with kNative are InvalidArgument.
+// kF32. kNative takes the IsNativeType types only and keeps their bytes
+// (layouts above); other types with kNative are InvalidArgument.
 [[nodiscard]] absl::StatusOr<DeviceWeight> UploadWeight(const kernels::WeightView& w,
                                                         WeightFormat format,
                                                         DeviceMemoryPool* pool,
@@ -76,13 +83,20 @@ inline ActSum ActSumFor(kernels::DType t) {
                                         int64_t cols, ActSum mode, int8_t* qs, float* ds,
                                         StreamHandle stream);
 
-// y[t][r] = W[r] . x[t] for a kNative weight (`type` Q8_0/Q4_0/Q4_1, `data`
+// y[t][r] = W[r] . x[t] for a kNative weight (`type` IsNativeType, `data`
 // in the kNative layout) against activations quantized by QuantizeActs with
 // ActSumFor(type). qs must be 16-byte aligned. Enqueued on `stream`.
 [[nodiscard]] absl::Status QuantizedMatMul(kernels::DType type, const void* data, int64_t rows,
                                            int64_t cols, const int8_t* qs, const float* ds,
                                            int64_t n_tokens, float* y, int64_t y_stride,
                                            StreamHandle stream);
+
+// out[r][c] = the value of element c of row r of an extended-format matrix
+// (`data`: rows of GGUF blocks, device memory), bit-identical to
+// kernels::DequantizeRow. Other types are InvalidArgument. Enqueued on
+// `stream`.
+[[nodiscard]] absl::Status DequantizeWeight(kernels::DType type, const void* data, int64_t rows,
+                                            int64_t cols, float* out, StreamHandle stream);
 
 // Owns a cuBLAS handle bound to one stream plus the activation scratch.
 // Not thread-safe: one per engine thread/stream.

@@ -1,6 +1,5 @@
-// Integer matmuls on Q8_0/Q4_0/Q4_1 weights kept in their GGUF bytes
-// (WeightFormat::kNative, layout in matmul.h), with the CPU backend's
-// numerics (kernels/cpu/matmul.cc):
+// Quantized matmuls on weights kept in their GGUF bytes (WeightFormat::kNative,
+// layouts in matmul.h), with the CPU backend's numerics (kernels/cpu/matmul.cc):
 //
 // - QuantizeActsKernel is QuantizeActsScalar: per 32-element block, amax,
 //   q = round-half-even(x * (127 / amax)), d = amax / 127 through fp16, and
@@ -28,12 +27,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/dequant.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/matmul.h"
 
 namespace kvserve::cuda {
 namespace {
 
+using internal::DequantElem;
+using internal::ExtFormat;
+using internal::IsExtendedType;
 using internal::LaunchStatus;
 using kernels::DType;
 
@@ -153,7 +156,6 @@ __global__ void __launch_bounds__(kThreads)
     MatVecKernel(const uint8_t* __restrict__ wq, const uint8_t* __restrict__ wsc, int64_t rows,
                  int64_t nb, const int8_t* __restrict__ qs, const float* __restrict__ ds,
                  int64_t n_tokens, float* __restrict__ y, int64_t y_stride) {
-  using Tr = Traits<kType>;
   __shared__ ActStage<T> stage;
   __shared__ float partial[T][kThreads];
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * T;
@@ -179,7 +181,35 @@ __global__ void __launch_bounds__(kThreads)
   float acc[T];
 #pragma unroll
   for (int t = 0; t < T; ++t) acc[t] = 0.0f;
-  if (r < rows) {
+  if constexpr (IsExtendedType(kType)) {
+    // 32-element chunk b of the row lies in GGUF block b / kChunks.
+    using F = ExtFormat<kType>;
+    constexpr int kChunks = F::kElems / kQK;
+    if (r < rows) {
+      const uint8_t* rb = wq + r * (nb / kChunks) * F::kBytes;
+      for (int64_t b = sub; b < nb; b += kLanesPerRow) {
+        const uint8_t* blk = rb + (b / kChunks) * F::kBytes;
+        const int e0 = static_cast<int>(b % kChunks) * kQK;
+        float w[kQK];
+#pragma unroll
+        for (int j = 0; j < kQK; ++j) w[j] = DequantElem<kType>(blk, e0 + j);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          if (t < nt) {
+            const int64_t tb = t * nb + b;
+            const int8_t* a = aq + tb * kQK;
+            float part = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kQK; ++j) {
+              part = __fadd_rn(part, __fmul_rn(w[j], static_cast<float>(a[j])));
+            }
+            acc[t] = __fadd_rn(acc[t], __fmul_rn(part, ad[2 * tb]));
+          }
+        }
+      }
+    }
+  } else if (r < rows) {
+    using Tr = Traits<kType>;
     const uint8_t* rq = wq + r * nb * Tr::kQB;
     const uint8_t* rs = wsc + r * nb * Tr::kSB;
     for (int64_t b = sub; b < nb; b += kLanesPerRow) {
@@ -227,7 +257,9 @@ absl::Status MatMulFor(const void* data, int64_t rows, int64_t cols, const int8_
                        StreamHandle stream) {
   const int64_t nb = cols / kQK;
   const auto* wq = static_cast<const uint8_t*>(data);
-  const uint8_t* wsc = wq + rows * nb * Traits<kType>::kQB;
+  // The extended formats keep their GGUF blocks whole: no scale region.
+  const uint8_t* wsc = wq;
+  if constexpr (!IsExtendedType(kType)) wsc += rows * nb * Traits<kType>::kQB;
   if (n_tokens == 1) {
     return LaunchMatVec<kType, 1>(wq, wsc, rows, nb, qs, ds, n_tokens, y, y_stride, stream);
   }
@@ -240,7 +272,62 @@ absl::Status MatMulFor(const void* data, int64_t rows, int64_t cols, const int8_
   return LaunchMatVec<kType, kMaxT>(wq, wsc, rows, nb, qs, ds, n_tokens, y, y_stride, stream);
 }
 
+// One thread per 32-element chunk of the matrix (rows are whole blocks, so
+// the chunks of all rows are one sequence).
+template <DType kType>
+__global__ void __launch_bounds__(kQuantThreads)
+    DequantizeKernel(const uint8_t* __restrict__ w, int64_t n_chunks, float* __restrict__ out) {
+  using F = ExtFormat<kType>;
+  constexpr int kChunks = F::kElems / kQK;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kQuantThreads + threadIdx.x;
+  if (c >= n_chunks) return;
+  const uint8_t* blk = w + (c / kChunks) * F::kBytes;
+  const int e0 = static_cast<int>(c % kChunks) * kQK;
+  float* o = out + c * kQK;
+#pragma unroll
+  for (int j = 0; j < kQK; ++j) o[j] = DequantElem<kType>(blk, e0 + j);
+}
+
+template <DType kType>
+absl::Status LaunchDequantize(const void* data, int64_t n_chunks, float* out,
+                              StreamHandle stream) {
+  const dim3 grid(static_cast<unsigned>((n_chunks + kQuantThreads - 1) / kQuantThreads));
+  KVSERVE_CUDA_LAUNCH(grid, dim3(kQuantThreads), 0, stream, DequantizeKernel<kType>)
+  (static_cast<const uint8_t*>(data), n_chunks, out);
+  return LaunchStatus("DequantizeWeight");
+}
+
 }  // namespace
+
+absl::Status DequantizeWeight(DType type, const void* data, int64_t rows, int64_t cols,
+                              float* out, StreamHandle stream) {
+  if (!IsExtendedType(type)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DequantizeWeight: ", kernels::DTypeName(type), " is not an extended format"));
+  }
+  if (rows <= 0 || cols <= 0 || cols % kernels::BlockElems(type) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("DequantizeWeight: bad shape ", rows, "x", cols,
+                                                   " for ", kernels::DTypeName(type)));
+  }
+  const int64_t n_chunks = rows * (cols / kQK);
+  switch (type) {
+#define KVSERVE_EXT_CASE(T) \
+  case T:                   \
+    return LaunchDequantize<T>(data, n_chunks, out, stream);
+    KVSERVE_EXT_CASE(DType::kQ5_0)
+    KVSERVE_EXT_CASE(DType::kQ5_1)
+    KVSERVE_EXT_CASE(DType::kIQ4_NL)
+    KVSERVE_EXT_CASE(DType::kQ2_K)
+    KVSERVE_EXT_CASE(DType::kQ3_K)
+    KVSERVE_EXT_CASE(DType::kQ4_K)
+    KVSERVE_EXT_CASE(DType::kQ5_K)
+    KVSERVE_EXT_CASE(DType::kQ6_K)
+    KVSERVE_EXT_CASE(DType::kIQ4_XS)
+#undef KVSERVE_EXT_CASE
+    default:
+      return absl::InvalidArgumentError("DequantizeWeight: unreachable");
+  }
+}
 
 absl::Status QuantizeActs(const float* x, int64_t n_tokens, int64_t x_stride, int64_t cols,
                           ActSum mode, int8_t* qs, float* ds, StreamHandle stream) {
@@ -266,9 +353,11 @@ absl::Status QuantizedMatMul(DType type, const void* data, int64_t rows, int64_t
                              const int8_t* qs, const float* ds, int64_t n_tokens, float* y,
                              int64_t y_stride, StreamHandle stream) {
   if (n_tokens <= 0) return absl::OkStatus();
-  if (rows <= 0 || cols <= 0 || cols % kQK != 0 || y_stride < rows) {
+  if (rows <= 0 || cols <= 0 || cols % kernels::BlockElems(type) != 0 || cols % kQK != 0 ||
+      y_stride < rows) {
     return absl::InvalidArgumentError(absl::StrCat("QuantizedMatMul: bad shape ", rows, "x",
-                                                   cols, " y_stride=", y_stride));
+                                                   cols, " for ", kernels::DTypeName(type),
+                                                   " y_stride=", y_stride));
   }
   if (reinterpret_cast<uintptr_t>(qs) % 16 != 0 || reinterpret_cast<uintptr_t>(data) % 16 != 0) {
     return absl::InvalidArgumentError("QuantizedMatMul: weights and activations need 16-byte alignment");
@@ -280,6 +369,19 @@ absl::Status QuantizedMatMul(DType type, const void* data, int64_t rows, int64_t
       return MatMulFor<DType::kQ4_0>(data, rows, cols, qs, ds, n_tokens, y, y_stride, stream);
     case DType::kQ4_1:
       return MatMulFor<DType::kQ4_1>(data, rows, cols, qs, ds, n_tokens, y, y_stride, stream);
+#define KVSERVE_EXT_CASE(T) \
+  case T:                   \
+    return MatMulFor<T>(data, rows, cols, qs, ds, n_tokens, y, y_stride, stream);
+    KVSERVE_EXT_CASE(DType::kQ5_0)
+    KVSERVE_EXT_CASE(DType::kQ5_1)
+    KVSERVE_EXT_CASE(DType::kIQ4_NL)
+    KVSERVE_EXT_CASE(DType::kQ2_K)
+    KVSERVE_EXT_CASE(DType::kQ3_K)
+    KVSERVE_EXT_CASE(DType::kQ4_K)
+    KVSERVE_EXT_CASE(DType::kQ5_K)
+    KVSERVE_EXT_CASE(DType::kQ6_K)
+    KVSERVE_EXT_CASE(DType::kIQ4_XS)
+#undef KVSERVE_EXT_CASE
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("QuantizedMatMul: no integer kernel for ", kernels::DTypeName(type)));

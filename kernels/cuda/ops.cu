@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/dequant.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 
@@ -93,6 +94,9 @@ __global__ void EmbeddingKernel(kernels::DType type, const uint8_t* __restrict__
         v = static_cast<float>(q) * d + m;
         break;
       }
+      default:  // the extended formats (dequant.cuh)
+        v = internal::DequantRowElem(type, row, i);
+        break;
     }
     o[i] = v;
   }

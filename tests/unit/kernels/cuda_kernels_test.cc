@@ -982,6 +982,149 @@ TEST_F(CudaTest, NativeWeightFormatTakesBlockTypesOnly) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// ---- extended weight formats (Q5_0, Q5_1, IQ4_NL, K-quants, IQ4_XS) ----
+
+constexpr kernels::DType kExtendedTypes[] = {
+    kernels::DType::kQ5_0, kernels::DType::kQ5_1, kernels::DType::kIQ4_NL,
+    kernels::DType::kQ2_K, kernels::DType::kQ3_K, kernels::DType::kQ4_K,
+    kernels::DType::kQ5_K, kernels::DType::kQ6_K, kernels::DType::kIQ4_XS};
+
+// Rows of random blocks of an extended type: every quant, scale and index
+// byte random, the fp16 super-scales (and mins) random finite values, so
+// each bit field of the layout reaches the result. Nothing in the project
+// quantizes to these formats; files carry them.
+std::vector<uint8_t> RandomBlocks(kernels::DType type, int64_t rows, int64_t cols, uint32_t seed) {
+  std::vector<int> half_at;  // byte offsets of the block's fp16 fields
+  switch (type) {
+    case kernels::DType::kQ5_1:
+    case kernels::DType::kQ4_K:
+    case kernels::DType::kQ5_K:
+      half_at = {0, 2};
+      break;
+    case kernels::DType::kQ2_K:
+      half_at = {80, 82};
+      break;
+    case kernels::DType::kQ3_K:
+      half_at = {108};
+      break;
+    case kernels::DType::kQ6_K:
+      half_at = {208};
+      break;
+    default:  // Q5_0, IQ4_NL, IQ4_XS
+      half_at = {0};
+      break;
+  }
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(-0.02f, 0.02f);
+  const int64_t bb = kernels::BlockBytes(type);
+  std::vector<uint8_t> out(rows * kernels::RowBytes(type, cols));
+  for (auto& b : out) b = static_cast<uint8_t>(byte(rng));
+  for (size_t blk = 0; blk < out.size() / bb; ++blk) {
+    for (int at : half_at) {
+      const uint16_t h = Fp32ToFp16(scale(rng));
+      out[blk * bb + at] = static_cast<uint8_t>(h & 0xff);
+      out[blk * bb + at + 1] = static_cast<uint8_t>(h >> 8);
+    }
+  }
+  return out;
+}
+
+TEST_F(CudaTest, ExtendedFormatsDequantizeBitIdenticallyToDequantizeRow) {
+  const int64_t rows = 5, cols = 768;
+  const std::vector<int32_t> tokens = {4, 0, 2, 2};
+  for (kernels::DType type : kExtendedTypes) {
+    SCOPED_TRACE(kernels::DTypeName(type));
+    const auto bytes = RandomBlocks(type, rows, cols, 31);
+    const int64_t row_bytes = kernels::RowBytes(type, cols);
+    std::vector<float> want(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      kernels::DequantizeRow(type, bytes.data() + r * row_bytes, want.data() + r * cols, cols);
+    }
+    const uint8_t* dbytes = Upload(bytes);
+    float* out = Alloc<float>(want.size());
+    ASSERT_TRUE(cuda::DequantizeWeight(type, dbytes, rows, cols, out, stream()).ok());
+    const auto got = Download(out, want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      uint32_t g, w;
+      std::memcpy(&g, &got[i], 4);
+      std::memcpy(&w, &want[i], 4);
+      ASSERT_EQ(g, w) << "row " << i / cols << " element " << i % cols << ": " << got[i]
+                      << " vs " << want[i];
+    }
+    // The embedding gather reads the same tables element by element.
+    float* emb = Alloc<float>(tokens.size() * cols);
+    ASSERT_TRUE(cuda::EmbeddingGather(type, dbytes, rows, cols, Upload(tokens),
+                                      static_cast<int64_t>(tokens.size()), emb, stream())
+                    .ok());
+    const auto got_emb = Download(emb, tokens.size() * cols);
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      for (int64_t i = 0; i < cols; ++i) {
+        ASSERT_EQ(got_emb[t * cols + i], want[tokens[t] * cols + i]) << "token " << t << " " << i;
+      }
+    }
+  }
+  EXPECT_EQ(cuda::DequantizeWeight(kernels::DType::kQ8_0, nullptr, 1, 32, nullptr, stream()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      cuda::DequantizeWeight(kernels::DType::kQ4_K, nullptr, 1, 320, nullptr, stream()).code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+// Native extended weights agree with the CPU's production MatMul (8-bit
+// activations, per-32 float block sums) up to the order of the sum over
+// blocks, and with the plain-loop MatMulReference (float activations) up to
+// the activations' quantization.
+TEST_F(CudaTest, ExtendedFormatsMatMulMatchesCpu) {
+  auto mm = cuda::CublasMatMul::Create(pool_.get(), stream());
+  ASSERT_TRUE(mm.ok()) << mm.status();
+  // 77 rows: not a multiple of the kernel's rows per block. 4352 columns:
+  // too wide for the shared-memory staging of activations.
+  for (const int64_t cols : {int64_t{512}, int64_t{4352}}) {
+    const int64_t rows = 77;
+    for (kernels::DType type : kExtendedTypes) {
+      SCOPED_TRACE(absl::StrCat(kernels::DTypeName(type), " cols=", cols));
+      const auto wbytes = RandomBlocks(type, rows, cols, 41 + static_cast<uint32_t>(cols));
+      const kernels::WeightView wv{type, wbytes.data(), rows, cols};
+      auto dw = cuda::UploadWeight(wv, cuda::WeightFormat::kNative, pool_.get(), stream());
+      ASSERT_TRUE(dw.ok()) << dw.status();
+      EXPECT_EQ(dw->data.size(), wbytes.size());  // the GGUF size
+      for (int64_t n_tokens : {1, 3, 17}) {
+        SCOPED_TRACE(absl::StrCat(n_tokens, " tokens"));
+        const int64_t x_stride = cols + 5, y_stride = rows + 3;
+        const auto x = RandomFloats(n_tokens * x_stride, 42 + n_tokens);
+        std::vector<float> want(n_tokens * y_stride, -7.f);
+        kernels::MatMul(wv, x.data(), n_tokens, x_stride, want.data(), y_stride, nullptr);
+        std::vector<float> ref(n_tokens * y_stride, -7.f);
+        kernels::MatMulReference(wv, x.data(), n_tokens, x_stride, ref.data(), y_stride);
+        float* y = Upload(std::vector<float>(want.size(), -7.f));
+        ASSERT_TRUE((*mm)->MatMul(*dw, Upload(x), n_tokens, x_stride, y, y_stride).ok());
+        const auto got = Download(y, want.size());
+        std::vector<float> got_rows, ref_rows;
+        for (int64_t t = 0; t < n_tokens; ++t) {
+          double scale = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            scale = std::max(scale, std::fabs(static_cast<double>(want[t * y_stride + r])));
+          }
+          for (int64_t r = 0; r < y_stride; ++r) {
+            const size_t i = t * y_stride + r;
+            if (r >= rows) {
+              ASSERT_EQ(got[i], -7.f) << "wrote past the rows at token " << t;
+              continue;
+            }
+            const double err = std::fabs(static_cast<double>(got[i]) - want[i]) / scale;
+            ASSERT_LT(err, 1e-5) << "token " << t << " row " << r << ": " << got[i] << " vs "
+                                 << want[i];
+            got_rows.push_back(got[i]);
+            ref_rows.push_back(ref[i]);
+          }
+        }
+        EXPECT_LT(Nmse(got_rows, ref_rows), 1e-3);
+      }
+    }
+  }
+}
+
 TEST_F(CudaTest, ProbeReportsPositiveBandwidth) {
   auto r = cuda::ProbeBandwidth(64 << 20, 3);
   ASSERT_TRUE(r.ok()) << r.status();
