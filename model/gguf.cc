@@ -53,8 +53,46 @@ const char* GgmlTypeName(GgmlType t) {
       return "Q8_0";
     case GgmlType::kBF16:
       return "BF16";
+    case GgmlType::kQ5_0:
+      return "Q5_0";
+    case GgmlType::kQ5_1:
+      return "Q5_1";
+    case GgmlType::kQ2_K:
+      return "Q2_K";
+    case GgmlType::kQ3_K:
+      return "Q3_K";
+    case GgmlType::kQ4_K:
+      return "Q4_K";
+    case GgmlType::kQ5_K:
+      return "Q5_K";
+    case GgmlType::kQ6_K:
+      return "Q6_K";
+    case GgmlType::kIQ4_NL:
+      return "IQ4_NL";
+    case GgmlType::kIQ4_XS:
+      return "IQ4_XS";
   }
   return "unknown";
+}
+
+const char* GgmlTypeIdName(uint32_t id) {
+  // ggml's type table (ggml.h enum ggml_type); gaps are ids ggml retired.
+  static constexpr const char* kNames[] = {
+      "F32",     "F16",    "Q4_0",   "Q4_1",   "Q4_2",   "Q4_3",    "Q5_0",     "Q5_1",
+      "Q8_0",    "Q8_1",   "Q2_K",   "Q3_K",   "Q4_K",   "Q5_K",    "Q6_K",     "Q8_K",
+      "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S",   "IQ2_S",    "IQ4_XS",
+      "I8",      "I16",    "I32",    "I64",    "F64",    "IQ1_M",   "BF16",     "Q4_0_4_4",
+      "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8",
+      "MXFP4",   "NVFP4",  "Q1_0"};
+  return id < sizeof(kNames) / sizeof(kNames[0]) ? kNames[id] : "unknown";
+}
+
+const std::vector<GgmlType>& AllGgmlTypes() {
+  static const std::vector<GgmlType> kAll = {
+      GgmlType::kF32,  GgmlType::kF16,  GgmlType::kBF16, GgmlType::kQ8_0,   GgmlType::kQ4_0,
+      GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kQ2_K,   GgmlType::kQ3_K,
+      GgmlType::kQ4_K, GgmlType::kQ5_K, GgmlType::kQ6_K, GgmlType::kIQ4_NL, GgmlType::kIQ4_XS};
+  return kAll;
 }
 
 int64_t GgmlBlockElems(GgmlType t) {
@@ -65,8 +103,18 @@ int64_t GgmlBlockElems(GgmlType t) {
       return 1;
     case GgmlType::kQ4_0:
     case GgmlType::kQ4_1:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ5_1:
     case GgmlType::kQ8_0:
+    case GgmlType::kIQ4_NL:
       return 32;
+    case GgmlType::kQ2_K:
+    case GgmlType::kQ3_K:
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K:
+    case GgmlType::kIQ4_XS:
+      return 256;
   }
   return 0;
 }
@@ -84,6 +132,24 @@ int64_t GgmlBlockBytes(GgmlType t) {
       return 20;
     case GgmlType::kQ8_0:
       return 34;
+    case GgmlType::kQ5_0:
+      return 22;
+    case GgmlType::kQ5_1:
+      return 24;
+    case GgmlType::kIQ4_NL:
+      return 18;
+    case GgmlType::kQ2_K:
+      return 84;
+    case GgmlType::kQ3_K:
+      return 110;
+    case GgmlType::kQ4_K:
+      return 144;
+    case GgmlType::kQ5_K:
+      return 176;
+    case GgmlType::kQ6_K:
+      return 210;
+    case GgmlType::kIQ4_XS:
+      return 136;
   }
   return 0;
 }
@@ -143,16 +209,19 @@ const char* ValueTypeName(GgufValueType t) {
 bool IsKnownValueType(uint32_t t) { return t <= static_cast<uint32_t>(GgufValueType::kFloat64); }
 
 bool IsKnownTensorType(uint32_t t) {
-  switch (static_cast<GgmlType>(t)) {
-    case GgmlType::kF32:
-    case GgmlType::kF16:
-    case GgmlType::kQ4_0:
-    case GgmlType::kQ4_1:
-    case GgmlType::kQ8_0:
-    case GgmlType::kBF16:
-      return true;
+  for (GgmlType known : AllGgmlTypes()) {
+    if (static_cast<uint32_t>(known) == t) return true;
   }
   return false;
+}
+
+std::string SupportedTypeNames() {
+  std::string out;
+  for (GgmlType t : AllGgmlTypes()) {
+    if (!out.empty()) out += ", ";
+    out += GgmlTypeName(t);
+  }
+  return out;
 }
 
 // Size in bytes of a fixed-size value type; 0 for string and array.
@@ -554,8 +623,9 @@ absl::Status GgufFile::Parse() {
     }
     ASSIGN_OR_RETURN(uint32_t type, c.Read<uint32_t>(Cat(ctx, " type")));
     if (!IsKnownTensorType(type)) {
-      return absl::InvalidArgumentError(Cat(ctx, " has unknown or unsupported tensor type ", type,
-                                            " (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"));
+      return absl::InvalidArgumentError(Cat(ctx, " has unsupported tensor type ",
+                                            GgmlTypeIdName(type), " (ggml type id ", type,
+                                            "; supported: ", SupportedTypeNames(), ")"));
     }
     t.type = static_cast<GgmlType>(type);
     const int64_t block = GgmlBlockElems(t.type);

@@ -22,17 +22,34 @@
 namespace kvserve {
 
 // ggml tensor type ids as stored in GGUF. Only the types the engine can
-// compute with are accepted by the reader.
+// compute with are accepted by the reader; a tensor of any other type is
+// refused with the tensor's name and the type's ggml name
+// (GgmlTypeIdName).
 enum class GgmlType : uint32_t {
   kF32 = 0,
   kF16 = 1,
   kQ4_0 = 2,
   kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
+  kQ2_K = 10,
+  kQ3_K = 11,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kIQ4_NL = 20,
+  kIQ4_XS = 23,
   kBF16 = 30,
 };
 
 const char* GgmlTypeName(GgmlType t);
+// ggml's name of any type id ggml has defined ("IQ2_XXS", "TQ1_0", ...),
+// supported or not; "unknown" for ids ggml never used.
+const char* GgmlTypeIdName(uint32_t id);
+// Every type the reader accepts, for RequireTensor's `types` when any
+// weight format will do.
+const std::vector<GgmlType>& AllGgmlTypes();
 // Elements per quantization block (1 for float types) and bytes per block.
 int64_t GgmlBlockElems(GgmlType t);
 int64_t GgmlBlockBytes(GgmlType t);

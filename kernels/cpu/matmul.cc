@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -123,6 +124,30 @@ void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, 
   }
 }
 
+void MatMulRowsExtendedScalar(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                              int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+  // Dequantized weights against the dequantized 8-bit activations: the
+  // same inputs the vector kernels see, summed in float per 32-element
+  // block in element order.
+  const int64_t nb = acts.n_blocks;
+  const int64_t row_bytes = RowBytes(w.type, w.cols);
+  std::vector<float> row(w.cols);
+  for (int64_t r = r0; r < r1; ++r) {
+    DequantizeRow(w.type, static_cast<const uint8_t*>(w.data) + r * row_bytes, row.data(), w.cols);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const int8_t* xq = acts.qs + t * nb * kQK;
+      const float* xds = acts.ds + t * 2 * nb;
+      float sum = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        float part = 0.0f;
+        for (int j = 0; j < kQK; ++j) part += row[b * kQK + j] * static_cast<float>(xq[b * kQK + j]);
+        sum += part * xds[2 * b];
+      }
+      y[t * y_stride + r] = sum;
+    }
+  }
+}
+
 void MatMulRowsScalar(const WeightView& w, const float* x, int64_t x_stride,
                       const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1, float* y,
                       int64_t y_stride) {
@@ -136,6 +161,7 @@ void MatMulRowsScalar(const WeightView& w, const float* x, int64_t x_stride,
     default:
       break;
   }
+  if (IsExtendedType(w.type)) return MatMulRowsExtendedScalar(w, acts, n_tokens, r0, r1, y, y_stride);
   const int64_t nb = acts.n_blocks;
   const int64_t row_bytes = RowBytes(w.type, w.cols);
   for (int64_t r = r0; r < r1; ++r) {
@@ -220,7 +246,7 @@ const Block* RowBlocks(const WeightView& w, int64_t r) {
 }  // namespace
 
 std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
-  if (!internal::IsQuantized(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
+  if (!internal::IsPanelType(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
       w.cols % kQK != 0) {
     return nullptr;
   }
@@ -325,6 +351,9 @@ void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
       }
       return;
     }
+    default:
+      internal::DequantizeRowExtended(type, src, dst, n);
+      return;
   }
 }
 
@@ -406,6 +435,10 @@ void QuantizeRowReference(DType type, const float* src, void* dst, int64_t n) {
       }
       return;
     }
+    default:
+      // The extended formats are read from files only; nothing here writes them.
+      std::fprintf(stderr, "QuantizeRowReference: no quantizer for %s\n", DTypeName(type));
+      std::abort();
   }
 }
 
@@ -503,6 +536,14 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
           internal::MatMulPanelsAmxEmulated(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
         } else {
           internal::MatMulPanelsVnni(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+        }
+      } else if (internal::IsExtendedType(ws[i].type)) {
+        if (vnni) {
+          internal::MatMulRowsExtendedVnni(ws[i], acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+        } else if (simd) {
+          internal::MatMulRowsExtendedAvx2(ws[i], acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+        } else {
+          internal::MatMulRowsExtendedScalar(ws[i], acts, n_tokens, lo, hi, ys[i], y_strides[i]);
         }
       } else if (vnni) {
         internal::MatMulRowsAvx512Vnni(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i],

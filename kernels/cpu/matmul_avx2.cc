@@ -37,6 +37,8 @@ constexpr int64_t RowBytesOf(int64_t cols) {
       return cols / kQK * static_cast<int64_t>(sizeof(BlockQ4_0));
     case DType::kQ4_1:
       return cols / kQK * static_cast<int64_t>(sizeof(BlockQ4_1));
+    default:
+      break;
   }
   return 0;
 }
@@ -403,6 +405,8 @@ void MatMulRowsAvx2(const WeightView& w, const float* x, int64_t x_stride,
       return RowsForType<DType::kQ4_0>(w, x, x_stride, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_1:
       return RowsForType<DType::kQ4_1>(w, x, x_stride, acts, n_tokens, r0, r1, y, y_stride);
+    default:
+      break;  // extended types: MatMulRowsExtendedAvx2
   }
 }
 

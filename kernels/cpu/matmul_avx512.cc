@@ -41,6 +41,8 @@ constexpr int64_t RowBytesOf(int64_t cols) {
       return cols / kQK * static_cast<int64_t>(sizeof(BlockQ4_0));
     case DType::kQ4_1:
       return cols / kQK * static_cast<int64_t>(sizeof(BlockQ4_1));
+    default:
+      break;
   }
   return 0;
 }

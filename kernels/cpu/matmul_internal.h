@@ -55,8 +55,45 @@ void MatMulRowsAvx512Vnni(const WeightView& w, const float* x, int64_t x_stride,
                           const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1,
                           float* y, int64_t y_stride);
 
+// Weight types whose products run on quantized activations (every type but
+// the float ones).
 constexpr bool IsQuantized(DType t) {
+  return t != DType::kF32 && t != DType::kF16 && t != DType::kBF16;
+}
+// The types with 16-row panel kernels (PackWeight, VNNI panels, AMX).
+constexpr bool IsPanelType(DType t) {
   return t == DType::kQ8_0 || t == DType::kQ4_0 || t == DType::kQ4_1;
 }
+// Q5_0, Q5_1, IQ4_NL and the 256-element formats (quants.cc and the
+// matmul_quants_* kernels).
+constexpr bool IsExtendedType(DType t) { return IsQuantized(t) && !IsPanelType(t); }
+
+// Reference dequantizer of an extended type (quants.cc); false for others.
+bool DequantizeRowExtended(DType type, const void* src, float* dst, int64_t n);
+
+// The 6-bit scale and min of sub-block j (0..7) of Q4_K/Q5_K.
+inline void KQuantScaleMin(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+// The 6-bit scale (offset by 32) of sub-block j (0..7) of IQ4_XS.
+inline int IQ4XSScale(const BlockIQ4_XS& b, int j) {
+  return ((b.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | (((b.scales_h >> (2 * j)) & 3) << 4);
+}
+
+// Portable version (dequantized weights, float sums).
+void MatMulRowsExtendedScalar(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                              int64_t r0, int64_t r1, float* y, int64_t y_stride);
+// Extended types on quantized activations: rows [r0, r1), every token
+// (matmul_quants_avx2.cc / matmul_quants_avx512.cc).
+void MatMulRowsExtendedAvx2(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                            int64_t r0, int64_t r1, float* y, int64_t y_stride);
+void MatMulRowsExtendedVnni(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                            int64_t r0, int64_t r1, float* y, int64_t y_stride);
 
 }  // namespace kvserve::kernels::internal

@@ -554,10 +554,16 @@ TEST(GgufMalformedTest, RowNotMultipleOfBlock) {
 }
 
 TEST(GgufMalformedTest, UnknownTensorType) {
+  // A type ggml defines but the engine does not compute with: refused with
+  // its ggml name and the tensor's name.
   GgufWriter w;
-  w.AddTensor("k", static_cast<GgmlType>(12), {256}, std::string(144, '\0'));  // Q4_K
+  w.AddTensor("k", static_cast<GgmlType>(16), {256}, std::string(66, '\0'));  // IQ2_XXS
   EXPECT_THAT(ParseError(w.Serialize()),
-              HasSubstr("tensor 'k' has unknown or unsupported tensor type 12"));
+              HasSubstr("tensor 'k' has unsupported tensor type IQ2_XXS (ggml type id 16;"));
+  GgufWriter never;  // an id ggml never used
+  never.AddTensor("z", static_cast<GgmlType>(977), {32}, std::string(32, '\0'));
+  EXPECT_THAT(ParseError(never.Serialize()),
+              HasSubstr("tensor 'z' has unsupported tensor type unknown (ggml type id 977;"));
 }
 
 TEST(GgufMalformedTest, UnalignedOffset) {
