@@ -1,5 +1,6 @@
 #include "model/llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -76,11 +77,15 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
   LlamaConfig c;
   ASSIGN_OR_RETURN(c.architecture, f.GetString("general.architecture"));
   // Architectures that share Llama's graph: llama and mistral exactly,
-  // qwen2 with Q/K/V biases and NeoX-style RoPE.
-  if (c.architecture != "llama" && c.architecture != "mistral" && c.architecture != "qwen2") {
-    return absl::UnimplementedError(absl::StrCat("architecture '", c.architecture,
-                                                 "' is not supported (llama, mistral, qwen2)"));
+  // qwen2 with Q/K/V biases and NeoX-style RoPE, qwen3 with QK-norm instead
+  // of the biases, gemma3 with QK-norm, post-norms, GELU and local layers.
+  const std::string& arch = c.architecture;
+  if (arch != "llama" && arch != "mistral" && arch != "qwen2" && arch != "qwen3" &&
+      arch != "gemma3") {
+    return absl::UnimplementedError(absl::StrCat(
+        "architecture '", arch, "' is not supported (llama, mistral, qwen2, qwen3, gemma3)"));
   }
+  const bool gemma3 = arch == "gemma3";
   if (f.Has("general.name")) {
     ASSIGN_OR_RETURN(c.name, f.GetString("general.name"));
   }
@@ -102,9 +107,14 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
     return absl::InvalidArgumentError(absl::StrCat(
         "head_count ", c.n_heads, " is not a multiple of head_count_kv ", c.n_kv_heads));
   }
-  if (c.head_dim * c.n_heads != c.dim) {
-    return absl::UnimplementedError(absl::StrCat("key_length ", c.head_dim, " x head_count ",
-                                                 c.n_heads, " != embedding_length ", c.dim));
+  // Qwen3 and Gemma 3 heads are wider than dim / head_count (Q projects
+  // dim to head_count x key_length, the output projection back).
+  if (f.Has(a + "attention.value_length")) {
+    ASSIGN_OR_RETURN(int32_t value_length, PositiveParam(f, a + "attention.value_length", 4096));
+    if (value_length != c.head_dim) {
+      return absl::UnimplementedError(absl::StrCat("attention.value_length ", value_length,
+                                                   " != key_length ", c.head_dim));
+    }
   }
   if (c.head_dim % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("head dimension ", c.head_dim, " is odd"));
@@ -131,6 +141,9 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
   for (const char* key : {"expert_count", "attn_logit_softcapping", "final_logit_softcapping",
                           "attention.layer_norm_epsilon", "attention.clamp_kqv",
                           "attention.q_lora_rank", "rope.scaling.attn_factor"}) {
+    // Gemma 3 caps its final logits when its file says so (llama.cpp
+    // reads the key as optional for gemma3).
+    if (gemma3 && std::string(key) == "final_logit_softcapping") continue;
     if (f.Has(a + key)) {
       if (std::string(key) == "expert_count") {
         ASSIGN_OR_RETURN(int64_t n, f.GetI64(a + key));
@@ -205,8 +218,26 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
   }
   // GGUF's llama layout rotates adjacent pairs (the converter permutes Q/K);
   // qwen2 keeps Hugging Face's halves (NeoX style), as llama.cpp runs it.
-  c.rope_style = c.architecture == "qwen2" ? kernels::RopeStyle::kNeox : kernels::RopeStyle::kNorm;
-  c.qkv_bias = c.architecture == "qwen2";
+  // qwen3 and gemma3 likewise (llama.cpp's LLAMA_ROPE_TYPE_NEOX for both).
+  c.rope_style = (arch == "qwen2" || arch == "qwen3" || gemma3) ? kernels::RopeStyle::kNeox
+                                                                : kernels::RopeStyle::kNorm;
+  c.qkv_bias = arch == "qwen2";
+  c.qk_norm = arch == "qwen3" || gemma3;
+  c.attention_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  if (gemma3) {
+    c.post_norms = true;
+    c.gelu_ffn = true;
+    c.embed_scale = std::sqrt(static_cast<float>(c.dim));
+    // llama.cpp's gemma3 loader: 1/sqrt(head_dim), except the 62-layer 27B,
+    // whose query_pre_attn_scalar is dim / head_count.
+    if (c.n_layers == 62) c.attention_scale = 1.0f / std::sqrt(static_cast<float>(c.dim / c.n_heads));
+    if (f.Has(a + "final_logit_softcapping")) {
+      ASSIGN_OR_RETURN(c.final_logit_softcap, f.GetF32(a + "final_logit_softcapping"));
+      if (!(c.final_logit_softcap >= 0) || !std::isfinite(c.final_logit_softcap)) {
+        return absl::InvalidArgumentError("final_logit_softcapping must be >= 0");
+      }
+    }
+  }
 
   // Sliding-window attention: every layer (Mistral v0.1's sliding_window),
   // or with sliding_window_pattern N every layer but each N-th.
@@ -218,12 +249,37 @@ absl::StatusOr<LlamaConfig> LlamaConfig::FromGguf(const GgufFile& f) {
     }
     c.sliding_window = static_cast<int32_t>(w);
   }
+  // Gemma 3 with a window defaults to pattern 6: layers 5, 11, 17, ...
+  // global, the others local (llama.cpp's gemma3 loader; without a window
+  // every layer is global).
   c.layer_window.assign(c.n_layers, c.sliding_window > 0 ? 1 : 0);
-  if (c.sliding_window > 0 && f.Has(a + "attention.sliding_window_pattern")) {
-    ASSIGN_OR_RETURN(int32_t pattern,
-                     PositiveParam(f, a + "attention.sliding_window_pattern", 1024));
-    for (int32_t l = 0; l < c.n_layers; ++l) c.layer_window[l] = (l + 1) % pattern != 0;
+  const std::string pattern_key = a + "attention.sliding_window_pattern";
+  if (c.sliding_window > 0 && f.Has(pattern_key)) {
+    if (absl::StatusOr<int64_t> n = f.GetI64(pattern_key); n.ok()) {
+      ASSIGN_OR_RETURN(int32_t pattern, PositiveParam(f, pattern_key, 1024));
+      for (int32_t l = 0; l < c.n_layers; ++l) c.layer_window[l] = (l + 1) % pattern != 0;
+    } else {
+      // The per-layer form (one flag per layer, nonzero = windowed).
+      absl::StatusOr<std::vector<int32_t>> flags = f.GetI32Array(pattern_key);
+      if (!flags.ok() || static_cast<int32_t>(flags->size()) != c.n_layers) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "metadata ", pattern_key, " must be an integer or ", c.n_layers, " integer flags"));
+      }
+      for (int32_t l = 0; l < c.n_layers; ++l) c.layer_window[l] = (*flags)[l] != 0;
+    }
+  } else if (gemma3 && c.sliding_window > 0) {
+    for (int32_t l = 0; l < c.n_layers; ++l) c.layer_window[l] = (l + 1) % 6 != 0;
   }
+  // Local layers' RoPE base (gemma3: rope.freq_base_swa, else 10000, as
+  // llama.cpp's loader has it; other families: the global base).
+  c.rope_freq_base_swa = gemma3 ? 10000.0f : c.rope_freq_base;
+  if (f.Has(a + "rope.freq_base_swa")) {
+    ASSIGN_OR_RETURN(c.rope_freq_base_swa, f.GetF32(a + "rope.freq_base_swa"));
+    if (!(c.rope_freq_base_swa > 0) || !std::isfinite(c.rope_freq_base_swa)) {
+      return absl::InvalidArgumentError("rope.freq_base_swa must be a positive number");
+    }
+  }
+  c.layer_local = c.layer_window;
   if (c.sliding_window >= c.context_length) {  // a window that never drops anything
     c.sliding_window = 0;
     c.layer_window.assign(c.n_layers, 0);
@@ -293,10 +349,25 @@ absl::Status LlamaModel::Bind() {
     const std::string p = absl::StrCat("blk.", l, ".");
     Layer& L = layers_[l];
     ASSIGN_OR_RETURN(L.attn_norm, vector(p + "attn_norm.weight", c.dim));
-    ASSIGN_OR_RETURN(L.wq, matrix(p + "attn_q.weight", c.dim, c.n_heads * c.head_dim));
+    ASSIGN_OR_RETURN(L.wq, matrix(p + "attn_q.weight", c.dim, c.q_dim()));
     ASSIGN_OR_RETURN(L.wk, matrix(p + "attn_k.weight", c.dim, c.kv_dim()));
     ASSIGN_OR_RETURN(L.wv, matrix(p + "attn_v.weight", c.dim, c.kv_dim()));
-    ASSIGN_OR_RETURN(L.wo, matrix(p + "attn_output.weight", c.n_heads * c.head_dim, c.dim));
+    ASSIGN_OR_RETURN(L.wo, matrix(p + "attn_output.weight", c.q_dim(), c.dim));
+    if (c.qk_norm) {
+      ASSIGN_OR_RETURN(L.q_norm, vector(p + "attn_q_norm.weight", c.head_dim));
+      ASSIGN_OR_RETURN(L.k_norm, vector(p + "attn_k_norm.weight", c.head_dim));
+    } else {
+      for (const char* t : {"attn_q_norm.weight", "attn_k_norm.weight"}) {
+        if (f.FindTensor(p + t) != nullptr) {
+          return absl::UnimplementedError(absl::StrCat(
+              "tensor ", p, t, ": QK-norm is supported for qwen3 and gemma3 only"));
+        }
+      }
+    }
+    if (c.post_norms) {
+      ASSIGN_OR_RETURN(L.post_attn_norm, vector(p + "post_attention_norm.weight", c.dim));
+      ASSIGN_OR_RETURN(L.post_ffn_norm, vector(p + "post_ffw_norm.weight", c.dim));
+    }
     if (c.qkv_bias) {
       ASSIGN_OR_RETURN(L.bq, vector(p + "attn_q.bias", c.n_heads * c.head_dim));
       ASSIGN_OR_RETURN(L.bk, vector(p + "attn_k.bias", c.kv_dim()));
@@ -405,7 +476,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
   RETURN_IF_ERROR(CheckBatch(b, kv));
   const LlamaConfig& c = config_;
   const int64_t n = static_cast<int64_t>(b.tokens.size());
-  const int64_t q_dim = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t q_dim = c.q_dim();
   const int64_t kv_dim = c.kv_dim();
   EnsureScratch(n, static_cast<int64_t>(b.logit_rows.size()));
   float* x = x_.data();
@@ -415,9 +486,11 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
     const auto* row = static_cast<const uint8_t*>(token_embd_.data) +
                       kernels::RowBytes(token_embd_.type, c.dim) * b.tokens[i];
     kernels::DequantizeRow(token_embd_.type, row, x + i * c.dim, c.dim);
+    if (c.embed_scale != 1.0f) {
+      for (int64_t j = 0; j < c.dim; ++j) x[i * c.dim + j] *= c.embed_scale;
+    }
   }
 
-  const kernels::RopeParams rope = c.Rope();
   kernels::AttentionBatch attn_batch;
   attn_batch.n_tokens = static_cast<int32_t>(n);
   attn_batch.token_seq = b.token_seq.data();
@@ -425,7 +498,13 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
   const int32_t* slots = b.kv_slots().data();
   attn_batch.token_pos = slots;
   attn_batch.n_heads = c.n_heads;
-  attn_batch.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  attn_batch.scale = c.attention_scale;
+  // A window reaching back past slot 0 for every token masks nothing: such
+  // batches take the full-attention kernels (Gemma's 512-token window only
+  // starts to drop keys at slot 512).
+  int32_t max_slot = 0;
+  for (int64_t i = 0; i < n; ++i) max_slot = std::max(max_slot, slots[i]);
+  const bool window_masks = c.sliding_window > 0 && max_slot >= c.sliding_window;
 
   for (int32_t l = 0; l < c.n_layers; ++l) {
     const Layer& L = layers_[l];
@@ -445,13 +524,18 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
         kernels::AddInPlace(v_.data() + i * kv_dim, L.bv, kv_dim);
       }
     }
+    if (L.q_norm != nullptr) {  // per head, before RoPE
+      kernels::RmsNorm(q_.data(), L.q_norm, n * c.n_heads, c.head_dim, c.rms_eps, q_.data());
+      kernels::RmsNorm(k_.data(), L.k_norm, n * c.n_kv_heads, c.head_dim, c.rms_eps, k_.data());
+    }
+    const kernels::RopeParams rope = c.RopeForLayer(l);
     for (int64_t i = 0; i < n; ++i) {
       kernels::Rope(q_.data() + i * q_dim, c.n_heads, b.positions[i], rope);
       kernels::Rope(k_.data() + i * kv_dim, c.n_kv_heads, b.positions[i], rope);
     }
     kernels::AppendKv(kv, l, static_cast<int32_t>(n), b.token_seq.data(), slots, k_.data(),
                       kv_dim, v_.data(), kv_dim);
-    attn_batch.window = c.LayerWindowed(l) ? c.sliding_window : 0;
+    attn_batch.window = window_masks && c.LayerWindowed(l) ? c.sliding_window : 0;
     kernels::PagedAttention(kv, l, attn_batch, q_.data(), q_dim, attn_.data(), q_dim, pool);
     if (b.attention_mass != nullptr) {
       kernels::AccumulateAttentionMass(
@@ -459,8 +543,11 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
           b.attention_mass_seqs.empty() ? nullptr : b.attention_mass_seqs.data());
     }
     kernels::MatMul(L.wo, attn_.data(), n, q_dim, xn, c.dim, pool);
+    if (L.post_attn_norm != nullptr) {
+      kernels::RmsNorm(xn, L.post_attn_norm, n, c.dim, c.rms_eps, xn);
+    }
     kernels::AddInPlace(x, xn, n * c.dim);
-    // Feed-forward block (SwiGLU).
+    // Feed-forward block (SwiGLU; GEGLU with the tanh GELU for Gemma).
     kernels::RmsNorm(x, L.ffn_norm, n, c.dim, c.rms_eps, xn);
     {
       const kernels::WeightView ws[2] = {L.w_gate, L.w_up};
@@ -468,8 +555,15 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
       const int64_t strides[2] = {c.ffn_dim, c.ffn_dim};
       kernels::MatMulMany(ws, 2, xn, n, c.dim, ys, strides, pool);
     }
-    kernels::SiluMul(gate_.data(), up_.data(), n * c.ffn_dim, gate_.data());
+    if (c.gelu_ffn) {
+      kernels::GeluTanhMul(gate_.data(), up_.data(), n * c.ffn_dim, gate_.data());
+    } else {
+      kernels::SiluMul(gate_.data(), up_.data(), n * c.ffn_dim, gate_.data());
+    }
     kernels::MatMul(L.w_down, gate_.data(), n, c.ffn_dim, xn, c.dim, pool);
+    if (L.post_ffn_norm != nullptr) {
+      kernels::RmsNorm(xn, L.post_ffn_norm, n, c.dim, c.rms_eps, xn);
+    }
     kernels::AddInPlace(x, xn, n * c.dim);
   }
 
@@ -482,6 +576,10 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
   }
   kernels::RmsNorm(final_.data(), output_norm_, n_logits, c.dim, c.rms_eps, final_.data());
   kernels::MatMul(output_, final_.data(), n_logits, c.dim, logits, c.vocab_size, pool);
+  if (c.final_logit_softcap > 0) {
+    const float cap = c.final_logit_softcap;
+    for (int64_t i = 0; i < n_logits * c.vocab_size; ++i) logits[i] = cap * std::tanh(logits[i] / cap);
+  }
   return absl::OkStatus();
 }
 

@@ -47,6 +47,27 @@ struct LlamaConfig {
   std::string rope_scaling = "none";  // none | linear | llama3 (for reports)
   // Qwen2: Q, K and V projections carry a bias.
   bool qkv_bias = false;
+  // Qwen3 / Gemma 3: RMSNorm over each head of Q and of K (weights of
+  // head_dim, blk.N.attn_{q,k}_norm.weight) before RoPE.
+  bool qk_norm = false;
+  // Gemma 3's block: RMSNorm of the attention output and of the FFN output
+  // before each residual add (blk.N.post_attention_norm, post_ffw_norm),
+  // a GELU (tanh form) gated FFN instead of SwiGLU, and the embeddings
+  // scaled by embed_scale (sqrt(dim)) after lookup. GGUF norm weights
+  // already hold Gemma's 1 + w (llama.cpp's converter adds the 1).
+  bool post_norms = false;
+  bool gelu_ffn = false;
+  float embed_scale = 1.0f;
+  // Query scale before softmax (1/sqrt(head_dim) unless the family says
+  // otherwise).
+  float attention_scale = 0.0f;
+  // Final logits = cap * tanh(logits / cap) when > 0 (final_logit_softcapping).
+  float final_logit_softcap = 0.0f;
+  // RoPE base of the local (sliding-window) layers; layer_local[l] marks
+  // them by the family's pattern, whether or not the window ever drops a
+  // key (Gemma 3: 10000 on local layers, rope.freq_base on global ones).
+  float rope_freq_base_swa = 10000.0f;
+  std::vector<uint8_t> layer_local;
   // Sliding-window attention: layer l attends to the last sliding_window
   // positions when layer_window[l] != 0 (a Mistral-style uniform window,
   // or a per-layer pattern); 0: full attention everywhere.
@@ -67,6 +88,23 @@ struct LlamaConfig {
     p.freq_factors = rope_freq_factors.empty() ? nullptr : rope_freq_factors.data();
     return p;
   }
+  // Layer l's RoPE: the local base on local layers, else Rope().
+  kernels::RopeParams RopeForLayer(int32_t l) const {
+    kernels::RopeParams p = Rope();
+    if (l < static_cast<int32_t>(layer_local.size()) && layer_local[l]) {
+      p.freq_base = rope_freq_base_swa;
+    }
+    return p;
+  }
+  // True when some layer's RoPE base differs from rope_freq_base (users of
+  // Rope() for re-rotation must refuse such a model).
+  bool PerLayerRope() const {
+    for (uint8_t local : layer_local) {
+      if (local && rope_freq_base_swa != rope_freq_base) return true;
+    }
+    return false;
+  }
+  int32_t q_dim() const { return n_heads * head_dim; }
 
   int32_t kv_dim() const { return n_kv_heads * head_dim; }
   // Bytes of K and V of one token across all layers at the given element size.
@@ -147,6 +185,10 @@ class LlamaModel {
     const float* bq = nullptr;  // QKV biases (Qwen2); null without
     const float* bk = nullptr;
     const float* bv = nullptr;
+    const float* q_norm = nullptr;  // QK-norm (qwen3, gemma3); null without
+    const float* k_norm = nullptr;
+    const float* post_attn_norm = nullptr;  // Gemma 3; null without
+    const float* post_ffn_norm = nullptr;
     const float* ffn_norm;
     kernels::WeightView w_gate, w_up, w_down;
   };

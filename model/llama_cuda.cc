@@ -142,6 +142,17 @@ absl::Status CudaLlama::SupportsModel(const LlamaConfig& c) {
     return absl::UnimplementedError(
         "the CUDA forward does not support Q/K/V biases (qwen2) yet (use --device cpu)");
   }
+  if (c.architecture == "qwen3" || c.architecture == "gemma3") {
+    return absl::UnimplementedError(absl::StrCat(
+        "the CUDA forward does not support architecture '", c.architecture,
+        "' (QK-norm", c.post_norms ? ", post-norms, GELU, local RoPE base" : "",
+        ") yet (use --device cpu)"));
+  }
+  if (c.q_dim() != c.dim) {
+    return absl::UnimplementedError(
+        absl::StrCat("the CUDA forward needs head_count x key_length == embedding_length (",
+                     c.q_dim(), " != ", c.dim, ") (use --device cpu)"));
+  }
   if (!c.rope_freq_factors.empty()) {
     return absl::UnimplementedError(absl::StrCat("the CUDA forward does not support rope scaling '",
                                                  c.rope_scaling, "' yet (use --device cpu)"));

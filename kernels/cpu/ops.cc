@@ -5,6 +5,7 @@
 #include <iterator>
 #include <vector>
 
+#include "common/half.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/ops_internal.h"
 
@@ -92,6 +93,9 @@ namespace {
 // computations per token (double sin/cos: ~0.7 us each) into one.
 class RopeTableCache {
  public:
+  bool Matches(const RopeParams& p) const {
+    return p.rot_dim / 2 == half_ && p.freq_base == base_ && p.freq_factors == factors_;
+  }
   // Returns cos (first half) and sin (second half) for pos.
   const float* Get(int32_t pos, const RopeParams& p) {
     const int32_t half = p.rot_dim / 2;
@@ -133,9 +137,20 @@ class RopeTableCache {
 }  // namespace
 
 void Rope(float* x, int32_t n_heads, int32_t pos, const RopeParams& p) {
-  thread_local RopeTableCache cache;
+  // Two caches, so models whose layers alternate two RoPE bases (Gemma 3's
+  // local and global layers) do not rebuild the tables at every switch.
+  thread_local RopeTableCache caches[2];
+  thread_local int next_victim = 0;
+  RopeTableCache* cache = nullptr;
+  for (RopeTableCache& c : caches) {
+    if (c.Matches(p)) cache = &c;
+  }
+  if (cache == nullptr) {
+    cache = &caches[next_victim];
+    next_victim ^= 1;
+  }
   const int32_t half = p.rot_dim / 2;
-  const float* table = cache.Get(pos, p);
+  const float* table = cache->Get(pos, p);
   for (int32_t h = 0; h < n_heads; ++h) {
     RotateHead(x + static_cast<int64_t>(h) * p.head_dim, table, table + half, half, p.style);
   }
@@ -145,6 +160,42 @@ void SiluMulReference(const float* gate, const float* up, int64_t n, float* out)
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+namespace {
+
+// GELU as ggml's CPU backend computes it (GGML_GELU_FP16, what llama.cpp
+// runs Gemma with): the input rounded to f16, the tanh-GELU of that value
+// (in float) rounded to f16; inputs <= -10 give 0 and >= 10 pass through.
+float GgmlGeluTanh(float g) {
+  if (g <= -10.0f) return 0.0f;
+  if (g >= 10.0f) return g;
+  constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+  const float x = Fp16ToFp32(Fp32ToFp16(g));
+  const float gelu = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + 0.044715f * x * x)));
+  return Fp16ToFp32(Fp32ToFp16(gelu));
+}
+
+}  // namespace
+
+void GeluTanhMulReference(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = GgmlGeluTanh(gate[i]) * up[i];
+}
+
+void GeluTanhMul(const float* gate, const float* up, int64_t n, float* out) {
+  // Every f16 input's GELU, once (256 KiB).
+  static const std::vector<float> table = [] {
+    std::vector<float> t(1 << 16);
+    for (uint32_t h = 0; h < (1u << 16); ++h) {
+      t[h] = GgmlGeluTanh(Fp16ToFp32(static_cast<uint16_t>(h)));
+    }
+    return t;
+  }();
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float gelu = g <= -10.0f ? 0.0f : g >= 10.0f ? g : table[Fp32ToFp16(g)];
+    out[i] = gelu * up[i];
   }
 }
 

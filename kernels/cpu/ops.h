@@ -34,6 +34,15 @@ void RopeReference(float* x, int32_t n_heads, int32_t pos, const RopeParams& p);
 void SiluMul(const float* gate, const float* up, int64_t n, float* out);
 void SiluMulReference(const float* gate, const float* up, int64_t n, float* out);
 
+// out[i] = gelu(gate[i]) * up[i] with GELU's tanh approximation
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (Gemma's GEGLU), computed
+// as ggml's CPU backend does (so logits follow llama.cpp's): g rounded to
+// f16, the GELU rounded to f16, g <= -10 -> 0, g >= 10 -> g. The reference
+// evaluates the formula per element; the kernel looks it up in a table of
+// every f16 input. out may alias gate.
+void GeluTanhMul(const float* gate, const float* up, int64_t n, float* out);
+void GeluTanhMulReference(const float* gate, const float* up, int64_t n, float* out);
+
 // x[i] += y[i].
 void AddInPlace(float* x, const float* y, int64_t n);
 

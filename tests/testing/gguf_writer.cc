@@ -296,8 +296,10 @@ std::vector<float> RandomNormal(Rng& rng, int64_t n, float stddev, float mean = 
 std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   const Vocab vocab = MakeVocab();
   const int64_t n_vocab = static_cast<int64_t>(vocab.tokens.size());
-  const int32_t head_dim = o.dim / o.n_heads;
+  const int32_t head_dim = o.head_dim > 0 ? o.head_dim : o.dim / o.n_heads;
   const int64_t kv_dim = static_cast<int64_t>(head_dim) * o.n_kv_heads;
+  const int64_t q_dim = static_cast<int64_t>(head_dim) * o.n_heads;
+  const bool qk_norm = o.architecture == "qwen3" || o.architecture == "gemma3";
 
   GgufWriter w;
   const std::string a = o.architecture + ".";
@@ -312,6 +314,12 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   w.SetF32(a + "rope.freq_base", o.rope_freq_base);
   w.SetU32(a + "rope.dimension_count", static_cast<uint32_t>(head_dim));
   w.SetF32(a + "attention.layer_norm_rms_epsilon", 1e-5f);
+  if (o.head_dim > 0) {
+    w.SetU32(a + "attention.key_length", static_cast<uint32_t>(head_dim));
+    w.SetU32(a + "attention.value_length", static_cast<uint32_t>(head_dim));
+  }
+  if (o.final_logit_softcap > 0) w.SetF32(a + "final_logit_softcapping", o.final_logit_softcap);
+  if (o.rope_freq_base_swa > 0) w.SetF32(a + "rope.freq_base_swa", o.rope_freq_base_swa);
   if (o.rope_scaling == "llama3") {
     w.SetString(a + "rope.scaling.type", "llama3");
     w.SetF32(a + "rope.scaling.factor", o.rope_scaling_factor);
@@ -350,8 +358,9 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
     if (in % GgmlBlockElems(type) != 0) type = GgmlType::kF32;
     w.AddTensorFromFloats(name, type, {in, out}, RandomNormal(rng, in * out, stddev));
   };
-  auto norm = [&](const std::string& name) {
-    w.AddTensorFromFloats(name, GgmlType::kF32, {o.dim}, RandomNormal(rng, o.dim, 0.05f, 1.0f));
+  auto norm = [&](const std::string& name, int64_t n = 0) {
+    if (n == 0) n = o.dim;
+    w.AddTensorFromFloats(name, GgmlType::kF32, {n}, RandomNormal(rng, n, 0.05f, 1.0f));
   };
   // Scales keep activations O(1): weights ~ 0.5/sqrt(fan_in) (0.02..0.1 for
   // the default sizes), and the output projection ~ 1/sqrt(dim) so logits
@@ -375,7 +384,7 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   for (int32_t l = 0; l < o.n_layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     norm(p + "attn_norm.weight");
-    matrix(p + "attn_q.weight", o.dim, o.dim, in_scale);
+    matrix(p + "attn_q.weight", o.dim, q_dim, in_scale);
     matrix(p + "attn_k.weight", o.dim, kv_dim, in_scale);
     matrix(p + "attn_v.weight", o.dim, kv_dim, in_scale);
     if (o.architecture == "qwen2" && !o.omit_qkv_bias) {
@@ -383,11 +392,17 @@ std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
       w.AddTensorFromFloats(p + "attn_k.bias", GgmlType::kF32, {kv_dim}, RandomNormal(rng, kv_dim, 0.2f));
       w.AddTensorFromFloats(p + "attn_v.bias", GgmlType::kF32, {kv_dim}, RandomNormal(rng, kv_dim, 0.2f));
     }
-    matrix(p + "attn_output.weight", o.dim, o.dim, in_scale);
+    if (qk_norm && !o.omit_qk_norm) {
+      norm(p + "attn_q_norm.weight", head_dim);
+      norm(p + "attn_k_norm.weight", head_dim);
+    }
+    matrix(p + "attn_output.weight", q_dim, o.dim, 0.5f / std::sqrt(static_cast<float>(q_dim)));
+    if (o.architecture == "gemma3") norm(p + "post_attention_norm.weight");
     norm(p + "ffn_norm.weight");
     matrix(p + "ffn_gate.weight", o.dim, o.ffn_dim, in_scale);
     matrix(p + "ffn_up.weight", o.dim, o.ffn_dim, in_scale);
     matrix(p + "ffn_down.weight", o.ffn_dim, o.dim, ffn_scale);
+    if (o.architecture == "gemma3") norm(p + "post_ffw_norm.weight");
   }
   return w.Serialize(3);
 }

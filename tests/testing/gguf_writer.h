@@ -63,9 +63,17 @@ struct TinyLlamaOptions {
   GgmlType weight_type = GgmlType::kF32;
   bool tied_output = false;
   uint64_t seed = 1;
-  // Family layout: "llama", "mistral" or "qwen2" (metadata under that
-  // prefix; qwen2 adds attn_{q,k,v}.bias tensors).
+  // Family layout: "llama", "mistral", "qwen2", "qwen3" or "gemma3"
+  // (metadata under that prefix; qwen2 adds attn_{q,k,v}.bias tensors,
+  // qwen3 and gemma3 attn_{q,k}_norm, gemma3 post_attention_norm and
+  // post_ffw_norm).
   std::string architecture = "llama";
+  // Head width when not dim / n_heads (written as attention.key_length and
+  // value_length; qwen3 and gemma3 heads are wider). 0: dim / n_heads.
+  int32_t head_dim = 0;
+  // gemma3: final_logit_softcapping when > 0; rope.freq_base_swa when > 0.
+  float final_logit_softcap = 0.0f;
+  float rope_freq_base_swa = 0.0f;
   // Llama 3.x RoPE scaling: "llama3" writes rope.scaling.{type, factor,
   // low_freq_factor, high_freq_factor, original_context_length} as
   // metadata; "llama3-tensor" writes the converter's rope_freqs.weight
@@ -85,6 +93,7 @@ struct TinyLlamaOptions {
   // Refusal tests: an expert_count (> 0) and a qwen2 file without biases.
   uint32_t expert_count = 0;
   bool omit_qkv_bias = false;
+  bool omit_qk_norm = false;  // a qwen3/gemma3 file without attn_{q,k}_norm
 };
 
 // A complete Llama GGUF with random weights and a small SentencePiece-style

@@ -47,20 +47,24 @@ class ReferenceForward {
 
   // Logits of every position of `tokens` (one sequence from position 0).
   std::vector<std::vector<double>> Run(const std::vector<int32_t>& tokens) const {
-    const int dim = o_.dim, nh = o_.n_heads, nkv = o_.n_kv_heads, hd = dim / nh;
+    const int dim = o_.dim, nh = o_.n_heads, nkv = o_.n_kv_heads;
+    const int hd = o_.head_dim > 0 ? o_.head_dim : dim / nh;
+    const bool gemma = o_.architecture == "gemma3";
+    const bool qk_norm = gemma || o_.architecture == "qwen3";
     const int n = static_cast<int>(tokens.size());
     const int vocab = static_cast<int>(f_.FindTensor("token_embd.weight")->shape[1]);
     std::vector<std::vector<double>> x(n, std::vector<double>(dim));
     for (int t = 0; t < n; ++t) {
       const float* e = T("token_embd.weight") + static_cast<int64_t>(tokens[t]) * dim;
-      for (int i = 0; i < dim; ++i) x[t][i] = e[i];
+      // Gemma scales the embeddings by sqrt(dim).
+      for (int i = 0; i < dim; ++i) x[t][i] = e[i] * (gemma ? std::sqrt(static_cast<double>(dim)) : 1.0);
     }
     for (int l = 0; l < o_.n_layers; ++l) {
       const std::string p = "blk." + std::to_string(l) + ".";
       std::vector<std::vector<double>> q(n), k(n), v(n);
       for (int t = 0; t < n; ++t) {
         const std::vector<double> xn = Norm(x[t], p + "attn_norm.weight");
-        q[t] = MatVec(p + "attn_q.weight", xn, dim);
+        q[t] = MatVec(p + "attn_q.weight", xn, nh * hd);
         k[t] = MatVec(p + "attn_k.weight", xn, nkv * hd);
         v[t] = MatVec(p + "attn_v.weight", xn, nkv * hd);
         if (o_.architecture == "qwen2") {
@@ -68,13 +72,16 @@ class ReferenceForward {
           AddBias(&k[t], p + "attn_k.bias");
           AddBias(&v[t], p + "attn_v.bias");
         }
-        for (int h = 0; h < nh; ++h) Rotate(&q[t], h * hd, hd, t);
-        for (int h = 0; h < nkv; ++h) Rotate(&k[t], h * hd, hd, t);
+        if (qk_norm) {  // RMSNorm over each head, before RoPE
+          for (int h = 0; h < nh; ++h) NormSlice(&q[t], h * hd, hd, p + "attn_q_norm.weight");
+          for (int h = 0; h < nkv; ++h) NormSlice(&k[t], h * hd, hd, p + "attn_k_norm.weight");
+        }
+        for (int h = 0; h < nh; ++h) Rotate(&q[t], h * hd, hd, t, LayerBase(l));
+        for (int h = 0; h < nkv; ++h) Rotate(&k[t], h * hd, hd, t, LayerBase(l));
       }
-      const bool windowed = o_.sliding_window > 0 &&
-                            (o_.sliding_window_pattern == 0 || (l + 1) % o_.sliding_window_pattern != 0);
+      const bool windowed = o_.sliding_window > 0 && Local(l);
       for (int t = 0; t < n; ++t) {
-        std::vector<double> attn(dim, 0.0);
+        std::vector<double> attn(nh * hd, 0.0);
         const int lo = windowed ? std::max(0, t - o_.sliding_window + 1) : 0;
         for (int h = 0; h < nh; ++h) {
           const int kvh = h / (nh / nkv);
@@ -83,7 +90,7 @@ class ReferenceForward {
           for (int j = lo; j <= t; ++j) {
             double d = 0;
             for (int i = 0; i < hd; ++i) d += q[t][h * hd + i] * k[j][kvh * hd + i];
-            s[j] = d / std::sqrt(static_cast<double>(hd));
+            s[j] = d / std::sqrt(static_cast<double>(hd));  // gemma3 (not 27B) too
             mx = std::max(mx, s[j]);
           }
           double sum = 0;
@@ -92,19 +99,33 @@ class ReferenceForward {
             for (int i = 0; i < hd; ++i) attn[h * hd + i] += s[j] / sum * v[j][kvh * hd + i];
           }
         }
-        const std::vector<double> o = MatVec(p + "attn_output.weight", attn, dim);
+        std::vector<double> o = MatVec(p + "attn_output.weight", attn, dim);
+        if (gemma) o = Norm(o, p + "post_attention_norm.weight");
         for (int i = 0; i < dim; ++i) x[t][i] += o[i];
         const std::vector<double> xn = Norm(x[t], p + "ffn_norm.weight");
         std::vector<double> g = MatVec(p + "ffn_gate.weight", xn, o_.ffn_dim);
         const std::vector<double> u = MatVec(p + "ffn_up.weight", xn, o_.ffn_dim);
-        for (int i = 0; i < o_.ffn_dim; ++i) g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
-        const std::vector<double> d = MatVec(p + "ffn_down.weight", g, dim);
+        for (int i = 0; i < o_.ffn_dim; ++i) {
+          // GELU (tanh form) for Gemma, SiLU otherwise.
+          const double a = g[i];
+          g[i] = (gemma ? 0.5 * a * (1 + std::tanh(std::sqrt(2 / 3.14159265358979323846) *
+                                                    (a + 0.044715 * a * a * a)))
+                        : a / (1 + std::exp(-a))) *
+                 u[i];
+        }
+        std::vector<double> d = MatVec(p + "ffn_down.weight", g, dim);
+        if (gemma) d = Norm(d, p + "post_ffw_norm.weight");
         for (int i = 0; i < dim; ++i) x[t][i] += d[i];
       }
     }
     std::vector<std::vector<double>> logits(n);
     const std::string head = f_.FindTensor("output.weight") ? "output.weight" : "token_embd.weight";
-    for (int t = 0; t < n; ++t) logits[t] = MatVec(head, Norm(x[t], "output_norm.weight"), vocab);
+    for (int t = 0; t < n; ++t) {
+      logits[t] = MatVec(head, Norm(x[t], "output_norm.weight"), vocab);
+      if (o_.final_logit_softcap > 0) {
+        for (double& z : logits[t]) z = o_.final_logit_softcap * std::tanh(z / o_.final_logit_softcap);
+      }
+    }
     return logits;
   }
 
@@ -133,6 +154,24 @@ class ReferenceForward {
     for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * inv * w[i];
     return y;
   }
+  // A layer is local (windowed, its own RoPE base for Gemma) unless the
+  // pattern makes it global: every sliding_window_pattern-th layer, Gemma 3's
+  // default pattern being 6.
+  bool Local(int l) const {
+    const int pattern = o_.sliding_window_pattern > 0 ? o_.sliding_window_pattern
+                        : o_.architecture == "gemma3" ? 6
+                                                      : 0;
+    return pattern == 0 || (l + 1) % pattern != 0;
+  }
+  double LayerBase(int l) const {
+    if (o_.architecture != "gemma3" || o_.sliding_window == 0 || !Local(l)) return o_.rope_freq_base;
+    return o_.rope_freq_base_swa > 0 ? o_.rope_freq_base_swa : 10000.0;
+  }
+  void NormSlice(std::vector<double>* x, int off, int n, const std::string& name) const {
+    std::vector<double> part(x->begin() + off, x->begin() + off + n);
+    part = Norm(part, name);
+    std::copy(part.begin(), part.end(), x->begin() + off);
+  }
   void AddBias(std::vector<double>* x, const std::string& name) const {
     const float* b = T(name);
     for (size_t i = 0; i < x->size(); ++i) (*x)[i] += b[i];
@@ -151,11 +190,11 @@ class ReferenceForward {
     const double scaled_freq = (1 - smooth) * freq / o_.rope_scaling_factor + smooth * freq;
     return freq / scaled_freq;
   }
-  void Rotate(std::vector<double>* x, int off, int hd, int pos) const {
-    const bool neox = o_.architecture == "qwen2";
+  void Rotate(std::vector<double>* x, int off, int hd, int pos, double base) const {
+    const bool neox = o_.architecture == "qwen2" || o_.architecture == "qwen3" ||
+                      o_.architecture == "gemma3";
     for (int i = 0; i < hd / 2; ++i) {
-      const double angle =
-          pos * std::pow(static_cast<double>(o_.rope_freq_base), -2.0 * i / hd) / Divisor(i, hd);
+      const double angle = pos * std::pow(base, -2.0 * i / hd) / Divisor(i, hd);
       const int i0 = off + (neox ? i : 2 * i), i1 = off + (neox ? i + hd / 2 : 2 * i + 1);
       const double a = (*x)[i0], b = (*x)[i1];
       (*x)[i0] = a * std::cos(angle) - b * std::sin(angle);
@@ -241,6 +280,11 @@ INSTANTIATE_TEST_SUITE_P(
              [](testing::TinyLlamaOptions* o) { o->rope_scaling = "llama3"; }),
         Case("llama3_rope_freqs_tensor",
              [](testing::TinyLlamaOptions* o) { o->rope_scaling = "llama3-tensor"; }),
+        // Llama 3.2 (1B/3B): llama3 scaling and a tied head (no output.weight).
+        Case("llama32_tied", [](testing::TinyLlamaOptions* o) {
+          o->rope_scaling = "llama3";
+          o->tied_output = true;
+        }),
         Case("qwen2", [](testing::TinyLlamaOptions* o) {
           o->architecture = "qwen2";
           o->tied_output = true;
@@ -252,6 +296,31 @@ INSTANTIATE_TEST_SUITE_P(
         Case("per_layer_window", [](testing::TinyLlamaOptions* o) {
           o->sliding_window = 5;
           o->sliding_window_pattern = 2;  // layer 0 windowed, layer 1 global
+        }),
+        Case("qwen3", [](testing::TinyLlamaOptions* o) {
+          o->architecture = "qwen3";
+          o->head_dim = 24;  // wider than dim / heads, as Qwen3's are
+          o->tied_output = true;
+        }),
+        // Gemma 3 with its default pattern: layers 0-4 local (window 5, RoPE
+        // base 10000), layer 5 global (base 1e6).
+        Case("gemma3", [](testing::TinyLlamaOptions* o) {
+          o->architecture = "gemma3";
+          o->n_layers = 6;
+          o->head_dim = 24;
+          o->tied_output = true;
+          o->rope_freq_base = 1e6f;
+          o->sliding_window = 5;
+        }),
+        Case("gemma3_pattern_softcap_swa_base", [](testing::TinyLlamaOptions* o) {
+          o->architecture = "gemma3";
+          o->n_layers = 3;
+          o->head_dim = 16;
+          o->rope_freq_base = 1e6f;
+          o->rope_freq_base_swa = 100.0f;
+          o->sliding_window = 6;
+          o->sliding_window_pattern = 3;
+          o->final_logit_softcap = 2.0f;
         })),
     [](const auto& info) { return std::string(info.param.name); });
 
@@ -275,6 +344,49 @@ TEST(FamilyForwardTest, EachFeatureChangesTheOutput) {
   o = Small();
   o.sliding_window = 8;
   EXPECT_GT(differs(o, "window"), 1e-3);
+}
+
+// Gemma 3's parts each change its logits: the local layers' RoPE base, the
+// window, the soft-cap (against the same weights without each).
+TEST(FamilyForwardTest, GemmaFeaturesChangeTheOutput) {
+  testing::TinyLlamaOptions base = Small();
+  base.architecture = "gemma3";
+  base.n_layers = 6;
+  base.head_dim = 24;
+  base.rope_freq_base = 1e6f;
+  base.sliding_window = 5;
+  auto last_logits = [](const testing::TinyLlamaOptions& o, const std::string& name) {
+    auto m = LlamaModel::Load(Write(o, "gemma-feature-" + name + ".gguf"));
+    EXPECT_TRUE(m.ok()) << m.status();
+    return ModelLogits(m->get(), Tokens(24), true).back();
+  };
+  const std::vector<float> ref = last_logits(base, "base");
+  auto dist = [&](const std::vector<float>& v) {
+    double d = 0;
+    for (size_t i = 0; i < v.size(); ++i) d = std::max(d, static_cast<double>(std::fabs(v[i] - ref[i])));
+    return d;
+  };
+  testing::TinyLlamaOptions o = base;
+  o.rope_freq_base_swa = 1e6f;  // local layers on the global base
+  EXPECT_GT(dist(last_logits(o, "swa-base")), 1e-3);
+  o = base;
+  o.sliding_window = 64;  // beyond the 24 tokens: no window
+  EXPECT_GT(dist(last_logits(o, "no-window")), 1e-3);
+  o = base;
+  o.final_logit_softcap = 1.0f;
+  EXPECT_GT(dist(last_logits(o, "softcap")), 1e-3);
+
+  auto f = GgufFile::Open(Write(base, "cfg-gemma3.gguf"));
+  ASSERT_TRUE(f.ok());
+  auto c = LlamaConfig::FromGguf(**f);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->qk_norm && c->post_norms && c->gelu_ffn);
+  EXPECT_FLOAT_EQ(c->embed_scale, std::sqrt(32.0f));
+  EXPECT_EQ(c->n_windowed_layers(), 5);
+  EXPECT_FALSE(c->LayerWindowed(5));
+  EXPECT_FLOAT_EQ(c->RopeForLayer(0).freq_base, 10000.0f);
+  EXPECT_FLOAT_EQ(c->RopeForLayer(5).freq_base, 1e6f);
+  EXPECT_FLOAT_EQ(c->attention_scale, 1.0f / std::sqrt(24.0f));
 }
 
 TEST(FamilyConfigTest, MetadataIsReadPerFamily) {
@@ -352,6 +464,11 @@ TEST(FamilyConfigTest, UnsupportedPartsAreRefusedByName) {
   o = Small();
   o.architecture = "gemma2";
   EXPECT_THAT(refused(o, "gemma2"), HasSubstr("architecture 'gemma2'"));
+  // A qwen3 file missing its QK-norm names the tensor.
+  o = Small();
+  o.architecture = "qwen3";
+  o.omit_qk_norm = true;
+  EXPECT_THAT(refused(o, "qwen3-noqknorm"), HasSubstr("blk.0.attn_q_norm.weight"));
   // A qwen2 file without its biases names the missing tensor.
   o = Small();
   o.architecture = "qwen2";
