@@ -7,7 +7,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/deploy/setup.sh"
-bash "$ROOT/deploy/build.sh"
+# Only what this script runs: the daemon and the client (not the ~270 test
+# and benchmark targets deploy/build.sh builds). Configured as build.sh
+# configures, so a later build.sh or test.sh reuses these objects.
+cmake -S "$ROOT" -B "$ROOT/build" -G Ninja >/dev/null
+cmake --build "$ROOT/build" --target kvserve kvserve-cli
 QUESTION="${1:-What is the capital of France? Answer in one sentence.}"
 MODEL="${KVSERVE_MODEL_DIR:-$ROOT/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
 RUN="$(mktemp -d)"

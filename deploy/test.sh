@@ -21,8 +21,22 @@ for arg in "$@"; do
 done
 JOBS="$(nproc)"
 
+# Three configurations (the main build, ASan, the CUDA emulator), each built
+# once. With ccache installed every build goes through it, keyed relative to
+# the checkout: the emulator build differs from the main one only in
+# kernels/cuda and two tests, so the rest of its daemon (server, scheduler,
+# model, ...) comes from the main build's objects instead of compiling again.
+LAUNCHER=()
+if command -v ccache >/dev/null 2>&1; then
+  LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$ROOT}"
+  # Debug info names the build directory; without this the directory is
+  # part of the key and build/ and build-emu/ never share an object.
+  export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
+fi
+
 bash "$ROOT/deploy/setup.sh"
-bash "$ROOT/deploy/build.sh"
+bash "$ROOT/deploy/build.sh" "${LAUNCHER[@]}"
 # The official openai Python client, for the HTTP compatibility test
 # (PyPI, in a venv of the project's own).
 if [ ! -x "$ROOT/.venv/bin/python" ] || ! "$ROOT/.venv/bin/python" -c "import openai" 2>/dev/null; then
@@ -35,7 +49,8 @@ ctest --test-dir "$ROOT/build" --output-on-failure -j "$JOBS" --timeout 600
 if [ "$ASAN" = 1 ]; then
   ASAN_BUILD="$ROOT/build-asan"
   cmake -S "$ROOT" -B "$ASAN_BUILD" -G Ninja -DKVSERVE_SANITIZE=ON -DKVSERVE_WITH_CUDA=OFF \
-    -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
+    -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug "${LAUNCHER[@]}" >/dev/null
+  # Only the targets run below.
   cmake --build "$ASAN_BUILD" --target gguf_fuzz_test gguf_test tokenizer_test cache_test \
     scheduler_test engine_seams_test embed_test
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
@@ -61,7 +76,7 @@ if [ "$EMU" = 1 ]; then
   if [ -f /usr/local/cuda/include/cuda_runtime.h ] || command -v nvcc >/dev/null 2>&1; then
     EMU_BUILD="$ROOT/build-emu"
     cmake -S "$ROOT" -B "$EMU_BUILD" -G Ninja -DKVSERVE_CUDA_EMULATOR=ON \
-      -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+      -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${LAUNCHER[@]}" >/dev/null
     # pd_e2e_test (and the kvserve it starts): prefill/decode nodes with
     # CUDA KV pools (PdCudaTest), moved through UCX's host staging.
     cmake --build "$EMU_BUILD" --target cuda_emu_test cuda_kernels_test llama_cuda_test \

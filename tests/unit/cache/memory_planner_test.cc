@@ -1,6 +1,8 @@
 #include "cache/memory_planner.h"
 
 #include <cstdint>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -59,12 +61,28 @@ TEST(ParseMemoryBudgetTest, GarbageIsInvalidArgumentNamingTheText) {
               HasSubstr("too large"));
 }
 
-TEST(AvailableMemoryTest, ReportsSomethingPlausibleOnLinux) {
-  const int64_t avail = AvailableMemoryBytes();
-  EXPECT_GE(avail, 0);
-  if (avail > 0) {
-    EXPECT_GT(avail, int64_t{16} << 20);
+// MemTotal from /proc/meminfo in bytes, read here independently; 0 when
+// there is none.
+int64_t MemTotalBytes() {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream fields(line);
+    std::string key;
+    int64_t kib = 0;
+    if (fields >> key >> kib && key == "MemTotal:") return kib * 1024;
   }
+  return 0;
+}
+
+// Linux always has /proc/meminfo's MemAvailable: a reading of 0 (the
+// function's "unknown") is a parse failure, and what it reports must lie
+// between a plausible floor and the machine's total memory.
+TEST(AvailableMemoryTest, ReportsSomethingPlausibleOnLinux) {
+  const int64_t total = MemTotalBytes();
+  ASSERT_GT(total, 0) << "no MemTotal in /proc/meminfo";
+  const int64_t avail = AvailableMemoryBytes();
+  EXPECT_GT(avail, int64_t{16} << 20);
+  EXPECT_LE(avail, total);
 }
 
 KvShape SmolLm2() { return KvShape{30, 3, 64, 8192}; }
