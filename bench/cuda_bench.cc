@@ -156,6 +156,10 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
   state.counters["pct_of_copy"] =
       g_copy_traffic_gbps > 0 ? 100.0 * gbps / g_copy_traffic_gbps : 0;
   state.counters["splits_ws_KB"] = static_cast<double>(ws_bytes) / 1e3;
+  // Decode tokens (one per sequence) per second: the codecs' goal compares
+  // these (fp8/int8 read half of f16's bytes, so >= 1.8x its rate).
+  state.counters["tok/s"] =
+      total_s > 0 ? kBatch * static_cast<double>(state.iterations()) / total_s : 0;
   state.SetLabel(kernels::KvDTypeName(dtype).data());
   keep_.clear();
 }
@@ -260,10 +264,13 @@ void BM_PagedPrefillAttention(benchmark::State& state) {
 BENCHMARK(kvserve::BM_PagedDecodeAttention)
     ->ArgsProduct({{1024, 2048, 4096, 8192, 16384, 32768},
                    {static_cast<int64_t>(kvserve::kernels::KvDType::kF16),
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kBF16),
                     static_cast<int64_t>(kvserve::kernels::KvDType::kF32),
                     static_cast<int64_t>(kvserve::kernels::KvDType::kInt8),
                     static_cast<int64_t>(kvserve::kernels::KvDType::kFp8E4M3),
-                    static_cast<int64_t>(kvserve::kernels::KvDType::kInt4)}})
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kFp8E5M2),
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kInt4),
+                    static_cast<int64_t>(kvserve::kernels::KvDType::kInt4G64)}})
     ->ArgNames({"ctx", "dtype"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

@@ -30,24 +30,39 @@ absl::StatusOr<DType> ToDType(GgmlType t) {
       return DType::kQ4_0;
     case GgmlType::kQ4_1:
       return DType::kQ4_1;
+    case GgmlType::kQ5_0:
+      return DType::kQ5_0;
+    case GgmlType::kQ5_1:
+      return DType::kQ5_1;
+    case GgmlType::kQ2_K:
+      return DType::kQ2_K;
+    case GgmlType::kQ3_K:
+      return DType::kQ3_K;
+    case GgmlType::kQ4_K:
+      return DType::kQ4_K;
+    case GgmlType::kQ5_K:
+      return DType::kQ5_K;
+    case GgmlType::kQ6_K:
+      return DType::kQ6_K;
+    case GgmlType::kIQ4_NL:
+      return DType::kIQ4_NL;
+    case GgmlType::kIQ4_XS:
+      return DType::kIQ4_XS;
   }
   return absl::UnimplementedError("tensor type has no device format");
 }
 
 // Every weight keeps what the CPU forward computes with: F32 and BF16 their
-// values, F16 its bits, and Q8_0/Q4_0/Q4_1 their GGUF bytes (kNative), run
-// by the integer kernels that quantize activations as the CPU does. Any
-// other type would be dequantized to F16.
+// values, F16 its bits, and the block-quantized types (Q8_0/Q4_0/Q4_1, Q5_0,
+// Q5_1, IQ4_NL, the K-quants, IQ4_XS) their GGUF bytes (kNative), run by the
+// kernels that quantize activations as the CPU does.
 cuda::WeightFormat FormatFor(DType t) {
+  if (cuda::IsNativeType(t)) return cuda::WeightFormat::kNative;
   switch (t) {
     case DType::kF32:
       return cuda::WeightFormat::kF32;
     case DType::kBF16:
       return cuda::WeightFormat::kBF16;
-    case DType::kQ8_0:
-    case DType::kQ4_0:
-    case DType::kQ4_1:
-      return cuda::WeightFormat::kNative;
     default:
       return cuda::WeightFormat::kF16;
   }

@@ -10,7 +10,16 @@
 #   pd      router + prefill + decode node (device pools, KV through UCX's
 #           host staging) vs one `both` node (stall-free steps on and off),
 #           same workload
-#   bash bench/gpu/run.sh --pack gpu-pack [tiers] [pd]   (default: both)
+#   roofline  issue 45's baseline, one run under 10 minutes: `kvserve probe`,
+#           kvserve_cuda_bench's paged decode attention per KV codec at 1k-32k
+#           positions (GB/s vs the probe's copy traffic, tokens/s), `kvserve
+#           bench` decode at batch 1/16/64, and three daemon runs (batch-1
+#           TPOT, a mixed workload at concurrency 64, the no-reuse prefill
+#           workload); bench/gpu/roofline_table.py writes $OUT/roofline.md,
+#           the table for docs/gpu.md
+#   bash bench/gpu/run.sh --pack gpu-pack [tiers] [pd] [roofline]   (default: tiers pd)
+# --pack also takes a build tree (the pack has its layout), e.g. an emulator
+# build for a dry run: SMALL=1 shrinks every size so that it finishes there.
 # Env: DEVICE (default cuda; cpu tries the script here), MODEL (default the
 # pack's SmolLM2 shape), DEADLINE_S (stop starting runs after this many seconds, default 300),
 # OUT (results; default $PACK/gpu-bench).
@@ -21,7 +30,7 @@ WHAT=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --pack) PACK="$(cd "${2:?--pack needs a directory}" && pwd)"; shift ;;
-    tiers|pd) WHAT+=("$1") ;;
+    tiers|pd|roofline) WHAT+=("$1") ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -136,6 +145,53 @@ pd() {
   bench pd-split "${W[@]}"
   curl -s "http://127.0.0.1:$(port_of "$OUT/decode.json" http)/metrics" | grep -E '^kvserve:[a-z_]*(pd|lease|pull)' | head -12
   cleanup
+}
+
+roofline() {
+  echo "### roofline baseline on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo 'no nvidia-smi')"
+  local R="$OUT/roofline" small="${SMALL:-0}"
+  mkdir -p "$R"
+  local t0=$SECONDS
+  local pflags=()
+  [ "$small" = 1 ] && pflags=(--mib 4 --iters 2)
+  timeout 60 "$KVSERVE" probe "${pflags[@]}" >"$R/probe.txt" 2>&1
+  echo "== probe (rc $?)"; cat "$R/probe.txt"
+  # Decode attention: 16 sequences x 8 KV heads of 128, every codec, 1k..32k.
+  local filter='BM_PagedDecodeAttention/' min_time=0.2s limit=240
+  # The emulator takes ~15 s a launch at 1k positions: f16 only there.
+  [ "$small" = 1 ] && filter='BM_PagedDecodeAttention/ctx:1024/dtype:1/' && min_time=0.001s && limit=600
+  timeout "$limit" "$PACK/bench/kvserve_cuda_bench" --benchmark_filter="$filter" \
+    --benchmark_min_time="$min_time" --benchmark_counters_tabular=true \
+    --benchmark_out="$R/decode_attention.json" --benchmark_out_format=json >"$R/decode_attention.txt" 2>&1
+  echo "== decode attention (rc $?, $((SECONDS - t0)) s)"; tail -4 "$R/decode_attention.txt"
+  # The engine alone: decode ms/step at batch 1, 16, 64 (SmolLM2's shape).
+  local b=1,16,64 pt=128 gt=64
+  [ "$small" = 1 ] && b=1,2 && pt=8 && gt=4
+  timeout 150 "$KVSERVE" -m "$M" bench --device "${DEVICE:-cuda}" -b "$b" --prompt-tokens "$pt" \
+    --gen-tokens "$gt" --repeat 2 >"$R/engine_bench.txt" 2>&1
+  echo "== kvserve bench (rc $?, $((SECONDS - t0)) s)"; grep -E '^\|' "$R/engine_bench.txt"
+  # The daemon: batch-1 TPOT, a mixed workload at concurrency 64, and the
+  # no-reuse prefill workload of docs/gpu.md (64 x 512 tokens, concurrency 8).
+  local C1=(--workload synthetic --num-prompts 8 --input-len 128 --output-len 128 --concurrency 1 --seed 5)
+  local MIX=(--workload synthetic --num-prompts 256 --input-len uniform:32:1024
+             --output-len uniform:16:256 --concurrency 64 --seed 5)
+  local NRW=("${NR[@]}")
+  if [ "$small" = 1 ]; then
+    C1=(--workload synthetic --num-prompts 2 --input-len 8 --output-len 4 --concurrency 1 --seed 5)
+    MIX=(--workload synthetic --num-prompts 4 --input-len uniform:4:24 --output-len uniform:2:6
+         --concurrency 4 --seed 5)
+    NRW=(--workload synthetic --num-prompts 2 --input-len 16 --output-len 2 --concurrency 2 --seed 5)
+  fi
+  if node roofline-daemon --kv-cache-memory "${KV_MEM:-4GiB}"; then
+    local saved_out="$OUT"; OUT="$R"
+    bench c1 "${C1[@]}"
+    bench mixed "${MIX[@]}"
+    bench noreuse "${NRW[@]}"
+    OUT="$saved_out"
+  fi
+  cleanup
+  echo "(roofline: $((SECONDS - t0)) s)"
+  python3 "$ROOT/bench/gpu/roofline_table.py" "$R" >"$R/roofline.md" && cat "$R/roofline.md"
 }
 
 for w in "${WHAT[@]}"; do "$w"; done
