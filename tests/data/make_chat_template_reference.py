@@ -45,6 +45,10 @@ SPECIAL = {
     "mistralai-Mistral-Nemo-Instruct-2407": ("<s>", "</s>"),
     "Mistral-Small-3.2-24B-Instruct-2506": ("<s>", "</s>"),
     "google-gemma-2-2b-it": ("<bos>", "<eos>"),
+    # Gemma 3's instruction-tuned template (google/gemma-3-*-it
+    # tokenizer_config.json, which the GGUF converter copies into
+    # tokenizer.chat_template; llama.cpp's models/templates has no Gemma 3).
+    "google-gemma-3-270m-it": ("<bos>", "<eos>"),
 }
 
 CONVERSATIONS = [

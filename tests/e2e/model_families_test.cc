@@ -89,6 +89,26 @@ std::vector<Family> Families() {
     m.options.sliding_window = kWindow;
     f.push_back(m);
   }
+  {
+    // Gemma 3 (QK-norm, post-norms, GELU, local layers with their own RoPE
+    // base) with the instruction-tuned Gemma 3 template.
+    Family g{"gemma3", "google-gemma-3-270m-it.jinja", {}};
+    g.options.architecture = "gemma3";
+    g.options.head_dim = 32;
+    g.options.tied_output = true;
+    g.options.rope_freq_base = 1e6f;
+    g.options.sliding_window = kWindow;
+    f.push_back(g);
+  }
+  {
+    // Qwen3 (QK-norm, no biases, wide heads); the forward is what this case
+    // adds, so it carries the Qwen2.5 template (Qwen3's own is not in
+    // tests/data/chat_templates).
+    Family q{"qwen3", "Qwen-Qwen2.5-7B-Instruct.jinja", {}};
+    q.options.architecture = "qwen3";
+    q.options.head_dim = 32;
+    f.push_back(q);
+  }
   for (Family& x : f) {
     x.options.context_length = 2048;  // the rendered templates are long in byte tokens
     x.options.seed = 11;
@@ -186,7 +206,7 @@ TEST_P(ModelFamiliesE2eTest, ChatRendersTheGgufTemplateAsJinja2Does) {
   EXPECT_EQ(ok.status, 200) << ok.raw;
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, ModelFamiliesE2eTest, ::testing::Values(0, 1, 2),
+INSTANTIATE_TEST_SUITE_P(Families, ModelFamiliesE2eTest, ::testing::Values(0, 1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return Families()[static_cast<size_t>(info.param)].name;
                          });
@@ -263,6 +283,75 @@ TEST(SlidingWindowE2eTest, PlanCountsTheWindow) {
       << plan.out;
   EXPECT_NE(plan.out.find("per cached prompt boundary"), std::string::npos) << plan.out;
   EXPECT_NE(plan.out.find("32k-token sequences: "), std::string::npos) << plan.out;
+}
+
+// Gemma 3 270M Q4_K_M (deploy/setup.sh --models all) through the daemon:
+// greedy completions of 10 prompts equal llama.cpp's token for token, except
+// from a step where llama.cpp's two best logits were a near-tie (then the
+// engines may rightly part). The reference
+// (tests/data/gemma3_greedy_reference.jsonl, tests/data/make_gemma3_reference.py)
+// holds llama.cpp's prompt ids, greedy ids and top-2 margins per step.
+TEST(Gemma3RealE2eTest, GreedyCompletionsMatchLlamaCpp) {
+  const std::string model = testing::ModelDirFile("gemma-3-270m-Q4_K_M.gguf");
+  KVSERVE_SKIP_IF_MISSING(model, "gemma-3-270m-Q4_K_M.gguf (deploy/setup.sh --models all)");
+  auto loaded = LlamaModel::Load(model);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto tok = Tokenizer::FromGguf((*loaded)->file());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto d = testing::StartServe(KVSERVE_BINARY, model, "warn",
+                               {"--kv-cache-memory", "64MiB", "--drain-timeout", "2"}, {});
+  ASSERT_TRUE(d);
+  // Below this top-2 logit gap at a step, the two engines' rounding
+  // (activations quantized per block, f16 K/V) may pick either token.
+  constexpr double kNearTie = 0.1;
+  std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/gemma3_greedy_reference.jsonl");
+  ASSERT_TRUE(in.good());
+  std::string line;
+  int prompts = 0, identical = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const json ref = json::parse(line);
+    const std::string prompt = ref["prompt"].get<std::string>();
+    SCOPED_TRACE(prompt);
+    const std::vector<int32_t> prompt_ids = ref["prompt_ids"].get<std::vector<int32_t>>();
+    const std::vector<int32_t> want = ref["ids"].get<std::vector<int32_t>>();
+    const std::vector<double> margins = ref["margins"].get<std::vector<double>>();
+    // llama.cpp stopped at an end-of-generation token after `ids` (its
+    // margin is the last one) or ran to the step limit.
+    const bool eog = ref["eog"].get<bool>();
+    ASSERT_EQ(margins.size(), want.size() + (eog ? 1 : 0));
+    // The prompt as text: the daemon's tokenizer must give llama.cpp's ids.
+    EXPECT_EQ((*tok)->Encode(prompt, true, false), prompt_ids);
+    const Reply r = HttpPost(d->http_port(), "/v1/completions",
+                             {{"prompt", prompt},
+                              {"max_tokens", want.size() + (eog ? 1 : 0)},
+                              {"temperature", 0},
+                              {"logprobs", 1}});
+    ASSERT_EQ(r.status, 200) << r.raw;
+    EXPECT_EQ(r.body["usage"]["prompt_tokens"], prompt_ids.size());
+    const json pieces = r.body["choices"][0]["logprobs"]["tokens"];
+    size_t i = 0;
+    for (; i < want.size() && i < pieces.size(); ++i) {
+      if (pieces[i].get<std::string>() != (*tok)->TokenToBytes(want[i])) break;
+    }
+    // Same tokens, and kvserve stopped where llama.cpp did (an EOG token is
+    // not shown; at the step limit both run out).
+    if (i == want.size() && pieces.size() == want.size()) {
+      ++identical;
+    } else {
+      // Parted at step i: only where llama.cpp itself had a near-tie.
+      ASSERT_LT(i, margins.size());
+      EXPECT_LT(margins[i], kNearTie)
+          << "step " << i << ": kvserve "
+          << (i < pieces.size() ? pieces[i].dump() : std::string("(stopped)")) << ", llama.cpp "
+          << (i < want.size() ? "'" + (*tok)->TokenToBytes(want[i]) + "'" : std::string("(stopped)"))
+          << ", margin " << margins[i];
+    }
+    ++prompts;
+  }
+  EXPECT_EQ(prompts, 10);
+  RecordProperty("identical_completions", identical);
+  std::printf("gemma3 greedy: %d of %d completions identical to llama.cpp's\n", identical, prompts);
 }
 
 }  // namespace

@@ -74,6 +74,35 @@ TEST_P(OpsTest, SiluMulMatchesReference) {
   ExpectNear(inplace, want, 1e-6f);
 }
 
+// Gemma's GEGLU: the table kernel equals the per-element reference bit for
+// bit (both ggml's f16-rounded GELU), which is within f16 rounding of the
+// exact tanh-GELU formula; the +-10 cut-offs pass through / give 0.
+TEST_P(OpsTest, GeluTanhMulMatchesReference) {
+  auto gate = RandomFloats(n(), 31, 6.0f);
+  if (n() > 3) {
+    gate[0] = -12.0f;
+    gate[1] = 11.5f;
+    gate[2] = 0.0f;
+  }
+  const auto up = RandomFloats(n(), 32);
+  std::vector<float> want(n()), got(n());
+  GeluTanhMulReference(gate.data(), up.data(), n(), want.data());
+  GeluTanhMul(gate.data(), up.data(), n(), got.data());
+  EXPECT_EQ(got, want);
+  for (int64_t i = 0; i < n(); ++i) {
+    const double g = gate[i];
+    const double exact = 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
+    EXPECT_NEAR(want[i], exact * up[i], 2e-3 * std::fabs(exact * up[i]) + 1e-4) << gate[i];
+  }
+  if (n() > 3) {
+    EXPECT_EQ(want[0], 0.0f);
+    EXPECT_EQ(want[1], 11.5f * up[1]);
+  }
+  std::vector<float> inplace = gate;
+  GeluTanhMul(inplace.data(), up.data(), n(), inplace.data());
+  EXPECT_EQ(inplace, want);
+}
+
 // The model passes a whole batch flattened (n_tokens * ffn_dim), so an
 // element's output must not depend on where it sits or how long the array
 // is: a token's activations would otherwise change with its batch's size.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cache/kv_pool.h"
+#include "common/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/gguf.h"
@@ -106,12 +107,22 @@ class ReferenceForward {
         std::vector<double> g = MatVec(p + "ffn_gate.weight", xn, o_.ffn_dim);
         const std::vector<double> u = MatVec(p + "ffn_up.weight", xn, o_.ffn_dim);
         for (int i = 0; i < o_.ffn_dim; ++i) {
-          // GELU (tanh form) for Gemma, SiLU otherwise.
-          const double a = g[i];
-          g[i] = (gemma ? 0.5 * a * (1 + std::tanh(std::sqrt(2 / 3.14159265358979323846) *
-                                                    (a + 0.044715 * a * a * a)))
-                        : a / (1 + std::exp(-a))) *
-                 u[i];
+          // GELU (tanh form) for Gemma, SiLU otherwise. Gemma's as ggml's
+          // CPU backend (llama.cpp) has it: input and result rounded to f16.
+          double a = g[i];
+          if (gemma) {
+            a = Fp16ToFp32(Fp32ToFp16(static_cast<float>(a)));
+            const double gelu =
+                a <= -10 ? 0.0
+                : a >= 10
+                    ? a
+                    : Fp16ToFp32(Fp32ToFp16(static_cast<float>(
+                          0.5 * a * (1 + std::tanh(std::sqrt(2 / 3.14159265358979323846) *
+                                                   (a + 0.044715 * a * a * a))))));
+            g[i] = gelu * u[i];
+          } else {
+            g[i] = a / (1 + std::exp(-a)) * u[i];
+          }
         }
         std::vector<double> d = MatVec(p + "ffn_down.weight", g, dim);
         if (gemma) d = Norm(d, p + "post_ffw_norm.weight");

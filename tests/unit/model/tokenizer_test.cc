@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -397,6 +398,54 @@ TEST(SyntheticTokenizerTest, TinyLlamaVocabularyLoads) {
   ASSERT_TRUE(tok.ok()) << tok.status();
   const std::string text = "hello, tiny world! ✓";
   EXPECT_EQ((*tok)->Decode((*tok)->Encode(text, true, false)), " " + text);
+}
+
+// ---------------------------------------------------------------------------
+// Gemma 3 (262k SentencePiece vocabulary, no space prefix, user-defined
+// whitespace tokens) on the real file deploy/setup.sh --models all fetches,
+// against llama.cpp's llama-tokenize (tests/data/tokenizer_reference_gemma3.jsonl,
+// written by tests/data/make_gemma3_reference.py).
+
+class Gemma3TokenizerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = testing::ModelDirFile("gemma-3-270m-Q4_K_M.gguf");
+    KVSERVE_SKIP_IF_MISSING(path_, "gemma-3-270m-Q4_K_M.gguf (deploy/setup.sh --models all)");
+    loaded_ = Load(path_);
+    ASSERT_NE(loaded_.tokenizer, nullptr);
+  }
+  const Tokenizer& tok() const { return *loaded_.tokenizer; }
+
+  std::string path_;
+  Loaded loaded_;
+};
+
+TEST_F(Gemma3TokenizerTest, MatchesLlamaCppIds) {
+  std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/tokenizer_reference_gemma3.jsonl");
+  ASSERT_TRUE(in.good());
+  EXPECT_EQ(tok().kind(), Tokenizer::Kind::kSentencePiece);
+  EXPECT_EQ(tok().vocab_size(), 262144);
+  EXPECT_EQ(tok().bos_id(), 2);
+  EXPECT_TRUE(tok().add_bos_default());
+  std::string line;
+  size_t checked = 0;
+  std::set<std::string> texts;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const std::string text = j.at("text").get<std::string>();
+    const bool add_bos = j.at("add_bos").get<bool>();
+    const bool special = j.at("special").get<bool>();
+    const std::vector<int32_t> want = j.at("ids").get<std::vector<int32_t>>();
+    EXPECT_EQ(tok().Encode(text, add_bos, special), want)
+        << "text=\"" << text << "\" add_bos=" << add_bos << " special=" << special;
+    // Without a space prefix, plain text decodes back to itself.
+    if (!add_bos && !special) EXPECT_EQ(tok().Decode(want), text);
+    texts.insert(text);
+    ++checked;
+  }
+  EXPECT_GE(texts.size(), 60u);
+  RecordProperty("reference_cases", static_cast<int>(checked));
 }
 
 }  // namespace
