@@ -235,18 +235,9 @@ TEST_F(CacheControlE2eTest, ClearingThePrefixCacheReleasesLeasesAndFreesTheirBlo
   // Every block is free again: nothing pinned is left behind.
   const Reply m = HttpCall(port(), "GET", "/metrics", {}, kAdmin);
   ASSERT_EQ(m.status, 200);
-  auto sample = [&](const std::string& name) {
-    // "name{labels} value" or "name value", at the start of a line.
-    for (size_t at = m.raw.find(name); at != std::string::npos; at = m.raw.find(name, at + 1)) {
-      if (at > 0 && m.raw[at - 1] != '\n') continue;
-      const char next = m.raw[at + name.size()];
-      if (next != '{' && next != ' ') continue;
-      const size_t eol = m.raw.find('\n', at);
-      const size_t sp = m.raw.rfind(' ', eol);
-      return std::stod(m.raw.substr(sp + 1, eol - sp - 1));
-    }
-    return -1.0;
-  };
+  // A missing sample is a test failure and NaN (MetricSampleIn), never a
+  // -1 that could equal another missing one.
+  auto sample = [&](const std::string& name) { return testing::MetricSampleIn(m.raw, name); };
   const double free_blocks = sample("kvserve:kv_blocks_free");
   const double total_blocks = sample("kvserve:kv_blocks_total");
   EXPECT_GT(total_blocks, 0) << m.raw.substr(0, 2000);

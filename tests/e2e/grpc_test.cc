@@ -782,9 +782,16 @@ TEST_P(GrpcTest, KvPolicyIsValidatedAndUsageCarriesDroppedTokens) {
     EXPECT_EQ(out.finish_reason, "length");
     EXPECT_EQ(out.chunks_with_usage, 1);
     EXPECT_EQ(out.usage.completion_tokens(), 96);
-    EXPECT_GE(out.usage.dropped_tokens(), 0);
+    // Each sample holds its prompt and 48 tokens, more than any policy here
+    // keeps (a window of 16, or an h2o budget of 40): every policy but
+    // "none" must have dropped some, and never more than the two samples
+    // held (usage sums over them).
     if (k.policy() == "none") {
       EXPECT_EQ(out.usage.dropped_tokens(), 0);
+    } else {
+      EXPECT_GT(out.usage.dropped_tokens(), 0);
+      EXPECT_LE(out.usage.dropped_tokens(),
+                2 * (static_cast<int>(golden_[0].prompt_ids.size()) + 48));
     }
   }
   // The field is part of Usage (proto3 leaves a 0 off the wire, so its
@@ -825,7 +832,13 @@ TEST_P(GrpcTest, ChatTakesAKvPolicy) {
   pb::KvPolicy sinks;
   sinks.set_policy("sinks");  // the defaults: 4 + 256
   std::string error;
-  EXPECT_GE(chat(sinks, &error), 0) << error;
+  // The chat (its template, question and 8 tokens) fits in 4 + 256:
+  // nothing to drop. A window of 8 must drop some of it.
+  EXPECT_EQ(chat(sinks, &error), 0) << error;
+  pb::KvPolicy window;
+  window.set_policy("window");
+  window.set_window(8);
+  EXPECT_GT(chat(window, &error), 0) << error;
   pb::KvPolicy bad;
   bad.set_policy("h2o");
   bad.set_budget(100);
@@ -935,12 +948,13 @@ TEST_P(GrpcTest, CliGeneratePrintsTheGoldenText) {
 
   // --kv-* fill the request's kv_policy; --json shows what was dropped.
   r = RunCli("--address " + address_ + " --api-key k3y --json generate -p '" + c.prompt +
-             "' --max-tokens 16 --kv-policy h2o --kv-sinks 2 --kv-window 8 --kv-budget 24");
+             "' --max-tokens 32 --kv-policy h2o --kv-sinks 2 --kv-window 8 --kv-budget 24");
   EXPECT_EQ(r.exit_code, 0) << r.out;
   j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
-  EXPECT_EQ(j["usage"]["completion_tokens"], 16);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 32);
   ASSERT_TRUE(j["usage"].contains("dropped_tokens")) << r.out;
-  EXPECT_GE(j["usage"]["dropped_tokens"].get<int>(), 0);
+  // The prompt (5 tokens) and 32 more are more than h2o's budget of 24 keeps.
+  EXPECT_GT(j["usage"]["dropped_tokens"].get<int>(), 0) << r.out;
   r = RunCli("--address " + address_ +
              " --api-key k3y generate -p hi --kv-policy h2o "
              "--kv-window 8 --kv-budget 9");
@@ -979,10 +993,12 @@ TEST_P(GrpcTest, CliChatSendsTheKvPolicy) {
   ASSERT_TRUE(StartServer(config));
   CliResult r = RunCli("--address " + address_ +
                        " --json chat -p 'Say hi.' --max-tokens 4 --temperature 0 --kv-policy "
-                       "window --kv-window 64");
+                       "window --kv-window 8");
   EXPECT_EQ(r.exit_code, 0) << r.out;
   auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
-  EXPECT_GE(j["usage"]["dropped_tokens"].get<int>(), 0) << r.out;
+  // The chat's template and question alone pass a window of 8: the
+  // policy reached the server only if some tokens were dropped.
+  EXPECT_GT(j["usage"]["dropped_tokens"].get<int>(), 0) << r.out;
   r = RunCli("--address " + address_ + " chat -p hi --max-tokens 4 --kv-policy lru");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.out, HasSubstr("kv_policy: unknown policy 'lru'"));

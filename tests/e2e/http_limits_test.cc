@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -342,13 +343,17 @@ TEST(HttpLimitsTest, StalledTlsStreamReaderIsCountedAndCancelled) {
                            &error);
   ASSERT_NE(d, nullptr) << error;
   const int port = d->http_port();
-  // /metrics over TLS; -1 when the scrape fails or the sample is missing.
+  // /metrics over TLS; a failed scrape or a missing sample is a test
+  // failure and NaN (which every comparison below rejects).
   auto metric = [port](const std::string& name, const std::string& label = "") {
     httplib::SSLClient c("127.0.0.1", port);
     c.enable_server_certificate_verification(false);
     c.set_read_timeout(10, 0);
     auto res = c.Get("/metrics");
-    if (!res || res->status != 200) return -1.0;
+    if (!res || res->status != 200) {
+      ADD_FAILURE() << "GET /metrics over TLS did not answer 200";
+      return std::nan("");
+    }
     return testing::MetricSampleIn(
         res->body, name,
         label.empty() ? std::vector<std::string>{} : std::vector<std::string>{label},

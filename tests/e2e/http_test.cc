@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -149,11 +150,16 @@ StreamSummary Summarize(const std::string& body, bool chat) {
 }
 
 // A sample value from /metrics: the first series of `name` whose label list
-// contains every one of `labels` (e.g. finished_reason="cancelled").
+// contains every one of `labels` (e.g. finished_reason="cancelled"). A
+// scrape that does not answer 200, or no such series, is a test failure and
+// NaN, which every comparison rejects (-1 once passed EXPECT_LT).
 double MetricValue(httplib::Client& c, const std::string& name,
                    const std::vector<std::string>& labels = {}) {
   auto res = c.Get("/metrics");
-  if (!res || res->status != 200) return -1;
+  if (!res || res->status != 200) {
+    ADD_FAILURE() << "GET /metrics did not answer 200 while reading " << name;
+    return std::nan("");
+  }
   std::istringstream in(res->body);
   std::string line;
   while (std::getline(in, line)) {
@@ -162,7 +168,8 @@ double MetricValue(httplib::Client& c, const std::string& name,
     for (const std::string& l : labels) match = match && line.find(l) != std::string::npos;
     if (match) return std::stod(line.substr(line.rfind(' ') + 1));
   }
-  return -1;
+  ADD_FAILURE() << "/metrics has no series " << name << " with the labels asked for";
+  return std::nan("");
 }
 
 struct Golden {

@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <random>
 #include <regex>
@@ -40,16 +41,27 @@ int CachedTokens(const HttpReply& r) {
   return r.body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();
 }
 
-namespace {
-
-// The /metrics text, or false when it did not answer 200.
 bool ScrapeMetrics(int port, std::string* text) {
   httplib::Client c("127.0.0.1", port);
   c.set_read_timeout(30, 0);
   auto res = c.Get("/metrics");
-  if (!res || res->status != 200) return false;
+  if (!res || res->status != 200) {
+    ADD_FAILURE() << "GET /metrics on 127.0.0.1:" << port << " did not answer 200 ("
+                  << (res ? "status " + std::to_string(res->status)
+                          : "no response: " + httplib::to_string(res.error()))
+                  << ")";
+    return false;
+  }
   *text = res->body;
   return true;
+}
+
+namespace {
+
+std::string Describe(const std::string& name, const std::vector<std::string>& labels) {
+  std::string out = name;
+  for (const std::string& l : labels) out += (out.size() == name.size() ? " with " : ", ") + l;
+  return out;
 }
 
 }  // namespace
@@ -57,12 +69,13 @@ bool ScrapeMetrics(int port, std::string* text) {
 double MetricSample(int port, const std::string& name, const std::vector<std::string>& labels,
                     bool labelled_only) {
   std::string text;
-  if (!ScrapeMetrics(port, &text)) return -1;
+  if (!ScrapeMetrics(port, &text)) return std::nan("");
   return MetricSampleIn(text, name, labels, labelled_only);
 }
 
-double MetricSampleIn(const std::string& text, const std::string& name,
-                      const std::vector<std::string>& labels, bool labelled_only) {
+std::optional<double> FindMetricSample(const std::string& text, const std::string& name,
+                                       const std::vector<std::string>& labels,
+                                       bool labelled_only) {
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {
     if (line.rfind(name, 0) != 0) continue;
@@ -72,18 +85,36 @@ double MetricSampleIn(const std::string& text, const std::string& name,
     for (const std::string& l : labels) match = match && line.find(l) != std::string::npos;
     if (match) return std::strtod(line.substr(line.rfind(' ') + 1).c_str(), nullptr);
   }
-  return -1;
+  return std::nullopt;
+}
+
+double MetricSampleIn(const std::string& text, const std::string& name,
+                      const std::vector<std::string>& labels, bool labelled_only) {
+  const std::optional<double> v = FindMetricSample(text, name, labels, labelled_only);
+  if (!v) {
+    ADD_FAILURE() << "/metrics has no sample " << Describe(name, labels);
+    return std::nan("");
+  }
+  return *v;
 }
 
 double MetricSum(int port, const std::string& name) {
   std::string text;
-  if (!ScrapeMetrics(port, &text)) return -1;
+  if (!ScrapeMetrics(port, &text)) return std::nan("");
   double sum = 0;
+  int samples = 0;
   const std::regex sample("^" + name + "\\{[^}]*\\} ([0-9.e+-]+)$");
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {
     std::smatch m;
-    if (std::regex_match(line, m, sample)) sum += std::stod(m[1]);
+    if (std::regex_match(line, m, sample)) {
+      sum += std::stod(m[1]);
+      ++samples;
+    }
+  }
+  if (samples == 0) {
+    ADD_FAILURE() << "/metrics on 127.0.0.1:" << port << " has no labelled sample " << name;
+    return std::nan("");
   }
   return sum;
 }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,19 +42,32 @@ HttpReply HttpPost(int port, const std::string& path, const nlohmann::json& body
 // the body has no usage.
 int CachedTokens(const HttpReply& r);
 
-// ---- /metrics (a 30 s read timeout; -1 when /metrics does not answer 200) ----
+// ---- /metrics (a 30 s read timeout) ----
+//
+// A scrape that does not answer 200, or a sample that is not there, records
+// a test failure (naming the port, the sample and its labels) and returns
+// NaN, which every comparison rejects: no caller can mistake a dead
+// /metrics for a value (as -1 once passed `EXPECT_LT(metric, N)` and
+// `free == total`).
 
 // The value of the first sample named exactly `name` whose line contains
-// every string in `labels` (e.g. `finished_reason="cancelled"`); -1 when
-// there is none. Unlabelled (`name value`) and labelled (`name{...} value`)
-// samples count, or with `labelled_only` the labelled ones only.
+// every string in `labels` (e.g. `finished_reason="cancelled"`).
+// Unlabelled (`name value`) and labelled (`name{...} value`) samples count,
+// or with `labelled_only` the labelled ones only.
 double MetricSample(int port, const std::string& name, const std::vector<std::string>& labels = {},
                     bool labelled_only = false);
 // The same lookup in /metrics text scraped some other way (over TLS, say).
 double MetricSampleIn(const std::string& text, const std::string& name,
                       const std::vector<std::string>& labels = {}, bool labelled_only = false);
-// The sum of every labelled sample `name{...} value`; 0 when there is none.
+// The same lookup without the failure: nullopt when there is no such sample.
+std::optional<double> FindMetricSample(const std::string& text, const std::string& name,
+                                       const std::vector<std::string>& labels = {},
+                                       bool labelled_only = false);
+// The sum of every labelled sample `name{...} value`; a failure (and NaN)
+// when there is none.
 double MetricSum(int port, const std::string& name);
+// The /metrics text; a failure and false when it does not answer 200.
+bool ScrapeMetrics(int port, std::string* text);
 
 // ---- gRPC ----
 
