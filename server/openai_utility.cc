@@ -230,8 +230,11 @@ UtilityReply TokenizeHttp(ModelService* service, std::string_view body) {
                    "add_special_tokens", "unsupported_parameter");
     }
     // Exactly what a chat completion would run: its parser and Prepare.
-    json chat = {{"messages", j["messages"]}, {"max_tokens", 1}};
-    if (j.contains("tools") && !j["tools"].is_null()) chat["tools"] = j["tools"];
+    // Key order kept: the tool catalogue is rendered as the client wrote it.
+    nlohmann::ordered_json ordered =
+        nlohmann::ordered_json::parse(body.begin(), body.end(), nullptr, false);
+    nlohmann::ordered_json chat = {{"messages", ordered["messages"]}, {"max_tokens", 1}};
+    if (j.contains("tools") && !j["tools"].is_null()) chat["tools"] = ordered["tools"];
     OpenAiRequest parsed;
     if (auto e = ParseOpenAiRequest(chat.dump(), /*chat=*/true, &parsed)) return Error(*e);
     absl::StatusOr<PreparedRequest> prepared = service->Prepare(parsed.params);
