@@ -32,6 +32,15 @@ class TextEmbedder {
   // embedder cannot take (e.g. not UTF-8); longer inputs are truncated to the
   // model's maximum sequence length, as sentence-transformers does.
   virtual absl::StatusOr<std::vector<float>> Embed(std::string_view text) const = 0;
+
+  // The most tokens one input may take before Embed truncates it (0: not
+  // known), and how many `text` takes untruncated (special tokens
+  // included): /v1/embeddings refuses an input over the limit rather than
+  // embed part of it. Unimplemented when the embedder cannot count.
+  virtual int32_t max_tokens() const { return 0; }
+  virtual absl::StatusOr<int32_t> CountTokens(std::string_view text) const {
+    return absl::UnimplementedError("this embedder does not count tokens");
+  }
 };
 
 }  // namespace kvserve

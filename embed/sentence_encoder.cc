@@ -1,6 +1,8 @@
 // SentenceEncoder: model-directory loading, the embed pipeline.
 #include "embed/sentence_encoder.h"
 
+#include <limits>
+
 #include <xxhash.h>
 
 #include <cmath>
@@ -133,6 +135,13 @@ absl::StatusOr<std::unique_ptr<SentenceEncoder>> SentenceEncoder::Load(
 
 absl::StatusOr<std::vector<int32_t>> SentenceEncoder::Tokenize(std::string_view text) const {
   return tokenizer_.Encode(text, max_seq_length_);
+}
+
+absl::StatusOr<int32_t> SentenceEncoder::CountTokens(std::string_view text) const {
+  // Untruncated: one [CLS] ... [SEP] sequence as long as the text needs.
+  ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                   tokenizer_.Encode(text, std::numeric_limits<int>::max()));
+  return static_cast<int32_t>(ids.size());
 }
 
 absl::StatusOr<std::vector<float>> SentenceEncoder::Embed(std::string_view text) const {

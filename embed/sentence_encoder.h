@@ -46,6 +46,8 @@ class SentenceEncoder final : public TextEmbedder {
   // The ids Embed runs on ([CLS] ... [SEP], truncated to max_seq_length()).
   [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Tokenize(std::string_view text) const;
   int max_seq_length() const { return max_seq_length_; }
+  int32_t max_tokens() const override { return max_seq_length_; }
+  absl::StatusOr<int32_t> CountTokens(std::string_view text) const override;
 
  private:
   SentenceEncoder(BertTokenizer tokenizer, BertEncoder encoder, int max_seq_length,

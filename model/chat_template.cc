@@ -147,30 +147,41 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTemplateString(const std::string&
         cut ? "...\"" : "\"", "; pass allow_fallback to use ChatML"));
   }
   t.jinja_ = *std::move(parsed);
+  t.source_ = jinja;
   t.bos_token_ = std::move(bos_token);
   t.eos_token_ = std::move(eos_token);
   return t;
 }
 
+absl::StatusOr<std::string> ChatTemplate::Render(
+    const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+    const jinja::Object& variables, const std::vector<jinja::Object>& message_fields) const {
+  if (jinja_ == nullptr) return absl::FailedPreconditionError("the chat template is not interpreted");
+  jinja::Context ctx;
+  jinja::Array msgs;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (messages[i].role.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("messages[", i, "].role is empty"));
+    }
+    jinja::Object m = {{"role", jinja::Value::String(messages[i].role)},
+                       {"content", jinja::Value::String(messages[i].content)}};
+    if (i < message_fields.size()) {
+      for (const auto& [k, v] : message_fields[i]) m.emplace_back(k, v);
+    }
+    msgs.push_back(jinja::Value::MakeObject(std::move(m)));
+  }
+  ctx.variables = {{"messages", jinja::Value::MakeArray(std::move(msgs))},
+                   {"add_generation_prompt", jinja::Value::Bool(add_generation_prompt)},
+                   {"bos_token", jinja::Value::String(bos_token_)},
+                   {"eos_token", jinja::Value::String(eos_token_)}};
+  for (const auto& [k, v] : variables) ctx.variables.emplace_back(k, v);
+  ctx.now = now_;
+  return jinja_->Render(ctx);
+}
+
 absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>& messages,
                                                  bool add_generation_prompt) const {
-  if (jinja_ != nullptr) {
-    jinja::Context ctx;
-    jinja::Array msgs;
-    for (size_t i = 0; i < messages.size(); ++i) {
-      if (messages[i].role.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat("messages[", i, "].role is empty"));
-      }
-      msgs.push_back(jinja::Value::MakeObject({{"role", jinja::Value::String(messages[i].role)},
-                                               {"content", jinja::Value::String(messages[i].content)}}));
-    }
-    ctx.variables = {{"messages", jinja::Value::MakeArray(std::move(msgs))},
-                     {"add_generation_prompt", jinja::Value::Bool(add_generation_prompt)},
-                     {"bos_token", jinja::Value::String(bos_token_)},
-                     {"eos_token", jinja::Value::String(eos_token_)}};
-    ctx.now = now_;
-    return jinja_->Render(ctx);
-  }
+  if (jinja_ != nullptr) return Render(messages, add_generation_prompt, {}, {});
   std::string out;
   for (size_t i = 0; i < messages.size(); ++i) {
     const ChatMessage& m = messages[i];

@@ -21,8 +21,14 @@
 namespace kvserve {
 
 struct ChatMessage {
-  std::string role;  // "system", "user", "assistant"
+  std::string role;  // "system", "user", "assistant", "tool", "developer"
   std::string content;
+  // Tool calling (server/tool_calls.h): an assistant turn's tool_calls (a
+  // JSON array text, "" when none), a tool turn's tool_call_id, and a tool
+  // turn's function name.
+  std::string tool_calls_json = {};
+  std::string tool_call_id = {};
+  std::string name = {};
 };
 
 class ChatTemplate {
@@ -45,6 +51,17 @@ class ChatTemplate {
   // add_generation_prompt appends the opening of the assistant turn.
   [[nodiscard]] absl::StatusOr<std::string> Render(const std::vector<ChatMessage>& messages,
                                                    bool add_generation_prompt) const;
+  // The same with more template variables (tools) and, per message, more
+  // fields (tool_calls, ...; message_fields is empty or one per message).
+  // REQUIRES: interpreted().
+  [[nodiscard]] absl::StatusOr<std::string> Render(
+      const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+      const jinja::Object& variables, const std::vector<jinja::Object>& message_fields) const;
+  // True when the interpreted template's source mentions `name` (a variable
+  // such as "tools", or a role such as "developer").
+  bool Mentions(const std::string& name) const {
+    return jinja_ != nullptr && source_.find(name) != std::string::npos;
+  }
 
   Family family() const { return family_; }
   // True when the model's own template is interpreted (false: the native
@@ -63,6 +80,7 @@ class ChatTemplate {
   Family family_ = Family::kChatML;
   std::string default_system_;
   std::shared_ptr<const jinja::Template> jinja_;
+  std::string source_;  // the interpreted template's text
   std::string bos_token_, eos_token_;
   std::string fallback_reason_;
   std::time_t now_ = 0;

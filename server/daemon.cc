@@ -292,6 +292,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                      HttpServerOptions o = HttpOptionsFromFlags(f, api_key);
                      o.tenant_keys = d->tenant_keys_;
                      o.cache_control = d->cache_control_.get();
+                     o.embedder = d->embedder_.get();  // /v1/embeddings (issue 44)
+                     o.embedding_model =
+                         std::filesystem::path(f.semantic_cache_model).filename().string();
+                     if (o.embedding_model.empty()) {  // a directory given with a trailing /
+                       o.embedding_model = std::filesystem::path(f.semantic_cache_model)
+                                               .parent_path().filename().string();
+                     }
                      return o;
                    }()));
   d->pd_->SetHttpPort(d->http_->port());

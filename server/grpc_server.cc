@@ -19,12 +19,40 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "proto/kvserve.grpc.pb.h"
+#include "common/status.h"
 #include "server/auth.h"
 #include "server/completed_response.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
+
+absl::Status RefuseUnknownProtoFields(const google::protobuf::Message& m, const std::string& where) {
+  const google::protobuf::Reflection* refl = m.GetReflection();
+  const google::protobuf::UnknownFieldSet& unknown = refl->GetUnknownFields(m);
+  if (unknown.field_count() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": field number ", unknown.field(0).number(),
+        " is unknown to this server (a newer client's field?); refused rather than ignored"));
+  }
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  refl->ListFields(m, &fields);
+  for (const google::protobuf::FieldDescriptor* f : fields) {
+    if (f->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) continue;
+    if (f->is_repeated()) {
+      for (int i = 0; i < refl->FieldSize(m, f); ++i) {
+        RETURN_IF_ERROR(RefuseUnknownProtoFields(refl->GetRepeatedMessage(m, f, i),
+                                                 absl::StrCat(where, ".", f->name(), "[", i, "]")));
+      }
+    } else {
+      RETURN_IF_ERROR(
+          RefuseUnknownProtoFields(refl->GetMessage(m, f), absl::StrCat(where, ".", f->name())));
+    }
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 namespace pb = ::kvserve::v1;
@@ -91,6 +119,7 @@ absl::Status ApplyResponseCache(const pb::ResponseCacheOptions& o, ResponseCache
 }
 
 absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
+  RETURN_IF_ERROR(RefuseUnknownProtoFields(r, "GenerateRequest"));
   CompletionParams p;
   p.model = r.model();
   if (!r.prompt().empty() && r.prompt_ids_size() > 0) {
@@ -115,6 +144,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
 }
 
 absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
+  RETURN_IF_ERROR(RefuseUnknownProtoFields(r, "ChatRequest"));
   CompletionParams p;
   p.model = r.model();
   std::vector<ChatMessage> messages;

@@ -22,7 +22,17 @@ class GenerateRequest;
 class ChatRequest;
 }  // namespace kvserve::v1
 
+namespace google::protobuf {
+class Message;
+}  // namespace google::protobuf
+
 namespace kvserve {
+
+// A request message's fields this build does not know (a newer client's,
+// which protobuf keeps as unknown fields) are refused, InvalidArgument
+// naming the field number and where, rather than silently ignored (issue
+// 44). Walks nested messages.
+absl::Status RefuseUnknownProtoFields(const google::protobuf::Message& m, const std::string& where);
 
 struct GrpcServerOptions {
   std::string address = "127.0.0.1:50051";  // port 0 picks a free port

@@ -51,6 +51,7 @@
 #include "server/dashboard.h"
 #include "server/openai_request.h"
 #include "server/openai_response.h"
+#include "server/openai_utility.h"
 #include "server/response_cache_api.h"
 #include "spdlog/spdlog.h"
 
@@ -867,6 +868,18 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
       // Parsing and tokenizing a long prompt takes a while: off the I/O threads.
       return net::post(*handlers, [this, conn, body = std::move(req.body()), chat, auth]() mutable {
         HandleCompletion(conn, std::move(body), chat, auth);
+      });
+    }
+    // Issue 44: embeddings (the semantic cache's encoder) and vLLM's
+    // tokenize / detokenize; the encoder runs off the I/O threads.
+    if (path == "/v1/embeddings" || path == "/tokenize" || path == "/detokenize") {
+      return net::post(*handlers, [this, conn, path, body = std::move(req.body())] {
+        const UtilityReply r =
+            path == "/v1/embeddings"
+                ? EmbeddingsHttp(options.embedder, options.embedding_model, body)
+            : path == "/tokenize" ? TokenizeHttp(service, body)
+                                  : DetokenizeHttp(service, body);
+        conn->Send(TextReply(r.status, r.body, "application/json"));
       });
     }
     constexpr std::string_view kCachePrefix = "/admin/cache/";

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/cache_control_service.h"
+#include "embed/embedder.h"
 #include "server/model_service.h"
 #include "server/tenants.h"
 
@@ -49,6 +50,10 @@ struct HttpServerOptions {
   // /admin/cache/... calls. Null: none.
   std::shared_ptr<const TenantKeys> tenant_keys;
   CacheControlService* cache_control = nullptr;
+  // POST /v1/embeddings (server/openai_utility.h): the semantic cache's
+  // sentence encoder and the model name clients send; null: 404.
+  const TextEmbedder* embedder = nullptr;
+  std::string embedding_model;
 };
 
 class HttpServer {

@@ -1,4 +1,5 @@
 #include "server/model_service.h"
+#include "server/tool_calls.h"
 
 #include "server/cache_control_service.h"
 #include "server/tenants.h"
@@ -111,9 +112,11 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
       return absl::InvalidArgumentError("messages: this model has no usable chat template");
     }
     for (const ChatMessage& m : *p.messages) {
-      if (m.role != "system" && m.role != "user" && m.role != "assistant") {
-        return absl::InvalidArgumentError(
-            absl::StrCat("messages: role must be system, user or assistant (got '", m.role, "')"));
+      if (m.role != "system" && m.role != "user" && m.role != "assistant" && m.role != "tool" &&
+          m.role != "developer") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "messages: role must be system, developer, user, assistant or tool (got '", m.role,
+            "')"));
       }
     }
     // The last user message is what a semantic lookup embeds; every other
@@ -134,9 +137,23 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
       }
       absl::StrAppend(&out.semantic_context, m.role.size(), ":", m.role, m.content.size(), ":",
                       m.content, "\n");
+      if (!m.tool_calls_json.empty() || !m.tool_call_id.empty()) {
+        absl::StrAppend(&out.semantic_context, "calls:", m.tool_calls_json.size(), ":",
+                        m.tool_calls_json, m.tool_call_id.size(), ":", m.tool_call_id, "\n");
+      }
     }
-    ASSIGN_OR_RETURN(std::string text, chat_template_->Render(*p.messages, true));
-    if (drift_ != nullptr) {
+    // The tools shape the answer as much as the messages do.
+    if (!p.tools_json.empty()) {
+      absl::StrAppend(&out.semantic_context, "tools:", p.tools_json.size(), ":", p.tools_json, "\n");
+    }
+    const bool tool_rendering = NeedsToolRendering(*p.messages, p.tools_json);
+    ASSIGN_OR_RETURN(std::string text,
+                     tool_rendering
+                         ? RenderChatWithTools(*chat_template_, *p.messages, p.tools_json)
+                         : chat_template_->Render(*p.messages, true));
+    // The drift guard finds a turn by its reply's content, which a turn
+    // that only called tools lacks: tool conversations are not checked.
+    if (drift_ != nullptr && !tool_rendering) {
       // The scope keys the remembered renderings like the prefix cache.
       out.drift = drift_->Check(TenantCacheScope(p.cache_tenant, p.cache_salt), *p.messages, text);
       if (out.drift.drift && drift_->canonicalize()) text = out.drift.canonical;

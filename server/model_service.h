@@ -68,6 +68,9 @@ struct CompletionParams {
   std::optional<std::string> prompt_text;
   std::optional<std::vector<int32_t>> prompt_ids;
   std::optional<std::vector<ChatMessage>> messages;
+  // Chat tool definitions (a JSON array of OpenAI tool objects; "" for
+  // none), rendered by server/tool_calls.h.
+  std::string tools_json;
   std::optional<int32_t> max_tokens;
   float temperature = 1.0f;
   float top_p = 1.0f;

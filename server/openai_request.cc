@@ -143,6 +143,113 @@ void ReadPrompt(FieldReader& r, CompletionParams* p) {
   p->prompt_ids = std::move(ids);
 }
 
+// An assistant message's tool_calls: [{"id", "type": "function",
+// "function": {"name", "arguments": JSON text}}]. Returns what is wrong.
+std::optional<std::string> CheckToolCalls(const json& v, const std::string& at) {
+  if (!v.is_array()) return at + " must be an array";
+  for (size_t i = 0; i < v.size(); ++i) {
+    const json& c = v[i];
+    const std::string ci = absl::StrCat(at, "[", i, "]");
+    if (!c.is_object()) return ci + " must be an object";
+    auto type = c.find("type");
+    if (type != c.end() && !type->is_null() && *type != "function") {
+      return ci + ".type must be \"function\"";
+    }
+    auto f = c.find("function");
+    if (f == c.end() || !f->is_object()) return ci + ".function must be an object";
+    auto name = f->find("name");
+    if (name == f->end() || !name->is_string()) return ci + ".function.name must be a string";
+    auto args = f->find("arguments");
+    if (args != f->end() && !args->is_null() && !args->is_string()) {
+      return ci + ".function.arguments must be a string (JSON text)";
+    }
+  }
+  return std::nullopt;
+}
+
+// tools, tool_choice and parallel_tool_calls (chat). required and named
+// choices need grammar-constrained decoding to be enforced: refused until
+// then, rather than asked of the model and hoped for.
+void ReadTools(FieldReader& r, CompletionParams* p, HttpRequestOptions* o) {
+  std::vector<std::string> names;
+  if (const json* tools = r.Get("tools")) {
+    if (!tools->is_array()) return r.Fail("tools", "tools must be an array of tool objects");
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string at = absl::StrCat("tools[", i, "]");
+      if (!t.is_object()) return r.Fail("tools", at + " must be an object");
+      for (const auto& [k, v] : t.items()) {
+        if (k != "type" && k != "function" && !v.is_null()) {
+          return r.Fail("tools", absl::StrCat(at, ".", k, " is not supported"));
+        }
+      }
+      if (t.value("type", json()) != "function") {
+        return r.Fail("tools", at + ".type must be \"function\" (the only tool type served)");
+      }
+      auto f = t.find("function");
+      if (f == t.end() || !f->is_object()) return r.Fail("tools", at + ".function must be an object");
+      for (const auto& [k, v] : f->items()) {
+        if (v.is_null()) continue;
+        if (k == "name") {
+          const std::string n = v.is_string() ? v.get<std::string>() : "";
+          const bool ok = !n.empty() && n.size() <= 64 &&
+                          n.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                              "0123456789_-") == std::string::npos;
+          if (!ok) {
+            return r.Fail("tools", at + ".function.name must be 1-64 letters, digits, _ or -");
+          }
+          names.push_back(n);
+        } else if (k == "description") {
+          if (!v.is_string()) return r.Fail("tools", at + ".function.description must be a string");
+        } else if (k == "parameters") {
+          if (!v.is_object()) {
+            return r.Fail("tools", at + ".function.parameters must be a JSON schema object");
+          }
+        } else if (k == "strict") {
+          if (!v.is_boolean()) return r.Fail("tools", at + ".function.strict must be a boolean");
+          if (v.get<bool>()) {
+            return r.Fail("tools", at +
+                                       ".function.strict is not supported: schema-exact "
+                                       "arguments need grammar-constrained decoding, which this "
+                                       "server does not implement yet");
+          }
+        } else {
+          return r.Fail("tools", absl::StrCat(at, ".function.", k, " is not supported"));
+        }
+      }
+      if (names.size() != i + 1) return r.Fail("tools", at + ".function.name is required");
+    }
+    if (!tools->empty()) p->tools_json = tools->dump();  // ParseOpenAiRequest keeps key order
+  }
+  std::string choice = "auto";
+  if (const json* tc = r.Get("tool_choice")) {
+    if (tc->is_string()) {
+      choice = tc->get<std::string>();
+      if (choice == "required") {
+        return r.Fail("tool_choice",
+                      "tool_choice \"required\" is not supported: forcing a tool call needs "
+                      "grammar-constrained decoding, which this server does not implement yet; "
+                      "use \"auto\" or \"none\"");
+      }
+      if (choice != "auto" && choice != "none") {
+        return r.Fail("tool_choice", "tool_choice must be \"auto\", \"none\", \"required\" or "
+                                     "{\"type\": \"function\", \"function\": {\"name\"}}");
+      }
+    } else if (tc->is_object()) {
+      return r.Fail("tool_choice",
+                    "tool_choice naming a function is not supported: forcing a tool call needs "
+                    "grammar-constrained decoding, which this server does not implement yet; use "
+                    "\"auto\" or \"none\"");
+    } else {
+      return r.Fail("tool_choice", "tool_choice must be a string or an object");
+    }
+  }
+  r.Bool("parallel_tool_calls", &o->parallel_tool_calls);
+  // none: the model is not shown the tools and its reply is plain content.
+  if (choice == "none") p->tools_json.clear();
+  o->parse_tool_calls = !p->tools_json.empty();
+}
+
 // Parses `messages`: content is a string, null, or an array of text parts.
 void ReadMessages(FieldReader& r, CompletionParams* p) {
   const json* v = r.Get("messages");
@@ -159,6 +266,23 @@ void ReadMessages(FieldReader& r, CompletionParams* p) {
       return r.Fail("messages", at + ".role must be a string");
     }
     out.role = role->get<std::string>();
+    for (const auto& [key, value] : m.items()) {
+      if (value.is_null() || key == "role" || key == "content") continue;
+      if (key == "tool_calls" && out.role == "assistant") {
+        if (auto e = CheckToolCalls(value, at + ".tool_calls")) return r.Fail("messages", *e);
+        if (!value.empty()) out.tool_calls_json = value.dump();
+        continue;
+      }
+      if (key == "tool_call_id" && out.role == "tool") {
+        if (!value.is_string()) return r.Fail("messages", at + ".tool_call_id must be a string");
+        out.tool_call_id = value.get<std::string>();
+        continue;
+      }
+      return r.Fail("messages", absl::StrCat(at, ".", key, " is not supported",
+                                             key == "name" ? " (participant names are not rendered)"
+                                                           : "",
+                                             " on a '", out.role, "' message"));
+    }
     auto content = m.find("content");
     if (content == m.end() || content->is_null()) {
       // An assistant turn that only called tools has no content.
@@ -233,12 +357,151 @@ void ReadKvPolicy(FieldReader& r, CompletionParams* p) {
   p->kv_policy = std::move(kv);
 }
 
+// Every top-level field a body may carry, by endpoint. Honoured fields are
+// read below; refused ones are OpenAI fields this server does not implement:
+// a body carrying one (non-null) is a 400 naming it, never a silent ignore
+// (issue 44). A few refused fields are honoured at the one value that asks
+// for nothing (store: false, modalities: ["text"], ...); AcceptedAsNoOp
+// says which. Anything else is an unknown field: a 400 naming it too.
+enum class Endpoint { kBoth, kChat, kCompletions };
+struct FieldRule {
+  const char* name;
+  Endpoint endpoint;
+  const char* refusal;  // nullptr: honoured
+};
+constexpr FieldRule kFieldRules[] = {
+    // OpenAI's fields this server honours.
+    {"model", Endpoint::kBoth, nullptr},
+    {"messages", Endpoint::kChat, nullptr},
+    {"prompt", Endpoint::kCompletions, nullptr},
+    {"max_tokens", Endpoint::kBoth, nullptr},
+    {"max_completion_tokens", Endpoint::kChat, nullptr},
+    {"temperature", Endpoint::kBoth, nullptr},
+    {"top_p", Endpoint::kBoth, nullptr},
+    {"n", Endpoint::kBoth, nullptr},
+    {"stop", Endpoint::kBoth, nullptr},
+    {"seed", Endpoint::kBoth, nullptr},
+    {"presence_penalty", Endpoint::kBoth, nullptr},
+    {"frequency_penalty", Endpoint::kBoth, nullptr},
+    {"stream", Endpoint::kBoth, nullptr},
+    {"stream_options", Endpoint::kBoth, nullptr},
+    {"logprobs", Endpoint::kBoth, nullptr},
+    {"top_logprobs", Endpoint::kChat, nullptr},
+    {"echo", Endpoint::kCompletions, nullptr},
+    {"tools", Endpoint::kChat, nullptr},
+    {"tool_choice", Endpoint::kChat, nullptr},
+    {"parallel_tool_calls", Endpoint::kChat, nullptr},
+    // vLLM's sampling extensions and kvserve's own.
+    {"top_k", Endpoint::kBoth, nullptr},
+    {"min_p", Endpoint::kBoth, nullptr},
+    {"repetition_penalty", Endpoint::kBoth, nullptr},
+    {"ignore_eos", Endpoint::kBoth, nullptr},
+    {"stop_token_ids", Endpoint::kBoth, nullptr},
+    {"priority", Endpoint::kBoth, nullptr},
+    {"cache_salt", Endpoint::kBoth, nullptr},
+    {"kv_policy", Endpoint::kBoth, nullptr},
+    {"cache_control", Endpoint::kBoth, nullptr},
+    {"cache_report", Endpoint::kBoth, nullptr},
+    {"speculative", Endpoint::kBoth, nullptr},
+    {"response_cache", Endpoint::kBoth, nullptr},
+    // OpenAI's fields this server does not implement.
+    {"response_format", Endpoint::kChat,
+     "structured outputs are not implemented by this server; only {\"type\": \"text\"} is "
+     "accepted"},
+    {"logit_bias", Endpoint::kBoth, "token biases are not implemented by this server"},
+    {"audio", Endpoint::kChat, "audio output is not supported by this server"},
+    {"modalities", Endpoint::kChat, "this server produces text only; only [\"text\"] is accepted"},
+    {"prediction", Endpoint::kChat, "predicted outputs are not supported by this server"},
+    {"reasoning_effort", Endpoint::kChat, "reasoning models are not supported by this server"},
+    {"verbosity", Endpoint::kChat, "verbosity is not supported by this server"},
+    {"web_search_options", Endpoint::kChat, "web search is not supported by this server"},
+    {"functions", Endpoint::kChat,
+     "the deprecated functions field is not supported; send tools instead"},
+    {"function_call", Endpoint::kChat,
+     "the deprecated function_call field is not supported; send tool_choice instead"},
+    {"store", Endpoint::kChat, "this server stores no completions; only false is accepted"},
+    {"metadata", Endpoint::kChat, "this server stores no completions to attach metadata to"},
+    {"service_tier", Endpoint::kChat,
+     "this server has one service tier; only \"auto\" or \"default\" is accepted"},
+    {"prompt_cache_key", Endpoint::kChat,
+     "OpenAI's prompt cache routing key is not implemented; kvserve's prefix cache needs no key "
+     "(cache_salt scopes it)"},
+    {"prompt_cache_retention", Endpoint::kChat,
+     "OpenAI's prompt cache retention is not implemented; see kvserve's cache_control"},
+    {"safety_identifier", Endpoint::kChat, "this server does no abuse monitoring to identify users for"},
+    {"user", Endpoint::kBoth, "this server does no abuse monitoring to identify users for"},
+    {"best_of", Endpoint::kCompletions,
+     "best_of is not implemented by this server; only 1 (or n) is accepted"},
+    {"suffix", Endpoint::kCompletions, "insertion (suffix) is not supported by this server"},
+};
+
+bool RuleApplies(const FieldRule& rule, bool chat) {
+  return rule.endpoint == Endpoint::kBoth || (rule.endpoint == Endpoint::kChat) == chat;
+}
+
+// A refused field sent at the value that asks for nothing extra.
+bool AcceptedAsNoOp(const std::string& key, const json& v, const json& body) {
+  if (key == "response_format") {
+    auto t = v.is_object() ? v.find("type") : v.end();
+    return t != v.end() && *t == "text" && v.size() == 1;
+  }
+  if (key == "store") return v.is_boolean() && !v.get<bool>();
+  if (key == "modalities") return v == json::array({"text"});
+  if (key == "service_tier") return v == "auto" || v == "default";
+  if (key == "best_of") {
+    auto n = body.find("n");
+    const json one = 1;
+    return v == one || (n != body.end() && !n->is_null() && v == *n);
+  }
+  return false;
+}
+
+// The first stream option this server does not honour ("" when none).
+std::string UnsupportedStreamOption(const json& so) {
+  for (const auto& [key, value] : so.items()) {
+    if (value.is_null() || key == "include_usage") continue;
+    if (key == "include_obfuscation" && value == false) continue;
+    return key;
+  }
+  return "";
+}
+
+// Refuses (first by body order) a field this server does not honour.
+std::optional<ApiError> CheckFields(const json& body, bool chat) {
+  for (const auto& [key, value] : body.items()) {
+    if (value.is_null()) continue;  // clients send explicit nulls for absent fields
+    const FieldRule* rule = nullptr;
+    const FieldRule* other_endpoint = nullptr;
+    for (const FieldRule& r : kFieldRules) {
+      if (key != r.name) continue;
+      (RuleApplies(r, chat) ? rule : other_endpoint) = &r;
+    }
+    if (rule == nullptr) {
+      if (other_endpoint != nullptr) {
+        return ApiError{400,
+                        absl::StrCat(key, " is not a field of ",
+                                     chat ? "/v1/chat/completions" : "/v1/completions"),
+                        key, "unsupported_parameter"};
+      }
+      return ApiError{400, absl::StrCat(key, ": unknown field; this server refuses fields it does not "
+                                        "honour rather than ignore them"),
+                      key, "unknown_parameter"};
+    }
+    if (rule->refusal != nullptr && !AcceptedAsNoOp(key, value, body)) {
+      return ApiError{400, absl::StrCat(key, " is not supported: ", rule->refusal), key,
+                      "unsupported_parameter"};
+    }
+  }
+  return std::nullopt;
+}
+
 // Parses an OpenAI completion or chat body into the shared parameters.
 std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams* p,
                                   HttpRequestOptions* o) {
   if (!body.is_object()) {
     return ApiError{400, "the request body must be a JSON object", "", "invalid_json"};
   }
+  if (auto e = CheckFields(body, chat)) return e;
   FieldReader r(body);
   o->chat = chat;
   if (const json* m = r.Get("model")) {
@@ -256,9 +519,7 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     } else {
       r.Integer("max_tokens", &p->max_tokens);
     }
-    if (const json* tools = r.Get("tools"); tools != nullptr && !(tools->is_array() && tools->empty())) {
-      r.Fail("tools", "tools: tool calling is not supported by this server");
-    }
+    ReadTools(r, p, o);
     if (const json* lp = r.Get("logprobs")) {
       if (!lp->is_boolean()) {
         r.Fail("logprobs", "logprobs must be a boolean");
@@ -270,6 +531,11 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     r.Integer("top_logprobs", &top_logprobs);
     if (top_logprobs < 0 || top_logprobs > 20) {
       r.Fail("top_logprobs", "top_logprobs must be between 0 and 20");
+    } else if (top_logprobs > 0) {
+      // The reply carries the sampled token's log-probability only.
+      r.Fail("top_logprobs",
+             "top_logprobs is not supported: only the sampled token's log-probability is "
+             "returned (top_logprobs 0)");
     }
   } else {
     ReadPrompt(r, p);
@@ -284,6 +550,10 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
         r.Fail("logprobs", "logprobs must be an integer");
       } else if (*k < 0 || *k > 20) {
         r.Fail("logprobs", "logprobs must be between 0 and 20");
+      } else if (*k > 1) {
+        r.Fail("logprobs",
+               "logprobs > 1 is not supported: only the sampled token's log-probability is "
+               "returned (logprobs 0 or 1)");
       } else {
         o->logprobs = true;
       }
@@ -339,6 +609,10 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
   if (const json* so = r.Get("stream_options")) {
     if (!so->is_object()) {
       r.Fail("stream_options", "stream_options must be an object");
+    } else if (std::string bad = UnsupportedStreamOption(*so); !bad.empty()) {
+      r.Fail("stream_options", absl::StrCat("stream_options.", bad,
+                                            " is not supported (only include_usage, and "
+                                            "include_obfuscation false)"));
     } else if (auto iu = so->find("include_usage"); iu != so->end() && !iu->is_null()) {
       if (!iu->is_boolean()) {
         r.Fail("stream_options", "stream_options.include_usage must be a boolean");
@@ -379,13 +653,29 @@ std::optional<std::string> ReadCacheControl(const nlohmann::json& cc, Completion
   return std::nullopt;
 }
 
+std::vector<std::string> KnownOpenAiFields(bool chat) {
+  std::vector<std::string> out;
+  for (const FieldRule& r : kFieldRules) {
+    if (RuleApplies(r, chat)) out.emplace_back(r.name);
+  }
+  return out;
+}
+
 std::optional<ApiError> ParseOpenAiRequest(std::string_view body, bool chat, OpenAiRequest* out) {
   json parsed = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) {
     return ApiError{400, "the request body is not valid JSON", "", "invalid_json"};
   }
   *out = OpenAiRequest{};
-  return ParseBody(parsed, chat, &out->params, &out->options);
+  std::optional<ApiError> e = ParseBody(parsed, chat, &out->params, &out->options);
+  if (!e && !out->params.tools_json.empty()) {
+    // The catalogue as the client ordered it (name, description,
+    // parameters): the model reads it, and parsing above sorted the keys.
+    nlohmann::ordered_json ordered =
+        nlohmann::ordered_json::parse(body.begin(), body.end(), nullptr, false);
+    if (!ordered.is_discarded()) out->params.tools_json = ordered["tools"].dump();
+  }
+  return e;
 }
 
 }  // namespace kvserve

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "server/model_service.h"
 
@@ -34,6 +35,10 @@ struct HttpRequestOptions {
   bool echo = false;
   bool logprobs = false;  // per-token log-probabilities in the response
   bool max_completion_tokens_alias = false;  // for naming the field in errors
+  // Tool calling: the reply's <tool_call> blocks become tool_calls
+  // (server/tool_calls.h); parallel false keeps the first call only.
+  bool parse_tool_calls = false;
+  bool parallel_tool_calls = true;
 };
 
 struct OpenAiRequest {
@@ -47,5 +52,9 @@ struct OpenAiRequest {
 // nulls).
 [[nodiscard]] std::optional<ApiError> ParseOpenAiRequest(std::string_view body, bool chat,
                                                          OpenAiRequest* out);
+
+// The top-level fields the parser knows for an endpoint (honoured or refused
+// by name); any other field is refused as unknown. For the schema walk test.
+std::vector<std::string> KnownOpenAiFields(bool chat);
 
 }  // namespace kvserve

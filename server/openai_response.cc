@@ -184,6 +184,19 @@ json ChoiceDelta(bool chat, int index, const std::string& text) {
   return c;
 }
 
+// OpenAI's tool_calls array; stream deltas number the calls (index).
+json ToolCallsJson(const std::vector<ToolCall>& calls, bool with_index, int first_index = 0) {
+  json out = json::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    json c = {{"id", calls[i].id},
+              {"type", "function"},
+              {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
+    if (with_index) c["index"] = first_index + static_cast<int>(i);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string ErrorBody(const ApiError& e) { return Dump(ErrorJson(e)); }
@@ -228,13 +241,24 @@ std::string CompletionBody(const ResponseMeta& meta, const HttpRequestOptions& o
                   ? LogprobsJson(meta.chat, piece, c.token_ids, c.logprobs, meta.echo_text.size())
                   : json(nullptr);
     json choice = {{"index", c.index}};
-    if (meta.chat) {
+    std::string finish = FinishName(c.finish);
+    if (meta.chat && opts.parse_tool_calls) {
+      ParsedToolCalls parsed = ParseToolCalls(c.text, opts.parallel_tool_calls);
+      json message = {{"role", "assistant"}};
+      message["content"] = parsed.content.empty() && !parsed.calls.empty() ? json(nullptr)
+                                                                          : json(parsed.content);
+      if (!parsed.calls.empty()) {
+        message["tool_calls"] = ToolCallsJson(parsed.calls, /*with_index=*/false);
+        if (c.finish == FinishReason::kStop) finish = "tool_calls";
+      }
+      choice["message"] = std::move(message);
+    } else if (meta.chat) {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}};
     } else {
       choice["text"] = meta.echo_text + c.text;
     }
     choice["logprobs"] = std::move(lp);
-    choice["finish_reason"] = FinishName(c.finish);
+    choice["finish_reason"] = finish;
     out_choices.push_back(std::move(choice));
   }
   json out = {{"id", meta.id},
@@ -255,7 +279,12 @@ SseEncoder::SseEncoder(ResponseMeta meta, HttpRequestOptions opts, int32_t n,
       opts_(opts),
       n_(n),
       piece_(std::move(piece)),
-      response_(std::make_unique<ResponseAccumulator>(n, prompt_tokens)) {}
+      response_(std::make_unique<ResponseAccumulator>(n, prompt_tokens)) {
+  if (meta_.chat && opts_.parse_tool_calls && n_ > 0) {
+    tool_streams_.assign(n_, ToolCallStreamer(opts_.parallel_tool_calls));
+    tool_calls_sent_.assign(n_, 0);
+  }
+}
 
 const std::string& SseEncoder::Heartbeat() {
   static const std::string kHeartbeat = ": keep-alive\n\n";
@@ -285,8 +314,22 @@ std::string SseEncoder::Add(const std::vector<SeqEvent>& events) {
     const size_t text_offset = meta_.echo_text.size() + response_->text_size(ev.index);
     const bool finished_sample = response_->Add(ev);
     if (ev.index < 0 || ev.index >= n_) continue;
-    if (!ev.text.empty() || (opts_.logprobs && !ev.token_ids.empty())) {
-      json d = ChoiceDelta(meta_.chat, ev.index, ev.text);
+    std::string text = ev.text;
+    std::vector<ToolCall> calls;
+    ToolCallStreamer* tools = nullptr;
+    if (!tool_streams_.empty()) {
+      tools = &tool_streams_[ev.index];
+      text = tools->Feed(ev.text, &calls);
+      if (finished_sample) text += tools->Finish(&calls);
+    }
+    if (!calls.empty()) {
+      json d = ChoiceDelta(true, ev.index, "");
+      d["delta"] = {{"tool_calls", ToolCallsJson(calls, true, tool_calls_sent_[ev.index])}};
+      tool_calls_sent_[ev.index] += static_cast<int>(calls.size());
+      out += Event(ChunkJson(meta_, json::array({std::move(d)})));
+    }
+    if (!text.empty() || (opts_.logprobs && !ev.token_ids.empty())) {
+      json d = ChoiceDelta(meta_.chat, ev.index, text);
       if (opts_.logprobs) {
         d["logprobs"] = LogprobsJson(meta_.chat, piece_, ev.token_ids, ev.logprobs, text_offset);
       }
@@ -299,6 +342,9 @@ std::string SseEncoder::Add(const std::vector<SeqEvent>& events) {
         json d = ChoiceDelta(meta_.chat, ev.index, "");
         if (meta_.chat) d["delta"] = json::object();
         d["finish_reason"] = FinishName(ev.finish);
+        if (tools != nullptr && tools->num_calls() > 0 && ev.finish == FinishReason::kStop) {
+          d["finish_reason"] = "tool_calls";
+        }
         out += Event(ChunkJson(meta_, json::array({std::move(d)})));
       }
     }

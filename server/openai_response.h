@@ -19,6 +19,7 @@
 #include "server/completed_response.h"
 #include "server/response_cache.h"
 #include "server/openai_request.h"
+#include "server/tool_calls.h"
 
 namespace kvserve {
 
@@ -88,6 +89,10 @@ class SseEncoder {
   int32_t n_;
   TokenPieceFn piece_;
   std::unique_ptr<ResponseAccumulator> response_;  // what has been streamed so far
+  // Tool calling (opts.parse_tool_calls): per choice, the parser and the
+  // number of calls sent.
+  std::vector<ToolCallStreamer> tool_streams_;
+  std::vector<int> tool_calls_sent_;
   bool opened_ = false;
   bool finished_ = false;
   bool aborted_ = false;

@@ -185,6 +185,7 @@ TEST(OpenAiRequestTest, ChatMessagesAndItsOwnFields) {
           .message,
       HasSubstr("only text parts"));
   EXPECT_EQ(MustFail(R"({"messages": [], "tools": [{"type": "function"}]})", true).param, "tools");
+  EXPECT_EQ(MustFail(R"({"messages": [], "tools": [{"type": "web"}]})", true).param, "tools");
   EXPECT_EQ(MustFail(R"({"messages": [], "logprobs": 1})", true).param, "logprobs");
   EXPECT_EQ(MustFail(R"({"messages": [], "top_logprobs": 21})", true).param, "top_logprobs");
 }
