@@ -209,14 +209,13 @@ def main():
         sys.exit(77)
     ctx = zmq.Context()
     pub_port, replay_port = free_port(), free_port()
-    pub_ep = f"tcp://127.0.0.1:{pub_port}"
+    tmp = tempfile.mkdtemp(prefix="vllm-events-")
+    # The daemon binds its PUB (vLLM's rule binds ipc://; a tcp://host:port
+    # endpoint would be connected to, which does not deliver yet here).
+    pub_ep = f"ipc://{tmp}/kv-events.sock"
     replay_ep = f"tcp://127.0.0.1:{replay_port}"
-    # The daemon connects its PUB to a subscriber that binds (vLLM's rule:
-    # a host address is connected to, tcp://*:P is bound).
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.bind(pub_ep)
-    tmp = tempfile.mkdtemp(prefix="vllm-events-")
     port_file = os.path.join(tmp, "ports.json")
     # A small pool, so that later prompts evict earlier ones.
     proc = subprocess.Popen(
@@ -231,7 +230,8 @@ def main():
                 fail("daemon did not start")
             time.sleep(0.05)
         http = json.load(open(port_file))["http"]
-        time.sleep(0.5)  # the PUB's connection to us
+        sub.connect(pub_ep)
+        time.sleep(0.5)  # the subscription reaches the PUB
 
         rng_state = [12345]
 
@@ -284,7 +284,7 @@ def main():
         # A late subscriber: joins, then recovers what it missed through replay.
         late = ctx.socket(zmq.SUB)
         late.setsockopt(zmq.SUBSCRIBE, b"kv")
-        late.bind(pub_ep)
+        late.connect(pub_ep)
         time.sleep(0.5)
         missed = replay(ctx, replay_ep, seq)
         if not missed or missed[0][0] != seq:
