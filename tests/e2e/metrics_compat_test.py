@@ -296,9 +296,9 @@ def main():
         if lora.get("running_lora_adapters") != "" or lora.get("max_lora") != "0":
             fail(f"lora_requests_info {lora}")
         # Load: four long generations behind --max-seqs 1.
-        long_prompt = " ".join(["the little dog ran to the park and"] * 6)
+        long_prompt = " ".join(["the little dog ran to the park and"] * 3)
         threads = [threading.Thread(target=post, args=(port, {"prompt": long_prompt,
-                                                              "max_tokens": 120,
+                                                              "max_tokens": 80,
                                                               "ignore_eos": True}))
                    for _ in range(4)]
         for t in threads:
