@@ -40,6 +40,7 @@ PACKAGES=(
   libcpp-httplib-dev nlohmann-json3-dev libxxhash-dev libboost-dev
   clang libclang-rt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
 )
 
 # Optional: the dashboard's browser test (tests/e2e/dashboard_browser_test.py)

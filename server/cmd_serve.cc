@@ -54,9 +54,12 @@ class ServeCommand final : public Command {
   int Run(const GlobalFlags& global) override {
     // --semantic-cache-model: kvserve's own sentence encoder (embed/).
     SetEmbedderFactory([](const std::string& dir) { return embed::LoadSentenceEncoder(dir); });
+    // Probes get answers while the model loads (503 / NOT_SERVING).
+    std::unique_ptr<LoadingProbes> probes = LoadingProbes::Start(flags_);
     LoadedModel l = LoadModelOrDie(global.model_path);
-    std::unique_ptr<Daemon> daemon = ValueOrDie(
-        Daemon::Start(l, global.model_path, flags_, *engine_flags_, &ThreadPool::Global()));
+    std::unique_ptr<Daemon> daemon = ValueOrDie(Daemon::Start(
+        l, global.model_path, flags_, *engine_flags_, &ThreadPool::Global(), probes.get()));
+    probes.reset();
     daemon->WaitForSignalAndDrain();
     return 0;
   }

@@ -13,12 +13,17 @@
 #include <thread>
 #include <utility>
 
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "cache/memory_planner.h"
 #include "common/status.h"
 #include "model/chat_template.h"
 #include "server/engine_builder.h"
+#include "httplib.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -116,6 +121,7 @@ HttpServerOptions HttpOptionsFromFlags(const ServeFlags& f, const std::string& a
   o.io_threads = f.http_threads;
   o.max_connections = f.max_connections;
   o.max_header_bytes = f.http_max_header_bytes;
+  o.metrics_without_key = f.metrics_auth == "none";
   auto ms = [](double seconds) {
     return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   };
@@ -124,6 +130,70 @@ HttpServerOptions HttpOptionsFromFlags(const ServeFlags& f, const std::string& a
   o.body_timeout = ms(f.http_body_timeout);
   o.write_timeout = ms(f.http_write_timeout);
   return o;
+}
+
+struct LoadingProbes::Impl {
+  std::unique_ptr<httplib::Server> http;
+  std::thread http_thread;
+  std::unique_ptr<grpc::Server> grpc;
+};
+
+std::unique_ptr<LoadingProbes> LoadingProbes::Start(const ServeFlags& f) {
+  std::unique_ptr<LoadingProbes> p(new LoadingProbes());
+  p->impl_ = std::make_unique<Impl>();
+  Impl& m = *p->impl_;
+  if (f.http_port != 0) {
+    if (f.tls_cert.empty()) {
+      m.http = std::make_unique<httplib::Server>();
+    } else {
+      m.http = std::make_unique<httplib::SSLServer>(f.tls_cert.c_str(), f.tls_key.c_str());
+    }
+    m.http->Get("/health/live", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content("alive", "text/plain");
+    });
+    m.http->set_error_handler([](const httplib::Request&, httplib::Response& res) {
+      if (res.status == 404 || res.status == 405) res.status = 503;
+      res.set_content("loading", "text/plain");
+    });
+    if (m.http->is_valid() && m.http->bind_to_port(f.http_host, f.http_port)) {
+      m.http_thread = std::thread([server = m.http.get()] { server->listen_after_bind(); });
+      spdlog::info("while loading: HTTP {}:{} answers /health 503, /health/live 200", f.http_host,
+                   f.http_port);
+    } else {
+      spdlog::warn("while loading: cannot listen on {}:{} for health probes", f.http_host,
+                   f.http_port);
+      m.http.reset();
+    }
+  }
+  const bool ephemeral = absl::EndsWith(f.grpc_address, ":0");
+  if (!ephemeral && f.tls_cert.empty()) {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(f.grpc_address, grpc::InsecureServerCredentials(), &port);
+    m.grpc = builder.BuildAndStart();
+    if (m.grpc != nullptr && port != 0) {
+      if (grpc::HealthCheckServiceInterface* health = m.grpc->GetHealthCheckService()) {
+        health->SetServingStatus(false);
+        health->SetServingStatus("kvserve.v1.Kvserve", false);
+      }
+      spdlog::info("while loading: gRPC health on {} reports NOT_SERVING", f.grpc_address);
+    } else {
+      spdlog::warn("while loading: cannot listen on {} for gRPC health", f.grpc_address);
+      m.grpc.reset();
+    }
+  }
+  return p;
+}
+
+LoadingProbes::~LoadingProbes() { Stop(); }
+
+void LoadingProbes::Stop() {
+  if (impl_ == nullptr) return;
+  if (impl_->grpc) impl_->grpc->Shutdown(std::chrono::system_clock::now());
+  if (impl_->http) impl_->http->stop();
+  if (impl_->http_thread.joinable()) impl_->http_thread.join();
+  impl_.reset();
 }
 
 void Daemon::BlockShutdownSignals() {
@@ -135,7 +205,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                                                       const std::string& model_path,
                                                       const ServeFlags& f,
                                                       const EngineFlags& engine_flags,
-                                                      ThreadPool* pool) {
+                                                      ThreadPool* pool, LoadingProbes* probes) {
   std::unique_ptr<Daemon> d(new Daemon());
   d->flags_ = f;
   ASSIGN_OR_RETURN(const std::string api_key, ApiKeyFromFlags(f));
@@ -165,6 +235,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   }
   if (f.kv_events_retain > 0 && engine_flags.prefix_cache) {
     d->kv_events_ = std::make_unique<KvEventLog>(static_cast<size_t>(f.kv_events_retain));
+  }
+  if (d->kv_events_ == nullptr &&
+      (!f.kv_events_endpoint.empty() || !f.kv_events_replay_endpoint.empty())) {
+    return absl::InvalidArgumentError(
+        "--kv-events-endpoint needs the KV event log: the prefix cache on and "
+        "--kv-events-retain > 0");
+  }
+  if (f.kv_events_endpoint.empty() && !f.kv_events_replay_endpoint.empty()) {
+    return absl::InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint");
+  }
+  if (f.kv_events_replay_batches < 1) {
+    return absl::InvalidArgumentError("--kv-events-replay-batches must be >= 1");
   }
   // Checked before the engine is built (a typo should not wait for the KV
   // plan), and against the engine once it is.
@@ -211,6 +293,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
                  limits.kv_policy.window, limits.kv_policy.budget);
   }
   d->metrics_ = std::make_unique<Metrics>(name);
+  if (f.metrics_compat == "vllm") d->metrics_->EnableVllmNames(d->engine_->options().block_size);
   d->service_ = std::make_unique<ModelService>(name, l.model.get(), l.tokenizer.get(), chat,
                                                d->engine_.get(), limits, d->metrics_.get());
   d->service_->set_kv_events(d->kv_events_.get());
@@ -276,8 +359,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
         identity.numerics,
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
+  if (!f.kv_events_endpoint.empty()) {
+    VllmEventPublisherOptions vo;
+    vo.endpoint = f.kv_events_endpoint;
+    vo.replay_endpoint = f.kv_events_replay_endpoint;
+    vo.topic = f.kv_events_topic;
+    vo.replay_batches = static_cast<size_t>(f.kv_events_replay_batches);
+    vo.format.block_size = d->engine_->options().block_size;
+    // The tier the events describe is the KV pool: device memory with the
+    // CUDA backend, host memory otherwise (the CPU engine and emulator).
+    vo.format.medium = d->engine_->kv_pool().on_device() ? "GPU" : "CPU";
+    ASSIGN_OR_RETURN(d->vllm_events_, VllmEventPublisher::Start(d->kv_events_.get(), vo));
+  }
   d->engine_->Start();
 
+  if (probes != nullptr) probes->Stop();
   ASSIGN_OR_RETURN(d->grpc_,
                    GrpcServer::Start(d->service_.get(), [&] {
                      GrpcServerOptions o = GrpcOptionsFromFlags(f, api_key);
@@ -319,6 +415,7 @@ Daemon::~Daemon() {
   // Leased blocks go back before the engine (and its pool) does.
   if (pd_) pd_->Shutdown();
   if (stopped_) return;
+  if (vllm_events_) vllm_events_->Stop();
   if (kv_events_) kv_events_->Close();
   if (grpc_) grpc_->Shutdown(std::chrono::system_clock::now());
   if (http_) http_->Stop();
@@ -359,7 +456,9 @@ void Daemon::Drain(const std::string& reason) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
-  // Subscribers' streams end first so the gRPC shutdown does not wait on them.
+  // Subscribers' streams end first so the gRPC shutdown does not wait on them
+  // (the vLLM-format publisher flushes what the log holds before that).
+  if (vllm_events_) vllm_events_->Stop();
   if (kv_events_) kv_events_->Close();
   grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   http_->Stop();

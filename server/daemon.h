@@ -22,6 +22,7 @@
 #include "server/command.h"
 #include "server/grpc_server.h"
 #include "server/http_server.h"
+#include "server/kv_events_zmq.h"
 #include "server/metrics.h"
 #include "server/model_service.h"
 #include "server/pd_node.h"
@@ -47,6 +48,25 @@ HttpServerOptions HttpOptionsFromFlags(const ServeFlags& flags, const std::strin
 [[nodiscard]] absl::StatusOr<ResponseCacheOptions> ResponseCacheOptionsFromFlags(
     const ServeFlags& flags);
 
+// Health answers while the model loads (before Daemon::Start can build the
+// real servers, which need the model): on --http-port, GET /health/live is
+// 200 and every other path 503 "loading"; on --grpc-address the standard
+// gRPC health service reports NOT_SERVING (overall and for kvserve.v1.Kvserve).
+// A listener whose port is 0 (ephemeral) is not opened: nobody could probe
+// it, and the real server would get another port. Stop() frees the ports
+// for the real servers; the gap is milliseconds.
+class LoadingProbes {
+ public:
+  // Failing to listen is not fatal (logged): the real servers report it.
+  static std::unique_ptr<LoadingProbes> Start(const ServeFlags& flags);
+  ~LoadingProbes();
+  void Stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 class Daemon {
  public:
   // Blocks SIGTERM and SIGINT for the calling thread and every thread it
@@ -56,9 +76,10 @@ class Daemon {
 
   // Builds everything and starts serving; on return both ports listen and
   // the port file (if any) is written. `model` must outlive the daemon.
+  // `probes` (optional) are stopped just before the real servers start.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Daemon>> Start(
       const LoadedModel& model, const std::string& model_path, const ServeFlags& flags,
-      const EngineFlags& engine_flags, ThreadPool* pool);
+      const EngineFlags& engine_flags, ThreadPool* pool, LoadingProbes* probes = nullptr);
 
   // Stops whatever still runs (without a drain).
   ~Daemon();
@@ -82,6 +103,8 @@ class Daemon {
   ServeFlags flags_;
   // Declared in construction order; destroyed in reverse (servers first).
   std::unique_ptr<KvEventLog> kv_events_;
+  // --kv-events-endpoint: the log in vLLM's format (null when off).
+  std::unique_ptr<VllmEventPublisher> vllm_events_;
   // Before the engine: a decode node's KvLoader must outlive it (Shutdown()
   // releases the leases first).
   std::unique_ptr<PdNode> pd_;

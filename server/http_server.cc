@@ -813,10 +813,14 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
   // tenant keys, the tenant its key names (server/tenants.h).
   CallerAuth auth;
   const std::string_view authorization(req[http::field::authorization]);
+  // Probes and (with --metrics-auth none) the Prometheus scrape need no key.
+  const bool open_path = path == "/health" || path == "/health/live" ||
+                         (options.metrics_without_key && path == "/metrics" &&
+                          method == http::verb::get);
   if (options.tenant_keys != nullptr && !options.tenant_keys->empty()) {
     std::optional<std::string> tenant = options.tenant_keys->TenantForAuthorization(authorization);
     const bool admin = !options.api_key.empty() && BearerTokenMatches(authorization, options.api_key);
-    if (path != "/health" && !tenant && !admin) {
+    if (!open_path && !tenant && !admin) {
       return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                     "", "invalid_api_key"}));
     }
@@ -826,11 +830,13 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
       return conn->Send(ErrorReply({403, "this admin call takes the operator's key (--api-key)", "",
                                     "forbidden"}));
     }
-  } else if (path != "/health" && !BearerTokenMatches(authorization, options.api_key)) {
+  } else if (!open_path && !BearerTokenMatches(authorization, options.api_key)) {
     return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                   "", "invalid_api_key"}));
   }
   if (method == http::verb::get) {
+    // Liveness: the process answers (restart it only when this fails).
+    if (path == "/health/live") return conn->Send(TextReply(200, "alive", "text/plain"));
     if (path == "/health") {
       // Load balancers take a draining server out of rotation on 503.
       if (service->draining()) return conn->Send(TextReply(503, "draining", "text/plain"));

@@ -36,6 +36,9 @@ struct HttpServerOptions {
   // 503 and is closed.
   int64_t max_connections = 16384;
   int64_t max_header_bytes = 16384;  // request line + headers; 431 above
+  // --metrics-auth none: GET /metrics is answered without the API key (like
+  // /health), for a Prometheus that holds no secret.
+  bool metrics_without_key = false;
   // A connection waiting for a request's first byte (new, or kept alive
   // after a response) is closed after idle_timeout; a request's headers must
   // arrive within header_timeout of its first byte, its body within

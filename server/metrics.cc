@@ -2,6 +2,7 @@
 
 #include <cassert>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -224,6 +225,50 @@ std::string Metrics::Render(const EngineStats& stats) const {
               "Histogram of inter-token latency in seconds.", l, &out);
   e2e_.Render("kvserve:e2e_request_latency_seconds",
               "Histogram of end to end request latency in seconds.", l, &out);
+
+  if (vllm_names_) {
+    // The same values under vLLM's names, for routers and dashboards built
+    // for vLLM (the endpoint picker's defaults read these exact names).
+    AppendGauge("vllm:num_requests_running", "Number of requests in model execution batches.", l,
+                stats.running, &out);
+    AppendGauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", l,
+                stats.waiting, &out);
+    AppendGauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", l,
+                stats.kv_utilization, &out);
+    AppendHeader("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.", "gauge",
+                 &out);
+    absl::StrAppend(&out, "vllm:cache_config_info{", l, ",block_size=\"", vllm_block_size_,
+                    "\",num_gpu_blocks=\"", stats.blocks_total, "\"} 1\n");
+    // kvserve serves no LoRA adapters; the value is the scrape time, as
+    // vLLM's (pickers keep the newest sample).
+    AppendHeader("vllm:lora_requests_info", "Running stats on lora requests.", "gauge", &out);
+    absl::StrAppend(
+        &out, "vllm:lora_requests_info{", l,
+        ",max_lora=\"0\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} ",
+        FormatMetricValue(std::chrono::duration<double>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count()),
+        "\n");
+    AppendCounter("vllm:num_preemptions_total",
+                  "Cumulative number of preemptions from the engine.", l,
+                  static_cast<double>(stats.preemptions), &out);
+    AppendCounter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", l,
+                  static_cast<double>(prompt_tokens), &out);
+    AppendCounter("vllm:generation_tokens_total", "Number of generation tokens processed.", l,
+                  static_cast<double>(generation_tokens), &out);
+    AppendHeader("vllm:request_success_total", "Count of successfully processed requests.",
+                 "counter", &out);
+    for (const auto& [outcome, count] : outcomes) {
+      absl::StrAppend(&out, "vllm:request_success_total{", l, ",finished_reason=\"",
+                      EscapeLabelValue(outcome), "\"} ", count, "\n");
+    }
+    ttft_.Render("vllm:time_to_first_token_seconds",
+                 "Histogram of time to first token in seconds.", l, &out);
+    itl_.Render("vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.", l, &out);
+    e2e_.Render("vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.", l, &out);
+  }
 
   // Ours: the paged KV cache and the batches.
   AppendGauge("kvserve:kv_blocks_used", "KV-cache blocks in use.", l,

@@ -73,6 +73,18 @@ class Metrics {
 
   std::string Render(const EngineStats& stats) const;
 
+  // --metrics-compat vllm: Render also writes, under vLLM's own names, the
+  // series the Gateway API Inference Extension's endpoint picker scrapes
+  // (vllm:num_requests_waiting, vllm:num_requests_running,
+  // vllm:kv_cache_usage_perc, vllm:cache_config_info{block_size,
+  // num_gpu_blocks}, vllm:lora_requests_info) and those vLLM's dashboards
+  // plot (token counters, TTFT / inter-token / end-to-end histograms); the
+  // kvserve: series stay. REQUIRES: before the first Render.
+  void EnableVllmNames(int32_t block_size) {
+    vllm_names_ = true;
+    vllm_block_size_ = block_size;
+  }
+
   // Another component's series (the response cache's), appended to every
   // Render; called with this object's labels. The section must outlive it.
   using Section = std::function<void(const std::string& labels, std::string* out)>;
@@ -94,6 +106,8 @@ class Metrics {
   uint64_t prompt_tokens_ = 0;                              // guarded by mu_
   uint64_t generation_tokens_ = 0;                          // guarded by mu_
   std::vector<Section> sections_;  // guarded by mu_
+  bool vllm_names_ = false;
+  int32_t vllm_block_size_ = 0;
   Histogram ttft_;
   Histogram itl_;
   Histogram e2e_;

@@ -167,6 +167,29 @@ void AddServeFlags(CLI::App* app, ServeFlags* f) {
   app->add_option("--kv-events-retain", f->kv_events_retain,
                   "KV events kept for reconnecting subscribers (0: no event stream)")
       ->capture_default_str();
+  app->add_option("--kv-events-endpoint", f->kv_events_endpoint,
+                  "ZeroMQ PUB endpoint for KV events in vLLM's format (e.g. tcp://*:5557; "
+                  "bound when it has '*', '::', ipc:// or inproc://, else connected; "
+                  "default: off)");
+  app->add_option("--kv-events-replay-endpoint", f->kv_events_replay_endpoint,
+                  "ZeroMQ ROUTER endpoint (bound) answering an 8-byte big-endian start sequence "
+                  "with the buffered event batches, then sequence -1 (default: no replay)");
+  app->add_option("--kv-events-topic", f->kv_events_topic,
+                  "Topic frame of every vLLM-format event message")
+      ->capture_default_str();
+  app->add_option("--kv-events-replay-batches", f->kv_events_replay_batches,
+                  "vLLM-format event batches kept for replay")
+      ->capture_default_str();
+  app->add_option("--metrics-compat", f->metrics_compat,
+                  "Extra names on /metrics: vllm adds vllm:num_requests_waiting, "
+                  "vllm:kv_cache_usage_perc, vllm:cache_config_info ... for the inference "
+                  "gateway's endpoint picker and vLLM dashboards")
+      ->check(CLI::IsMember({"none", "vllm"}))
+      ->capture_default_str();
+  app->add_option("--metrics-auth", f->metrics_auth,
+                  "Whether GET /metrics needs the API key: key, or none (for Prometheus)")
+      ->check(CLI::IsMember({"key", "none"}))
+      ->capture_default_str();
   app->add_option("--response-cache-bytes", f->response_cache_bytes,
                   "Bytes of completed deterministic replies kept for exact-match reuse "
                   "(0: no response cache; e.g. 64MiB)")

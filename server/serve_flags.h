@@ -98,6 +98,16 @@ struct ServeFlags {
   int32_t max_n = 8;
   int32_t default_max_tokens = 256;
   int64_t kv_events_retain = 65536;
+  // KV events in vLLM's wire format (server/kv_events_zmq.h): a ZeroMQ PUB
+  // endpoint ("": off) and a ROUTER replay endpoint ("": no replay).
+  std::string kv_events_endpoint;
+  std::string kv_events_replay_endpoint;
+  std::string kv_events_topic;
+  int64_t kv_events_replay_batches = 10000;
+  // /metrics: "vllm" adds vLLM's names (Metrics::EnableVllmNames); "none"
+  // lets Prometheus scrape /metrics without the API key.
+  std::string metrics_compat = "none";
+  std::string metrics_auth = "key";
   KvPolicyFlags kv_policy;
   // The response cache (server/response_cache.h): off by default (see
   // docs/response-cache.md: benchmarks replay identical greedy prompts, and

@@ -192,7 +192,7 @@ TEST_F(CacheControlE2eTest, RetentionOnRequestListsBudgetsAndAdminRules) {
   EXPECT_EQ(HttpPost(port(), "/admin/cache/release", {{"lease_id", lease}}, kBob).status, 404);
   // The metrics name the tenant's retained bytes.
   const Reply m = HttpCall(port(), "GET", "/metrics", {}, kAdmin);
-  EXPECT_THAT(m.raw, ::testing::HasSubstr("kvserve_cache_retained_bytes{tenant=\"alice\"}"));
+  EXPECT_THAT(m.raw, ::testing::HasSubstr("kvserve:cache_retained_bytes{tenant=\"alice\"}"));
   // B's budget (1 KiB) is below one block: refused with the reason.
   const Reply over = HttpPost(port(), "/admin/cache/retain",
                               {{"prompt", Words("bob-tools", 1)}, {"ttl_s", 30}}, kBob);

@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""kvserve's KV events in vLLM's wire format, read the way a vLLM consumer reads them.
+
+The subscriber below is written from vLLM's published schema (the msgspec structs
+of vllm/distributed/kv_events.py, restated here; nothing of kvserve's is imported)
+and drives a real `kvserve serve` on 127.0.0.1:
+  - every message is (topic, 8-byte big-endian seq, msgpack payload), seqs 0, 1, ...;
+  - every payload decodes as KVEventBatch and re-encodes to the same bytes
+    (so the encoding is msgspec's, byte for byte);
+  - every stored block arrives once and every removal names a stored block, in
+    order; the stored chains' token ids reproduce each scripted prompt's full
+    blocks; the rebuilt index's size equals the prefix cache's own count;
+  - a subscriber that joins late (after events it missed) recovers them through
+    the replay socket, and the replay from 0 equals the live stream byte for byte.
+
+usage: vllm_kv_events_test.py KVSERVE_BINARY MODEL.gguf
+Exit 77 (skip) without msgspec/pyzmq or the model.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+try:
+    import msgspec
+    import zmq
+except ImportError as e:  # the test venv has them (deploy/test.sh)
+    print(f"SKIP: {e}; set KVSERVE_PYTHON to the test venv's python")
+    sys.exit(77)
+
+
+# --- vLLM's schema (vllm/distributed/kv_events.py), restated -------------------
+class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+ENCODER = msgspec.msgpack.Encoder()
+BLOCK = 16
+
+
+def fail(msg):
+    print("FAIL:", msg)
+    sys.exit(1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return r.read().decode()
+
+
+def metric(text, name):
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    fail(f"{name} not in /metrics")
+
+
+class Index:
+    """A consumer's view of the node: block hash -> (parent, tokens)."""
+
+    def __init__(self):
+        self.blocks = {}
+        self.stored = 0
+        self.removed = 0
+
+    def apply(self, batch):
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                if e.block_size != BLOCK or len(e.token_ids) != BLOCK * len(e.block_hashes):
+                    fail(f"BlockStored sizes: {len(e.token_ids)} tokens, {len(e.block_hashes)} blocks")
+                if e.medium not in ("CPU", "GPU"):
+                    fail(f"medium {e.medium!r}")
+                parent = e.parent_block_hash
+                if parent is not None and parent not in self.blocks:
+                    fail(f"BlockStored under an unknown parent {parent}")
+                for i, h in enumerate(e.block_hashes):
+                    if h in self.blocks:
+                        fail(f"block {h} stored twice while cached")
+                    self.blocks[h] = (parent, e.token_ids[i * BLOCK:(i + 1) * BLOCK])
+                    parent = h
+                    self.stored += 1
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    if h not in self.blocks:
+                        fail(f"BlockRemoved of block {h} that is not stored")
+                    del self.blocks[h]
+                    self.removed += 1
+            else:
+                self.blocks.clear()
+
+    def prefixes(self):
+        """Every cached path's tokens from its root."""
+        out = []
+        for h in self.blocks:
+            toks, cur = [], h
+            while cur is not None:
+                parent, t = self.blocks[cur]
+                toks[:0] = t
+                cur = parent
+            out.append(toks)
+        return out
+
+
+def receive(sub, expect_seq, batches, quiet_s=1.5, known=None):
+    """Reads until quiet_s passes without a message; checks frames and seqs.
+
+    known: {seq: payload} already recovered through replay; a reconnecting
+    PUB may still deliver those (ZeroMQ queues while disconnected), and a
+    consumer drops them by sequence number (they must be the same bytes).
+    """
+    while sub.poll(int(quiet_s * 1000)):
+        topic, seq_b, payload = sub.recv_multipart()
+        if topic != b"kv":
+            fail(f"topic {topic!r}")
+        if len(seq_b) != 8:
+            fail(f"sequence frame of {len(seq_b)} bytes")
+        seq = int.from_bytes(seq_b, "big")
+        if known is not None and seq < expect_seq:
+            if known.get(seq) != payload:
+                fail(f"live batch {seq} differs from its replay")
+            continue
+        if seq != expect_seq:
+            fail(f"sequence {seq}, expected {expect_seq}")
+        batch = DECODER.decode(payload)
+        if ENCODER.encode(batch) != payload:
+            fail(f"batch {seq} does not re-encode to the same bytes (not msgspec's encoding)")
+        if batch.data_parallel_rank != 0:
+            fail("data_parallel_rank")
+        batches.append((seq, payload, batch))
+        expect_seq += 1
+    return expect_seq
+
+
+def replay(ctx, endpoint, start):
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    while True:
+        if not dealer.poll(10000):
+            fail("replay: no answer")
+        frames = dealer.recv_multipart()
+        if len(frames) != 3 or frames[0] != b"":
+            fail(f"replay frames {frames!r}")
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq == -1:
+            break
+        out.append((seq, frames[2]))
+    dealer.close()
+    return out
+
+
+def main():
+    binary, model = sys.argv[1], sys.argv[2]
+    if not os.path.exists(model):
+        print(f"SKIP: no model at {model}")
+        sys.exit(77)
+    ctx = zmq.Context()
+    pub_port, replay_port = free_port(), free_port()
+    tmp = tempfile.mkdtemp(prefix="vllm-events-")
+    # The daemon binds its PUB (vLLM's rule binds ipc://; a tcp://host:port
+    # endpoint would be connected to, which does not deliver yet here).
+    pub_ep = f"ipc://{tmp}/kv-events.sock"
+    replay_ep = f"tcp://127.0.0.1:{replay_port}"
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    port_file = os.path.join(tmp, "ports.json")
+    # A small pool, so that later prompts evict earlier ones.
+    proc = subprocess.Popen(
+        [binary, "--log-level", "warn", "-t", "2", "-m", model, "serve", "--http-port", "0",
+         "--grpc-address", "127.0.0.1:0", "--port-file", port_file, "--kv-cache-memory", "160KiB",
+         "--kv-events-endpoint", pub_ep, "--kv-events-replay-endpoint", replay_ep,
+         "--kv-events-topic", "kv", "--drain-timeout", "1"])
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(port_file):
+            if proc.poll() is not None or time.time() > deadline:
+                fail("daemon did not start")
+            time.sleep(0.05)
+        http = json.load(open(port_file))["http"]
+        sub.connect(pub_ep)
+        time.sleep(0.5)  # the subscription reaches the PUB
+
+        rng_state = [12345]
+
+        def rand_tokens(n):
+            out = []
+            for _ in range(n):
+                rng_state[0] = (rng_state[0] * 1103515245 + 12345) % (1 << 31)
+                out.append(3 + rng_state[0] % 400)
+            return out
+
+        # Phase 1: prompts with shared prefixes, then enough distinct ones to evict.
+        shared = rand_tokens(48)
+        prompts = [shared + rand_tokens(40), shared + rand_tokens(33)]
+        prompts += [rand_tokens(70) for _ in range(6)]
+        for p in prompts:
+            post(http, "/v1/completions", {"prompt": p, "max_tokens": 1,
+                                           "temperature": 0})
+        batches = []
+        seq = receive(sub, 0, batches)
+        if not batches:
+            fail("no events")
+        index = Index()
+        for _, _, b in batches:
+            index.apply(b)
+        if index.removed == 0:
+            fail("the workload evicted nothing (pool too large for the test)")
+        # The last prompt is cached: its full blocks appear as one stored path.
+        paths = index.prefixes()
+        for p in prompts[-2:]:
+            full = p[: len(p) // BLOCK * BLOCK]
+            if not any(path[: len(full)] == full for path in paths):
+                fail(f"no cached path reproduces the prompt's {len(full)} tokens")
+        # Everything that was ever stored reproduces some prompt's blocks.
+        for _, _, b in batches:
+            for e in b.events:
+                if isinstance(e, BlockStored) and e.parent_block_hash is None:
+                    first = e.token_ids[:BLOCK]
+                    if not any(p[:BLOCK] == first for p in prompts):
+                        fail("a first block matches no prompt")
+        cached = metric(get(http, "/metrics"), "kvserve:prefix_cache_cached_blocks")
+        print(f"phase 1: {len(batches)} batches, {index.stored} stored, {index.removed} removed, "
+              f"{len(index.blocks)} cached (node: {cached:.0f} incl. partial blocks)")
+
+        # Phase 2: the subscriber leaves; events go on without it.
+        sub.close(linger=0)
+        for p in [rand_tokens(50) for _ in range(3)]:
+            post(http, "/v1/completions", {"prompt": p, "max_tokens": 1,
+                                           "temperature": 0})
+        time.sleep(0.5)
+        # A late subscriber: joins, then recovers what it missed through replay.
+        late = ctx.socket(zmq.SUB)
+        late.setsockopt(zmq.SUBSCRIBE, b"kv")
+        late.connect(pub_ep)
+        time.sleep(0.5)
+        missed = replay(ctx, replay_ep, seq)
+        if not missed or missed[0][0] != seq:
+            fail(f"replay from {seq} gave {[s for s, _ in missed][:3]}")
+        for s, payload in missed:
+            if s != seq:
+                fail(f"replay sequence {s}, expected {seq}")
+            b = DECODER.decode(payload)
+            index.apply(b)
+            batches.append((s, payload, b))
+            seq += 1
+        # Phase 3: live again.
+        for p in [shared + rand_tokens(20)]:
+            post(http, "/v1/completions", {"prompt": p, "max_tokens": 1,
+                                           "temperature": 0})
+        live = []
+        seq = receive(late, seq, live, known={s: p for s, p, _ in batches})
+        if not live:
+            fail("the late subscriber got no live events")
+        for _, _, b in live:
+            index.apply(b)
+        batches += live
+        # The whole history from replay equals what was received, byte for byte.
+        all_replayed = replay(ctx, replay_ep, 0)
+        if [(s, p) for s, p, _ in batches] != all_replayed:
+            fail("replay from 0 differs from the stream")
+        print(f"after replay and phase 3: {len(batches)} batches, {index.stored} stored, "
+              f"{index.removed} removed, {len(index.blocks)} cached")
+        late.close(linger=0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        ctx.term()
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+// The vLLM-format KV event encoder (server/kv_events_zmq.h): exact msgpack
+// bytes, worked out by hand from msgspec's rules for vLLM's structs (map,
+// "type" tag first, declared field order, None defaults omitted, smallest
+// integer forms), and the translation of the prefix cache's events.
+#include "server/kv_events_zmq.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvserve {
+namespace {
+
+std::string Str(const std::string& s) {
+  // fixstr: every key and value in these tests is under 32 bytes.
+  return std::string(1, static_cast<char>(0xa0 | s.size())) + s;
+}
+
+std::string Bytes(std::initializer_list<int> b) {
+  std::string out;
+  for (int c : b) out.push_back(static_cast<char>(c));
+  return out;
+}
+
+TEST(VllmEventEncoderTest, BlockRemovedBatchIsMsgspecBytes) {
+  VllmKvEvent r;
+  r.kind = VllmKvEvent::Kind::kBlockRemoved;
+  r.block_hashes = {5, 300};
+  VllmEventFormat f;
+  f.medium = "CPU";
+  const std::string want =
+      Bytes({0x83}) + Str("ts") + Bytes({0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0}) + Str("events") +
+      Bytes({0x91}) + Bytes({0x83}) + Str("type") + Str("BlockRemoved") + Str("block_hashes") +
+      Bytes({0x92, 0x05, 0xcd, 0x01, 0x2c}) + Str("medium") + Str("CPU") +
+      Str("data_parallel_rank") + Bytes({0x00});
+  EXPECT_EQ(EncodeVllmEventBatch(1.5, {r}, f), want);
+}
+
+TEST(VllmEventEncoderTest, BlockStoredFieldsInDeclaredOrder) {
+  VllmKvEvent s;
+  s.kind = VllmKvEvent::Kind::kBlockStored;
+  s.block_hashes = {0xfedcba9876543210ull};
+  s.token_ids = {1, 200, 70000};
+  VllmEventFormat f;
+  f.block_size = 3;
+  f.medium = "GPU";
+  f.data_parallel_rank = 2;
+  const std::string stored =
+      Bytes({0x88}) + Str("type") + Str("BlockStored") + Str("block_hashes") +
+      Bytes({0x91, 0xcf, 0xfe, 0xdc, 0xba, 0x98, 0x76, 0x54, 0x32, 0x10}) +
+      Str("parent_block_hash") + Bytes({0xc0}) + Str("token_ids") +
+      Bytes({0x93, 0x01, 0xcc, 0xc8, 0xce, 0x00, 0x01, 0x11, 0x70}) + Str("block_size") +
+      Bytes({0x03}) + Str("lora_id") + Bytes({0xc0}) + Str("medium") + Str("GPU") +
+      Str("lora_name") + Bytes({0xc0});
+  const std::string want = Bytes({0x83}) + Str("ts") + Bytes({0xcb, 0, 0, 0, 0, 0, 0, 0, 0}) +
+                           Str("events") + Bytes({0x91}) + stored + Str("data_parallel_rank") +
+                           Bytes({0x02});
+  EXPECT_EQ(EncodeVllmEventBatch(0.0, {s}, f), want);
+
+  // A parent and extra keys: the parent as an integer, extra_keys after
+  // lora_name (one entry per block: an array, or nil for none; a key that
+  // is not UTF-8 goes as bin).
+  s.parent_block_hash = 7;
+  s.block_hashes = {8, 9};
+  s.token_ids = {1, 2, 3, 4, 5, 6};
+  s.extra_keys = {{"salt"}, {}};
+  std::string with = EncodeVllmEventBatch(0.0, {s}, f);
+  EXPECT_NE(with.find(Bytes({0x89}) + Str("type")), std::string::npos);
+  EXPECT_NE(with.find(Str("parent_block_hash") + Bytes({0x07})), std::string::npos);
+  EXPECT_NE(with.find(Str("lora_name") + Bytes({0xc0}) + Str("extra_keys") +
+                      Bytes({0x92, 0x91}) + Str("salt") + Bytes({0xc0})),
+            std::string::npos);
+  s.extra_keys = {{std::string("\xffpub", 4)}, {}};
+  with = EncodeVllmEventBatch(0.0, {s}, f);
+  EXPECT_NE(with.find(Bytes({0x92, 0x91, 0xc4, 0x04, 0xff}) + "pub" + Bytes({0xc0})),
+            std::string::npos);
+}
+
+TEST(VllmEventEncoderTest, AllBlocksClearedIsATagAlone) {
+  VllmKvEvent c;
+  c.kind = VllmKvEvent::Kind::kAllBlocksCleared;
+  const std::string got = EncodeVllmEventBatch(0.0, {c}, VllmEventFormat());
+  EXPECT_NE(got.find(Str("events") + Bytes({0x91, 0x81}) + Str("type") + Str("AllBlocksCleared") +
+                     Str("data_parallel_rank")),
+            std::string::npos);
+}
+
+KvCacheEvent Stored(uint64_t hash, uint64_t parent, std::vector<int32_t> tokens) {
+  KvCacheEvent e;
+  e.kind = KvCacheEvent::Kind::kBlockStored;
+  e.block_hash = hash;
+  e.parent_hash = parent;
+  e.token_ids = std::move(tokens);
+  return e;
+}
+
+KvCacheEvent Removed(uint64_t hash) {
+  KvCacheEvent e;
+  e.kind = KvCacheEvent::Kind::kBlockRemoved;
+  e.block_hash = hash;
+  return e;
+}
+
+TEST(VllmEventTranslatorTest, ChainsMergeAndPartialBlocksStayOut) {
+  VllmEventTranslator t(2);
+  std::vector<VllmKvEvent> out;
+  t.Add(Stored(10, 0, {1, 2}), &out);
+  t.Add(Stored(11, 10, {3, 4}), &out);
+  t.Add(Stored(12, 11, {5}), &out);      // partial tail: not published
+  t.Add(Stored(20, 10, {6, 7}), &out);   // a branch: a new event under 10
+  t.Add(Stored(30, 0, {8, 9}), &out);    // a new root
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0].block_hashes, (std::vector<uint64_t>{10, 11}));
+  EXPECT_FALSE(out[0].parent_block_hash.has_value());
+  EXPECT_EQ(out[0].token_ids, (std::vector<int32_t>{1, 2, 3, 4}));
+  EXPECT_EQ(out[1].block_hashes, (std::vector<uint64_t>{20}));
+  EXPECT_EQ(out[1].parent_block_hash, 10u);
+  EXPECT_EQ(out[2].block_hashes, (std::vector<uint64_t>{30}));
+  EXPECT_EQ(t.published_blocks(), 4u);
+
+  out.clear();
+  t.Add(Removed(12), &out);  // never published
+  t.Add(Removed(11), &out);
+  t.Add(Removed(20), &out);
+  t.Add(Removed(99), &out);  // unknown
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].kind, VllmKvEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(out[0].block_hashes, (std::vector<uint64_t>{11, 20}));
+
+  // A snapshot starts over: AllBlocksCleared, then the index.
+  out.clear();
+  t.AddSnapshot({Stored(10, 0, {1, 2}), Stored(40, 10, {1, 1})}, &out);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].kind, VllmKvEvent::Kind::kAllBlocksCleared);
+  EXPECT_EQ(out[1].block_hashes, (std::vector<uint64_t>{10, 40}));
+  EXPECT_EQ(t.published_blocks(), 2u);
+}
+
+}  // namespace
+}  // namespace kvserve
