@@ -33,7 +33,7 @@ for arg in "$@"; do
 done
 
 PACKAGES=(
-  build-essential cmake ninja-build pkg-config python3 python3-pip python3-venv
+  build-essential cmake ninja-build ccache pkg-config python3 python3-pip python3-venv
   python3-jinja2
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libspdlog-dev libabsl-dev libucx-dev ucx-utils libcli11-dev libhnswlib-dev

@@ -26,6 +26,7 @@ JOBS="$(nproc)"
 # the checkout: the emulator build differs from the main one only in
 # kernels/cuda and two tests, so the rest of its daemon (server, scheduler,
 # model, ...) comes from the main build's objects instead of compiling again.
+bash "$ROOT/deploy/setup.sh"
 LAUNCHER=()
 if command -v ccache >/dev/null 2>&1; then
   LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
@@ -35,7 +36,6 @@ if command -v ccache >/dev/null 2>&1; then
   export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 fi
 
-bash "$ROOT/deploy/setup.sh"
 bash "$ROOT/deploy/build.sh" "${LAUNCHER[@]}"
 # The official openai Python client, for the HTTP compatibility test
 # (PyPI, in a venv of the project's own).
