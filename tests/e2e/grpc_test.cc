@@ -772,26 +772,28 @@ TEST_P(GrpcTest, KvPolicyIsValidatedAndUsageCarriesDroppedTokens) {
   policies[3].set_window(8);
   policies[3].set_budget(40);
   policies[4].set_policy("none");
+  constexpr int kTokens = 64;
   for (const pb::KvPolicy& k : policies) {
     SCOPED_TRACE(k.ShortDebugString());
-    pb::GenerateRequest r = Greedy(golden_[0].prompt, 48);
+    pb::GenerateRequest r = Greedy(golden_[0].prompt, kTokens);
     r.mutable_sampling()->set_n(2);
     *r.mutable_kv_policy() = k;
     StreamResult out = Generate(r);
     ASSERT_TRUE(out.status.ok()) << out.status.error_message();
     EXPECT_EQ(out.finish_reason, "length");
     EXPECT_EQ(out.chunks_with_usage, 1);
-    EXPECT_EQ(out.usage.completion_tokens(), 96);
-    // Each sample holds its prompt and 48 tokens, more than any policy here
-    // keeps (a window of 16, or an h2o budget of 40): every policy but
-    // "none" must have dropped some, and never more than the two samples
-    // held (usage sums over them).
+    EXPECT_EQ(out.usage.completion_tokens(), 2 * kTokens);
+    // Each sample holds its prompt and 64 tokens, more than any policy here
+    // keeps plus the block of slack a policy may hold (docs/token-eviction.md:
+    // a window of 16, or an h2o budget of 40, + 16): every policy but "none"
+    // must have dropped some, and never more than the two samples held
+    // (usage sums over them).
     if (k.policy() == "none") {
       EXPECT_EQ(out.usage.dropped_tokens(), 0);
     } else {
       EXPECT_GT(out.usage.dropped_tokens(), 0);
       EXPECT_LE(out.usage.dropped_tokens(),
-                2 * (static_cast<int>(golden_[0].prompt_ids.size()) + 48));
+                2 * (static_cast<int>(golden_[0].prompt_ids.size()) + kTokens));
     }
   }
   // The field is part of Usage (proto3 leaves a 0 off the wire, so its
@@ -948,12 +950,13 @@ TEST_P(GrpcTest, CliGeneratePrintsTheGoldenText) {
 
   // --kv-* fill the request's kv_policy; --json shows what was dropped.
   r = RunCli("--address " + address_ + " --api-key k3y --json generate -p '" + c.prompt +
-             "' --max-tokens 32 --kv-policy h2o --kv-sinks 2 --kv-window 8 --kv-budget 24");
+             "' --max-tokens 48 --kv-policy h2o --kv-sinks 2 --kv-window 8 --kv-budget 24");
   EXPECT_EQ(r.exit_code, 0) << r.out;
   j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1));
-  EXPECT_EQ(j["usage"]["completion_tokens"], 32);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 48);
   ASSERT_TRUE(j["usage"].contains("dropped_tokens")) << r.out;
-  // The prompt (5 tokens) and 32 more are more than h2o's budget of 24 keeps.
+  // The prompt (5 tokens) and 48 more are more than h2o's budget of 24 keeps
+  // with its block of slack (24 + 16).
   EXPECT_GT(j["usage"]["dropped_tokens"].get<int>(), 0) << r.out;
   r = RunCli("--address " + address_ +
              " --api-key k3y generate -p hi --kv-policy h2o "
