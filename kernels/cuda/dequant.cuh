@@ -19,6 +19,12 @@
 
 #include "kernels/dtype.h"
 
+// The extended weight types these kernels read, once for every switch over
+// them (X is applied to each DType value).
+#define KVSERVE_FOR_EACH_EXT_DTYPE(X)                                                  \
+  X(DType::kQ5_0) X(DType::kQ5_1) X(DType::kIQ4_NL) X(DType::kQ2_K) X(DType::kQ3_K) \
+      X(DType::kQ4_K) X(DType::kQ5_K) X(DType::kQ6_K) X(DType::kIQ4_XS)
+
 namespace kvserve::cuda::internal {
 
 using kernels::DType;
@@ -180,15 +186,7 @@ __device__ __forceinline__ float DequantRowElem(DType type, const uint8_t* row, 
   case T:                                                                             \
     return DequantElem<T>(row + (i / ExtFormat<T>::kElems) * ExtFormat<T>::kBytes,     \
                           static_cast<int>(i % ExtFormat<T>::kElems));
-    KVSERVE_EXT_CASE(DType::kQ5_0)
-    KVSERVE_EXT_CASE(DType::kQ5_1)
-    KVSERVE_EXT_CASE(DType::kIQ4_NL)
-    KVSERVE_EXT_CASE(DType::kQ2_K)
-    KVSERVE_EXT_CASE(DType::kQ3_K)
-    KVSERVE_EXT_CASE(DType::kQ4_K)
-    KVSERVE_EXT_CASE(DType::kQ5_K)
-    KVSERVE_EXT_CASE(DType::kQ6_K)
-    KVSERVE_EXT_CASE(DType::kIQ4_XS)
+    KVSERVE_FOR_EACH_EXT_DTYPE(KVSERVE_EXT_CASE)
 #undef KVSERVE_EXT_CASE
     default:
       return 0.0f;

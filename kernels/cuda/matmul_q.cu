@@ -314,15 +314,7 @@ absl::Status DequantizeWeight(DType type, const void* data, int64_t rows, int64_
 #define KVSERVE_EXT_CASE(T) \
   case T:                   \
     return LaunchDequantize<T>(data, n_chunks, out, stream);
-    KVSERVE_EXT_CASE(DType::kQ5_0)
-    KVSERVE_EXT_CASE(DType::kQ5_1)
-    KVSERVE_EXT_CASE(DType::kIQ4_NL)
-    KVSERVE_EXT_CASE(DType::kQ2_K)
-    KVSERVE_EXT_CASE(DType::kQ3_K)
-    KVSERVE_EXT_CASE(DType::kQ4_K)
-    KVSERVE_EXT_CASE(DType::kQ5_K)
-    KVSERVE_EXT_CASE(DType::kQ6_K)
-    KVSERVE_EXT_CASE(DType::kIQ4_XS)
+    KVSERVE_FOR_EACH_EXT_DTYPE(KVSERVE_EXT_CASE)
 #undef KVSERVE_EXT_CASE
     default:
       return absl::InvalidArgumentError("DequantizeWeight: unreachable");
@@ -372,15 +364,7 @@ absl::Status QuantizedMatMul(DType type, const void* data, int64_t rows, int64_t
 #define KVSERVE_EXT_CASE(T) \
   case T:                   \
     return MatMulFor<T>(data, rows, cols, qs, ds, n_tokens, y, y_stride, stream);
-    KVSERVE_EXT_CASE(DType::kQ5_0)
-    KVSERVE_EXT_CASE(DType::kQ5_1)
-    KVSERVE_EXT_CASE(DType::kIQ4_NL)
-    KVSERVE_EXT_CASE(DType::kQ2_K)
-    KVSERVE_EXT_CASE(DType::kQ3_K)
-    KVSERVE_EXT_CASE(DType::kQ4_K)
-    KVSERVE_EXT_CASE(DType::kQ5_K)
-    KVSERVE_EXT_CASE(DType::kQ6_K)
-    KVSERVE_EXT_CASE(DType::kIQ4_XS)
+    KVSERVE_FOR_EACH_EXT_DTYPE(KVSERVE_EXT_CASE)
 #undef KVSERVE_EXT_CASE
     default:
       return absl::InvalidArgumentError(
