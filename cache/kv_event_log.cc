@@ -48,6 +48,7 @@ void KvEventLog::ApplyLocked(const KvCacheEvent& e) {
       if (!inserted) return;
       it->second.parent = e.parent_hash;
       it->second.tokens = e.token_ids;
+      it->second.scope = e.scope;
       it->second.order = replica_order_.size();
       replica_order_.push_back(e.block_hash);
       return;
@@ -90,6 +91,7 @@ std::vector<KvCacheEvent> KvEventLog::SnapshotLocked() const {
     e.block_hash = it->first;
     e.parent_hash = it->second.parent;
     e.token_ids = it->second.tokens;
+    e.scope = it->second.scope;
     out.push_back(std::move(e));
   }
   return out;

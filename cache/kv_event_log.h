@@ -75,6 +75,7 @@ class KvEventLog : public KvEventSink {
   struct ReplicaBlock {
     uint64_t parent = 0;
     std::vector<int32_t> tokens;
+    std::string scope;  // first blocks: their cache namespace (KvCacheEvent::scope)
     size_t order = 0;  // index of this block's live entry in replica_order_
   };
   std::unordered_map<uint64_t, ReplicaBlock> replica_;

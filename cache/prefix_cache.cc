@@ -698,6 +698,7 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       e.kind = KvCacheEvent::Kind::kBlockStored;
       e.block_hash = hash;
       e.parent_hash = parent->parent == nullptr ? 0 : parent->hash;
+      if (parent->parent == nullptr) e.scope = parent->salt;
       e.token_ids = child->tokens;
       events->push_back(std::move(e));
     }

@@ -98,6 +98,10 @@ struct KvCacheEvent {
   uint64_t block_hash = 0;          // stored / removed
   uint64_t parent_hash = 0;         // stored: 0 for a block under a namespace root
   std::vector<int32_t> token_ids;   // stored: the block's tokens (block_size of them)
+  // stored, a first block (parent_hash 0) only: the cache namespace it lives
+  // in (the request's cache_salt, tenant-scoped: TenantCacheScope) when not
+  // the default one, so a consumer can key blocks the way the engine does.
+  std::string scope;
   // removed: the tier the evicted block's K/V moved to (kNone: dropped), so
   // a router knows the block is still a (slower) hit on this node.
   KvTier moved_to = KvTier::kNone;

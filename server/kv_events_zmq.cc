@@ -173,6 +173,14 @@ void VllmEventTranslator::Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* o
         last = &out->back();
       }
       last->block_hashes.push_back(e.block_hash);
+      // extra_keys: a namespaced first block carries its scope (vLLM puts a
+      // request's cache_salt in its first block's extra keys); the others
+      // of the event get None, and an event with no scope has no list.
+      if (!e.scope.empty() || !last->extra_keys.empty()) {
+        last->extra_keys.resize(last->block_hashes.size() - 1);
+        last->extra_keys.push_back(e.scope.empty() ? std::vector<std::string>{}
+                                                   : std::vector<std::string>{e.scope});
+      }
       last->token_ids.insert(last->token_ids.end(), e.token_ids.begin(), e.token_ids.end());
       return;
     }

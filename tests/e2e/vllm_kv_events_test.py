@@ -11,7 +11,10 @@ and drives a real `kvserve serve` on 127.0.0.1:
     order; the stored chains' token ids reproduce each scripted prompt's full
     blocks; the rebuilt index's size equals the prefix cache's own count;
   - a subscriber that joins late (after events it missed) recovers them through
-    the replay socket, and the replay from 0 equals the live stream byte for byte.
+    the replay socket, and the replay from 0 equals the live stream byte for byte;
+  - a salted request's chain names its salt in the first block's extra_keys;
+  - with a tcp://host:port endpoint the PUB connects to a consumer that binds
+    (llm-d's layout) and the consumer gets the blocks.
 
 usage: vllm_kv_events_test.py KVSERVE_BINARY MODEL.gguf
 Exit 77 (skip) without msgspec/pyzmq or the model.
@@ -210,8 +213,8 @@ def main():
     ctx = zmq.Context()
     pub_port, replay_port = free_port(), free_port()
     tmp = tempfile.mkdtemp(prefix="vllm-events-")
-    # The daemon binds its PUB (vLLM's rule binds ipc://; a tcp://host:port
-    # endpoint would be connected to, which does not deliver yet here).
+    # The daemon binds its PUB (vLLM's rule binds ipc:// and tcp://*:port;
+    # tcp://host:port is connected to: connect_mode below).
     pub_ep = f"ipc://{tmp}/kv-events.sock"
     replay_ep = f"tcp://127.0.0.1:{replay_port}"
     sub = ctx.socket(zmq.SUB)
@@ -249,8 +252,29 @@ def main():
         for p in prompts:
             post(http, "/v1/completions", {"prompt": p, "max_tokens": 1,
                                            "temperature": 0})
+        # The last prompt again under a cache_salt: another namespace, so
+        # its blocks are stored again under other hashes, the first one
+        # naming the salt in its extra_keys (as vLLM's first block does).
+        post(http, "/v1/completions", {"prompt": prompts[-1], "max_tokens": 1,
+                                       "temperature": 0, "cache_salt": "salt-7"})
         batches = []
         seq = receive(sub, 0, batches)
+        salted = [e for _, _, b in batches for e in b.events
+                  if isinstance(e, BlockStored) and e.extra_keys is not None]
+        if len(salted) != 1 or salted[0].parent_block_hash is not None:
+            fail(f"expected one stored chain with extra_keys, a first block: {salted}")
+        keys = salted[0].extra_keys
+        if len(keys) != len(salted[0].block_hashes) or keys[0] != ("salt-7",) or \
+                any(k is not None for k in keys[1:]):
+            fail(f"extra_keys {keys}")
+        full = prompts[-1][: len(prompts[-1]) // BLOCK * BLOCK]
+        if salted[0].token_ids != full[: len(salted[0].token_ids)]:
+            fail("the salted chain's tokens are not the prompt's")
+        for _, _, b in batches:
+            for e in b.events:
+                if isinstance(e, BlockStored) and e.extra_keys is None and \
+                        set(e.block_hashes) & set(salted[0].block_hashes):
+                    fail("a salted block hash equals an unsalted one")
         if not batches:
             fail("no events")
         index = Index()
@@ -258,7 +282,7 @@ def main():
             index.apply(b)
         if index.removed == 0:
             fail("the workload evicted nothing (pool too large for the test)")
-        # The last prompt is cached: its full blocks appear as one stored path.
+        # The last prompts are cached: their full blocks appear as stored paths.
         paths = index.prefixes()
         for p in prompts[-2:]:
             full = p[: len(p) // BLOCK * BLOCK]
@@ -321,7 +345,59 @@ def main():
         except subprocess.TimeoutExpired:
             proc.kill()
         ctx.term()
+    connect_mode(binary, model)
     print("PASS")
+
+
+def connect_mode(binary, model):
+    """llm-d's layout: the consumer binds, kvserve's PUB connects to it.
+
+    ZeroMQ's SUB sends its subscription to a new peer when the SUB socket
+    next runs (a poll or a receive), so the consumer polls while the daemon
+    starts, as a real consumer's loop does; a PUB drops what it publishes
+    before any subscription arrives.
+    """
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    tmp = tempfile.mkdtemp(prefix="vllm-events-connect-")
+    port_file = os.path.join(tmp, "ports.json")
+    proc = subprocess.Popen(
+        [binary, "--log-level", "warn", "-t", "2", "-m", model, "serve", "--http-port", "0",
+         "--grpc-address", "127.0.0.1:0", "--port-file", port_file,
+         "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-topic", "kv",
+         "--drain-timeout", "1"])
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(port_file):
+            if proc.poll() is not None or time.time() > deadline:
+                fail("connect mode: daemon did not start")
+            sub.poll(50)
+        http = json.load(open(port_file))["http"]
+        end = time.time() + 0.5
+        while time.time() < end:
+            sub.poll(50)
+        prompt = [5 + (i * 7) % 300 for i in range(3 * BLOCK + 5)]
+        post(http, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        batches = []
+        receive(sub, 0, batches)
+        index = Index()
+        for _, _, b in batches:
+            index.apply(b)
+        full = prompt[: len(prompt) // BLOCK * BLOCK]
+        if not any(path[: len(full)] == full for path in index.prefixes()):
+            fail(f"connect mode: {len(batches)} batches, no stored path reproduces the prompt")
+        print(f"connect mode: {len(batches)} batches, {index.stored} blocks stored through a "
+              f"PUB that connected to the consumer")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        sub.close(linger=0)
+        ctx.term()
 
 
 if __name__ == "__main__":

@@ -213,6 +213,30 @@ TEST_F(PrefixCacheTest, LossyNodesAreReportedByMatchAndEviction) {
 
 // A finished sequence's partial last block becomes a childless leaf that
 // later prompts reuse up to the tokens it holds.
+// A stored chain's first block names its namespace (KvCacheEvent::scope):
+// the salt for a salted request, nothing for the default namespace; the
+// blocks below a first block never carry one.
+TEST_F(PrefixCacheTest, StoredEventsNameTheNamespaceOfFirstBlocks) {
+  std::vector<int32_t> tokens(2 * kBlockSize);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i + 1);
+  sink_.batches.clear();
+  InsertFresh("tenant:acme\x1fs1", tokens);
+  InsertFresh("", tokens);
+  std::vector<KvCacheEvent> stored;
+  for (const auto& b : sink_.batches) {
+    for (const KvCacheEvent& e : b) {
+      if (e.kind == KvCacheEvent::Kind::kBlockStored) stored.push_back(e);
+    }
+  }
+  ASSERT_EQ(stored.size(), 4u);
+  EXPECT_EQ(stored[0].parent_hash, 0u);
+  EXPECT_EQ(stored[0].scope, "tenant:acme\x1fs1");
+  EXPECT_EQ(stored[1].scope, "");
+  EXPECT_EQ(stored[2].parent_hash, 0u);
+  EXPECT_EQ(stored[2].scope, "");
+  EXPECT_NE(stored[0].block_hash, stored[2].block_hash);
+}
+
 TEST_F(PrefixCacheTest, FinishedSequencesCacheTheirPartialLastBlock) {
   const std::vector<int32_t> seq = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // 2 full + 2
   std::vector<BlockHandle> hs;

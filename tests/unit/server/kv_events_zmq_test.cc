@@ -137,5 +137,34 @@ TEST(VllmEventTranslatorTest, ChainsMergeAndPartialBlocksStayOut) {
   EXPECT_EQ(t.published_blocks(), 2u);
 }
 
+// A namespaced chain (cache_salt, tenant) carries its scope as the first
+// block's extra keys, None for the rest; a default-namespace chain has no
+// extra_keys at all (vLLM's None).
+TEST(VllmEventTranslatorTest, ScopedFirstBlockCarriesItsNamespaceInExtraKeys) {
+  VllmEventTranslator t(2);
+  std::vector<VllmKvEvent> out;
+  KvCacheEvent first = Stored(10, 0, {1, 2});
+  first.scope = "tenant:acme\x1fsalt-7";
+  t.Add(first, &out);
+  t.Add(Stored(11, 10, {3, 4}), &out);
+  t.Add(Stored(30, 0, {8, 9}), &out);  // default namespace
+  t.Add(Stored(31, 30, {8, 8}), &out);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].block_hashes, (std::vector<uint64_t>{10, 11}));
+  ASSERT_EQ(out[0].extra_keys.size(), 2u);
+  EXPECT_EQ(out[0].extra_keys[0], (std::vector<std::string>{"tenant:acme\x1fsalt-7"}));
+  EXPECT_TRUE(out[0].extra_keys[1].empty());
+  EXPECT_TRUE(out[1].extra_keys.empty());
+  // The encoded batch names the scope after lora_name.
+  const std::string bytes = EncodeVllmEventBatch(1.0, out, VllmEventFormat{});
+  EXPECT_NE(bytes.find("tenant:acme\x1fsalt-7"), std::string::npos);
+  // A snapshot keeps the scope (the event log's replica remembers it).
+  out.clear();
+  t.AddSnapshot({first}, &out);
+  ASSERT_EQ(out.size(), 2u);
+  ASSERT_EQ(out[1].extra_keys.size(), 1u);
+  EXPECT_EQ(out[1].extra_keys[0][0], first.scope);
+}
+
 }  // namespace
 }  // namespace kvserve
