@@ -48,6 +48,29 @@ if [ ! -x "$ROOT/.venv/bin/python" ] ||
     "prometheus_client==0.26.0" "kubernetes==37.0.3"
 fi
 export KVSERVE_PYTHON="$ROOT/.venv/bin/python"
+# promtool, for `promtool check metrics` on /metrics (metrics_compat_e2e):
+# only the binary, unpacked from Debian's prometheus package into .tools/
+# (installing the package would start a Prometheus server).
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$ROOT/.tools/promtool" ] &&
+   command -v apt-get >/dev/null 2>&1; then
+  tmp_deb="$(mktemp -d)"
+  if (cd "$tmp_deb" && apt-get download -q prometheus >/dev/null 2>&1 &&
+      dpkg-deb -x prometheus_*.deb x); then
+    mkdir -p "$ROOT/.tools"
+    cp "$tmp_deb/x/usr/bin/promtool" "$ROOT/.tools/promtool"
+  else
+    echo "test.sh: warning: could not unpack promtool from Debian's prometheus package;" \
+      "metrics_compat_e2e checks the exposition format without it" >&2
+  fi
+  rm -rf "$tmp_deb"
+fi
+if [ -x "$ROOT/.tools/promtool" ]; then
+  export KVSERVE_PROMTOOL="$ROOT/.tools/promtool"
+fi
+if [ -n "${KVSERVE_PROMTOOL:-}" ] || command -v promtool >/dev/null 2>&1; then
+  # The test fails instead of skipping promtool if it goes missing.
+  export KVSERVE_REQUIRE_PROMTOOL=1
+fi
 ctest --test-dir "$ROOT/build" --output-on-failure -j "$JOBS" --timeout 600
 
 if [ "$ASAN" = 1 ]; then

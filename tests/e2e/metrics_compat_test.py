@@ -144,6 +144,8 @@ def check_exposition(text, where):
     # And the reference parser.
     list(text_string_to_metric_families(text))
     promtool = os.environ.get("KVSERVE_PROMTOOL") or shutil.which("promtool")
+    if not promtool and os.environ.get("KVSERVE_REQUIRE_PROMTOOL") == "1":
+        fail(f"{where}: KVSERVE_REQUIRE_PROMTOOL=1 but no promtool (KVSERVE_PROMTOOL or PATH)")
     if promtool:
         r = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
                            capture_output=True)
