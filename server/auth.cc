@@ -1,7 +1,9 @@
-// API-key checks shared by the gRPC and the HTTP front ends (see auth.h).
+// Who is calling, for every front end (see auth.h).
 #include "server/auth.h"
 
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "server/tenants.h"
 
 namespace kvserve {
 
@@ -21,6 +23,30 @@ bool BearerTokenMatches(std::string_view authorization, std::string_view api_key
     return false;
   }
   return ConstantTimeEquals(authorization.substr(kBearer.size()), api_key);
+}
+
+Authenticator::Authenticator(std::string api_key, std::shared_ptr<const TenantKeys> tenant_keys)
+    : api_key_(std::move(api_key)), tenant_keys_(std::move(tenant_keys)) {}
+
+bool Authenticator::has_tenants() const {
+  return tenant_keys_ != nullptr && !tenant_keys_->empty();
+}
+
+absl::StatusOr<CallerAuth> Authenticator::Check(std::string_view authorization,
+                                                bool admin_only) const {
+  if (open()) return CallerAuth{};
+  if (!api_key_.empty() && BearerTokenMatches(authorization, api_key_)) return CallerAuth{};
+  if (has_tenants()) {
+    if (std::optional<std::string> tenant = tenant_keys_->TenantForAuthorization(authorization)) {
+      if (admin_only) {
+        return absl::PermissionDeniedError("this admin call takes the operator's key (--api-key)");
+      }
+      return CallerAuth{false, *tenant};
+    }
+  }
+  return absl::UnauthenticatedError(
+      authorization.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
+                            : "invalid API key: send 'Authorization: Bearer <key>'");
 }
 
 }  // namespace kvserve

@@ -22,15 +22,10 @@
 
 #include "nlohmann/json.hpp"
 #include "scheduler/cache_control.h"
+#include "server/auth.h"
 #include "server/model_service.h"
 
 namespace kvserve {
-
-// Who is calling: the operator (admin) or a tenant.
-struct CallerAuth {
-  bool admin = true;
-  std::string tenant;  // "" without tenant keys, or for the operator
-};
 
 struct JsonReply {
   int status = 200;  // HTTP status; the gRPC front end maps it

@@ -23,6 +23,7 @@
 #include "proto/kvserve.grpc.pb.h"
 #include "common/status.h"
 #include "server/auth.h"
+#include "server/status_map.h"
 #include "server/completed_response.h"
 #include "spdlog/spdlog.h"
 
@@ -58,16 +59,6 @@ namespace {
 namespace pb = ::kvserve::v1;
 
 constexpr char kServiceName[] = "kvserve.v1.Kvserve";
-
-// absl and gRPC both use the canonical status codes 0..16, so the mapping is
-// one-to-one; anything outside that range would be a bug, reported as such.
-grpc::Status ToGrpc(const absl::Status& s) {
-  const int code = static_cast<int>(s.code());
-  if (code < 0 || code > static_cast<int>(grpc::StatusCode::UNAUTHENTICATED)) {
-    return grpc::Status(grpc::StatusCode::UNKNOWN, std::string(s.message()));
-  }
-  return grpc::Status(static_cast<grpc::StatusCode>(code), std::string(s.message()));
-}
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
   std::ifstream in(path, std::ios::binary);
@@ -657,9 +648,8 @@ class KvserveService final : public pb::Kvserve::CallbackService {
                  std::shared_ptr<const TenantKeys> tenant_keys = nullptr,
                  CacheControlService* cache_control = nullptr)
       : service_(service),
-        api_key_(std::move(api_key)),
-        tenant_(TenantFromApiKey(api_key_)),
-        tenant_keys_(std::move(tenant_keys)),
+        tenant_(TenantFromApiKey(api_key)),
+        auth_(std::move(api_key), std::move(tenant_keys)),
         cache_control_(cache_control) {}
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Generate(
@@ -963,33 +953,14 @@ class KvserveService final : public pb::Kvserve::CallbackService {
   }
 
   // With tenant keys, a tenant's key passes for its tenant (*who) and the
-  // operator's (--api-key) for everything; admin_only calls refuse tenants.
+  // operator's (--api-key) for everything; admin_only calls refuse tenants
+  // (the rule is Authenticator's, server/auth.h).
   grpc::Status Authorize(const grpc::CallbackServerContext* ctx, CallerAuth* who = nullptr,
                          bool admin_only = true) const {
-    const bool tenants = tenant_keys_ != nullptr && !tenant_keys_->empty();
-    if (api_key_.empty() && !tenants) return grpc::Status::OK;
-    const auto& md = ctx->client_metadata();
-    auto it = md.find("authorization");
-    if (it == md.end()) {
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          "missing metadata 'authorization: Bearer <api key>'");
-    }
-    const std::string_view value(it->second.data(), it->second.size());
-    if (!api_key_.empty() && BearerTokenMatches(value, api_key_)) return grpc::Status::OK;
-    if (tenants) {
-      if (std::optional<std::string> t = tenant_keys_->TenantForAuthorization(value)) {
-        if (admin_only) {
-          return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                              "this admin call takes the operator's key (--api-key)");
-        }
-        if (who != nullptr) {
-          who->admin = false;
-          who->tenant = *t;
-        }
-        return grpc::Status::OK;
-      }
-    }
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid API key");
+    absl::StatusOr<CallerAuth> caller = AuthorizeGrpc(auth_, *ctx, admin_only);
+    if (!caller.ok()) return ToGrpc(caller.status());
+    if (who != nullptr) *who = *std::move(caller);
+    return grpc::Status::OK;
   }
 
   grpc::Status CheckModel(const std::string& model) const {
@@ -1000,9 +971,8 @@ class KvserveService final : public pb::Kvserve::CallbackService {
   }
 
   ModelService* service_;
-  std::string api_key_;
   std::string tenant_;  // the response cache's scope for the checked key
-  std::shared_ptr<const TenantKeys> tenant_keys_;
+  Authenticator auth_;
   CacheControlService* cache_control_ = nullptr;
   BackgroundThreads threads_;
   std::mutex subscribers_mu_;

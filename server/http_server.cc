@@ -47,6 +47,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "server/auth.h"
+#include "server/status_map.h"
 #include "server/completed_response.h"
 #include "server/dashboard.h"
 #include "server/openai_request.h"
@@ -99,6 +100,14 @@ HttpReply ErrorReply(const ApiError& e) {
   r.status = e.status;
   r.body = ErrorBody(e);
   return r;
+}
+
+// A refusal of Authenticator's (401 no or wrong key, 403 a tenant's key on
+// an operator's call), OpenAI-shaped.
+HttpReply AuthErrorReply(const absl::Status& s) {
+  const int status = HttpStatusFor(s.code());
+  return ErrorReply({status, std::string(s.message()), "",
+                     status == 403 ? "forbidden" : "invalid_api_key"});
 }
 
 HttpReply TextReply(int status, std::string body, std::string content_type) {
@@ -180,6 +189,7 @@ struct Call {
 struct ServerCore {
   ModelService* service = nullptr;
   HttpServerOptions options;
+  Authenticator authenticator{""};  // options' api_key and tenant_keys
   int64_t created = 0;
   net::io_context ioc;
   std::unique_ptr<net::thread_pool> handlers;
@@ -817,22 +827,13 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
   const bool open_path = path == "/health" || path == "/health/live" ||
                          (options.metrics_without_key && path == "/metrics" &&
                           method == http::verb::get);
-  if (options.tenant_keys != nullptr && !options.tenant_keys->empty()) {
-    std::optional<std::string> tenant = options.tenant_keys->TenantForAuthorization(authorization);
-    const bool admin = !options.api_key.empty() && BearerTokenMatches(authorization, options.api_key);
-    if (!open_path && !tenant && !admin) {
-      return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                    "", "invalid_api_key"}));
-    }
-    auth.admin = admin && !tenant;
-    if (tenant) auth.tenant = *tenant;
-    if (!auth.admin && path.rfind("/admin/", 0) == 0 && path.rfind("/admin/cache/", 0) != 0) {
-      return conn->Send(ErrorReply({403, "this admin call takes the operator's key (--api-key)", "",
-                                    "forbidden"}));
-    }
-  } else if (!open_path && !BearerTokenMatches(authorization, options.api_key)) {
-    return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  "", "invalid_api_key"}));
+  // /admin/ calls other than /admin/cache/ take the operator's key.
+  const bool admin_only = path.rfind("/admin/", 0) == 0 && path.rfind("/admin/cache/", 0) != 0;
+  if (absl::StatusOr<CallerAuth> caller = authenticator.Check(authorization, admin_only);
+      caller.ok()) {
+    auth = *std::move(caller);
+  } else if (!open_path) {
+    return conn->Send(AuthErrorReply(caller.status()));
   }
   if (method == http::verb::get) {
     // Liveness: the process answers (restart it only when this fails).
@@ -948,8 +949,8 @@ void ServerCore::RouteDashboard(const std::shared_ptr<Connection>& conn, const R
       r.headers.emplace_back("Cache-Control", "no-store");
       return conn->Send(std::move(r));
     }
-    return conn->Send(ErrorReply({401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  "", "invalid_api_key"}));
+    return conn->Send(AuthErrorReply(
+        Authenticator(options.api_key).Check(req[http::field::authorization], true).status()));
   }
   if (method != http::verb::get || !dashboard) {
     return conn->Send(ErrorReply(
@@ -1204,6 +1205,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(ModelService* serv
   ServerCore& core = impl->core;
   core.service = service;
   core.options = options;
+  core.authenticator = Authenticator(options.api_key, options.tenant_keys);
   core.created = std::chrono::duration_cast<std::chrono::seconds>(
                      std::chrono::system_clock::now().time_since_epoch())
                      .count();

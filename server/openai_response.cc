@@ -2,6 +2,7 @@
 #include "server/openai_response.h"
 
 #include "server/response_cache_api.h"
+#include "server/status_map.h"
 #include "server/tier_usage.h"
 
 #include <algorithm>
@@ -35,21 +36,6 @@ std::string ErrorType(int status) {
     case 503: return "service_unavailable";
     case 504: return "timeout";
     default: return status >= 500 ? "server_error" : "invalid_request_error";
-  }
-}
-
-int HttpStatusFor(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kFailedPrecondition: return 400;
-    case absl::StatusCode::kUnauthenticated: return 401;
-    case absl::StatusCode::kPermissionDenied: return 403;
-    case absl::StatusCode::kNotFound: return 404;
-    case absl::StatusCode::kResourceExhausted: return 429;
-    case absl::StatusCode::kUnavailable: return 503;
-    case absl::StatusCode::kDeadlineExceeded: return 504;
-    default: return 500;
   }
 }
 

@@ -31,6 +31,7 @@
 #include "server/grpc_server.h"
 #include "server/openai_request.h"
 #include "server/response_cache.h"
+#include "server/status_map.h"
 #include "spdlog/spdlog.h"
 #include "transport/ucx_transport.h"
 
@@ -147,11 +148,6 @@ uint64_t LeaseDigest(const pb::Lease& l) {
   absl::StrAppend(&s, "|", l.wire_dtype().size(), ":", l.wire_dtype(), "|", l.wire_block_bytes(),
                   "|", l.progressive() ? "progressive" : "whole");
   return XXH3_64bits(s.data(), s.size());
-}
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
 uint64_t RandomNonZero() {
@@ -1100,16 +1096,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     kt::RemoteRegionId kv = 0, gen = 0;
   };
 
+  // The P/D node's calls take the operator's key (tenant keys are the
+  // front ends' business): Authenticator's rule and wording.
   grpc::Status Authorize(grpc::ServerContext* ctx) const {
-    if (api_key_.empty()) return grpc::Status::OK;
-    const auto& md = ctx->client_metadata();
-    auto it = md.find("authorization");
-    if (it == md.end() ||
-        !BearerTokenMatches(std::string_view(it->second.data(), it->second.size()), api_key_)) {
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          "missing or wrong metadata 'authorization: Bearer <api key>'");
-    }
-    return grpc::Status::OK;
+    absl::StatusOr<CallerAuth> caller = AuthorizeGrpc(Authenticator(api_key_), *ctx, true);
+    return caller.ok() ? grpc::Status::OK : ToGrpc(caller.status());
   }
 
   // REQUIRES: mu_ held.

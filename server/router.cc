@@ -31,6 +31,7 @@
 #include "proto/pd.grpc.pb.h"
 #include "server/auth.h"
 #include "server/pd_node.h"
+#include "server/status_map.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -470,15 +471,8 @@ struct Router::Impl final : public v1::Kvserve::Service {
   }
 
   grpc::Status Authorize(grpc::ServerContext* ctx) const {
-    if (o.api_key.empty()) return grpc::Status::OK;
-    const auto& md = ctx->client_metadata();
-    auto it = md.find("authorization");
-    if (it == md.end() ||
-        !BearerTokenMatches(std::string_view(it->second.data(), it->second.size()), o.api_key)) {
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          "missing or wrong metadata 'authorization: Bearer <api key>'");
-    }
-    return grpc::Status::OK;
+    absl::StatusOr<CallerAuth> caller = AuthorizeGrpc(Authenticator(o.api_key), *ctx, true);
+    return caller.ok() ? grpc::Status::OK : ToGrpc(caller.status());
   }
 
   void CopyDeadline(grpc::ServerContext* from, grpc::ClientContext* to) {
@@ -660,9 +654,10 @@ struct Router::Impl final : public v1::Kvserve::Service {
       j["error"]["message"] = msg;
       res.set_content(j.dump(), "application/json");
     };
-    if (!o.api_key.empty() &&
-        !BearerTokenMatches(req.get_header_value("Authorization"), o.api_key)) {
-      return error(401, "missing or wrong 'Authorization: Bearer <api key>'");
+    if (absl::StatusOr<CallerAuth> caller =
+            Authenticator(o.api_key).Check(req.get_header_value("Authorization"), true);
+        !caller.ok()) {
+      return error(HttpStatusFor(caller.status().code()), std::string(caller.status().message()));
     }
     nlohmann::json body = nlohmann::json::parse(req.body, nullptr, /*allow_exceptions=*/false);
     if (body.is_discarded() || !body.is_object()) {
