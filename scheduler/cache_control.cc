@@ -91,6 +91,13 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
   }
   PrefixCache* cache = kv->mutable_prefix_cache();
   if (cache == nullptr) return refuse("not_cached", "the prefix cache is off (--no-prefix-cache)");
+  if (kv->hybrid()) {
+    // A lease pins one index's blocks; a hybrid model's prefix lives in
+    // every KV cache group's index, so a lease would protect a part.
+    return refuse("unsupported",
+                  "retention leases are not supported with KV cache groups (a hybrid-attention "
+                  "model); run with --kv-layout all-layers to retain prefixes");
+  }
   const int32_t bs = kv->block_size();
   if (asked < bs) {
     return refuse("not_cached", absl::StrCat("a lease holds whole blocks of ", bs,
