@@ -297,7 +297,20 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
     return r;
   }
   const int32_t bs = kv.block_size();
-  const PrefixProbe p = cache->Probe(salt, tokens);
+  PrefixProbe p = cache->Probe(salt, tokens);
+  if (kv.hybrid()) {
+    // KV cache groups: the hit is what every group serves; what the full
+    // group holds past it, the window groups dropped (their K/V for the
+    // window before that end went hollow).
+    const int32_t all = kv.PeekPrefix(salt, tokens, static_cast<int32_t>(tokens.size()));
+    if (all < p.matched_tokens) {
+      p.window_dropped_tokens = std::max(p.window_dropped_tokens, p.matched_tokens - all);
+      p.matched_tokens = all;
+      p.next_block_start = all;  // no tier continues a hybrid match
+      p.next_block_hashes.clear();
+      p.diverged = false;
+    }
+  }
   r.primary_tokens = p.matched_tokens;
   r.public_tokens = p.public_tokens;
   // The tiers continue a match from a block boundary only (KvLoader).

@@ -79,9 +79,6 @@ absl::Status CheckHybridKvOptions(const EngineOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill/decode disaggregation (a KV loader)", why));
   }
-  if (o.kv_events != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("KV events (--kv-events)", why));
-  }
   return absl::OkStatus();
 }
 

@@ -68,7 +68,8 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
     go.prefix.public_salt = options.prefix.public_salt;
     if (options.group_policy) go.prefix.policy = options.group_policy();
     // KV events, tier demotion: group 0 only (the engine refuses tiers on
-    // hybrid models; the event stream names group 0's blocks).
+    // hybrid models; the event stream publishes the full group's index,
+    // whose blocks spell every cached prefix).
     ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> gm, Create(std::move(go)));
     m->groups_.push_back(std::move(gm));
   }

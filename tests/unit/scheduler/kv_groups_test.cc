@@ -21,11 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "cache/memory_planner.h"
 #include "gtest/gtest.h"
 #include "model/llama.h"
 #include "model/tokenizer.h"
+#include "scheduler/cache_control.h"
 #include "scheduler/engine.h"
 #include "scheduler/kv_cache_manager.h"
+#include "scheduler/kv_tiers.h"
 #include "tests/testing/generate.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
@@ -135,6 +138,24 @@ TEST(KvGroupsConfigTest, LayersFormEqualGroupsFullFirst) {
   for (int32_t i = 1; i < 6; ++i) EXPECT_EQ(gg.group_window[i], 512);
   EXPECT_EQ(gg.layer_group[5], 0);
   EXPECT_EQ(gg.layer_index[17], 2);
+}
+
+// The planner's figures for Gemma 3 270M's shape (18 layers, 1 KV head of
+// 256, window 512 on 15 layers) at 8k tokens, f16, block 16, 1 GiB.
+TEST(KvGroupsPlanTest, GemmaShapeAt8kHoldsOver4xTheSequences) {
+  KvShape shape{18, 1, 256, 8192, 512, 15};
+  shape.layers_per_block = 3;
+  shape.full_groups = 1;
+  shape.window_groups = 5;
+  const MemoryPlan p = PlanKvMemory(shape, 16, kernels::KvDType::kF16, int64_t{1} << 30).value();
+  EXPECT_EQ(p.block_bytes, 2 * 3 * 16 * 256 * 2);
+  EXPECT_EQ(p.kv_groups, 6);
+  EXPECT_EQ(p.group_pages_per_sequence, 512 + 5 * (511 / 16 + 1 + 2));
+  EXPECT_GE(p.full_context_sequences, 4 * p.full_context_sequences_all_layers);
+  KvShape all{18, 1, 256, 8192, 512, 15};
+  const MemoryPlan q = PlanKvMemory(all, 16, kernels::KvDType::kF16, int64_t{1} << 30).value();
+  EXPECT_EQ(q.full_context_sequences, p.full_context_sequences_all_layers);
+  EXPECT_NE(p.ToString().find("KV cache groups: 6 of 3 layers"), std::string::npos) << p.ToString();
 }
 
 // Runs tokens through the model directly (chunks, then one token at a time)
@@ -303,6 +324,33 @@ TEST_F(KvGroupsEngineTest, RepeatedPromptAndMultiTurnHitInEveryGroup) {
   EXPECT_GT(e->Stats().window_released_blocks, 0);
 }
 
+// A prompt that continues 24 tokens into an earlier generation: the full
+// group holds all of it, but the window groups kept only the window before
+// the earlier prompt's end and its sequence's end, so the hit is cut back to
+// the prompt boundary; the cache report says window_dropped, and the output
+// is the uncached one.
+TEST_F(KvGroupsEngineTest, ShortenedHitIsExplainedAsWindowDropped) {
+  auto plain = MakeEngine(m_, false, false, 512);
+  auto e = MakeEngine(m_, true, true, 512);
+  const std::vector<int32_t> prompt = Prompt(2 * kWindow + 1, 6);
+  const RunResult first = RunAll(e.get(), {Greedy(prompt, 60)})[0];
+  std::vector<int32_t> next = prompt;
+  next.insert(next.end(), first.tokens.begin(), first.tokens.begin() + 24);
+  next.push_back(77);
+  next.push_back(78);
+  CacheControl cc(CacheControlOptions{});
+  const CacheReport r =
+      cc.Explain(e->kv_manager(), nullptr, "", next, [](const std::string&) { return true; });
+  EXPECT_EQ(r.reason, "window_dropped") << r.detail;
+  EXPECT_LT(r.cached_tokens + kBlock, static_cast<int32_t>(next.size()) - 2);  // cut back
+  EXPECT_GT(r.window_dropped_tokens, 0);
+  const RunResult got = RunAll(e.get(), {Greedy(next, 16)})[0];
+  const RunResult ref = RunAll(plain.get(), {Greedy(next, 16)})[0];
+  EXPECT_EQ(got.tokens, ref.tokens);
+  EXPECT_EQ(got.cached_tokens, r.cached_tokens);
+  EXPECT_GT(e->kv_manager().group_window_dropped_tokens(), 0);
+}
+
 TEST_F(KvGroupsEngineTest, PreemptionGivesTheSameOutput) {
   std::vector<EngineRequest> reqs;
   for (int32_t i = 0; i < 4; ++i) reqs.push_back(Greedy(Prompt(2 * kWindow + 3 * i, i + 7), 60));
@@ -333,13 +381,12 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   EngineOptions o;
   o.block_size = kBlock;
   o.num_blocks = 256;
+  // KV events run: they publish the full group's index (group 0).
   struct NullSink : KvEventSink {
     void Publish(std::vector<KvCacheEvent>) override {}
   } sink;
   o.kv_events = &sink;
-  auto ev = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o);
-  ASSERT_FALSE(ev.ok());
-  EXPECT_NE(ev.status().message().find("KV events"), std::string::npos) << ev.status();
+  ASSERT_TRUE(Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).ok());
   o.kv_events = nullptr;
   // Never called: Create refuses before anything uses the loader.
   KvLoader* loader = reinterpret_cast<KvLoader*>(&sink);
@@ -347,6 +394,25 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   auto pd = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o);
   ASSERT_FALSE(pd.ok());
   EXPECT_NE(pd.status().message().find("prefill/decode"), std::string::npos) << pd.status();
+  o.kv_loader = nullptr;
+  KvTiersOptions to;
+  to.host_bytes = int64_t{1} << 20;
+  o.kv_tiers = KvTiers::Create(std::move(to)).value();
+  auto tiers = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o);
+  ASSERT_FALSE(tiers.ok());
+  EXPECT_NE(tiers.status().message().find("KV tiers"), std::string::npos) << tiers.status();
+  o.kv_tiers = nullptr;
+  // A retention lease is refused by name.
+  {
+    auto e2 = MakeEngine(m_, true, true, 256);
+    CacheControl cc(CacheControlOptions{});
+    RetainRequest rr;
+    rr.tokens = Prompt(20, 3);
+    const RetainAnswer a = cc.Retain(const_cast<KvCacheManager*>(&e2->kv_manager()), rr);
+    EXPECT_EQ(a.outcome, RetainAnswer::Outcome::kRefused);
+    EXPECT_EQ(a.reason, "unsupported") << a.detail;
+    EXPECT_NE(a.detail.find("KV cache groups"), std::string::npos) << a.detail;
+  }
   // The all-layers layout runs them (one group).
   o.kv_loader = nullptr;
   o.kv_cache_groups = false;
