@@ -13,6 +13,7 @@
 // the features that do not know the groups are refused by name.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -156,6 +157,65 @@ TEST(KvGroupsPlanTest, GemmaShapeAt8kHoldsOver4xTheSequences) {
   const MemoryPlan q = PlanKvMemory(all, 16, kernels::KvDType::kF16, int64_t{1} << 30).value();
   EXPECT_EQ(q.full_context_sequences, p.full_context_sequences_all_layers);
   EXPECT_NE(p.ToString().find("KV cache groups: 6 of 3 layers"), std::string::npos) << p.ToString();
+}
+
+// Measured on the allocator itself: Gemma 3 270M's KV shape (18 layers, 1
+// KV head of 256, window 512 on 15 layers; f16, block 16) and one byte
+// budget; sequences of 8,192 tokens are prefilled in 512-token chunks
+// (allocate, compute, commit: the window groups let go as they commit)
+// until the pool refuses the next chunk. The count is what fits at once.
+int32_t SequencesThatFit(bool groups, int64_t budget_bytes, int32_t context) {
+  LlamaConfig c;
+  c.n_layers = 18;
+  c.n_kv_heads = 1;
+  c.head_dim = 256;
+  c.sliding_window = 512;
+  for (int32_t l = 0; l < 18; ++l) c.layer_window.push_back((l + 1) % 6 != 0);
+  const LlamaConfig::KvGroups g = c.MakeKvGroups(groups);
+  KvCacheManagerOptions ko;
+  ko.pool.n_layers = g.layers_per_group;
+  ko.pool.n_kv_heads = 1;
+  ko.pool.head_dim = 256;
+  ko.pool.block_size = 16;
+  ko.pool.dtype = kernels::KvDType::kF16;
+  ko.pool.n_blocks = static_cast<int32_t>(budget_bytes / KvPool::BlockBytes(ko.pool));
+  ko.prefix_cache = false;
+  if (g.num_groups() > 1) {
+    ko.group_windows = g.group_window;
+    ko.layer_group = g.layer_group;
+    ko.layer_index = g.layer_index;
+  } else {
+    ko.sliding_window = g.group_window[0];
+  }
+  auto kvm = KvCacheManager::Create(std::move(ko)).value();
+  std::vector<std::unique_ptr<SeqKv>> seqs;
+  std::vector<int32_t> tokens(static_cast<size_t>(context), 5);
+  for (;;) {
+    auto kv = std::make_unique<SeqKv>(kvm->mutable_pool());
+    kvm->MatchPrefix(kv.get(), "", tokens, 0);
+    for (int32_t done = 0; done < context; done += 512) {
+      const int32_t n = std::min(512, context - done);
+      if (!kvm->AllocateSlots(kv.get(), n).ok()) {
+        kvm->Discard(kv.get());
+        for (auto& s : seqs) kvm->Discard(s.get());
+        return static_cast<int32_t>(seqs.size());
+      }
+      kvm->MarkComputed(kv.get(), n);
+      kvm->Commit(kv.get(), "", tokens, n);
+    }
+    seqs.push_back(std::move(kv));
+  }
+}
+
+TEST(KvGroupsCapacityTest, Gemma3ShapeAt8kFitsOver4xTheSequences) {
+  for (int64_t mib : {256, 1024}) {
+    const int32_t with_groups = SequencesThatFit(true, mib << 20, 8192);
+    const int32_t all_layers = SequencesThatFit(false, mib << 20, 8192);
+    std::printf("KV budget %lld MiB, 8192-token sequences that fit: %d with groups, %d all-layers\n",
+                static_cast<long long>(mib), with_groups, all_layers);
+    EXPECT_GE(all_layers, 1);
+    EXPECT_GE(with_groups, 4 * all_layers) << mib << " MiB";
+  }
 }
 
 // Runs tokens through the model directly (chunks, then one token at a time)
