@@ -499,8 +499,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
     for (const kernels::PagedKvView& g : b.group_kv) RETURN_IF_ERROR(CheckBatch(b, g));
     for (int32_t l = 0; l < c.n_layers; ++l) {
       if (b.layer_group[l] < 0 || b.layer_group[l] >= static_cast<int32_t>(b.group_kv.size()) ||
-          b.layer_index[l] < 0 || b.layer_index[l] >= b.group_kv[b.layer_group[l]].block_bytes /
-                                  b.group_kv[b.layer_group[l]].layer_bytes) {
+          b.layer_index[l] < 0 ||
+          b.layer_index[l] >=
+              b.group_kv[b.layer_group[l]].block_bytes / b.group_kv[b.layer_group[l]].layer_bytes) {
         return absl::InvalidArgumentError(absl::StrCat("layer ", l, " has no KV group slot"));
       }
     }

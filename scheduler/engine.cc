@@ -69,8 +69,9 @@ class Engine::EvictionCostsImpl final : public EvictionCosts {
 absl::Status CheckHybridKvOptions(const EngineOptions& o) {
   // What moves blocks without knowing the groups yet is refused by name on
   // a hybrid model, never run half right.
-  const char* why = " moves blocks without knowing the KV cache groups of a hybrid-attention "
-                    "model (use --kv-layout all-layers, or a single-attention model)";
+  const char* why =
+      " moves blocks without knowing the KV cache groups of a hybrid-attention "
+      "model (use --kv-layout all-layers, or a single-attention model)";
   if (o.kv_tiers != nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("KV tiers (--kv-host-memory, --kv-disk-dir)", why));
@@ -470,11 +471,18 @@ void Engine::PublishStats(const BatchPlan* plan) {
   std::unordered_map<int32_t, int32_t> fill;
   const int32_t bs = options_.block_size;
   for (const Sequence* s : running) {
-    const auto& blocks = s->kv.table.blocks();
-    for (size_t j = 0; j < blocks.size(); ++j) {
-      const int32_t f = std::min<int32_t>(bs, s->kv.num_computed - static_cast<int32_t>(j) * bs);
-      int32_t& slot = fill[blocks[j].id];
-      slot = std::max(slot, std::max(0, f));
+    // Every KV cache group's table; a window group's released leading
+    // entries (the placeholder) hold nothing of the sequence's.
+    for (int32_t g = 0; g < kv_->num_groups(); ++g) {
+      if (g > 0 && s->kv.groups.size() < static_cast<size_t>(g)) break;
+      const SeqKv& k = g == 0 ? s->kv : s->kv.groups[g - 1];
+      const auto& blocks = k.table.blocks();
+      const size_t first = g > 0 ? static_cast<size_t>(k.num_window_released) : 0;
+      for (size_t j = first; j < blocks.size(); ++j) {
+        const int32_t f = std::min<int32_t>(bs, k.num_computed - static_cast<int32_t>(j) * bs);
+        int32_t& slot = fill[blocks[j].id];
+        slot = std::max(slot, std::max(0, f));
+      }
     }
   }
   int64_t live = 0;

@@ -275,8 +275,8 @@ absl::Status KvCacheManager::AllocateSlots(SeqKv* kv, int32_t num_new, int32_t n
                                                        pool_->num_free_blocks(), " free"));
     }
     for (size_t g = 0; g < groups_.size(); ++g) {
-      absl::Status st = groups_[g]->AllocateSlots(&kv->groups[g], num_new, num_lookahead,
-                                                  num_external);
+      absl::Status st =
+          groups_[g]->AllocateSlots(&kv->groups[g], num_new, num_lookahead, num_external);
       if (!st.ok()) Die("KV groups: allocation failed after the pool had room", need, 0);
     }
   }

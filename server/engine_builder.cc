@@ -22,8 +22,8 @@ absl::StatusOr<kernels::KvDType> KvDTypeFromFlags(const EngineFlags& flags) {
 absl::StatusOr<MemoryPlan> PlanFromFlags(const EngineFlags& flags, const LlamaConfig& c) {
   ASSIGN_OR_RETURN(const int64_t budget, ParseMemoryBudget(flags.kv_cache_memory));
   ASSIGN_OR_RETURN(const kernels::KvDType dtype, KvDTypeFromFlags(flags));
-  KvShape shape{c.n_layers,       c.n_kv_heads,          c.head_dim, c.context_length,
-                c.sliding_window, c.n_windowed_layers()};
+  KvShape shape{c.n_layers,       c.n_kv_heads,     c.head_dim,
+                c.context_length, c.sliding_window, c.n_windowed_layers()};
   const LlamaConfig::KvGroups groups = c.MakeKvGroups(flags.kv_layout != "all-layers");
   if (groups.num_groups() > 1) {
     shape.layers_per_block = groups.layers_per_group;

@@ -95,8 +95,8 @@ std::vector<RunResult> RunAll(Engine* e, const std::vector<EngineRequest>& reqs,
   }
   while (e->Step()) {
     if (peak_pool != nullptr) {
-      *peak_pool = std::max<int64_t>(*peak_pool,
-                                     e->kv_pool().num_blocks() - e->kv_pool().num_free_blocks());
+      *peak_pool =
+          std::max<int64_t>(*peak_pool, e->kv_pool().num_blocks() - e->kv_pool().num_free_blocks());
     }
   }
   return out;
@@ -211,8 +211,9 @@ TEST(KvGroupsCapacityTest, Gemma3ShapeAt8kFitsOver4xTheSequences) {
   for (int64_t mib : {256, 1024}) {
     const int32_t with_groups = SequencesThatFit(true, mib << 20, 8192);
     const int32_t all_layers = SequencesThatFit(false, mib << 20, 8192);
-    std::printf("KV budget %lld MiB, 8192-token sequences that fit: %d with groups, %d all-layers\n",
-                static_cast<long long>(mib), with_groups, all_layers);
+    std::printf(
+        "KV budget %lld MiB, 8192-token sequences that fit: %d with groups, %d all-layers\n",
+        static_cast<long long>(mib), with_groups, all_layers);
     EXPECT_GE(all_layers, 1);
     EXPECT_GE(with_groups, 4 * all_layers) << mib << " MiB";
   }
@@ -232,8 +233,7 @@ std::vector<float> DirectLogits(LlamaModel* model, bool groups, absl::Span<const
   ko.pool.head_dim = c.head_dim;
   ko.pool.block_size = block;
   ko.pool.dtype = dtype;
-  ko.pool.n_blocks =
-      g.num_groups() * static_cast<int32_t>((tokens.size() + block - 1) / block) + 8;
+  ko.pool.n_blocks = g.num_groups() * static_cast<int32_t>((tokens.size() + block - 1) / block) + 8;
   ko.prefix_cache = false;
   if (g.num_groups() > 1) {
     ko.group_windows = g.group_window;
@@ -280,10 +280,12 @@ std::vector<float> DirectLogits(LlamaModel* model, bool groups, absl::Span<const
     kvm->CheckInvariants(kv);
     pos += n;
   }
-  *pool_bytes_used = int64_t{kvm->num_blocks() - kvm->num_free_blocks()} * kvm->pool().block_bytes();
+  *pool_bytes_used =
+      int64_t{kvm->num_blocks() - kvm->num_free_blocks()} * kvm->pool().block_bytes();
   kvm->Discard(&kv);
-  EXPECT_EQ(kvm->num_free_blocks(), kvm->num_blocks() - (kvm->hybrid() ? kvm->num_groups() - 1
-                                                                        : (kvm->sliding_window() > 0)));
+  EXPECT_EQ(
+      kvm->num_free_blocks(),
+      kvm->num_blocks() - (kvm->hybrid() ? kvm->num_groups() - 1 : (kvm->sliding_window() > 0)));
   return out;
 }
 
@@ -319,10 +321,10 @@ TEST(KvGroupsForwardTest, LogitsEqualTheAllLayersLayoutOnGemma3) {
   // Past the 512-token window, so the window groups release blocks.
   const std::vector<int32_t> tokens = Prompt(700, 9, 20000);
   int64_t bytes_groups = 0, bytes_all = 0;
-  const std::vector<float> a = DirectLogits(model.get(), true, tokens, 690, 256, 16,
-                                            kernels::KvDType::kF16, &bytes_groups);
-  const std::vector<float> b = DirectLogits(model.get(), false, tokens, 690, 256, 16,
-                                            kernels::KvDType::kF16, &bytes_all);
+  const std::vector<float> a =
+      DirectLogits(model.get(), true, tokens, 690, 256, 16, kernels::KvDType::kF16, &bytes_groups);
+  const std::vector<float> b =
+      DirectLogits(model.get(), false, tokens, 690, 256, 16, kernels::KvDType::kF16, &bytes_all);
   EXPECT_LE(MaxAbsDiff(a, b), 1e-4f);
   EXPECT_LT(bytes_groups, bytes_all);
 }
@@ -580,8 +582,8 @@ TEST(KvGroupsRandomTest, NoLeakNoFreedOrForeignBlockRead) {
       s.tokens = starts[rnd(4)];
       s.tokens.resize(8 + rnd(32));
       for (int32_t j = rnd(3); j > 0; --j) s.tokens.push_back(3 + rnd(3));
-      const int32_t m = kvm->MatchPrefix(s.kv.get(), "", s.tokens,
-                                         static_cast<int32_t>(s.tokens.size()) - 1);
+      const int32_t m =
+          kvm->MatchPrefix(s.kv.get(), "", s.tokens, static_cast<int32_t>(s.tokens.size()) - 1);
       matched += m;
       verify(s);
       seqs.push_back(std::move(s));
@@ -624,7 +626,8 @@ TEST(KvGroupsRandomTest, NoLeakNoFreedOrForeignBlockRead) {
     for (const SimSeq& v : seqs) verify(v);
     if (::testing::Test::HasFatalFailure()) return;
   }
-  for (SimSeq& s : seqs) kvm->Free(s.kv.get(), "", absl::MakeConstSpan(s.tokens).first(s.kv->num_committed));
+  for (SimSeq& s : seqs)
+    kvm->Free(s.kv.get(), "", absl::MakeConstSpan(s.tokens).first(s.kv->num_committed));
   seqs.clear();
   EXPECT_GT(matched, 0);
   EXPECT_GT(kvm->window_stats().blocks_released, 0);
