@@ -153,8 +153,9 @@ absl::StatusOr<MemoryPlan> PlanKvMemory(const KvShape& shape, int32_t block_size
     return absl::InvalidArgumentError(
         absl::StrCat("KV memory budget must be positive (got ", budget_bytes, " bytes)"));
   }
+  const bool grouped = shape.layers_per_block > 0 && shape.full_groups + shape.window_groups > 1;
   KvPoolOptions po;
-  po.n_layers = shape.n_layers;
+  po.n_layers = grouped ? shape.layers_per_block : shape.n_layers;
   po.n_kv_heads = shape.n_kv_heads;
   po.head_dim = shape.head_dim;
   po.block_size = block_size;
@@ -192,6 +193,34 @@ absl::StatusOr<MemoryPlan> PlanKvMemory(const KvShape& shape, int32_t block_size
     plan.sequences_at_32k_windowed = plan.num_blocks / per_seq_32k;
     plan.full_context_sequences = plan.num_blocks / plan.window_blocks_per_sequence;
   }
+  if (grouped) {
+    // Each group has its own table of pages: the full groups hold the whole
+    // context, the window groups their window's blocks.
+    plan.kv_groups = shape.full_groups + shape.window_groups;
+    plan.layers_per_block = shape.layers_per_block;
+    plan.full_groups = shape.full_groups;
+    plan.window_groups = shape.window_groups;
+    plan.kv_bytes_per_token = plan.block_bytes * plan.kv_groups / block_size;  // before windows
+    const int64_t window_pages =
+        shape.sliding_window > 0
+            ? std::min(WindowBlocks(shape.sliding_window, block_size), blocks_per_context)
+            : blocks_per_context;
+    plan.group_pages_per_sequence =
+        shape.full_groups * blocks_per_context + shape.window_groups * window_pages;
+    plan.full_context_sequences = plan.num_blocks / plan.group_pages_per_sequence;
+    // Tokens every group can hold at once (before the windows free pages).
+    plan.token_capacity = plan.num_blocks / plan.kv_groups * block_size;
+    plan.full_context_sequences_all_layers =
+        plan.num_blocks / (int64_t{plan.kv_groups} * blocks_per_context);
+    constexpr int64_t k32k = 32768;
+    const int64_t full_32k = (k32k + block_size - 1) / block_size;
+    plan.window_blocks_per_sequence = window_pages;
+    plan.sequences_at_32k_full_attention = plan.num_blocks / (plan.kv_groups * full_32k);
+    plan.sequences_at_32k_windowed =
+        plan.num_blocks /
+        (shape.full_groups * full_32k +
+         shape.window_groups * std::min(WindowBlocks(shape.sliding_window, block_size), full_32k));
+  }
   return plan;
 }
 
@@ -202,29 +231,40 @@ int64_t WindowBlocks(int32_t window, int32_t block_size) {
 }
 
 std::string MemoryPlan::ToString() const {
-  return absl::StrCat("KV budget: ", budget_bytes, " bytes (", HumanBytes(budget_bytes), ")\n",
-                      "KV per token: ", kv_bytes_per_token, " bytes (",
-                      HumanBytes(kv_bytes_per_token), ")\n", "block: ", block_size, " tokens, ",
-                      block_bytes, " bytes (", HumanBytes(block_bytes), ")\n",
-                      "blocks: ", num_blocks, "\n", "token capacity: ", token_capacity, "\n",
-                      "full-context sequences: ", full_context_sequences, "\n",
-                      sliding_window == 0
-                          ? std::string()
-                          : absl::StrCat(
-                                "sliding window: ", sliding_window, " tokens on ",
-                                windowed_layers, " of ", n_layers, " layers",
-                                windowed_layers == n_layers
-                                    ? absl::StrCat(" (at most ", window_blocks_per_sequence,
-                                                   " blocks per running sequence; the prefix "
-                                                   "cache keeps at most ",
-                                                   (sliding_window + block_size - 1) / block_size + 1,
-                                                   " per cached prompt boundary)")
-                                    : std::string(" (blocks hold every layer: none freed; the "
-                                                  "windowed layers save attention work, not "
-                                                  "memory)"),
-                                "\n", "32k-token sequences: ", sequences_at_32k_windowed,
-                                " with the window, ", sequences_at_32k_full_attention,
-                                " with full attention\n"));
+  return absl::StrCat(
+      "KV budget: ", budget_bytes, " bytes (", HumanBytes(budget_bytes), ")\n",
+      "KV per token: ", kv_bytes_per_token, " bytes (", HumanBytes(kv_bytes_per_token), ")\n",
+      "block: ", block_size, " tokens, ", block_bytes, " bytes (", HumanBytes(block_bytes), ")\n",
+      "blocks: ", num_blocks, "\n", "token capacity: ", token_capacity, "\n",
+      "full-context sequences: ", full_context_sequences, "\n",
+      kv_groups > 0
+          ? absl::StrCat(
+                "KV cache groups: ", kv_groups, " of ", layers_per_block, " layers (", full_groups,
+                " full, ", window_groups, " with a ", sliding_window,
+                "-token window), one pool of pages of the block above\n",
+                "pages per full-context sequence: ", group_pages_per_sequence, " (each full group ",
+                (group_pages_per_sequence - int64_t{window_groups} * window_blocks_per_sequence) /
+                    std::max(full_groups, 1),
+                ", each window group at most ", window_blocks_per_sequence, ")\n",
+                "full-context sequences, all-layers layout: ", full_context_sequences_all_layers,
+                "\n", "32k-token sequences: ", sequences_at_32k_windowed, " with the groups, ",
+                sequences_at_32k_full_attention, " in the all-layers layout\n")
+      : sliding_window == 0
+          ? std::string()
+          : absl::StrCat("sliding window: ", sliding_window, " tokens on ", windowed_layers, " of ",
+                         n_layers, " layers",
+                         windowed_layers == n_layers
+                             ? absl::StrCat(" (at most ", window_blocks_per_sequence,
+                                            " blocks per running sequence; the prefix "
+                                            "cache keeps at most ",
+                                            (sliding_window + block_size - 1) / block_size + 1,
+                                            " per cached prompt boundary)")
+                             : std::string(" (blocks hold every layer: none freed; the "
+                                           "windowed layers save attention work, not "
+                                           "memory)"),
+                         "\n", "32k-token sequences: ", sequences_at_32k_windowed,
+                         " with the window, ", sequences_at_32k_full_attention,
+                         " with full attention\n"));
 }
 
 }  // namespace kvserve

@@ -21,6 +21,13 @@ struct KvShape {
   // sequence holds at most WindowBlocks() blocks however long it runs.
   int32_t sliding_window = 0;
   int32_t windowed_layers = 0;  // for the report: how many layers have a window
+  // KV cache groups (hybrid attention, LlamaConfig::KvGroups): a block
+  // (page) holds layers_per_block layers; full_groups groups keep every
+  // block, window_groups groups only their window's. 0: one group of every
+  // layer (the classic layout).
+  int32_t layers_per_block = 0;
+  int32_t full_groups = 0;
+  int32_t window_groups = 0;
 };
 
 struct MemoryPlan {
@@ -40,6 +47,15 @@ struct MemoryPlan {
   int64_t window_blocks_per_sequence = 0;
   int64_t sequences_at_32k_windowed = 0;
   int64_t sequences_at_32k_full_attention = 0;
+  // KV cache groups (0 without): pages one sequence of context_length
+  // holds (every group together), and how many such sequences the same
+  // budget holds in the all-layers layout (blocks of every layer).
+  int32_t kv_groups = 0;
+  int32_t layers_per_block = 0;
+  int32_t full_groups = 0;
+  int32_t window_groups = 0;
+  int64_t group_pages_per_sequence = 0;
+  int64_t full_context_sequences_all_layers = 0;
   std::string ToString() const;     // one human-readable line per figure
 };
 

@@ -486,6 +486,26 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
                                  float* logits, ThreadPool* pool) {
   RETURN_IF_ERROR(CheckBatch(b, kv));
   const LlamaConfig& c = config_;
+  if (!b.group_kv.empty()) {
+    // KV cache groups: every group's view must cover the batch as the main
+    // one does, and every layer must name a group and a layer inside it.
+    if (b.layer_group.size() != static_cast<size_t>(c.n_layers) ||
+        b.layer_index.size() != static_cast<size_t>(c.n_layers)) {
+      return absl::InvalidArgumentError("KV group map does not cover every layer");
+    }
+    if (b.attention_mass != nullptr) {
+      return absl::UnimplementedError("attention mass (h2o) with KV cache groups");
+    }
+    for (const kernels::PagedKvView& g : b.group_kv) RETURN_IF_ERROR(CheckBatch(b, g));
+    for (int32_t l = 0; l < c.n_layers; ++l) {
+      if (b.layer_group[l] < 0 || b.layer_group[l] >= static_cast<int32_t>(b.group_kv.size()) ||
+          b.layer_index[l] < 0 ||
+          b.layer_index[l] >=
+              b.group_kv[b.layer_group[l]].block_bytes / b.group_kv[b.layer_group[l]].layer_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " has no KV group slot"));
+      }
+    }
+  }
   const int64_t n = static_cast<int64_t>(b.tokens.size());
   const int64_t q_dim = c.q_dim();
   const int64_t kv_dim = c.kv_dim();
@@ -544,13 +564,18 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
       kernels::Rope(q_.data() + i * q_dim, c.n_heads, b.positions[i], rope);
       kernels::Rope(k_.data() + i * kv_dim, c.n_kv_heads, b.positions[i], rope);
     }
-    kernels::AppendKv(kv, l, static_cast<int32_t>(n), b.token_seq.data(), slots, k_.data(),
+    // The layer's K/V: its group's table and its slot in the group's page,
+    // or layer l of the one all-layers view.
+    const bool grouped = !b.group_kv.empty();
+    const kernels::PagedKvView& lkv = grouped ? b.group_kv[b.layer_group[l]] : kv;
+    const int32_t ll = grouped ? b.layer_index[l] : l;
+    kernels::AppendKv(lkv, ll, static_cast<int32_t>(n), b.token_seq.data(), slots, k_.data(),
                       kv_dim, v_.data(), kv_dim);
     attn_batch.window = window_masks && c.LayerWindowed(l) ? c.sliding_window : 0;
-    kernels::PagedAttention(kv, l, attn_batch, q_.data(), q_dim, attn_.data(), q_dim, pool);
+    kernels::PagedAttention(lkv, ll, attn_batch, q_.data(), q_dim, attn_.data(), q_dim, pool);
     if (b.attention_mass != nullptr) {
       kernels::AccumulateAttentionMass(
-          kv, l, attn_batch, q_.data(), q_dim, b.attention_mass, b.attention_mass_stride,
+          lkv, ll, attn_batch, q_.data(), q_dim, b.attention_mass, b.attention_mass_stride,
           b.attention_mass_seqs.empty() ? nullptr : b.attention_mass_seqs.data());
     }
     kernels::MatMul(L.wo, attn_.data(), n, q_dim, xn, c.dim, pool);

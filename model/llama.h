@@ -104,6 +104,49 @@ struct LlamaConfig {
     }
     return false;
   }
+  // KV cache groups (vLLM's hybrid layout): layers of one attention kind
+  // (full, or the window) are cut into groups of an equal number of layers,
+  // so every group's block (page) has the same bytes and all groups share
+  // one pool. A model with one attention kind is one group of every layer
+  // (the classic layout). Groups are ordered full first; within a kind,
+  // layers in ascending order, layers_per_group at a time.
+  struct KvGroups {
+    int32_t layers_per_group = 0;
+    std::vector<int32_t> group_window;  // per group: 0 = full attention, else the window
+    std::vector<int32_t> layer_group;   // per layer: its group
+    std::vector<int32_t> layer_index;   // per layer: its layer slot inside the group's page
+    int32_t num_groups() const { return static_cast<int32_t>(group_window.size()); }
+  };
+  // hybrid = false forces the classic layout (one group of every layer,
+  // windowed only when every layer is) whatever the attention kinds.
+  KvGroups MakeKvGroups(bool hybrid = true) const {
+    KvGroups g;
+    std::vector<int32_t> full, windowed;
+    for (int32_t l = 0; l < n_layers; ++l) (LayerWindowed(l) ? windowed : full).push_back(l);
+    g.layer_group.assign(n_layers, 0);
+    g.layer_index.assign(n_layers, 0);
+    if (!hybrid || full.empty() || windowed.empty()) {
+      g.layers_per_group = n_layers;
+      g.group_window.push_back(full.empty() && !windowed.empty() ? sliding_window : 0);
+      for (int32_t l = 0; l < n_layers; ++l) g.layer_index[l] = l;
+      return g;
+    }
+    int32_t a = static_cast<int32_t>(full.size()), b = static_cast<int32_t>(windowed.size());
+    while (b != 0) {
+      const int32_t t = a % b;
+      a = b;
+      b = t;
+    }
+    g.layers_per_group = a;  // gcd: equal groups, no padding layers
+    for (const std::vector<int32_t>* kind : {&full, &windowed}) {
+      for (size_t i = 0; i < kind->size(); ++i) {
+        if (i % a == 0) g.group_window.push_back(kind == &full ? 0 : sliding_window);
+        g.layer_group[(*kind)[i]] = g.num_groups() - 1;
+        g.layer_index[(*kind)[i]] = static_cast<int32_t>(i % a);
+      }
+    }
+    return g;
+  }
   int32_t q_dim() const { return n_heads * head_dim; }
 
   int32_t kv_dim() const { return n_kv_heads * head_dim; }
@@ -151,6 +194,13 @@ struct ForwardBatch {
   // and cost nothing.
   absl::Span<const uint8_t> attention_mass_seqs = {};
 
+  // KV cache groups (LlamaConfig::KvGroups): when not empty, layer l
+  // appends to and attends through group_kv[layer_group[l]] at layer
+  // layer_index[l] of that view (each group has its own block table); empty:
+  // the Forward's single view holds every layer (the classic layout).
+  absl::Span<const kernels::PagedKvView> group_kv = {};
+  absl::Span<const int32_t> layer_group = {};
+  absl::Span<const int32_t> layer_index = {};
   // The KV slots: `slots` when given, else the positions.
   absl::Span<const int32_t> kv_slots() const { return slots.empty() ? positions : slots; }
 };

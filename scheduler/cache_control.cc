@@ -91,6 +91,13 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
   }
   PrefixCache* cache = kv->mutable_prefix_cache();
   if (cache == nullptr) return refuse("not_cached", "the prefix cache is off (--no-prefix-cache)");
+  if (kv->hybrid()) {
+    // A lease pins one index's blocks; a hybrid model's prefix lives in
+    // every KV cache group's index, so a lease would protect a part.
+    return refuse("unsupported",
+                  "retention leases are not supported with KV cache groups (a hybrid-attention "
+                  "model); run with --kv-layout all-layers to retain prefixes");
+  }
   const int32_t bs = kv->block_size();
   if (asked < bs) {
     return refuse("not_cached", absl::StrCat("a lease holds whole blocks of ", bs,
@@ -290,7 +297,20 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
     return r;
   }
   const int32_t bs = kv.block_size();
-  const PrefixProbe p = cache->Probe(salt, tokens);
+  PrefixProbe p = cache->Probe(salt, tokens);
+  if (kv.hybrid()) {
+    // KV cache groups: the hit is what every group serves; what the full
+    // group holds past it, the window groups dropped (their K/V for the
+    // window before that end went hollow).
+    const int32_t all = kv.PeekPrefix(salt, tokens, static_cast<int32_t>(tokens.size()));
+    if (all < p.matched_tokens) {
+      p.window_dropped_tokens = std::max(p.window_dropped_tokens, p.matched_tokens - all);
+      p.matched_tokens = all;
+      p.next_block_start = all;  // no tier continues a hybrid match
+      p.next_block_hashes.clear();
+      p.diverged = false;
+    }
+  }
   r.primary_tokens = p.matched_tokens;
   r.public_tokens = p.public_tokens;
   // The tiers continue a match from a block boundary only (KvLoader).

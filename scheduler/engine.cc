@@ -66,6 +66,23 @@ class Engine::EvictionCostsImpl final : public EvictionCosts {
   double attention_per_position_ = 0;
 };
 
+absl::Status CheckHybridKvOptions(const EngineOptions& o) {
+  // What moves blocks without knowing the groups yet is refused by name on
+  // a hybrid model, never run half right.
+  const char* why =
+      " moves blocks without knowing the KV cache groups of a hybrid-attention "
+      "model (use --kv-layout all-layers, or a single-attention model)";
+  if (o.kv_tiers != nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV tiers (--kv-host-memory, --kv-disk-dir)", why));
+  }
+  if (o.kv_loader != nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill/decode disaggregation (a KV loader)", why));
+  }
+  return absl::OkStatus();
+}
+
 Engine::Engine(LlamaModel* model, const Tokenizer* tokenizer, const EngineOptions& options)
     : model_(model), tokenizer_(tokenizer), options_(options) {}
 
@@ -86,8 +103,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   // One forward path: without a device backend the CPU backend runs it.
   std::shared_ptr<ForwardBackend> backend = o.backend;
   if (backend == nullptr) backend = MakeCpuBackend(model);
+  const LlamaConfig::KvGroups groups = c.MakeKvGroups(o.kv_cache_groups);
+  if (groups.num_groups() > 1) RETURN_IF_ERROR(CheckHybridKvOptions(o));
   KvCacheManagerOptions ko;
-  ko.pool.n_layers = c.n_layers;
+  ko.pool.n_layers = groups.layers_per_group;
   ko.pool.n_kv_heads = c.n_kv_heads;
   ko.pool.head_dim = c.head_dim;
   ko.pool.block_size = o.block_size;
@@ -101,6 +120,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   // can a block leave the sequence (a per-layer pattern keeps them all for
   // its global layers; the windowed layers just read less).
   ko.sliding_window = c.n_windowed_layers() == c.n_layers ? c.sliding_window : 0;
+  if (groups.num_groups() > 1) {
+    ko.sliding_window = 0;
+    ko.group_windows = groups.group_window;
+    ko.layer_group = groups.layer_group;
+    ko.layer_index = groups.layer_index;
+  }
   ko.prefix.model_identity = o.model_identity;
   ko.prefix.clock = o.clock;
   ko.prefix.events = o.kv_events;
@@ -108,6 +133,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   if (o.eviction_policy == EvictionPolicyKind::kCost) {
     costs = std::make_unique<EvictionCostsImpl>(c, o.block_size, o.kv_tiers.get());
     ko.prefix.policy = MakeCostAwarePolicy(costs.get());
+    const EvictionCosts* cp = costs.get();
+    ko.group_policy = [cp] { return MakeCostAwarePolicy(cp); };
   } else {
     ko.prefix.policy = MakeLruPolicy();
   }
@@ -231,7 +258,8 @@ RequestLimits Engine::limits() const {
   // All n samples run at once: n above max_seqs could never be admitted.
   l.max_n = std::min(options_.max_n, options_.max_seqs);
   l.block_size = options_.block_size;
-  l.num_blocks = kv_->num_blocks();
+  // Admission reserves a prompt's blocks in every KV cache group.
+  l.num_blocks = kv_->num_blocks() / kv_->num_groups();
   // StreamingLLM past the trained context needs keys re-rotated on the host.
   l.kv_past_context = !kv_->pool().on_device() && !kernels::KvIsKivi(options_.kv_dtype);
   l.kv_switch_margin = EvictorOptions().switch_margin;
@@ -239,6 +267,11 @@ RequestLimits Engine::limits() const {
     l.kv_eviction_unsupported = absl::StrCat(
         "--kv-cache-dtype ", std::string(kernels::KvDTypeName(options_.kv_dtype)),
         " shares key scales across a block, so slots cannot move; use a per-token codec");
+  }
+  if (kv_->hybrid()) {
+    l.kv_eviction_unsupported =
+        "token eviction does not know the KV cache groups of a hybrid-attention model (its "
+        "window layers already keep only their window); run with --kv-layout all-layers";
   }
   return l;
 }
@@ -438,11 +471,18 @@ void Engine::PublishStats(const BatchPlan* plan) {
   std::unordered_map<int32_t, int32_t> fill;
   const int32_t bs = options_.block_size;
   for (const Sequence* s : running) {
-    const auto& blocks = s->kv.table.blocks();
-    for (size_t j = 0; j < blocks.size(); ++j) {
-      const int32_t f = std::min<int32_t>(bs, s->kv.num_computed - static_cast<int32_t>(j) * bs);
-      int32_t& slot = fill[blocks[j].id];
-      slot = std::max(slot, std::max(0, f));
+    // Every KV cache group's table; a window group's released leading
+    // entries (the placeholder) hold nothing of the sequence's.
+    for (int32_t g = 0; g < kv_->num_groups(); ++g) {
+      if (g > 0 && s->kv.groups.size() < static_cast<size_t>(g)) break;
+      const SeqKv& k = g == 0 ? s->kv : s->kv.groups[g - 1];
+      const auto& blocks = k.table.blocks();
+      const size_t first = g > 0 ? static_cast<size_t>(k.num_window_released) : 0;
+      for (size_t j = first; j < blocks.size(); ++j) {
+        const int32_t f = std::min<int32_t>(bs, k.num_computed - static_cast<int32_t>(j) * bs);
+        int32_t& slot = fill[blocks[j].id];
+        slot = std::max(slot, std::max(0, f));
+      }
     }
   }
   int64_t live = 0;

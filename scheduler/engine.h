@@ -77,6 +77,15 @@ struct EngineOptions {
   // until the pool needs them (evicted before any running sequence is
   // preempted).
   bool prefix_cache = true;
+  // KV cache groups for hybrid attention (a model mixing full and
+  // sliding-window layers, Gemma 3): each attention kind's layers form
+  // groups of equal size, each with its own block table over one pool, so
+  // the window groups keep only their window's blocks
+  // (LlamaConfig::MakeKvGroups). false: the classic layout, every layer in
+  // one block (--kv-layout all-layers; what the groups are compared
+  // against). A model with one attention kind has one group either way.
+  // num_blocks counts pages of the layout's block: see KvBlockLayers.
+  bool kv_cache_groups = true;
   // Waiting-queue order within a priority: kFcfs (arrival) or kLpm (longest
   // cached prefix first, SGLang's policy; falls back to FCFS past
   // lpm_max_waiting waiting sequences, where matching each costs too much).
@@ -120,6 +129,10 @@ struct EngineOptions {
   // the default mode (requests may override it) and its knobs.
   SpeculationOptions speculation;
 };
+
+// Refuses, by name, the engine options that would move blocks without
+// knowing the KV cache groups of a hybrid-attention model.
+absl::Status CheckHybridKvOptions(const EngineOptions& o);
 
 // "fcfs" or "lpm".
 absl::StatusOr<SchedulePolicy> ParseSchedulePolicy(std::string_view name);
@@ -232,6 +245,8 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   // REQUIRES: called from the engine thread or while it is stopped.
   const KvPool& kv_pool() const { return kv_->pool(); }
+  // The KV cache manager (its groups, for tests). REQUIRES: as kv_pool().
+  const KvCacheManager& kv_manager() const { return *kv_; }
   // nullptr when the prefix cache is off. REQUIRES: as kv_pool().
   const PrefixCache* prefix_cache() const { return kv_->prefix_cache(); }
   // REQUIRES: as kv_pool().

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kernels/cpu/kv_codec.h"
 
@@ -24,11 +25,57 @@ namespace {
 absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
     KvCacheManagerOptions options) {
   std::unique_ptr<KvCacheManager> m(new KvCacheManager());
-  ASSIGN_OR_RETURN(m->pool_, KvPool::Create(options.pool));
-  if (options.prefix_cache) {
-    m->prefix_cache_ = std::make_unique<PrefixCache>(m->pool_.get(), std::move(options.prefix));
-  }
   if (options.sliding_window < 0) return absl::InvalidArgumentError("sliding_window < 0");
+  const std::vector<int32_t> group_windows = options.group_windows;
+  if (group_windows.size() == 1) {
+    options.sliding_window = group_windows[0];
+  } else if (group_windows.size() > 1) {
+    if (group_windows[0] != 0 || options.sliding_window != 0) {
+      return absl::InvalidArgumentError("KV cache groups: group 0 must be a full-attention group");
+    }
+    for (int32_t w : group_windows) {
+      if (w < 0) return absl::InvalidArgumentError("KV cache groups: a window < 0");
+    }
+    if (options.layer_group.size() != options.layer_index.size()) {
+      return absl::InvalidArgumentError("KV cache groups: layer maps differ in length");
+    }
+    for (size_t l = 0; l < options.layer_group.size(); ++l) {
+      if (options.layer_group[l] < 0 ||
+          options.layer_group[l] >= static_cast<int32_t>(group_windows.size()) ||
+          options.layer_index[l] < 0 || options.layer_index[l] >= options.pool.n_layers) {
+        return absl::InvalidArgumentError("KV cache groups: a layer outside the groups");
+      }
+    }
+    m->layer_group_ = options.layer_group;
+    m->layer_index_ = options.layer_index;
+  }
+  if (options.shared_pool != nullptr) {
+    m->pool_ = options.shared_pool;
+  } else {
+    ASSIGN_OR_RETURN(m->owned_pool_, KvPool::Create(options.pool));
+    m->pool_ = m->owned_pool_.get();
+  }
+  // Group managers (before group 0's index takes options.prefix).
+  for (size_t g = 1; g < group_windows.size(); ++g) {
+    KvCacheManagerOptions go;
+    go.pool = options.pool;
+    go.shared_pool = m->pool_;
+    go.prefix_cache = options.prefix_cache;
+    go.sliding_window = group_windows[g];
+    go.prefix.model_identity = options.prefix.model_identity;
+    go.prefix.clock = options.prefix.clock;
+    go.prefix.on_evict = options.prefix.on_evict;
+    go.prefix.public_salt = options.prefix.public_salt;
+    if (options.group_policy) go.prefix.policy = options.group_policy();
+    // KV events, tier demotion: group 0 only (the engine refuses tiers on
+    // hybrid models; the event stream publishes the full group's index,
+    // whose blocks spell every cached prefix).
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> gm, Create(std::move(go)));
+    m->groups_.push_back(std::move(gm));
+  }
+  if (options.prefix_cache) {
+    m->prefix_cache_ = std::make_unique<PrefixCache>(m->pool_, std::move(options.prefix));
+  }
   if (options.sliding_window > 0) {
     std::vector<BlockHandle> one;
     RETURN_IF_ERROR(m->pool_->Allocate(1, &one));
@@ -40,12 +87,17 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
 }
 
 KvCacheManager::~KvCacheManager() {
-  // The index holds pool references: it goes before the pool.
+  // The index holds pool references: it goes before the pool, and so do the
+  // group managers drawing from it.
+  groups_.clear();
   prefix_cache_.reset();
   if (window_ > 0) pool_->Release(placeholder_);
 }
 
 void KvCacheManager::ReleaseOutOfWindow(SeqKv* kv) {
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    groups_[g]->ReleaseOutOfWindow(&kv->groups[g]);
+  }
   if (window_ <= 0) return;
   // The earliest slot a future token (at a slot >= num_committed: computed
   // but uncommitted slots may still be rolled back) attends to.
@@ -86,8 +138,43 @@ int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
                                     absl::Span<const int32_t> tokens, int32_t max_tokens) {
   if (kv->table.num_blocks() > 0) Die("MatchPrefix on a sequence with blocks", kv->table.num_blocks(), 0);
   kv->window_boundary = static_cast<int32_t>(tokens.size());
+  if (hybrid()) {
+    EnsureGroups(kv);
+    if (prefix_cache_ == nullptr) {
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        groups_[g]->MatchPrefix(&kv->groups[g], salt, tokens, max_tokens);
+      }
+      return 0;
+    }
+    // The longest prefix every group serves: the full group's blocks for
+    // all of it, each window group's for its last window of tokens.
+    const int32_t full = prefix_cache_->MatchLength(salt, tokens, max_tokens);
+    max_tokens = GroupMatchLength(salt, tokens, max_tokens);
+    group_window_dropped_ += full - max_tokens;
+    if (max_tokens == 0) {
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        groups_[g]->MatchPrefix(&kv->groups[g], salt, tokens, 0);
+      }
+      return 0;
+    }
+    bool same = true;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      same &= groups_[g]->MatchPrefix(&kv->groups[g], salt, tokens, max_tokens) == max_tokens;
+    }
+    if (!same) {  // cannot happen (the lengths were just checked): match nothing
+      for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->Discard(&kv->groups[g]);
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        groups_[g]->MatchPrefix(&kv->groups[g], salt, tokens, 0);
+      }
+      return 0;
+    }
+  }
   if (prefix_cache_ == nullptr) return 0;
   PrefixMatch m = prefix_cache_->Match(salt, tokens, max_tokens);
+  if (hybrid() && m.num_tokens != max_tokens) {
+    Die("KV groups: the full group's match differs from the window groups'", m.num_tokens,
+        max_tokens);
+  }
   if (m.num_tokens == 0) return 0;  // no blocks either
   kv->table.Adopt(std::move(m.blocks), m.num_tokens);
   kv->num_computed = m.num_tokens;
@@ -99,9 +186,47 @@ int32_t KvCacheManager::MatchPrefix(SeqKv* kv, std::string_view salt,
   return m.num_tokens;
 }
 
+int32_t KvCacheManager::GroupMatchLength(std::string_view salt, absl::Span<const int32_t> tokens,
+                                         int32_t max_tokens) const {
+  if (prefix_cache_ == nullptr) return 0;
+  // Shortening a match can only shorten what a window group serves (its
+  // window must end where the match ends), so iterate to the fixed point.
+  int32_t len = std::min<int32_t>(max_tokens, static_cast<int32_t>(tokens.size()));
+  for (;;) {
+    int32_t next = prefix_cache_->MatchLength(salt, tokens, len);
+    for (const auto& g : groups_) next = std::min(next, g->PeekPrefix(salt, tokens, next));
+    if (next == len || next <= 0) return std::max(next, 0);
+    len = next;
+  }
+}
+
+void KvCacheManager::EnsureGroups(SeqKv* kv) const {
+  while (kv->groups.size() < groups_.size()) {
+    kv->groups.emplace_back(pool_);
+    kv->groups.back().lossy = kv->lossy;
+    kv->groups.back().reencoded = kv->reencoded;
+  }
+}
+
+const KvWindowStats& KvCacheManager::window_stats() const {
+  if (groups_.empty()) return window_stats_;
+  group_window_stats_ = window_stats_;
+  for (const auto& g : groups_) {
+    const KvWindowStats& w = g->window_stats();
+    group_window_stats_.blocks_released += w.blocks_released;
+    group_window_stats_.blocks_kept_cached += w.blocks_kept_cached;
+    group_window_stats_.blocks_hollowed += w.blocks_hollowed;
+    group_window_stats_.prefix_blocks_lost += w.prefix_blocks_lost;
+  }
+  return group_window_stats_;
+}
+
 void KvCacheManager::DropPartialMatch(SeqKv* kv) {
   if (kv->num_computed != kv->num_committed || kv->num_computed != kv->table.num_tokens()) {
     Die("DropPartialMatch on a sequence past its match", kv->num_computed, kv->table.num_tokens());
+  }
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    groups_[g]->DropPartialMatch(&kv->groups[g]);
   }
   const int32_t aligned = kv->num_computed - kv->num_computed % block_size();
   if (aligned == kv->num_computed) return;
@@ -116,13 +241,22 @@ void KvCacheManager::DropPartialMatch(SeqKv* kv) {
 
 int32_t KvCacheManager::PeekPrefix(std::string_view salt, absl::Span<const int32_t> tokens,
                                    int32_t max_tokens) const {
+  if (hybrid()) return GroupMatchLength(salt, tokens, max_tokens);
   return prefix_cache_ ? prefix_cache_->MatchLength(salt, tokens, max_tokens) : 0;
 }
 
 int32_t KvCacheManager::BlocksNeeded(const SeqKv& kv, int32_t num_new, int32_t num_lookahead,
                                      int32_t num_external) const {
   const int32_t want = kv.num_computed + num_new + num_lookahead + num_external;
-  return kv.table.BlocksNeeded(std::max(0, want - kv.table.num_tokens()));
+  int32_t n = kv.table.BlocksNeeded(std::max(0, want - kv.table.num_tokens()));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (g < kv.groups.size()) {
+      n += groups_[g]->BlocksNeeded(kv.groups[g], num_new, num_lookahead, num_external);
+    } else {  // a sequence not seen yet: its tables start empty
+      n += kv.table.BlocksNeeded(std::max(0, want));
+    }
+  }
+  return n;
 }
 
 absl::Status KvCacheManager::AllocateSlots(SeqKv* kv, int32_t num_new, int32_t num_lookahead,
@@ -131,6 +265,21 @@ absl::Status KvCacheManager::AllocateSlots(SeqKv* kv, int32_t num_new, int32_t n
     return absl::InvalidArgumentError("negative slot count");
   }
   const int32_t want = kv->num_computed + num_new + num_lookahead + num_external;
+  if (hybrid()) {
+    // All groups or none: the pool is one, so the sum decides.
+    EnsureGroups(kv);
+    const int32_t need = BlocksNeeded(*kv, num_new, num_lookahead, num_external);
+    if (need > pool_->num_free_blocks()) {
+      return absl::ResourceExhaustedError(absl::StrCat("KV pool: ", need, " blocks needed over ",
+                                                       num_groups(), " groups, ",
+                                                       pool_->num_free_blocks(), " free"));
+    }
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      absl::Status st =
+          groups_[g]->AllocateSlots(&kv->groups[g], num_new, num_lookahead, num_external);
+      if (!st.ok()) Die("KV groups: allocation failed after the pool had room", need, 0);
+    }
+  }
   return kv->table.Reserve(std::max(0, want - kv->table.num_tokens()));
 }
 
@@ -139,6 +288,9 @@ void KvCacheManager::MarkComputed(SeqKv* kv, int32_t m) {
     Die("MarkComputed past the reserved slots", kv->num_computed + m, kv->table.num_tokens());
   }
   kv->num_computed += m;
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    groups_[g]->MarkComputed(&kv->groups[g], m);
+  }
 }
 
 void KvCacheManager::Commit(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens,
@@ -148,6 +300,9 @@ void KvCacheManager::Commit(SeqKv* kv, std::string_view salt, absl::Span<const i
   }
   kv->num_committed += m;
   Offer(kv, salt, tokens);
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    groups_[g]->Commit(&kv->groups[g], salt, tokens, m);  // offers and releases its window
+  }
   ReleaseOutOfWindow(kv);
 }
 
@@ -187,9 +342,15 @@ void KvCacheManager::Truncate(SeqKv* kv, int32_t num_slots) {
   if (num_slots < kv->num_committed) Die("Truncate below the committed tokens", num_slots, kv->num_committed);
   kv->num_computed = std::min(kv->num_computed, num_slots);
   if (num_slots < kv->table.num_tokens()) kv->table.Truncate(num_slots);
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    groups_[g]->Truncate(&kv->groups[g], num_slots);
+  }
 }
 
 void KvCacheManager::Free(SeqKv* kv, std::string_view salt, absl::Span<const int32_t> tokens) {
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    groups_[g]->Free(&kv->groups[g], salt, tokens);
+  }
   if (prefix_cache_ != nullptr && !kv->lossy && kv->num_committed > 0 &&
       WindowPrefixCached(*kv, salt, tokens)) {
     // The sequence writes no more: its partly filled last block can be
@@ -207,6 +368,9 @@ void KvCacheManager::Free(SeqKv* kv, std::string_view salt, absl::Span<const int
 }
 
 void KvCacheManager::Discard(SeqKv* kv) {
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    groups_[g]->Discard(&kv->groups[g]);
+  }
   kv->table.Release();  // blocks the index also holds stay cached
   kv->num_computed = 0;
   kv->num_committed = 0;
@@ -221,7 +385,7 @@ void KvCacheManager::Discard(SeqKv* kv) {
 }
 
 SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
-  SeqKv f(pool_.get());
+  SeqKv f(pool_);
   f.table = kv.table.Fork();
   f.num_computed = kv.num_computed;
   f.num_committed = kv.num_committed;
@@ -233,6 +397,9 @@ SeqKv KvCacheManager::Fork(const SeqKv& kv) const {
   f.lossy = kv.lossy;
   f.reencoded = kv.reencoded;
   f.num_lossy_matched = kv.num_lossy_matched;
+  for (size_t g = 0; g < groups_.size() && g < kv.groups.size(); ++g) {
+    f.groups.push_back(groups_[g]->Fork(kv.groups[g]));
+  }
   return f;
 }
 
@@ -240,10 +407,15 @@ int32_t KvCacheManager::FirstPrivateSlot(const SeqKv& kv) const {
   const std::vector<BlockHandle>& blocks = kv.table.blocks();
   size_t i = blocks.size();
   while (i > 0 && pool_->ref_count(blocks[i - 1]) == 1) --i;
-  return std::min(static_cast<int32_t>(i) * block_size(), kv.table.num_tokens());
+  int32_t slot = std::min(static_cast<int32_t>(i) * block_size(), kv.table.num_tokens());
+  for (size_t g = 0; g < groups_.size() && g < kv.groups.size(); ++g) {
+    slot = std::max(slot, groups_[g]->FirstPrivateSlot(kv.groups[g]));
+  }
+  return slot;
 }
 
 bool KvCacheManager::DropSlots(SeqKv* kv, absl::Span<const int32_t> keep) {
+  if (hybrid()) Die("DropSlots (token eviction) with KV cache groups", num_groups(), 0);
   if (kv->num_committed != kv->num_computed) {
     Die("DropSlots with uncommitted slots", kv->num_committed, kv->num_computed);
   }
@@ -286,6 +458,7 @@ bool KvCacheManager::RotateKeys(SeqKv* kv, absl::Span<const int32_t> slots,
                                 absl::Span<const int32_t> deltas,
                                 const kernels::RopeParams& rope) {
   if (slots.size() != deltas.size()) Die("RotateKeys: slots and deltas differ", 0, 0);
+  if (hybrid()) Die("RotateKeys (token eviction) with KV cache groups", num_groups(), 0);
   if (pool_->on_device()) Die("RotateKeys on device memory", 0, 0);
   const int32_t bs = block_size();
   std::vector<int32_t> written;  // blocks receiving rotated keys, ascending
@@ -313,16 +486,34 @@ bool KvCacheManager::EnsureFree(int32_t blocks) {
   const int32_t short_by = blocks - pool_->num_free_blocks();
   if (short_by <= 0) return true;
   if (prefix_cache_ == nullptr) return false;
+  if (hybrid()) {
+    // A cached prefix needs every group: evict a share from each index (the
+    // same LRU order in each, as the groups cache the same prefixes), until
+    // enough are free or nothing more goes.
+    for (;;) {
+      const int32_t missing = blocks - pool_->num_free_blocks();
+      if (missing <= 0) return true;
+      const int32_t share = (missing + num_groups() - 1) / num_groups();
+      int32_t freed = prefix_cache_->Evict(share);
+      for (const auto& g : groups_) freed += g->prefix_cache_->Evict(share);
+      if (freed == 0) return false;
+    }
+  }
   prefix_cache_->Evict(short_by);
   return pool_->num_free_blocks() >= blocks;
 }
 
 int32_t KvCacheManager::ClearPrefixCache() {
-  return prefix_cache_ ? prefix_cache_->Clear() : -1;
+  if (prefix_cache_ == nullptr) return -1;
+  int32_t n = prefix_cache_->Clear();
+  for (const auto& g : groups_) n += g->prefix_cache_->Clear();
+  return n;
 }
 
 int32_t KvCacheManager::num_evictable_blocks() const {
-  return prefix_cache_ ? prefix_cache_->num_evictable_blocks() : 0;
+  int32_t n = prefix_cache_ ? prefix_cache_->num_evictable_blocks() : 0;
+  for (const auto& g : groups_) n += g->num_evictable_blocks();
+  return n;
 }
 
 void KvCacheManager::CheckInvariants(const SeqKv& kv) const {
@@ -336,6 +527,14 @@ void KvCacheManager::CheckInvariants(const SeqKv& kv) const {
   const int32_t bs = block_size();
   if (kv.table.num_blocks() != (kv.table.num_tokens() + bs - 1) / bs) {
     Die("block count does not cover the slots", kv.table.num_blocks(), kv.table.num_tokens());
+  }
+  for (size_t g = 0; g < kv.groups.size(); ++g) {
+    const SeqKv& k = kv.groups[g];
+    if (g >= groups_.size() || k.num_computed != kv.num_computed ||
+        k.num_committed != kv.num_committed || k.table.num_tokens() != kv.table.num_tokens()) {
+      Die("a KV group out of step with group 0", static_cast<int32_t>(g) + 1, k.num_computed);
+    }
+    groups_[g]->CheckInvariants(k);
   }
 }
 

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -77,6 +78,11 @@ struct SeqKv {
   // was re-rotated to the slot's own index, and new tokens take their slot
   // as RoPE position (KvEvictor switches a sequence over once).
   bool cache_positions = false;
+  // KV cache groups (KvCacheManagerOptions::group_windows): the tables of
+  // groups 1.. with their own counters, which the manager keeps in step with
+  // this one's (group 0: `table` and the fields above). Empty for a model
+  // with one group.
+  std::vector<SeqKv> groups;
 
   // The RoPE position a token written now at `slot` takes.
   int32_t rope_position(int32_t slot) const {
@@ -97,6 +103,24 @@ struct KvCacheManagerOptions {
   // still matches in full; otherwise its node goes hollow (tokens kept, K/V
   // dropped) and the block returns to the pool. 0: full attention.
   int32_t sliding_window = 0;
+  // KV cache groups for hybrid attention (LlamaConfig::KvGroups), two or
+  // more: per group its window (0: full attention). Group 0 must be a full
+  // group; it is this manager's own table and radix index, and every other
+  // group is a manager of its own (window groups release and hollow blocks
+  // as sliding_window above) over the SAME pool, whose blocks hold
+  // pool.n_layers = the layers of one group. Every operation is applied to
+  // every group; a prefix match is the longest every group can serve.
+  // Empty: one group (sliding_window says whether it is windowed).
+  std::vector<int32_t> group_windows;
+  // With group_windows: per model layer its group and its layer in the
+  // group's page (for the forward's per-group views).
+  std::vector<int32_t> layer_group;
+  std::vector<int32_t> layer_index;
+  // With group_windows and the prefix cache: the eviction policy of each
+  // group > 0's index (null: LRU).
+  std::function<std::unique_ptr<EvictionPolicy>()> group_policy;
+  // Internal: a group manager draws from this pool instead of its own.
+  KvPool* shared_pool = nullptr;
 };
 
 // Sliding-window accounting (engine thread; read through the manager).
@@ -156,9 +180,15 @@ class KvCacheManager {
   // to the pool. REQUIRES: num_committed <= num_slots.
   void Truncate(SeqKv* kv, int32_t num_slots);
   // The sequence dropped tokens (or will): it never offers blocks again.
-  void MarkLossy(SeqKv* kv) { kv->lossy = true; }
+  void MarkLossy(SeqKv* kv) {
+    kv->lossy = true;
+    for (SeqKv& g : kv->groups) g.lossy = true;
+  }
   // A load brought K/V a tier re-encoded lossily (SeqKv::reencoded).
-  void MarkReencoded(SeqKv* kv) { kv->reencoded = true; }
+  void MarkReencoded(SeqKv* kv) {
+    kv->reencoded = true;
+    for (SeqKv& g : kv->groups) g.reencoded = true;
+  }
   // Finished or preempted: its committed full blocks and the partly filled
   // last one go to the radix index (unless lossy), then every reference is
   // released; kv is empty afterwards.
@@ -170,7 +200,26 @@ class KvCacheManager {
   // it; a no-op without a window.
   void ReleaseOutOfWindow(SeqKv* kv);
   int32_t sliding_window() const { return window_; }
-  const KvWindowStats& window_stats() const { return window_stats_; }
+  // Summed over the window groups for a hybrid model.
+  const KvWindowStats& window_stats() const;
+
+  // KV cache groups: 1 for a model with one attention kind (the classic
+  // layout), else the groups of KvCacheManagerOptions::group_windows.
+  int32_t num_groups() const { return 1 + static_cast<int32_t>(groups_.size()); }
+  bool hybrid() const { return !groups_.empty(); }
+  int32_t group_window(int32_t g) const { return g == 0 ? window_ : groups_[g - 1]->window_; }
+  // Group g's table of kv (group 0: kv.table). REQUIRES: g < num_groups()
+  // and kv touched by the manager (MatchPrefix or AllocateSlots).
+  const BlockTable& group_table(const SeqKv& kv, int32_t g) const {
+    return g == 0 ? kv.table : kv.groups[g - 1].table;
+  }
+  // Group g's manager (0: this one), for its index and statistics.
+  const KvCacheManager& group_manager(int32_t g) const { return g == 0 ? *this : *groups_[g - 1]; }
+  const std::vector<int32_t>& layer_group() const { return layer_group_; }
+  const std::vector<int32_t>& layer_index() const { return layer_index_; }
+  // Hybrid prefix matches the window groups cut shorter than the full
+  // group's (tokens the window groups had dropped K/V for).
+  int64_t group_window_dropped_tokens() const { return group_window_dropped_; }
   // A new SeqKv sharing every block of kv (the fork of an n > 1 request).
   SeqKv Fork(const SeqKv& kv) const;
   // The first slot from which every block is the sequence's own (reference
@@ -216,7 +265,7 @@ class KvCacheManager {
   int32_t num_evictable_blocks() const;
   bool prefix_cache_enabled() const { return prefix_cache_ != nullptr; }
   const KvPool& pool() const { return *pool_; }
-  KvPool* mutable_pool() { return pool_.get(); }
+  KvPool* mutable_pool() { return pool_; }
   // nullptr when the prefix cache is off.
   const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
   // Retention leases pin through it (scheduler/cache_control.h).
@@ -233,8 +282,19 @@ class KvCacheManager {
   // Whether block b of kv lies in the window of kv's prompt boundary.
   bool InBoundaryWindow(const SeqKv& kv, int32_t b) const;
 
-  std::unique_ptr<KvPool> pool_;
+  // The longest prefix of tokens[0, max_tokens) every group's index serves.
+  int32_t GroupMatchLength(std::string_view salt, absl::Span<const int32_t> tokens,
+                           int32_t max_tokens) const;
+  // Creates kv's group tables (a sequence the manager sees first).
+  void EnsureGroups(SeqKv* kv) const;
+
+  std::unique_ptr<KvPool> owned_pool_;
+  KvPool* pool_ = nullptr;  // owned_pool_, or a group manager's shared pool
   std::unique_ptr<PrefixCache> prefix_cache_;
+  std::vector<std::unique_ptr<KvCacheManager>> groups_;  // groups 1..
+  std::vector<int32_t> layer_group_, layer_index_;
+  int64_t group_window_dropped_ = 0;
+  mutable KvWindowStats group_window_stats_;
   int32_t window_ = 0;
   BlockHandle placeholder_{};  // held while window_ > 0; never written or read
   KvWindowStats window_stats_;

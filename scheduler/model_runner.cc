@@ -21,6 +21,13 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
   row_positions_.clear();
   block_ids_.clear();
   block_offsets_.assign(1, 0);
+  const int32_t n_groups = kv_->num_groups();
+  group_ids_.resize(n_groups > 1 ? n_groups : 0);
+  group_offsets_.resize(group_ids_.size());
+  for (size_t g = 0; g < group_ids_.size(); ++g) {
+    group_ids_[g].clear();
+    group_offsets_[g].assign(1, 0);
+  }
   // Plain sequences (slot == position) send no slot array: the kernels then
   // use the positions, and the bytes and speed are exactly the old ones.
   bool shifted = false;
@@ -61,6 +68,12 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
     row_offsets_.push_back(static_cast<int32_t>(logit_rows_.size()));
     s.kv.table.AppendIds(&block_ids_);
     block_offsets_.push_back(static_cast<int32_t>(block_ids_.size()));
+    for (size_t g = 0; g < group_ids_.size(); ++g) {
+      // KV cache groups: each group's table (window groups' released slots
+      // point at the placeholder block, which the window never reads).
+      kv_->group_table(s.kv, static_cast<int32_t>(g)).AppendIds(&group_ids_[g]);
+      group_offsets_[g].push_back(static_cast<int32_t>(group_ids_[g].size()));
+    }
   }
   const int32_t vocab = vocab_size();
   logits_.resize(logit_rows_.size() * static_cast<size_t>(vocab));
@@ -72,6 +85,16 @@ absl::StatusOr<StepResult> ModelRunner::Run(const BatchPlan& plan) {
   batch.positions = positions_;
   batch.slots = slots_;
   batch.logit_rows = logit_rows_;
+  group_views_.clear();
+  for (size_t g = 0; g < group_ids_.size(); ++g) {
+    group_views_.push_back(kv_->View(group_ids_[g].data(), group_offsets_[g].data(),
+                                     static_cast<int32_t>(plan.chunks.size())));
+  }
+  if (!group_views_.empty()) {
+    batch.group_kv = group_views_;
+    batch.layer_group = kv_->layer_group();
+    batch.layer_index = kv_->layer_index();
+  }
   const int32_t n_kv_heads = backend_->config().n_kv_heads;
   if (mass_stride > 0) {
     mass_.assign(plan.chunks.size() * static_cast<size_t>(n_kv_heads * mass_stride), 0.0f);

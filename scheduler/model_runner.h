@@ -62,6 +62,9 @@ class ModelRunner {
   std::vector<int32_t> tokens_, token_seq_, positions_, slots_, logit_rows_;
   std::vector<int32_t> row_offsets_, row_positions_;
   std::vector<int32_t> block_ids_, block_offsets_;
+  // KV cache groups (hybrid attention): one CSR block table per group.
+  std::vector<std::vector<int32_t>> group_ids_, group_offsets_;
+  std::vector<kernels::PagedKvView> group_views_;
   std::vector<float> logits_, mass_;
   std::vector<uint8_t> mass_wanted_;  // per chunk: an h2o sequence
 };

@@ -338,7 +338,11 @@ void Scheduler::Admit(BatchPlan* plan) {
   int32_t pending_blocks = 0;
   for (Sequence* r : running_) {
     const int32_t unreserved = r->num_input_tokens() - r->kv.table.num_tokens();
-    if (unreserved > 1) pending_blocks += r->kv.table.BlocksNeeded(unreserved);
+    if (unreserved > 1) {
+      // Every KV cache group reserves its table (a bound: window groups let
+      // go of blocks as the prompt's chunks commit).
+      pending_blocks += r->kv.table.BlocksNeeded(unreserved) * kv_->num_groups();
+    }
   }
   // Seats: running sequences count one each, and a request that has not
   // forked yet also holds seats for the n - 1 samples it forks at its first

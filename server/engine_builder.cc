@@ -22,9 +22,14 @@ absl::StatusOr<kernels::KvDType> KvDTypeFromFlags(const EngineFlags& flags) {
 absl::StatusOr<MemoryPlan> PlanFromFlags(const EngineFlags& flags, const LlamaConfig& c) {
   ASSIGN_OR_RETURN(const int64_t budget, ParseMemoryBudget(flags.kv_cache_memory));
   ASSIGN_OR_RETURN(const kernels::KvDType dtype, KvDTypeFromFlags(flags));
-  return PlanKvMemory({c.n_layers, c.n_kv_heads, c.head_dim, c.context_length, c.sliding_window,
-                       c.n_windowed_layers()},
-                      flags.block_size, dtype, budget);
+  KvShape shape{c.n_layers,       c.n_kv_heads,     c.head_dim,
+                c.context_length, c.sliding_window, c.n_windowed_layers()};
+  const LlamaConfig::KvGroups groups = c.MakeKvGroups(flags.kv_layout != "all-layers");
+  if (groups.num_groups() > 1) {
+    shape.layers_per_block = groups.layers_per_group;
+    for (int32_t w : groups.group_window) ++(w > 0 ? shape.window_groups : shape.full_groups);
+  }
+  return PlanKvMemory(shape, flags.block_size, dtype, budget);
 }
 
 absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
@@ -37,6 +42,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,
   o.max_seqs = flags.max_seqs;
   o.static_batching = flags.static_batching;
   o.prefix_cache = flags.prefix_cache;
+  o.kv_cache_groups = flags.kv_layout != "all-layers";
   o.target_itl_ms = flags.target_itl_ms;
   o.max_stall_factor = flags.max_stall_factor;
   o.min_prefill_tokens = flags.min_prefill_tokens;

@@ -27,6 +27,13 @@ void AddEngineFlags(CLI::App* app, EngineFlags* f) {
   app->add_option("--max-seqs", f->max_seqs, "Running sequences at most")->capture_default_str();
   app->add_flag("--static-batching", f->static_batching,
                 "Admit whole batches; no one joins until all finish (for comparison)");
+  app->add_option("--kv-layout", f->kv_layout,
+                  "KV block layout of a hybrid-attention model (full and sliding-window "
+                  "layers, e.g. Gemma 3): groups (one block table per group of layers, the "
+                  "window groups keep only their window), or all-layers (one block holds every "
+                  "layer; for comparison). A single-attention model has one layout")
+      ->check(CLI::IsMember({"groups", "all-layers"}))
+      ->capture_default_str();
   app->add_flag("--prefix-cache,!--no-prefix-cache", f->prefix_cache,
                 "Reuse the KV blocks of cached prompt prefixes (radix prefix cache)")
       ->capture_default_str();

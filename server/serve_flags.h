@@ -28,6 +28,9 @@ struct EngineFlags {
   int32_t block_size = 16;
   std::string kv_cache_memory = "1GiB";
   std::string kv_cache_dtype = "f16";
+  // groups: KV cache groups on a hybrid-attention model (the window layers
+  // keep only their window); all-layers: one block holds every layer.
+  std::string kv_layout = "groups";
   int32_t max_batched_tokens = 512;
   int32_t max_seqs = 64;
   bool static_batching = false;
