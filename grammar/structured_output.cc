@@ -26,6 +26,7 @@ const char* GrammarKindName(GrammarSpec::Kind k) {
     case GrammarSpec::Kind::kEbnf: return "grammar";
     case GrammarSpec::Kind::kChoice: return "choice";
     case GrammarSpec::Kind::kToolCall: return "tool_call";
+    case GrammarSpec::Kind::kToolCallAuto: return "tool_call_auto";
   }
   return "";
 }
@@ -212,6 +213,8 @@ class XgrCompiler final : public GrammarCompiler {
       }
       case K::kToolCall:
         return compiler_.CompileGrammar(ToolCallGrammar(spec.text));
+      case K::kToolCallAuto:
+        return compiler_.CompileStructuralTag(ToolCallTriggers(spec.text));
       case K::kNone: break;
     }
     throw std::runtime_error("no grammar");
@@ -238,6 +241,36 @@ class XgrCompiler final : public GrammarCompiler {
 
   // <tool_call>\n{"name": <one of the tools>, "arguments": <its parameters
   // schema>}\n</tool_call>: SmolLM2 / Hermes / Qwen's tool-call format.
+  // xgrammar's triggered tags: any text until "<tool_call>", then
+  // {"name": <a tool>, "arguments": <its parameters' JSON>}\n</tool_call>,
+  // then any text again (the arguments compact like kJsonSchema's).
+  std::string ToolCallTriggers(const std::string& tools_text) {
+    nlohmann::ordered_json tools = nlohmann::ordered_json::parse(tools_text, nullptr, false);
+    if (tools.is_discarded() || !tools.is_array() || tools.empty()) {
+      throw std::runtime_error("tool_call: no tools");
+    }
+    nlohmann::ordered_json tags = nlohmann::ordered_json::array();
+    for (const auto& t : tools) {
+      nlohmann::ordered_json params = t.contains("parameters") && !t["parameters"].is_null()
+                                          ? t["parameters"]
+                                          : nlohmann::ordered_json{{"type", "object"}};
+      if (!params.is_object()) throw std::runtime_error("tool_call: parameters must be an object");
+      const bool strict = t.value("strict", false);
+      const std::string args =
+          xgrammar::Grammar::FromJSONSchema(params.dump(), /*any_whitespace=*/false, std::nullopt,
+                                            std::nullopt, strict)
+              .ToString();
+      const std::string name = t.at("name").get<std::string>();
+      tags.push_back({{"begin", "<tool_call>\n{\"name\": \"" + name + "\", \"arguments\": "},
+                      {"content", {{"type", "grammar"}, {"grammar", args}}},
+                      {"end", "}\n</tool_call>"}});
+    }
+    nlohmann::ordered_json st = {
+        {"type", "structural_tag"},
+        {"format", {{"type", "triggered_tags"}, {"triggers", {"<tool_call>"}}, {"tags", tags}}}};
+    return st.dump();
+  }
+
   xgrammar::Grammar ToolCallGrammar(const std::string& tools_text) {
     nlohmann::ordered_json tools = nlohmann::ordered_json::parse(tools_text, nullptr, false);
     if (tools.is_discarded() || !tools.is_array() || tools.empty()) {

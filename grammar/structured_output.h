@@ -41,6 +41,10 @@ struct GrammarSpec {
     kChoice,      // choices: exactly one of these strings (structured_outputs.choice)
     kToolCall,    // text: a JSON array of {"name", "parameters"}: one Hermes
                   // <tool_call>{"name", "arguments"}</tool_call> of one of them
+    kToolCallAuto,  // text: a JSON array of {"name", "parameters", "strict"}:
+                    // free text, but each <tool_call> block the model opens is
+                    // a call of one of them with valid arguments (strict tools
+                    // under tool_choice auto)
   };
   Kind kind = Kind::kNone;
   std::string text;

@@ -269,12 +269,9 @@ void ReadTools(FieldReader& r, CompletionParams* p, HttpRequestOptions* o) {
     }
     o->force_tool_call = true;
   } else if (!strict_tools.empty() && choice == "auto") {
-    // With "auto" the model may answer in text; only a forced call is
-    // grammar-constrained, so strict arguments cannot be promised.
-    return r.Fail("tools", absl::StrCat("tools[", strict_tools[0],
-                                        "].function.strict: true is enforced only with tool_choice "
-                                        "\"required\" or a named function (with \"auto\" the "
-                                        "arguments are not grammar-constrained)"));
+    // With "auto" the model may answer in text; a grammar triggered by
+    // <tool_call> constrains each call it opens (ParseOpenAiRequest).
+    o->strict_auto_tools = true;
   }
   r.Bool("parallel_tool_calls", &o->parallel_tool_calls);
   // none: the model is not shown the tools and its reply is plain content.
@@ -767,6 +764,10 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     r.Fail("tool_choice", absl::StrCat("tool_choice forces a tool call, and ", p->grammar_field,
                                        " constrains the reply too; send one of them"));
   }
+  if (o->strict_auto_tools && p->grammar.kind != GrammarSpec::Kind::kNone) {
+    r.Fail("tools", absl::StrCat("tools with strict: true constrain their calls by a grammar, and ",
+                                 p->grammar_field, " constrains the reply too; send one of them"));
+  }
   ReadKvPolicy(r, p);
   // Cache control (docs/cache-control.md): {"retain": {"ttl_s": s, "tokens": n}}.
   if (const json* cc = r.Get("cache_control")) {
@@ -878,7 +879,7 @@ std::optional<ApiError> ParseOpenAiRequest(std::string_view body, bool chat, Ope
       }
     }
   }
-  if (!e && out->options.force_tool_call) {
+  if (!e && (out->options.force_tool_call || out->options.strict_auto_tools)) {
     // One Hermes <tool_call> of the named function, or of any tool
     // (required), whose arguments match its parameters schema.
     nlohmann::ordered_json tools = nlohmann::ordered_json::parse(out->params.tools_json, nullptr, false);
@@ -890,9 +891,11 @@ std::optional<ApiError> ParseOpenAiRequest(std::string_view body, bool chat, Ope
       if (!out->options.forced_tool.empty() && name != out->options.forced_tool) continue;
       nlohmann::ordered_json entry = {{"name", name}};
       if (f.contains("parameters") && !f["parameters"].is_null()) entry["parameters"] = f["parameters"];
+      entry["strict"] = f.contains("strict") && f["strict"].is_boolean() && f["strict"].get<bool>();
       allowed.push_back(std::move(entry));
     }
-    out->params.grammar.kind = GrammarSpec::Kind::kToolCall;
+    out->params.grammar.kind = out->options.force_tool_call ? GrammarSpec::Kind::kToolCall
+                                                            : GrammarSpec::Kind::kToolCallAuto;
     out->params.grammar.text = allowed.dump();
     out->params.grammar.strict = true;
     out->params.grammar_field = "tool_choice";

@@ -43,6 +43,9 @@ struct HttpRequestOptions {
   // reply is grammar-constrained to one call (CompletionParams::grammar).
   bool force_tool_call = false;
   std::string forced_tool;
+  // tool_choice auto with strict tools: text is free, but each <tool_call>
+  // the model opens is grammar-constrained (CompletionParams::grammar).
+  bool strict_auto_tools = false;
 };
 
 struct OpenAiRequest {

@@ -370,5 +370,37 @@ TEST_F(GrammarTest, ToolCallGrammarForcesOneHermesCallWithValidArguments) {
   }
 }
 
+// Accepts `text`'s tokens in turn; false at the first one refused.
+bool AcceptText(const Model* m, TokenConstraint* c, const std::string& text) {
+  for (int32_t t : m->tokenizer->Encode(text, false, false)) {
+    if (!c->Accept(t)) return false;
+  }
+  return true;
+}
+
+TEST_F(GrammarTest, StrictToolsUnderAutoConstrainOnlyTheCallsTheModelOpens) {
+  GrammarSpec s;
+  s.kind = GrammarSpec::Kind::kToolCallAuto;
+  s.text = R"([{"name":"add","strict":true,"parameters":{"type":"object","properties":{)"
+           R"("a":{"type":"integer"},"b":{"type":"integer"}},"required":["a","b"]}}])";
+  auto g = Compile(s);
+  ASSERT_NE(g, nullptr);
+  // Free text, then a valid call, then text again, then the end.
+  std::unique_ptr<TokenConstraint> c = g->NewConstraint();
+  EXPECT_TRUE(AcceptText(m_, c.get(), "Sure, let me add them. "));
+  EXPECT_TRUE(AcceptText(m_, c.get(),
+                         "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>"));
+  EXPECT_TRUE(AcceptText(m_, c.get(), " Done."));
+  EXPECT_TRUE(c->Accept(m_->tokenizer->eos_id()));
+  EXPECT_TRUE(c->IsTerminated());
+  // Inside a call, arguments that break the schema, or another tool's
+  // name, are refused.
+  std::unique_ptr<TokenConstraint> bad = g->NewConstraint();
+  EXPECT_FALSE(AcceptText(m_, bad.get(),
+                          "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": \"one\""));
+  std::unique_ptr<TokenConstraint> other = g->NewConstraint();
+  EXPECT_FALSE(AcceptText(m_, other.get(), "<tool_call>\n{\"name\": \"sub\""));
+}
+
 }  // namespace
 }  // namespace kvserve

@@ -119,7 +119,12 @@ TEST(ToolCallsRequestTest, UnenforceableChoicesAndBadShapesAreRefusedByName) {
   e = FailChat(AgentBody(R"(, "tool_choice": "required", "response_format": {"type": "json_object"})"));
   EXPECT_EQ(e.param, "tool_choice");
   EXPECT_EQ(FailChat(AgentBody(R"(, "tool_choice": "sometimes")")).param, "tool_choice");
-  e = FailChat(R"({"messages": [], "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})");
+  // strict under auto: a grammar triggered by <tool_call>; with
+  // response_format as well, two grammars: refused naming tools.
+  const OpenAiRequest strict_auto = ParseChat(
+      R"({"messages": [], "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})");
+  EXPECT_EQ(strict_auto.params.grammar.kind, GrammarSpec::Kind::kToolCallAuto);
+  e = FailChat(R"({"messages": [], "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})");
   EXPECT_EQ(e.param, "tools");
   EXPECT_THAT(e.message, HasSubstr("strict"));
   EXPECT_THAT(FailChat(R"({"messages": [], "tools": [{"type": "function", "function": {"name": "a b"}}]})").message,
