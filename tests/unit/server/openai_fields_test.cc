@@ -318,5 +318,34 @@ TEST(OpenAiFieldsTest, StructuredOutputShapes) {
   }
 }
 
+// gRPC: SamplingParams.structured_output becomes the same grammar spec.
+TEST(OpenAiFieldsTest, GrpcStructuredOutput) {
+  v1::GenerateRequest g;
+  g.set_prompt("x");
+  g.mutable_sampling()->mutable_structured_output()->set_regex("[0-9]+");
+  absl::StatusOr<CompletionParams> p = GenerateRequestToParams(g);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->grammar.kind, GrammarSpec::Kind::kRegex);
+  EXPECT_EQ(p->grammar.text, "[0-9]+");
+  EXPECT_EQ(p->grammar_field, "structured_output");
+  v1::GenerateRequest c;
+  c.set_prompt("x");
+  auto* so = c.mutable_sampling()->mutable_structured_output();
+  so->mutable_choice()->add_values("yes");
+  so->mutable_choice()->add_values("no");
+  p = GenerateRequestToParams(c);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->grammar.kind, GrammarSpec::Kind::kChoice);
+  EXPECT_EQ(p->grammar.choices, (std::vector<std::string>{"yes", "no"}));
+  v1::GenerateRequest j;
+  j.set_prompt("x");
+  j.mutable_sampling()->mutable_structured_output()->set_json_schema(R"({"type":"object"})");
+  j.mutable_sampling()->mutable_structured_output()->set_strict(false);
+  p = GenerateRequestToParams(j);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->grammar.kind, GrammarSpec::Kind::kJsonSchema);
+  EXPECT_FALSE(p->grammar.strict);
+}
+
 }  // namespace
 }  // namespace kvserve
