@@ -5,7 +5,7 @@
 #
 #   bash deploy/setup.sh            # packages + default model + embedding model
 #   KVSERVE_MODEL_DIR=/srv/models bash deploy/setup.sh
-#   bash deploy/setup.sh --no-model # packages only
+#   bash deploy/setup.sh --no-model # packages and xgrammar's sources only
 #   bash deploy/setup.sh --models all  # also the optional model-family files
 #   bash deploy/setup.sh --with-browser-test  # also Chromium for dashboard_browser_e2e
 set -euo pipefail
@@ -65,6 +65,48 @@ if [ "${#missing[@]}" -gt 0 ]; then
 else
   echo "setup: Debian packages already installed"
 fi
+
+# Structured outputs (grammar-constrained decoding, grammar/): xgrammar's C++
+# core (Apache-2.0), from its PyPI sdist, which carries cpp/, include/ and
+# the headers it bundles (picojson, dlpack). Only those are unpacked, into
+# third_party/ (ignored by git); grammar/CMakeLists.txt compiles its sources
+# as a static library, without the Python bindings. The sha256 was recorded
+# from the first download. A build without it refuses response_format,
+# structured_outputs and forced tool_choice by name.
+fetch_xgrammar() {
+  local ver="0.1.27"
+  local sha="40af7bb2891f1633ec7f660723c74a92a963307d283aca9e3b4e53a0feaf1d46"
+  local dest="$ROOT/third_party/xgrammar-$ver"
+  if [ -f "$dest/.sdist-sha256" ] && [ "$(cat "$dest/.sdist-sha256")" = "$sha" ]; then
+    echo "setup: xgrammar $ver present: $dest"
+    return 0
+  fi
+  local dl
+  dl="$(mktemp -d)"
+  echo "setup: fetching the xgrammar==$ver sdist from PyPI (C++ sources only)"
+  python3 -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+    --dest "$dl" "xgrammar==$ver" 2>/dev/null ||
+    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$dl" "xgrammar==$ver"
+  local sdist="$dl/xgrammar-$ver.tar.gz"
+  if ! echo "$sha  $sdist" | sha256sum -c --status; then
+    rm -rf "$dl"
+    echo "setup: sha256 mismatch for xgrammar-$ver.tar.gz (expected $sha)" >&2
+    exit 1
+  fi
+  mkdir -p "$ROOT/third_party"
+  rm -rf "$dest.part"
+  mkdir "$dest.part"
+  tar -xzf "$sdist" -C "$dest.part" --strip-components=1 \
+    "xgrammar-$ver/LICENSE" "xgrammar-$ver/NOTICE" "xgrammar-$ver/cpp" "xgrammar-$ver/include" \
+    "xgrammar-$ver/3rdparty/picojson/picojson.h" "xgrammar-$ver/3rdparty/dlpack/include" \
+    "xgrammar-$ver/3rdparty/dlpack/LICENSE"
+  rm -rf "$dl" "$dest.part/cpp/nanobind"
+  echo "$sha" > "$dest.part/.sdist-sha256"
+  rm -rf "$dest"
+  mv "$dest.part" "$dest"
+  echo "setup: xgrammar $ver ready: $dest"
+}
+fetch_xgrammar
 
 [ "$WANT_MODEL" = 1 ] || exit 0
 

@@ -40,12 +40,13 @@ bash "$ROOT/deploy/build.sh" "${LAUNCHER[@]}"
 # The official openai Python client, for the HTTP compatibility test
 # (PyPI, in a venv of the project's own).
 # msgspec + pyzmq: the vLLM-format KV event subscriber; prometheus_client: the
-# exposition-format check of /metrics; kubernetes: the manifests' schemas.
+# exposition-format check of /metrics; kubernetes: the manifests' schemas;
+# jsonschema: validates every structured output against its schema.
 if [ ! -x "$ROOT/.venv/bin/python" ] ||
-   ! "$ROOT/.venv/bin/python" -c "import openai, msgspec, zmq, prometheus_client, kubernetes" 2>/dev/null; then
+   ! "$ROOT/.venv/bin/python" -c "import openai, msgspec, zmq, prometheus_client, kubernetes, jsonschema" 2>/dev/null; then
   python3 -m venv "$ROOT/.venv"
   "$ROOT/.venv/bin/pip" install --quiet "openai==3.57.0" "msgspec==0.23.0" "pyzmq==27.3.0" \
-    "prometheus_client==0.26.0" "kubernetes==37.0.3"
+    "prometheus_client==0.26.0" "kubernetes==37.0.3" "jsonschema==4.26.0"
 fi
 export KVSERVE_PYTHON="$ROOT/.venv/bin/python"
 # promtool, for `promtool check metrics` on /metrics (metrics_compat_e2e):

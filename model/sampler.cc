@@ -134,18 +134,33 @@ float Sampler::RawLogprob(absl::Span<const float> logits, int32_t token) {
   return (logits[token] - max) - log_sum;
 }
 
+void Sampler::ApplyMask(absl::Span<const uint32_t> allowed) {
+  const size_t vocab = scratch_.size();
+  for (size_t w = 0; w * 32 < vocab; ++w) {
+    const uint32_t bits = w < allowed.size() ? allowed[w] : 0u;
+    if (bits == ~0u) continue;  // the common case in free text: all 32 allowed
+    const size_t end = std::min(vocab, w * 32 + 32);
+    for (size_t i = w * 32; i < end; ++i) {
+      if (!((bits >> (i - w * 32)) & 1u)) scratch_[i] = kNegInf;
+    }
+  }
+}
+
 SampleResult Sampler::Sample(absl::Span<const float> logits, absl::Span<const int32_t> prompt,
-                             absl::Span<const int32_t> generated) {
+                             absl::Span<const int32_t> generated,
+                             absl::Span<const uint32_t> allowed) {
   SampleResult result;
   if (logits.empty()) return result;
   const size_t vocab = logits.size();
 
-  // Penalties need a private copy; without them greedy reads the raw logits
-  // directly.
-  const bool penalized = HasPenalties();
+  // Penalties and a mask need a private copy; without them greedy reads the
+  // raw logits directly.
+  const bool masked = !allowed.empty();
+  const bool penalized = HasPenalties() || masked;
   if (penalized) {
     scratch_.assign(logits.begin(), logits.end());
-    ApplyPenalties(prompt, generated);
+    if (HasPenalties()) ApplyPenalties(prompt, generated);
+    if (masked) ApplyMask(allowed);
   }
 
   if (params_.temperature == 0.0f) {

@@ -47,8 +47,13 @@ class Sampler {
   // logits: vocab_size floats (not modified). prompt: the prompt's token ids
   // (repetition penalty covers prompt + generated); generated: tokens sampled
   // so far (presence/frequency penalties).
+  // allowed: empty, or a bitmask over the vocabulary (bit i of word i / 32:
+  // token i may be drawn; grammar-constrained decoding): every other token's
+  // logit is -inf before greedy or sampled selection. The log-probability
+  // stays the raw distribution's.
   SampleResult Sample(absl::Span<const float> logits, absl::Span<const int32_t> prompt,
-                      absl::Span<const int32_t> generated);
+                      absl::Span<const int32_t> generated,
+                      absl::Span<const uint32_t> allowed = {});
 
  private:
   // A token still in the running, with its (possibly unnormalized)
@@ -61,6 +66,8 @@ class Sampler {
   bool HasPenalties() const;
   // Applies repetition, presence and frequency penalties to scratch_.
   void ApplyPenalties(absl::Span<const int32_t> prompt, absl::Span<const int32_t> generated);
+  // Sets scratch_[i] to -inf for every token `allowed` does not set.
+  void ApplyMask(absl::Span<const uint32_t> allowed);
   // REQUIRES: temperature > 0; scratch_ holds the (penalized) logits.
   // Overwrites scratch_ and returns the drawn token.
   int32_t SampleFromScratch();

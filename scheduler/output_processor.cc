@@ -71,7 +71,7 @@ void OutputProcessor::Process(const BatchPlan& plan, const StepResult& result) {
     std::vector<Sequence*> targets = {s};
     for (size_t j = first_child; j < g->seqs.size(); ++j) targets.push_back(g->seqs[j].get());
     for (Sequence* t : targets) {
-      const SampleResult res = t->sampler().Sample(r, t->prompt(), t->generated());
+      const SampleResult res = SampleNext(t, r);
       EmitToken(t, res.token, res.logprob);
     }
   }
@@ -108,7 +108,9 @@ void OutputProcessor::Verify(Sequence* s, int32_t first_position, int32_t first_
     // sequence caches exactly what it would have without a draft — not the
     // K/V of an accepted token that a plain decode would not have computed yet.
     CommitFinal(s);
-    const SampleResult res = s->sampler().Sample(row_at(row), s->prompt(), s->generated());
+    // A draft token the grammar forbids is never the masked sample: the
+    // grammar checks the draft here, one accepted token at a time.
+    const SampleResult res = SampleNext(s, row_at(row));
     if (s->num_speculative() == 0) {
       EmitToken(s, res.token, res.logprob);  // the draft is all in: the next token
       break;
@@ -146,8 +148,28 @@ void OutputProcessor::Fork(Sequence* parent) {
   g->forked = true;
 }
 
+SampleResult OutputProcessor::SampleNext(Sequence* s, absl::Span<const float> row) {
+  TokenConstraint* c = s->constraint();
+  if (c == nullptr) return s->sampler().Sample(row, s->prompt(), s->generated());
+  mask_.resize(MaskWords(static_cast<int32_t>(row.size())));
+  const bool apply = c->FillMask(absl::MakeSpan(mask_));
+  return s->sampler().Sample(row, s->prompt(), s->generated(),
+                             apply ? absl::MakeConstSpan(mask_) : absl::Span<const uint32_t>());
+}
+
 void OutputProcessor::EmitToken(Sequence* s, int32_t token, float logprob) {
   const SamplingParams& p = s->group()->request.params;
+  if (TokenConstraint* c = s->constraint()) {
+    // The token came from the grammar's mask, so it is accepted; a stop
+    // token is allowed only where the grammar is complete, and ends the
+    // sample (whatever ignore_eos says: the grammar has nothing after it).
+    // A token the grammar refuses (never, short of a bug) ends it too
+    // rather than emit text outside the grammar.
+    if (!c->Accept(token) || c->IsTerminated()) {
+      FinishSequence(s, FinishReason::kStop);
+      return;
+    }
+  }
   const bool is_stop_id =
       std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
   if ((!p.ignore_eos && tokenizer_->IsEndOfGeneration(token)) || is_stop_id) {

@@ -62,6 +62,9 @@ class OutputProcessor {
   void Verify(Sequence* s, int32_t first_position, int32_t first_row, int32_t end_row,
               const std::function<absl::Span<const float>(int32_t)>& row_at);
   void EmitToken(Sequence* s, int32_t token, float logprob);
+  // The sampler's next token from `row`, drawn among the tokens s's grammar
+  // allows when it has one.
+  SampleResult SampleNext(Sequence* s, absl::Span<const float> row);
   SeqEvent Event(const Sequence& s) const;
 
   KvCacheManager* kv_;
@@ -70,6 +73,7 @@ class OutputProcessor {
   KvEvictor evictor_;
   int64_t generation_tokens_total_ = 0;
   int64_t requests_cancelled_ = 0;
+  std::vector<uint32_t> mask_;  // the grammar's allowed tokens, reused per sample
 };
 
 }  // namespace kvserve

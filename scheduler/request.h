@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,6 +19,8 @@
 #include "model/sampler.h"
 
 namespace kvserve {
+
+class CompiledGrammar;  // grammar/structured_output.h
 
 // Token eviction for long contexts: which cached tokens a sequence keeps.
 //   none    every token (default)
@@ -84,6 +87,12 @@ struct EngineRequest {
   // Speculative decoding (scheduler/speculation.h): which proposers draft
   // for this request; kDefault: the engine's default. Never changes the output.
   SpecMode speculative = SpecMode::kDefault;
+  // Grammar-constrained decoding (structured outputs, forced tool calls):
+  // each sample's tokens are drawn only among those the grammar allows, and
+  // the sample stops where the grammar ends. Null: free text. The front end
+  // compiles it (grammar/structured_output.h); it is part of the response
+  // cache's key.
+  std::shared_ptr<const CompiledGrammar> grammar{};
 };
 
 // What a request is checked against: the model's and the engine's limits.

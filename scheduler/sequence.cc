@@ -56,7 +56,8 @@ Sequence::Sequence(SequenceGroup* group, int32_t index, std::vector<int32_t> tok
       num_prompt_(static_cast<int32_t>(group->request.prompt.size())),
       sampler_(std::make_unique<Sampler>(ForSample(group->request.params, index))),
       detok_(std::make_unique<StreamingDetokenizer>(tokenizer)),
-      stops_(std::make_unique<StopStringMatcher>(group->request.params.stop)) {}
+      stops_(std::make_unique<StopStringMatcher>(group->request.params.stop)),
+      constraint_(group->request.grammar ? group->request.grammar->NewConstraint() : nullptr) {}
 
 void Sequence::set_state(SeqState next) {
   if (!Allowed(state_, next)) {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "grammar/structured_output.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "scheduler/kv_cache_manager.h"
@@ -135,6 +136,8 @@ class Sequence {
   Sampler& sampler() { return *sampler_; }
   StreamingDetokenizer& detok() { return *detok_; }
   StopStringMatcher& stops() { return *stops_; }
+  // The request's grammar as this sample has followed it; null without one.
+  TokenConstraint* constraint() { return constraint_.get(); }
 
  private:
   SequenceGroup* group_;
@@ -147,6 +150,7 @@ class Sequence {
   std::unique_ptr<Sampler> sampler_;
   std::unique_ptr<StreamingDetokenizer> detok_;
   std::unique_ptr<StopStringMatcher> stops_;
+  std::unique_ptr<TokenConstraint> constraint_;
 };
 
 // A request: n samples of one prompt. Until the fork, seqs holds only the

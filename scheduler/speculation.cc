@@ -413,6 +413,18 @@ void Speculator::Propose(const std::vector<Sequence*>& running, bool prompts_pen
       continue;
     }
     std::vector<int32_t> draft(cands[i].p.tokens.begin(), cands[i].p.tokens.begin() + take[i]);
+    // A grammar-constrained sample drafts only what its grammar allows: the
+    // draft is cut where the grammar refuses it (the matcher accepts the
+    // tokens and rolls them back), since verification could keep nothing
+    // past there.
+    if (TokenConstraint* c = s->constraint()) {
+      take[i] = c->ValidPrefix(draft);
+      draft.resize(static_cast<size_t>(take[i]));
+      if (take[i] == 0) {
+        ++stats_.cut_by_grammar;
+        continue;
+      }
+    }
     s->SetDraft(std::move(draft), /*speculative=*/true);
     SeqSpec& st = seqs_[s];
     st.pending_k = take[i];

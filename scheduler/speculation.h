@@ -177,6 +177,7 @@ struct SpeculationStats {
   std::array<int64_t, kSpecMatchBuckets> proposed_by_match{};
   std::array<int64_t, kSpecMatchBuckets> accepted_by_match{};
   int64_t skipped_by_cost = 0;  // proposals the cost model dropped in full
+  int64_t cut_by_grammar = 0;   // proposals whose first token the request's grammar refuses
   int64_t held_for_prompts = 0;  // steps without drafts because prompts waited
   // The measured step cost line (alpha + beta * tokens) the decisions use
   // for step sizes the per-size table has not measured.

@@ -84,6 +84,35 @@ void ApplySampling(const pb::SamplingParams& s, CompletionParams* p) {
   p->logprobs = s.logprobs();
   p->ignore_eos = s.ignore_eos();
   p->priority = s.priority();
+  if (s.has_structured_output()) {
+    const pb::StructuredOutput& so = s.structured_output();
+    GrammarSpec& g = p->grammar;
+    switch (so.kind_case()) {
+      case pb::StructuredOutput::kJsonSchema:
+        g.kind = GrammarSpec::Kind::kJsonSchema;
+        g.text = so.json_schema();
+        break;
+      case pb::StructuredOutput::kJsonObject:
+        if (so.json_object()) g.kind = GrammarSpec::Kind::kJsonObject;
+        break;
+      case pb::StructuredOutput::kRegex:
+        g.kind = GrammarSpec::Kind::kRegex;
+        g.text = so.regex();
+        break;
+      case pb::StructuredOutput::kGrammar:
+        g.kind = GrammarSpec::Kind::kEbnf;
+        g.text = so.grammar();
+        break;
+      case pb::StructuredOutput::kChoice:
+        g.kind = GrammarSpec::Kind::kChoice;
+        g.choices.assign(so.choice().values().begin(), so.choice().values().end());
+        break;
+      case pb::StructuredOutput::KIND_NOT_SET:
+        break;
+    }
+    g.strict = !so.has_strict() || so.strict();
+    p->grammar_field = "structured_output";
+  }
 }
 
 // Unset fields stay unset, so the server's defaults fill them (Prepare).

@@ -213,6 +213,22 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   }
   if (out.retain || out.cache_report) out.notes = std::make_shared<CacheNotes>();
   ASSIGN_OR_RETURN(r.kv_policy, ResolveKvPolicy(p.kv_policy, limits_.kv_policy));
+  if (!p.grammar.empty()) {
+    const std::string field = p.grammar_field.empty() ? "structured_outputs" : p.grammar_field;
+    if (!GrammarCompiler::Available()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " is not supported: ", GrammarCompiler::UnavailableReason()));
+    }
+    ASSIGN_OR_RETURN(GrammarCompiler * grammars, Grammars());
+    absl::StatusOr<std::shared_ptr<const CompiledGrammar>> compiled = grammars->Compile(p.grammar);
+    if (!compiled.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", compiled.status().message()));
+    }
+    r.grammar = *std::move(compiled);
+    // A semantic answer must have been made under the same grammar.
+    absl::StrAppend(&out.semantic_context, "grammar:", r.grammar->key().size(), ":",
+                    r.grammar->key(), "\n");
+  }
   if (p.speculative) {
     RETURN_IF_ERROR(ParseSpecMode(*p.speculative, "speculative", &r.speculative,
                                   /*allow_default=*/true));
@@ -226,6 +242,14 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   RETURN_IF_ERROR(ValidateEngineRequest(r, limits));
   out.prompt_tokens = static_cast<int32_t>(r.prompt.size());
   return out;
+}
+
+absl::StatusOr<GrammarCompiler*> ModelService::Grammars() const {
+  std::lock_guard<std::mutex> lock(grammar_mu_);
+  if (grammars_ == nullptr) {
+    ASSIGN_OR_RETURN(grammars_, GrammarCompiler::Create(*tokenizer_, model_->config().vocab_size));
+  }
+  return grammars_.get();
 }
 
 namespace {

@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "cache/kv_event_log.h"
+#include "grammar/structured_output.h"
 #include "model/chat_template.h"
 #include "model/llama.h"
 #include "model/tokenizer.h"
@@ -105,6 +106,10 @@ struct CompletionParams {
   std::string cache_tenant;
   std::optional<RetainAsk> retain;
   bool cache_report = false;  // the reply carries a cache report
+  // Grammar-constrained decoding (structured outputs, a forced tool call),
+  // and the request field that asked for it, which errors name.
+  GrammarSpec grammar;
+  std::string grammar_field;
 };
 
 struct PreparedRequest {
@@ -219,6 +224,8 @@ class ModelService {
   StreamSink RetainingSink(const PreparedRequest& request, StreamSink sink);
   // The engine path of Start (admission, timing, metrics).
   absl::StatusOr<uint64_t> Submit(PreparedRequest request, StreamSink sink);
+  // The grammar compiler over the served vocabulary, made on first use.
+  absl::StatusOr<GrammarCompiler*> Grammars() const;
 
   std::string model_name_;
   LlamaModel* model_;
@@ -244,6 +251,8 @@ class ModelService {
   std::shared_ptr<CacheControl> cache_control_;
   TemplateDriftGuard* drift_ = nullptr;
   std::atomic<uint64_t> next_replay_id_{uint64_t{1} << 62};
+  mutable std::mutex grammar_mu_;
+  mutable std::unique_ptr<GrammarCompiler> grammars_;  // guarded by grammar_mu_
 };
 
 }  // namespace kvserve

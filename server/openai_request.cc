@@ -1,6 +1,7 @@
 // Parses OpenAI request bodies into CompletionParams (see openai_request.h).
 #include "server/openai_request.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -172,6 +173,7 @@ std::optional<std::string> CheckToolCalls(const json& v, const std::string& at) 
 // then, rather than asked of the model and hoped for.
 void ReadTools(FieldReader& r, CompletionParams* p, HttpRequestOptions* o) {
   std::vector<std::string> names;
+  std::vector<size_t> strict_tools;  // tools with strict: true
   if (const json* tools = r.Get("tools")) {
     if (!tools->is_array()) return r.Fail("tools", "tools must be an array of tool objects");
     for (size_t i = 0; i < tools->size(); ++i) {
@@ -207,12 +209,7 @@ void ReadTools(FieldReader& r, CompletionParams* p, HttpRequestOptions* o) {
           }
         } else if (k == "strict") {
           if (!v.is_boolean()) return r.Fail("tools", at + ".function.strict must be a boolean");
-          if (v.get<bool>()) {
-            return r.Fail("tools", at +
-                                       ".function.strict is not supported: schema-exact "
-                                       "arguments need grammar-constrained decoding, which this "
-                                       "server does not implement yet");
-          }
+          if (v.get<bool>()) strict_tools.push_back(i);
         } else {
           return r.Fail("tools", absl::StrCat(at, ".function.", k, " is not supported"));
         }
@@ -225,29 +222,201 @@ void ReadTools(FieldReader& r, CompletionParams* p, HttpRequestOptions* o) {
   if (const json* tc = r.Get("tool_choice")) {
     if (tc->is_string()) {
       choice = tc->get<std::string>();
-      if (choice == "required") {
-        return r.Fail("tool_choice",
-                      "tool_choice \"required\" is not supported: forcing a tool call needs "
-                      "grammar-constrained decoding, which this server does not implement yet; "
-                      "use \"auto\" or \"none\"");
-      }
-      if (choice != "auto" && choice != "none") {
+      if (choice != "auto" && choice != "none" && choice != "required") {
         return r.Fail("tool_choice", "tool_choice must be \"auto\", \"none\", \"required\" or "
                                      "{\"type\": \"function\", \"function\": {\"name\"}}");
       }
     } else if (tc->is_object()) {
-      return r.Fail("tool_choice",
-                    "tool_choice naming a function is not supported: forcing a tool call needs "
-                    "grammar-constrained decoding, which this server does not implement yet; use "
-                    "\"auto\" or \"none\"");
+      // {"type": "function", "function": {"name": "..."}}
+      for (const auto& [k, v] : tc->items()) {
+        if (k != "type" && k != "function" && !v.is_null()) {
+          return r.Fail("tool_choice", absl::StrCat("tool_choice.", k, " is not supported"));
+        }
+      }
+      auto f = tc->find("function");
+      const json* name = nullptr;
+      if (f != tc->end() && f->is_object()) {
+        auto n = f->find("name");
+        if (n != f->end() && n->is_string()) name = &*n;
+      }
+      if (tc->value("type", json()) != "function" || name == nullptr) {
+        return r.Fail("tool_choice", "tool_choice must be \"auto\", \"none\", \"required\" or "
+                                     "{\"type\": \"function\", \"function\": {\"name\"}}");
+      }
+      for (const auto& [k, v] : f->items()) {
+        if (k != "name" && !v.is_null()) {
+          return r.Fail("tool_choice", absl::StrCat("tool_choice.function.", k, " is not supported"));
+        }
+      }
+      choice = name->get<std::string>();
+      if (std::find(names.begin(), names.end(), choice) == names.end()) {
+        return r.Fail("tool_choice", absl::StrCat("tool_choice names function '", choice,
+                                                  "', which is not among tools"));
+      }
+      o->forced_tool = choice;
+      choice = "function";
     } else {
       return r.Fail("tool_choice", "tool_choice must be a string or an object");
     }
+  }
+  if (choice == "required" || choice == "function") {
+    // Enforced by a grammar (ParseOpenAiRequest builds it from the tools as
+    // the client ordered them): the reply is one tool call whose arguments
+    // match the function's parameters schema.
+    if (names.empty()) {
+      return r.Fail("tool_choice", absl::StrCat("tool_choice \"", choice == "required" ? "required" : o->forced_tool,
+                                                "\" forces a tool call, but no tools are given"));
+    }
+    o->force_tool_call = true;
+  } else if (!strict_tools.empty() && choice == "auto") {
+    // With "auto" the model may answer in text; a grammar triggered by
+    // <tool_call> constrains each call it opens (ParseOpenAiRequest).
+    o->strict_auto_tools = true;
   }
   r.Bool("parallel_tool_calls", &o->parallel_tool_calls);
   // none: the model is not shown the tools and its reply is plain content.
   if (choice == "none") p->tools_json.clear();
   o->parse_tool_calls = !p->tools_json.empty();
+}
+
+// response_format (chat): {"type": "text"} (free text), {"type":
+// "json_object"}, or {"type": "json_schema", "json_schema": {"name",
+// "description", "schema", "strict"}}.
+void ReadResponseFormat(FieldReader& r, CompletionParams* p) {
+  const json* v = r.Get("response_format");
+  if (v == nullptr) return;
+  if (!v->is_object()) return r.Fail("response_format", "response_format must be an object");
+  auto type = v->find("type");
+  if (type == v->end() || !type->is_string()) {
+    return r.Fail("response_format", "response_format.type must be \"text\", \"json_object\" or "
+                                     "\"json_schema\"");
+  }
+  const std::string t = type->get<std::string>();
+  for (const auto& [k, value] : v->items()) {
+    if (value.is_null() || k == "type" || (k == "json_schema" && t == "json_schema")) continue;
+    return r.Fail("response_format",
+                  absl::StrCat("response_format.", k, " is not supported with type \"", t, "\""));
+  }
+  if (t == "text") return;
+  GrammarSpec g;
+  if (t == "json_object") {
+    g.kind = GrammarSpec::Kind::kJsonObject;
+  } else if (t == "json_schema") {
+    auto js = v->find("json_schema");
+    if (js == v->end() || !js->is_object()) {
+      return r.Fail("response_format", "response_format.json_schema must be an object {\"name\", "
+                                       "\"schema\", \"strict\"}");
+    }
+    g.kind = GrammarSpec::Kind::kJsonSchema;
+    g.strict = false;  // OpenAI's default
+    bool named = false;
+    for (const auto& [k, value] : js->items()) {
+      if (value.is_null()) continue;
+      if (k == "name") {
+        const std::string n = value.is_string() ? value.get<std::string>() : "";
+        if (n.empty() || n.size() > 64 ||
+            n.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") !=
+                std::string::npos) {
+          return r.Fail("response_format",
+                        "response_format.json_schema.name must be 1-64 letters, digits, _ or -");
+        }
+        named = true;
+      } else if (k == "description") {
+        if (!value.is_string()) {
+          return r.Fail("response_format", "response_format.json_schema.description must be a string");
+        }
+      } else if (k == "schema") {
+        if (!value.is_object()) {
+          return r.Fail("response_format",
+                        "response_format.json_schema.schema must be a JSON schema object");
+        }
+        g.text = value.dump();
+      } else if (k == "strict") {
+        if (!value.is_boolean()) {
+          return r.Fail("response_format", "response_format.json_schema.strict must be a boolean");
+        }
+        g.strict = value.get<bool>();
+      } else {
+        return r.Fail("response_format",
+                      absl::StrCat("response_format.json_schema.", k, " is not supported"));
+      }
+    }
+    if (!named) return r.Fail("response_format", "response_format.json_schema.name is required");
+    if (g.text.empty()) g.kind = GrammarSpec::Kind::kJsonObject;  // no schema: any object
+  } else {
+    return r.Fail("response_format", absl::StrCat("response_format.type \"", t,
+                                                  "\" is not supported (text, json_object, "
+                                                  "json_schema)"));
+  }
+  p->grammar = std::move(g);
+  p->grammar_field = "response_format";
+}
+
+// structured_outputs (vLLM's shape): exactly one of {"json": schema (object
+// or its JSON text)}, {"regex": str}, {"choice": [str]}, {"grammar": EBNF
+// str}, {"json_object": true}.
+void ReadStructuredOutputs(FieldReader& r, CompletionParams* p) {
+  const json* v = r.Get("structured_outputs");
+  if (v == nullptr) return;
+  constexpr char kShape[] =
+      "structured_outputs must be an object with one of json, regex, choice, grammar, json_object";
+  if (!v->is_object()) return r.Fail("structured_outputs", kShape);
+  GrammarSpec g;
+  int given = 0;
+  for (const auto& [k, value] : v->items()) {
+    if (value.is_null()) continue;
+    const std::string at = "structured_outputs." + k;
+    if (k == "json") {
+      ++given;
+      g.kind = GrammarSpec::Kind::kJsonSchema;
+      if (value.is_string()) {
+        json parsed = json::parse(value.get<std::string>(), nullptr, false);
+        if (parsed.is_discarded() || !parsed.is_object()) {
+          return r.Fail("structured_outputs", at + " must be a JSON schema (an object or its JSON text)");
+        }
+        g.text = parsed.dump();
+      } else if (value.is_object()) {
+        g.text = value.dump();
+      } else {
+        return r.Fail("structured_outputs", at + " must be a JSON schema (an object or its JSON text)");
+      }
+    } else if (k == "regex" || k == "grammar") {
+      ++given;
+      if (!value.is_string() || value.get<std::string>().empty()) {
+        return r.Fail("structured_outputs", at + " must be a non-empty string");
+      }
+      g.kind = k == "regex" ? GrammarSpec::Kind::kRegex : GrammarSpec::Kind::kEbnf;
+      g.text = value.get<std::string>();
+    } else if (k == "choice") {
+      ++given;
+      if (!value.is_array() || value.empty()) {
+        return r.Fail("structured_outputs", at + " must be a non-empty array of strings");
+      }
+      g.kind = GrammarSpec::Kind::kChoice;
+      for (const json& c : value) {
+        if (!c.is_string() || c.get<std::string>().empty()) {
+          return r.Fail("structured_outputs", at + " must be a non-empty array of non-empty strings");
+        }
+        g.choices.push_back(c.get<std::string>());
+      }
+    } else if (k == "json_object") {
+      if (!value.is_boolean()) return r.Fail("structured_outputs", at + " must be a boolean");
+      if (value.get<bool>()) {
+        ++given;
+        g.kind = GrammarSpec::Kind::kJsonObject;
+      }
+    } else {
+      return r.Fail("structured_outputs",
+                    absl::StrCat(at, " is not supported (json, regex, choice, grammar, json_object)"));
+    }
+  }
+  if (given != 1) return r.Fail("structured_outputs", kShape);
+  if (p->grammar.kind != GrammarSpec::Kind::kNone) {
+    return r.Fail("structured_outputs",
+                  "structured_outputs and response_format both constrain the output; send one");
+  }
+  p->grammar = std::move(g);
+  p->grammar_field = "structured_outputs";
 }
 
 // Parses `messages`: content is a string, null, or an array of text parts.
@@ -364,6 +533,9 @@ void ReadKvPolicy(FieldReader& r, CompletionParams* p) {
 // for nothing (store: false, modalities: ["text"], ...); AcceptedAsNoOp
 // says which. Anything else is an unknown field: a 400 naming it too.
 enum class Endpoint { kBoth, kChat, kCompletions };
+constexpr char kGuidedRefusal[] =
+    "vLLM's older guided_* fields are not accepted; send structured_outputs {\"json\": schema} "
+    "(or \"regex\", \"choice\", \"grammar\", \"json_object\"), as vLLM does now";
 struct FieldRule {
   const char* name;
   Endpoint endpoint;
@@ -404,10 +576,18 @@ constexpr FieldRule kFieldRules[] = {
     {"cache_report", Endpoint::kBoth, nullptr},
     {"speculative", Endpoint::kBoth, nullptr},
     {"response_cache", Endpoint::kBoth, nullptr},
+    // Structured outputs (grammar-constrained decoding): OpenAI's
+    // response_format, and vLLM's structured_outputs for what a JSON schema
+    // cannot say (regex, EBNF grammar, choice).
+    {"response_format", Endpoint::kChat, nullptr},
+    {"structured_outputs", Endpoint::kBoth, nullptr},
+    {"guided_json", Endpoint::kBoth, kGuidedRefusal},
+    {"guided_regex", Endpoint::kBoth, kGuidedRefusal},
+    {"guided_choice", Endpoint::kBoth, kGuidedRefusal},
+    {"guided_grammar", Endpoint::kBoth, kGuidedRefusal},
+    {"guided_decoding_backend", Endpoint::kBoth, kGuidedRefusal},
+    {"guided_whitespace_pattern", Endpoint::kBoth, kGuidedRefusal},
     // OpenAI's fields this server does not implement.
-    {"response_format", Endpoint::kChat,
-     "structured outputs are not implemented by this server; only {\"type\": \"text\"} is "
-     "accepted"},
     {"logit_bias", Endpoint::kBoth, "token biases are not implemented by this server"},
     {"audio", Endpoint::kChat, "audio output is not supported by this server"},
     {"modalities", Endpoint::kChat, "this server produces text only; only [\"text\"] is accepted"},
@@ -519,6 +699,7 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     } else {
       r.Integer("max_tokens", &p->max_tokens);
     }
+    ReadResponseFormat(r, p);
     ReadTools(r, p, o);
     if (const json* lp = r.Get("logprobs")) {
       if (!lp->is_boolean()) {
@@ -577,6 +758,15 @@ std::optional<ApiError> ParseBody(const json& body, bool chat, CompletionParams*
     } else {
       p->cache_salt = salt->get<std::string>();
     }
+  }
+  ReadStructuredOutputs(r, p);
+  if (o->force_tool_call && p->grammar.kind != GrammarSpec::Kind::kNone) {
+    r.Fail("tool_choice", absl::StrCat("tool_choice forces a tool call, and ", p->grammar_field,
+                                       " constrains the reply too; send one of them"));
+  }
+  if (o->strict_auto_tools && p->grammar.kind != GrammarSpec::Kind::kNone) {
+    r.Fail("tools", absl::StrCat("tools with strict: true constrain their calls by a grammar, and ",
+                                 p->grammar_field, " constrains the reply too; send one of them"));
   }
   ReadKvPolicy(r, p);
   // Cache control (docs/cache-control.md): {"retain": {"ttl_s": s, "tokens": n}}.
@@ -668,12 +858,47 @@ std::optional<ApiError> ParseOpenAiRequest(std::string_view body, bool chat, Ope
   }
   *out = OpenAiRequest{};
   std::optional<ApiError> e = ParseBody(parsed, chat, &out->params, &out->options);
-  if (!e && !out->params.tools_json.empty()) {
-    // The catalogue as the client ordered it (name, description,
-    // parameters): the model reads it, and parsing above sorted the keys.
+  const bool schema = out->params.grammar.kind == GrammarSpec::Kind::kJsonSchema;
+  if (!e && (!out->params.tools_json.empty() || schema)) {
+    // The catalogue and the schemas as the client ordered them (name,
+    // description, parameters; a schema's properties): the model reads the
+    // tools, the grammar writes properties in schema order, and parsing
+    // above sorted the keys.
     nlohmann::ordered_json ordered =
         nlohmann::ordered_json::parse(body.begin(), body.end(), nullptr, false);
-    if (!ordered.is_discarded()) out->params.tools_json = ordered["tools"].dump();
+    if (!ordered.is_discarded()) {
+      if (!out->params.tools_json.empty()) out->params.tools_json = ordered["tools"].dump();
+      if (schema && out->params.grammar_field == "response_format") {
+        out->params.grammar.text = ordered["response_format"]["json_schema"]["schema"].dump();
+      } else if (schema && ordered["structured_outputs"]["json"].is_object()) {
+        out->params.grammar.text = ordered["structured_outputs"]["json"].dump();
+      } else if (schema && ordered["structured_outputs"]["json"].is_string()) {
+        nlohmann::ordered_json s = nlohmann::ordered_json::parse(
+            ordered["structured_outputs"]["json"].get<std::string>(), nullptr, false);
+        if (!s.is_discarded()) out->params.grammar.text = s.dump();
+      }
+    }
+  }
+  if (!e && (out->options.force_tool_call || out->options.strict_auto_tools)) {
+    // One Hermes <tool_call> of the named function, or of any tool
+    // (required), whose arguments match its parameters schema.
+    nlohmann::ordered_json tools = nlohmann::ordered_json::parse(out->params.tools_json, nullptr, false);
+    nlohmann::ordered_json allowed = nlohmann::ordered_json::array();
+    for (const auto& t : tools) {
+      const auto& f = t["function"];
+      if (!f.is_object() || !f["name"].is_string()) continue;
+      const std::string name = f["name"].get<std::string>();
+      if (!out->options.forced_tool.empty() && name != out->options.forced_tool) continue;
+      nlohmann::ordered_json entry = {{"name", name}};
+      if (f.contains("parameters") && !f["parameters"].is_null()) entry["parameters"] = f["parameters"];
+      entry["strict"] = f.contains("strict") && f["strict"].is_boolean() && f["strict"].get<bool>();
+      allowed.push_back(std::move(entry));
+    }
+    out->params.grammar.kind = out->options.force_tool_call ? GrammarSpec::Kind::kToolCall
+                                                            : GrammarSpec::Kind::kToolCallAuto;
+    out->params.grammar.text = allowed.dump();
+    out->params.grammar.strict = true;
+    out->params.grammar_field = "tool_choice";
   }
   return e;
 }

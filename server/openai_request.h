@@ -39,6 +39,13 @@ struct HttpRequestOptions {
   // (server/tool_calls.h); parallel false keeps the first call only.
   bool parse_tool_calls = false;
   bool parallel_tool_calls = true;
+  // tool_choice "required" (forced_tool empty) or a named function: the
+  // reply is grammar-constrained to one call (CompletionParams::grammar).
+  bool force_tool_call = false;
+  std::string forced_tool;
+  // tool_choice auto with strict tools: text is free, but each <tool_call>
+  // the model opens is grammar-constrained (CompletionParams::grammar).
+  bool strict_auto_tools = false;
 };
 
 struct OpenAiRequest {

@@ -49,7 +49,7 @@ const std::set<std::string>& KnownParams() {
       "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
       "stop_token_ids", "ignore_eos",  "stream",            "stream_options",
       "echo",      "max_completion_tokens", "priority",     "tools",
-      "cache_salt", "kv_policy"};
+      "cache_salt", "kv_policy", "response_format", "structured_outputs", "tool_choice"};
   return kParams;
 }
 

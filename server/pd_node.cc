@@ -453,6 +453,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     er.n = 1;
     er.draft_tokens.clear();
     er.kv_policy = KvPolicy{};
+    er.grammar = nullptr;  // the decode node samples, under its own Prepare's grammar
     const auto deadline = PdClock::now() + std::chrono::seconds(120);
     er.deadline = deadline;
     // Overlap: lease the blocks before they exist and report each as the

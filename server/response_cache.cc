@@ -9,6 +9,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "grammar/structured_output.h"
 #include "server/metrics.h"
 
 namespace kvserve {
@@ -167,6 +168,8 @@ std::string ResponseCacheKey(const CacheIdentity& identity, std::string_view ten
     h.FieldPod('2', r.kv_policy.window);
     h.FieldPod('3', r.kv_policy.budget);
   }
+  // The grammar shapes the reply as much as the prompt does.
+  h.Field('g', r.grammar ? r.grammar->key() : std::string());
   return h.HexDigest();
 }
 

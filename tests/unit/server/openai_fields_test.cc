@@ -72,7 +72,11 @@ std::vector<Row> ChatRows() {
       {"prompt_cache_key", R"("k")", nullptr},
       {"prompt_cache_retention", R"("24h")", nullptr},
       {"reasoning_effort", R"("low")", nullptr},
-      {"response_format", R"({"type": "json_object"})", nullptr},
+      {"response_format", R"({"type": "json_object"})",
+       [](const OpenAiRequest& r) {
+         return r.params.grammar.kind == GrammarSpec::Kind::kJsonObject &&
+                r.params.grammar_field == "response_format";
+       }},
       {"safety_identifier", R"("u1")", nullptr},
       {"seed", "11", [](const OpenAiRequest& r) { return r.params.seed == 11; }},
       {"service_tier", R"("flex")", nullptr},
@@ -82,7 +86,9 @@ std::vector<Row> ChatRows() {
       {"stream_options", R"({"include_usage": true})",
        [](const OpenAiRequest& r) { return r.options.include_usage; }},
       {"temperature", "0.3", [](const OpenAiRequest& r) { return r.params.temperature == 0.3f; }},
-      // required and named choices need the grammar: refused until then.
+      // required and named choices are grammar-enforced calls of the given
+      // tools; this body has none, so the choice is refused by name
+      // (tool_calls_test covers it with tools).
       {"tool_choice", R"("required")", nullptr},
       {"tools", R"([{"type": "function", "function": {"name": "f"}}])",
        [](const OpenAiRequest& r) {
@@ -153,7 +159,9 @@ TEST(OpenAiFieldsTest, CompletionSchemaFieldByField) { Walk(/*chat=*/false, Comp
 const std::set<std::string> kExtensions = {
     "top_k",          "min_p",         "repetition_penalty", "ignore_eos",
     "stop_token_ids", "priority",      "cache_salt",         "kv_policy",
-    "cache_control",  "cache_report",  "speculative",        "response_cache"};
+    "cache_control",  "cache_report",  "speculative",        "response_cache",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern"};
 
 // The parser's rule table and this reference list agree both ways.
 TEST(OpenAiFieldsTest, EveryKnownFieldIsWalked) {
@@ -173,13 +181,19 @@ TEST(OpenAiFieldsTest, UnknownFieldsAreRefusedByName) {
   for (bool chat : {true, false}) {
     for (const char* value : {"1", "\"x\"", "true", "{}", "[]", "{\"a\": 1}"}) {
       OpenAiRequest r;
-      const std::string body = Body(chat, "guided_json", value);
+      const std::string body = Body(chat, "guided_jsonish", value);
       std::optional<ApiError> err = ParseOpenAiRequest(body, chat, &r);
       ASSERT_TRUE(err.has_value()) << body;
-      EXPECT_EQ(err->param, "guided_json");
+      EXPECT_EQ(err->param, "guided_jsonish");
       EXPECT_EQ(err->code, "unknown_parameter");
       EXPECT_THAT(err->message, HasSubstr("unknown field"));
     }
+    // vLLM's older guided_* fields: refused, pointing at structured_outputs.
+    OpenAiRequest r;
+    std::optional<ApiError> err = ParseOpenAiRequest(Body(chat, "guided_json", "{}"), chat, &r);
+    ASSERT_TRUE(err.has_value());
+    EXPECT_EQ(err->param, "guided_json");
+    EXPECT_THAT(err->message, HasSubstr("structured_outputs"));
   }
   // A field of the other endpoint is refused, naming it.
   OpenAiRequest r;
@@ -236,6 +250,101 @@ TEST(OpenAiFieldsTest, GrpcUnknownFieldsAreRefusedByNumber) {
   g.mutable_sampling()->GetReflection()->MutableUnknownFields(g.mutable_sampling())->AddVarint(99, 1);
   EXPECT_THAT(std::string(RefuseUnknownProtoFields(g, "GenerateRequest").message()),
               HasSubstr("GenerateRequest.sampling: field number 99"));
+}
+
+// Structured outputs (issue 44): response_format and vLLM's
+// structured_outputs parsed into a grammar spec, bad shapes refused by name.
+TEST(OpenAiFieldsTest, StructuredOutputShapes) {
+  OpenAiRequest r;
+  // The schema keeps the client's property order (the grammar writes them so).
+  ASSERT_FALSE(ParseOpenAiRequest(
+                   R"({"messages": [], "response_format": {"type": "json_schema", "json_schema": )"
+                   R"({"name": "p", "strict": true, "schema": {"type": "object", "properties": )"
+                   R"({"zeta": {"type": "string"}, "alpha": {"type": "integer"}}}}}})",
+                   true, &r)
+                   .has_value());
+  EXPECT_EQ(r.params.grammar.kind, GrammarSpec::Kind::kJsonSchema);
+  EXPECT_TRUE(r.params.grammar.strict);
+  EXPECT_LT(r.params.grammar.text.find("zeta"), r.params.grammar.text.find("alpha"));
+  struct Case {
+    bool chat;
+    const char* body;
+    GrammarSpec::Kind kind;
+  };
+  for (const Case& c : std::vector<Case>{
+           {false, R"({"prompt": "x", "structured_outputs": {"regex": "[0-9]+"}})",
+            GrammarSpec::Kind::kRegex},
+           {false, R"({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})",
+            GrammarSpec::Kind::kChoice},
+           {true, R"({"messages": [], "structured_outputs": {"grammar": "root ::= \"a\""}})",
+            GrammarSpec::Kind::kEbnf},
+           {true, R"({"messages": [], "structured_outputs": {"json": "{\"type\": \"object\"}"}})",
+            GrammarSpec::Kind::kJsonSchema},
+           {false, R"({"prompt": "x", "structured_outputs": {"json_object": true}})",
+            GrammarSpec::Kind::kJsonObject}}) {
+    std::optional<ApiError> err = ParseOpenAiRequest(c.body, c.chat, &r);
+    ASSERT_FALSE(err.has_value()) << c.body << ": " << err->message;
+    EXPECT_EQ(r.params.grammar.kind, c.kind) << c.body;
+    EXPECT_EQ(r.params.grammar_field, "structured_outputs");
+  }
+  struct Bad {
+    bool chat;
+    const char* body;
+    const char* param;
+    const char* says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {true, R"({"messages": [], "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})",
+            "response_format", "name is required"},
+           {true, R"({"messages": [], "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": 3}}})",
+            "response_format", "schema must be"},
+           {true, R"({"messages": [], "response_format": {"type": "xml"}})", "response_format", "xml"},
+           {true, R"({"messages": [], "response_format": {"type": "json_object", "schema": {}}})",
+            "response_format", "response_format.schema"},
+           {false, R"({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}})",
+            "structured_outputs", "one of"},
+           {false, R"({"prompt": "x", "structured_outputs": {"structural_tag": "{}"}})",
+            "structured_outputs", "structural_tag"},
+           {false, R"({"prompt": "x", "structured_outputs": {"json": "{not json"}})",
+            "structured_outputs", "JSON schema"},
+           {true, R"({"messages": [], "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}})",
+            "structured_outputs", "both"},
+           {false, R"({"prompt": "x", "response_format": {"type": "json_object"}})",
+            "response_format", "not a field"}}) {
+    std::optional<ApiError> err = ParseOpenAiRequest(b.body, b.chat, &r);
+    ASSERT_TRUE(err.has_value()) << b.body;
+    EXPECT_EQ(err->param, b.param) << b.body;
+    EXPECT_THAT(err->message, HasSubstr(b.says)) << b.body;
+  }
+}
+
+// gRPC: SamplingParams.structured_output becomes the same grammar spec.
+TEST(OpenAiFieldsTest, GrpcStructuredOutput) {
+  v1::GenerateRequest g;
+  g.set_prompt("x");
+  g.mutable_sampling()->mutable_structured_output()->set_regex("[0-9]+");
+  absl::StatusOr<CompletionParams> p = GenerateRequestToParams(g);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->grammar.kind, GrammarSpec::Kind::kRegex);
+  EXPECT_EQ(p->grammar.text, "[0-9]+");
+  EXPECT_EQ(p->grammar_field, "structured_output");
+  v1::GenerateRequest c;
+  c.set_prompt("x");
+  auto* so = c.mutable_sampling()->mutable_structured_output();
+  so->mutable_choice()->add_values("yes");
+  so->mutable_choice()->add_values("no");
+  p = GenerateRequestToParams(c);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->grammar.kind, GrammarSpec::Kind::kChoice);
+  EXPECT_EQ(p->grammar.choices, (std::vector<std::string>{"yes", "no"}));
+  v1::GenerateRequest j;
+  j.set_prompt("x");
+  j.mutable_sampling()->mutable_structured_output()->set_json_schema(R"({"type":"object"})");
+  j.mutable_sampling()->mutable_structured_output()->set_strict(false);
+  p = GenerateRequestToParams(j);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->grammar.kind, GrammarSpec::Kind::kJsonSchema);
+  EXPECT_FALSE(p->grammar.strict);
 }
 
 }  // namespace

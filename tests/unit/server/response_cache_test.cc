@@ -17,6 +17,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "grammar/structured_output.h"
 #include "server/model_service.h"
 #include "server/semantic_cache.h"
 #include "tests/testing/gguf_writer.h"
@@ -40,6 +41,13 @@ EngineRequest BaseRequest() {
   r.params.max_tokens = 8;
   return r;
 }
+
+// A compiled grammar as the key sees it (its key only).
+class KeyOnlyGrammar : public CompiledGrammar {
+ public:
+  explicit KeyOnlyGrammar(std::string key) : CompiledGrammar(std::move(key)) {}
+  std::unique_ptr<TokenConstraint> NewConstraint() const override { return nullptr; }
+};
 
 TEST(ResponseCacheKeyTest, EveryOutputRelevantInputChangesTheKey) {
   const std::string base = ResponseCacheKey(Identity(), "tenant-a", BaseRequest());
@@ -68,6 +76,10 @@ TEST(ResponseCacheKeyTest, EveryOutputRelevantInputChangesTheKey) {
       {"n", [](EngineRequest* r) { r->n = 2; }},
       {"kv_policy", [](EngineRequest* r) { r->kv_policy.kind = KvPolicy::Kind::kWindow; }},
       {"cache_salt", [](EngineRequest* r) { r->cache_salt = "x"; }},
+      {"grammar",
+       [](EngineRequest* r) { r->grammar = std::make_shared<KeyOnlyGrammar>("regex|1|3:a+b|0"); }},
+      {"another grammar",
+       [](EngineRequest* r) { r->grammar = std::make_shared<KeyOnlyGrammar>("regex|1|3:a+c|0"); }},
   };
   std::set<std::string> seen = {base};
   for (const auto& [what, change] : changes) {

@@ -90,14 +90,41 @@ TEST(ToolCallsRequestTest, FieldsAreParsed) {
   EXPECT_FALSE(none.options.parse_tool_calls);
 }
 
+TEST(ToolCallsRequestTest, ForcedChoicesBecomeAToolCallGrammar) {
+  // required: a call of any tool; named: of that one, its parameters as
+  // the client ordered them.
+  const OpenAiRequest req = ParseChat(AgentBody(R"(, "tool_choice": "required")"));
+  EXPECT_EQ(req.params.grammar.kind, GrammarSpec::Kind::kToolCall);
+  EXPECT_EQ(req.params.grammar_field, "tool_choice");
+  EXPECT_THAT(req.params.grammar.text, HasSubstr("\"name\":\"get_weather\""));
+  EXPECT_TRUE(req.options.parse_tool_calls);
+  const OpenAiRequest named = ParseChat(AgentBody(
+      R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}})"));
+  EXPECT_EQ(named.params.grammar.kind, GrammarSpec::Kind::kToolCall);
+  EXPECT_EQ(named.options.forced_tool, "get_weather");
+  // strict: true is enforced under a forced choice.
+  const OpenAiRequest strict = ParseChat(
+      R"({"messages": [], "tool_choice": "required", "tools": [{"type": "function", "function": )"
+      R"({"name": "f", "strict": true, "parameters": {"type": "object"}}}]})");
+  EXPECT_EQ(strict.params.grammar.kind, GrammarSpec::Kind::kToolCall);
+}
+
 TEST(ToolCallsRequestTest, UnenforceableChoicesAndBadShapesAreRefusedByName) {
-  ApiError e = FailChat(AgentBody(R"(, "tool_choice": "required")"));
+  ApiError e = FailChat(AgentBody(R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}})"));
   EXPECT_EQ(e.param, "tool_choice");
-  EXPECT_THAT(e.message, HasSubstr("grammar"));
-  e = FailChat(AgentBody(R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}})"));
+  EXPECT_THAT(e.message, HasSubstr("not among tools"));
+  e = FailChat(R"({"messages": [], "tool_choice": "required"})");
+  EXPECT_EQ(e.param, "tool_choice");
+  EXPECT_THAT(e.message, HasSubstr("no tools"));
+  e = FailChat(AgentBody(R"(, "tool_choice": "required", "response_format": {"type": "json_object"})"));
   EXPECT_EQ(e.param, "tool_choice");
   EXPECT_EQ(FailChat(AgentBody(R"(, "tool_choice": "sometimes")")).param, "tool_choice");
-  e = FailChat(R"({"messages": [], "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})");
+  // strict under auto: a grammar triggered by <tool_call>; with
+  // response_format as well, two grammars: refused naming tools.
+  const OpenAiRequest strict_auto = ParseChat(
+      R"({"messages": [], "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})");
+  EXPECT_EQ(strict_auto.params.grammar.kind, GrammarSpec::Kind::kToolCallAuto);
+  e = FailChat(R"({"messages": [], "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})");
   EXPECT_EQ(e.param, "tools");
   EXPECT_THAT(e.message, HasSubstr("strict"));
   EXPECT_THAT(FailChat(R"({"messages": [], "tools": [{"type": "function", "function": {"name": "a b"}}]})").message,
