@@ -441,56 +441,6 @@ CacheControlStats CacheControl::stats() const {
   return stats_;
 }
 
-std::string CacheControl::RenderMetrics() const {
-  const CacheControlStats s = stats();
-  std::string out;
-  absl::StrAppend(&out,
-                  "# HELP kvserve:cache_retained_bytes KV bytes pinned by retention leases, per tenant.\n"
-                  "# TYPE kvserve:cache_retained_bytes gauge\n");
-  if (s.retained_bytes.empty()) {
-    absl::StrAppend(&out, "kvserve:cache_retained_bytes{tenant=\"\"} 0\n");
-  }
-  for (const auto& [t, b] : s.retained_bytes) {
-    std::string esc;
-    for (char c : t) {
-      if (c == '"' || c == '\\') esc.push_back('\\');
-      if (c == '\n') {
-        esc += "\\n";
-        continue;
-      }
-      esc.push_back(c);
-    }
-    absl::StrAppend(&out, "kvserve:cache_retained_bytes{tenant=\"", esc, "\"} ", b, "\n");
-  }
-  auto counter = [&](const char* name, const char* help, int64_t v) {
-    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " counter\n", name, " ", v,
-                    "\n");
-  };
-  absl::StrAppend(&out, "# HELP kvserve:cache_retention_leases Retention leases held now.\n",
-                  "# TYPE kvserve:cache_retention_leases gauge\nkvserve:cache_retention_leases ",
-                  s.leases, "\n");
-  counter("kvserve:cache_retention_grants_total", "Retention requests granted whole.", s.grants);
-  counter("kvserve:cache_retention_clips_total", "Retention requests granted in part.", s.clips);
-  counter("kvserve:cache_retention_expiries_total", "Retention leases whose TTL lapsed.",
-          s.expiries);
-  counter("kvserve:cache_retention_releases_total", "Retention leases released early.",
-          s.releases);
-  absl::StrAppend(&out,
-                  "# HELP kvserve:cache_retention_refusals_total Retention requests refused, by reason.\n"
-                  "# TYPE kvserve:cache_retention_refusals_total counter\n");
-  for (const char* reason : {"tenant_budget", "pool_too_small", "not_cached", "bad_request"}) {
-    auto it = s.refusals_by_reason.find(reason);
-    absl::StrAppend(&out, "kvserve:cache_retention_refusals_total{reason=\"", reason, "\"} ",
-                    it == s.refusals_by_reason.end() ? 0 : it->second, "\n");
-  }
-  counter("kvserve:cache_explains_total", "Cache reports computed (explain calls and requests).",
-          s.explains);
-  counter("kvserve:cache_template_drift_total",
-          "Chat requests whose history the template rendered differently from the cached turn.",
-          s.template_drifts);
-  return out;
-}
-
 namespace {
 
 constexpr char kRetentionMagic[] = "kvserve-retention 1";

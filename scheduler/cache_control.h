@@ -19,7 +19,7 @@
 //
 // Threads: every method taking a KvCacheManager runs on the engine thread
 // (Engine::RunOnEngineThread; tests call them directly). stats() and
-// RenderMetrics() may be called from any thread.
+// stats() may be called from any thread (server/metrics.h renders it).
 #pragma once
 
 #include <cstdint>
@@ -161,8 +161,6 @@ class CacheControl {
   // --- any thread ---
   void CountTemplateDrift();
   CacheControlStats stats() const;
-  // Prometheus text for the retention metrics.
-  std::string RenderMetrics() const;
   const CacheControlOptions& options() const { return options_; }
   int64_t BudgetFor(const std::string& tenant) const;
 

@@ -47,6 +47,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "server/auth.h"
+#include "server/metrics.h"
 #include "server/status_map.h"
 #include "server/completed_response.h"
 #include "server/dashboard.h"
@@ -845,7 +846,7 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
     }
     if (path == "/metrics") {
       std::string text = service->metrics()->Render(service->Stats());
-      if (service->cache_control() != nullptr) text += service->cache_control()->RenderMetrics();
+      if (service->cache_control() != nullptr) text += RenderCacheControlMetrics(service->cache_control()->stats());
       return conn->Send(TextReply(200, std::move(text), "text/plain; version=0.0.4"));
     }
     if (path == "/admin/cache/list" && options.cache_control != nullptr) {

@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include <map>
+
 #include <cassert>
 #include <charconv>
 #include <chrono>
@@ -37,6 +39,51 @@ void AppendCounter(const std::string& name, const std::string& help, const std::
 }
 
 }  // namespace
+
+std::string RenderCacheControlMetrics(const CacheControlStats& s) {
+  std::string out;
+  absl::StrAppend(&out,
+                  "# HELP kvserve:cache_retained_bytes KV bytes pinned by retention leases, per tenant.\n"
+                  "# TYPE kvserve:cache_retained_bytes gauge\n");
+  if (s.retained_bytes.empty()) {
+    absl::StrAppend(&out, "kvserve:cache_retained_bytes{tenant=\"\"} 0\n");
+  }
+  for (const auto& [t, b] : s.retained_bytes) {
+    absl::StrAppend(&out, "kvserve:cache_retained_bytes{tenant=\"", EscapeLabelValue(t), "\"} ", b,
+                    "\n");
+  }
+  auto counter = [&](const char* name, const char* help, int64_t v) {
+    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " counter\n", name, " ", v,
+                    "\n");
+  };
+  absl::StrAppend(&out, "# HELP kvserve:cache_retention_leases Retention leases held now.\n",
+                  "# TYPE kvserve:cache_retention_leases gauge\nkvserve:cache_retention_leases ",
+                  s.leases, "\n");
+  counter("kvserve:cache_retention_grants_total", "Retention requests granted whole.", s.grants);
+  counter("kvserve:cache_retention_clips_total", "Retention requests granted in part.", s.clips);
+  counter("kvserve:cache_retention_expiries_total", "Retention leases whose TTL lapsed.",
+          s.expiries);
+  counter("kvserve:cache_retention_releases_total", "Retention leases released early.",
+          s.releases);
+  absl::StrAppend(&out,
+                  "# HELP kvserve:cache_retention_refusals_total Retention requests refused, by reason.\n"
+                  "# TYPE kvserve:cache_retention_refusals_total counter\n");
+  // The reasons CacheControl gives, each present from the first scrape.
+  std::map<std::string, int64_t> refusals = {{"tenant_budget", 0}, {"pool_too_small", 0},
+                                             {"not_cached", 0},    {"bad_request", 0},
+                                             {"unsupported", 0}};
+  for (const auto& [reason, n] : s.refusals_by_reason) refusals[reason] = n;
+  for (const auto& [reason, n] : refusals) {
+    absl::StrAppend(&out, "kvserve:cache_retention_refusals_total{reason=\"",
+                    EscapeLabelValue(reason), "\"} ", n, "\n");
+  }
+  counter("kvserve:cache_explains_total", "Cache reports computed (explain calls and requests).",
+          s.explains);
+  counter("kvserve:cache_template_drift_total",
+          "Chat requests whose history the template rendered differently from the cached turn.",
+          s.template_drifts);
+  return out;
+}
 
 std::string EscapeLabelValue(const std::string& v) {
   std::string out;

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "scheduler/cache_control.h"
 #include "scheduler/engine.h"
 
 namespace kvserve {
@@ -117,6 +118,11 @@ class Metrics {
   std::atomic<uint64_t> http_timed_out_{0};
   std::atomic<uint64_t> http_stalled_{0};
 };
+
+// The retention and cache-report metrics of CacheControl's statistics
+// (kvserve:cache_retained_bytes per tenant, leases, grants, clips, expiries,
+// releases, refusals by reason, explains, template drift).
+std::string RenderCacheControlMetrics(const CacheControlStats& s);
 
 // Escapes a label value for the text format (backslash, double quote, newline).
 std::string EscapeLabelValue(const std::string& v);

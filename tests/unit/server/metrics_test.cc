@@ -371,5 +371,27 @@ TEST(MetricsTest, ValuesUseShortestRoundTripForm) {
   EXPECT_EQ(EscapeLabelValue("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
 }
 
+// CacheControl exports statistics; the server renders them: every refusal
+// reason is a series from the first scrape (the hybrid-model 'unsupported'
+// one included), tenant names are escaped like every other label.
+TEST(CacheControlMetricsTest, RendersStatisticsWithEveryReasonAndEscapedTenants) {
+  CacheControlStats s;
+  s.leases = 2;
+  s.grants = 3;
+  s.retained_bytes["acme \"x\""] = 4096;
+  s.refusals_by_reason["unsupported"] = 5;
+  const std::string text = RenderCacheControlMetrics(s);
+  EXPECT_NE(text.find("kvserve:cache_retained_bytes{tenant=\"acme \\\"x\\\"\"} 4096\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvserve:cache_retention_leases 2\n"), std::string::npos);
+  EXPECT_NE(text.find("kvserve:cache_retention_grants_total 3\n"), std::string::npos);
+  EXPECT_NE(text.find("kvserve:cache_retention_refusals_total{reason=\"unsupported\"} 5\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("kvserve:cache_retention_refusals_total{reason=\"tenant_budget\"} 0\n"),
+            std::string::npos);
+  EXPECT_EQ(text.find("kvserve_"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvserve
