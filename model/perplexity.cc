@@ -164,6 +164,7 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
         const int64_t target = w.begin + start + rows[r] + 1;
         const float* row_logits = logits.data() + r * cfg.vocab_size;
         nll += NegLogProb(row_logits, cfg.vocab_size, tokens[target]);
+        result.top1.push_back(ArgMax(row_logits, cfg.vocab_size));
         ++result.scored_tokens;
         if (o.compare) {
           const float* ref = compare_logits.data() + r * cfg.vocab_size;
