@@ -37,7 +37,7 @@ TG=64
 # kvserve bench's Markdown row for a batch size: prints "prefill decode".
 kv_row() {  # file batch
   "$KVSERVE" --log-level warn -t "$THREADS" -m "$1" bench -b "$2" --prompt-tokens $PP \
-    --gen-tokens $TG --repeat "$REPS" | tee /dev/stderr |
+    --gen-tokens $TG --repeat "$REPS" | tee -a /dev/stderr |
     awk -F'|' -v b="$2" '$2 + 0 == b && $3 + 0 == '$PP' {gsub(/ /, ""); print $5, $6}'
 }
 
@@ -46,14 +46,14 @@ llama_ts() {  # file test
   local flag
   if [[ $2 == pp* ]]; then flag="-p $PP -n 0"; else flag="-p 0 -n $TG"; fi
   # shellcheck disable=SC2086
-  "$LLAMA_BIN/llama-bench" -m "$1" -t "$THREADS" $flag -r "$REPS" -o md | tee /dev/stderr |
+  "$LLAMA_BIN/llama-bench" -m "$1" -t "$THREADS" $flag -r "$REPS" -o md | tee -a /dev/stderr |
     awk -F'|' -v t="$2" '$0 ~ t {split($(NF-1), a, "±"); gsub(/ /, "", a[1]); print a[1]}'
 }
 
 # llama-batched-bench's decode rate (S_TG t/s) at BATCH sequences.
 llama_batched() {  # file
   "$LLAMA_BIN/llama-batched-bench" -m "$1" -t "$THREADS" -c $(((PP + TG) * BATCH + 64)) \
-    -b 2048 -ub 512 -npp $PP -ntg $TG -npl "$BATCH" 2>&1 | tee /dev/stderr |
+    -b 2048 -ub 512 -npp $PP -ntg $TG -npl "$BATCH" 2>&1 | tee -a /dev/stderr |
     awk -F'|' 'NF > 9 && $2 + 0 == '$PP' {gsub(/ /, "", $9); print $9}'
 }
 

@@ -52,6 +52,9 @@ struct PerplexityResult {
   // position, in scoring order: teacher-forced top-1 for comparisons with
   // another engine's logits on the same windows.
   std::vector<int32_t> top1;
+  // The negative log-likelihood of the text's next token at the same
+  // positions.
+  std::vector<float> nll;
 };
 
 [[nodiscard]] absl::StatusOr<PerplexityResult> ComputePerplexity(

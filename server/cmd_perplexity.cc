@@ -39,7 +39,8 @@ class PerplexityCommand final : public Command {
     app_->add_option("--top1-out", top1_out_,
                      "Write the most likely next token of every scored position, one window "
                      "per line, to this file (teacher-forced top-1, e.g. for "
-                     "bench/top1_vs_llamacpp.py)");
+                     "bench/top1_vs_llamacpp.py); a second line per window holds each "
+                     "position's negative log-likelihood");
     app_->add_option("--compare-kv-dtype", compare_dtype_,
                      "Also run with this KV dtype; report same-top-1 fraction and mean KL");
   }
@@ -76,8 +77,13 @@ class PerplexityCommand final : public Command {
       std::FILE* f = std::fopen(top1_out_.c_str(), "w");
       if (f == nullptr) Die(absl::InvalidArgumentError("--top1-out: cannot write " + top1_out_));
       const size_t per_window = r.windows > 0 ? r.top1.size() / r.windows : 0;
-      for (size_t i = 0; i < r.top1.size(); ++i) {
-        std::fprintf(f, "%d%c", r.top1[i], (i + 1) % per_window == 0 ? '\n' : ' ');
+      for (size_t w = 0; w < static_cast<size_t>(r.windows); ++w) {
+        for (size_t i = w * per_window; i < (w + 1) * per_window; ++i) {
+          std::fprintf(f, "%d%c", r.top1[i], i + 1 < (w + 1) * per_window ? ' ' : '\n');
+        }
+        for (size_t i = w * per_window; i < (w + 1) * per_window; ++i) {
+          std::fprintf(f, "%.6f%c", r.nll[i], i + 1 < (w + 1) * per_window ? ' ' : '\n');
+        }
       }
       if (std::fclose(f) != 0) Die(absl::InternalError("--top1-out: write failed"));
     }
