@@ -163,7 +163,10 @@ absl::StatusOr<PerplexityResult> ComputePerplexity(LlamaModel& model,
       for (size_t r = 0; r < rows.size(); ++r) {
         const int64_t target = w.begin + start + rows[r] + 1;
         const float* row_logits = logits.data() + r * cfg.vocab_size;
-        nll += NegLogProb(row_logits, cfg.vocab_size, tokens[target]);
+        const double token_nll = NegLogProb(row_logits, cfg.vocab_size, tokens[target]);
+        nll += token_nll;
+        result.nll.push_back(static_cast<float>(token_nll));
+        result.top1.push_back(ArgMax(row_logits, cfg.vocab_size));
         ++result.scored_tokens;
         if (o.compare) {
           const float* ref = compare_logits.data() + r * cfg.vocab_size;

@@ -48,6 +48,13 @@ struct PerplexityResult {
   // rest of a sequence), and the mean KL(compare || kv_dtype) in nats.
   double same_top1 = 0;
   double mean_kl = 0;
+  // The most likely next token (first index on ties) at every scored
+  // position, in scoring order: teacher-forced top-1 for comparisons with
+  // another engine's logits on the same windows.
+  std::vector<int32_t> top1;
+  // The negative log-likelihood of the text's next token at the same
+  // positions.
+  std::vector<float> nll;
 };
 
 [[nodiscard]] absl::StatusOr<PerplexityResult> ComputePerplexity(

@@ -36,6 +36,11 @@ class PerplexityCommand final : public Command {
     app_->add_option("--kv-cache-dtype", kv_dtype_,
                      "KV storage while scoring: " + std::string(kernels::KvDTypeList()))
         ->capture_default_str();
+    app_->add_option("--top1-out", top1_out_,
+                     "Write the most likely next token of every scored position, one window "
+                     "per line, to this file (teacher-forced top-1, e.g. for "
+                     "bench/top1_vs_llamacpp.py); a second line per window holds each "
+                     "position's negative log-likelihood");
     app_->add_option("--compare-kv-dtype", compare_dtype_,
                      "Also run with this KV dtype; report same-top-1 fraction and mean KL");
   }
@@ -54,6 +59,9 @@ class PerplexityCommand final : public Command {
       Die(absl::InvalidArgumentError(
           absl::StrCat("--compare-kv-dtype: unknown KV dtype '", compare_dtype_, "'")));
     }
+    if (!top1_out_.empty() && opts_.stride != 0) {
+      Die(absl::InvalidArgumentError("--top1-out: needs --stride 0 (one line per window)"));
+    }
     spdlog::info("{}: {} tokens", file_, tokens.size());
     auto r = ValueOrDie(ComputePerplexity(*l.model, tokens, opts_, &ThreadPool::Global()));
     for (size_t i = 0; i < r.window_perplexity.size(); ++i) {
@@ -64,6 +72,21 @@ class PerplexityCommand final : public Command {
         "perplexity %.4f over %lld scored tokens in %d windows (context %d, stride %d, kv %s)\n",
         r.perplexity, static_cast<long long>(r.scored_tokens), r.windows, opts_.context,
         opts_.stride, kv_dtype_.c_str());
+    if (!top1_out_.empty()) {
+      // --stride 0 scores the same positions of every window: one per line.
+      std::FILE* f = std::fopen(top1_out_.c_str(), "w");
+      if (f == nullptr) Die(absl::InvalidArgumentError("--top1-out: cannot write " + top1_out_));
+      const size_t per_window = r.windows > 0 ? r.top1.size() / r.windows : 0;
+      for (size_t w = 0; w < static_cast<size_t>(r.windows); ++w) {
+        for (size_t i = w * per_window; i < (w + 1) * per_window; ++i) {
+          std::fprintf(f, "%d%c", r.top1[i], i + 1 < (w + 1) * per_window ? ' ' : '\n');
+        }
+        for (size_t i = w * per_window; i < (w + 1) * per_window; ++i) {
+          std::fprintf(f, "%.6f%c", r.nll[i], i + 1 < (w + 1) * per_window ? ' ' : '\n');
+        }
+      }
+      if (std::fclose(f) != 0) Die(absl::InternalError("--top1-out: write failed"));
+    }
     if (opts_.compare) {
       std::printf("vs %s: same top-1 token %.2f%%, mean KL %.5f nats\n", compare_dtype_.c_str(),
                   100.0 * r.same_top1, r.mean_kl);
@@ -76,6 +99,7 @@ class PerplexityCommand final : public Command {
   PerplexityOptions opts_;
   std::string kv_dtype_ = "f32";
   std::string compare_dtype_;
+  std::string top1_out_;
 };
 
 }  // namespace

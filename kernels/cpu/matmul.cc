@@ -29,9 +29,17 @@ struct ActsScratch {
   std::vector<int8_t> qs;
   std::vector<float> ds;
   std::vector<int32_t> sums;
+  std::vector<int16_t> bsums;  // Q8_K only
 };
 
 ActsScratch& Scratch() {
+  thread_local ActsScratch scratch;
+  return scratch;
+}
+
+// The Q8_K scratch, separate: one MatMulMany may need both kinds (a mix's
+// fused Q/K/V can hold Q4_K next to Q5_0).
+ActsScratch& ScratchQ8K() {
   thread_local ActsScratch scratch;
   return scratch;
 }
@@ -126,6 +134,10 @@ void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, 
 
 void MatMulRowsExtendedScalar(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
                               int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+  if (acts.bsums != nullptr) {
+    return MatMulRowsQ8KReference(w, acts, n_tokens, r0, r1, y, y_stride);
+  }
+  if (!UsesQ8K(w.type)) return MatMulRowsBlock32Reference(w, acts, n_tokens, r0, r1, y, y_stride);
   // Dequantized weights against the dequantized 8-bit activations: the
   // same inputs the vector kernels see, summed in float per 32-element
   // block in element order.
@@ -473,24 +485,55 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
   }
   if (total_rows <= 0) return;
 
-  // Q4_1 alone wants ggml's Q8_1 sum; with other formats present the exact
-  // sum keeps their offset terms exact (Q4_1 then differs from ggml only in
-  // the last bits of its min term).
+  // Q4_1 and Q5_1 alone want ggml's Q8_1 sum (their vec_dot_type); with
+  // other formats present the exact sum keeps their offset terms exact (Q4_1
+  // and Q5_1 then differ from ggml only in the last bits of the min term).
   // Panel kernels (packed weights) need no s for Q8_0/Q4_0 (their block
   // dots are exact signed integers) and take Q4_1's ggml value always.
+  // The K-quants and IQ4_XS meet Q8_K activations (one scale per 256
+  // values), as in llama.cpp; the other quantized types 32-value blocks.
   bool all_q4_1 = true;
   bool any_packed = false;
+  bool any_q8 = false;
+  bool any_q8k = false;
   for (int i = 0; i < n_weights; ++i) {
     const bool panels = vnni && ws[i].packed != nullptr;
     any_packed = any_packed || panels;
-    if (internal::IsQuantized(ws[i].type) && ws[i].type != DType::kQ4_1 && !panels) {
-      all_q4_1 = false;
+    if (!internal::IsQuantized(ws[i].type)) continue;
+    if (internal::UsesQ8K(ws[i].type) && !panels) {
+      any_q8k = true;
+      continue;
     }
+    any_q8 = true;
+    if (ws[i].type != DType::kQ4_1 && ws[i].type != DType::kQ5_1 && !panels) all_q4_1 = false;
   }
   const internal::ActSum sum_mode = all_q4_1 ? internal::ActSum::kQ8_1 : internal::ActSum::kExact;
 
   QuantizedActs acts;
-  if (any_quantized) {
+  QuantizedActs acts_k;
+  if (any_q8k) {
+    ActsScratch& scratch = ScratchQ8K();
+    const int64_t nb = cols / kQK;
+    const size_t n_blocks = static_cast<size_t>(n_tokens * nb);
+    if (scratch.qs.size() < n_blocks * kQK + 64) scratch.qs.resize(n_blocks * kQK + 64);
+    if (scratch.ds.size() < 2 * n_blocks + 16) scratch.ds.resize(2 * n_blocks + 16);
+    if (scratch.bsums.size() < 2 * n_blocks) scratch.bsums.resize(2 * n_blocks);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      int8_t* qs = scratch.qs.data() + t * nb * kQK;
+      float* ds = scratch.ds.data() + t * 2 * nb;
+      int16_t* bs = scratch.bsums.data() + t * 2 * nb;
+      if (simd) {
+        internal::QuantizeActsQ8KAvx2(x + t * x_stride, cols, qs, ds, bs);
+      } else {
+        internal::QuantizeActsQ8KScalar(x + t * x_stride, cols, qs, ds, bs);
+      }
+    }
+    acts_k.n_blocks = nb;
+    acts_k.qs = scratch.qs.data();
+    acts_k.ds = scratch.ds.data();
+    acts_k.bsums = scratch.bsums.data();
+  }
+  if (any_quantized && any_q8) {
     // Quantize every token once here rather than once per output row.
     ActsScratch& scratch = Scratch();
     const int64_t nb = cols / kQK;
@@ -538,12 +581,13 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
           internal::MatMulPanelsVnni(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
         }
       } else if (internal::IsExtendedType(ws[i].type)) {
+        const QuantizedActs& a = internal::UsesQ8K(ws[i].type) ? acts_k : acts;
         if (vnni) {
-          internal::MatMulRowsExtendedVnni(ws[i], acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+          internal::MatMulRowsExtendedVnni(ws[i], a, n_tokens, lo, hi, ys[i], y_strides[i]);
         } else if (simd) {
-          internal::MatMulRowsExtendedAvx2(ws[i], acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+          internal::MatMulRowsExtendedAvx2(ws[i], a, n_tokens, lo, hi, ys[i], y_strides[i]);
         } else {
-          internal::MatMulRowsExtendedScalar(ws[i], acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+          internal::MatMulRowsExtendedScalar(ws[i], a, n_tokens, lo, hi, ys[i], y_strides[i]);
         }
       } else if (vnni) {
         internal::MatMulRowsAvx512Vnni(ws[i], x, x_stride, acts, n_tokens, lo, hi, ys[i],

@@ -389,6 +389,52 @@ void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, fl
   }
 }
 
+void QuantizeActsQ8KAvx2(const float* x, int64_t n, int8_t* qs, float* ds, int16_t* bsums) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t sb = 0; sb < n / kQK_K; ++sb) {
+    const float* xb = x + sb * kQK_K;
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < kQK_K / 8; ++i) {
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(xb + 8 * i)));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float max_abs = _mm_cvtss_f32(m4);
+    // As the scalar quantizer: iscale = 127 / amax, d = 1 / iscale, both float.
+    const float iscale = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+    const float d = max_abs > 0.0f ? 1.0f / iscale : 0.0f;
+    const __m256 vis = _mm256_set1_ps(iscale);
+    for (int c = 0; c < kQK_K / kQK; ++c) {
+      const float* xc = xb + c * kQK;
+      __m256i i[4];
+      for (int k = 0; k < 4; ++k) {
+        i[k] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xc + 8 * k), vis), kRound));
+      }
+      // Sums of values 0-15 and 16-31 of the chunk.
+      const __m256i s01 = _mm256_add_epi32(i[0], i[1]);
+      const __m256i s23 = _mm256_add_epi32(i[2], i[3]);
+      __m256i h = _mm256_hadd_epi32(s01, s23);  // lanes: a0+a1 a2+a3 b0+b1 b2+b3 | a4.. b4..
+      h = _mm256_hadd_epi32(h, h);              // a0123 b0123 a0123 b0123 | a4567 b4567 ..
+      const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      const int lo = _mm_cvtsi128_si32(s);
+      const int hi = _mm_extract_epi32(s, 1);
+      const __m256i p16a = _mm256_packs_epi32(i[0], i[1]);
+      const __m256i p16b = _mm256_packs_epi32(i[2], i[3]);
+      const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + sb * kQK_K + c * kQK), p8);
+      bsums[sb * 16 + 2 * c] = static_cast<int16_t>(lo);
+      bsums[sb * 16 + 2 * c + 1] = static_cast<int16_t>(hi);
+      const int64_t b = sb * (kQK_K / kQK) + c;
+      ds[2 * b] = d;
+      ds[2 * b + 1] = d * static_cast<float>(lo + hi);
+    }
+  }
+}
+
 void MatMulRowsAvx2(const WeightView& w, const float* x, int64_t x_stride,
                     const QuantizedActs& acts, int64_t n_tokens, int64_t r0, int64_t r1, float* y,
                     int64_t y_stride) {

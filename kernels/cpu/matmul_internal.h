@@ -23,6 +23,10 @@ struct QuantizedActs {
   // Exact sum(qs) per block (token t: sums + t * n_blocks), for the panel
   // kernels' signed Q8_0/Q4_0 block dots; null where no panel kernel runs.
   const int32_t* sums = nullptr;
+  // Q8_K-style activations only (QuantizeActsQ8K*): the int16 sum of each
+  // 16 values, 16 per 256-value super-block (token t: bsums + t * n_blocks
+  // * 2). Null for the 32-value blocks above.
+  const int16_t* bsums = nullptr;
 };
 
 // Quantizes n floats (n % kQK == 0) of one token: qs[n], ds[2 * n / kQK].
@@ -41,6 +45,26 @@ void QuantizeActsScalar(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, 
                         int32_t* sums = nullptr);
 void QuantizeActsAvx2(const float* x, int64_t n, ActSum sum_mode, int8_t* qs, float* ds,
                       int32_t* sums = nullptr);
+
+// The weight formats whose llama.cpp dot product runs on Q8_K activations
+// (ggml-cpu's type traits: vec_dot_type GGML_TYPE_Q8_K): the K-quants and
+// IQ4_XS. Every other quantized format meets 32-value blocks (Q8_0 / Q8_1).
+constexpr bool UsesQ8K(DType t) {
+  return t == DType::kQ2_K || t == DType::kQ3_K || t == DType::kQ4_K || t == DType::kQ5_K ||
+         t == DType::kQ6_K || t == DType::kIQ4_XS;
+}
+
+// Quantizes n floats (n % 256 == 0) of one token as ggml's Q8_K does
+// (quantize_row_q8_K_ref): one scale per 256 values, q = round-half-even(x *
+// iscale) with iscale = 127 / amax in float, and d = 1 / iscale kept in float
+// (no fp16 rounding). ggml takes iscale = -127 / (the signed value of largest
+// magnitude) and d = 1 / iscale, which negates q and d together when that
+// value is positive; d * q, and so every dot product, is bit-identical.
+// The output uses the QuantizedActs layout so the extended kernels read it as
+// they read 32-value blocks: qs[n]; ds[2 * n / 32] with, per 32 values, the
+// super-block's d and d * sum(q of those 32); bsums[n / 16] = sum(q) per 16.
+void QuantizeActsQ8KScalar(const float* x, int64_t n, int8_t* qs, float* ds, int16_t* bsums);
+void QuantizeActsQ8KAvx2(const float* x, int64_t n, int8_t* qs, float* ds, int16_t* bsums);
 
 // Computes y[t][r] for rows [r0, r1) and all n_tokens tokens. Quantized weight
 // types read `acts`; float weight types read x directly.
@@ -86,9 +110,40 @@ inline int IQ4XSScale(const BlockIQ4_XS& b, int j) {
   return ((b.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | (((b.scales_h >> (2 * j)) & 3) << 4);
 }
 
-// Portable version (dequantized weights, float sums).
+// Portable version: on Q8_K activations (acts.bsums set; UsesQ8K types),
+// the plain-loop reference of llama.cpp's Q8_K dot (MatMulRowsQ8KReference);
+// Q5_0 / Q5_1 / IQ4_NL: MatMulRowsBlock32Reference; a UsesQ8K type on
+// 32-value blocks: dequantized weights with float sums per block (what the
+// CUDA kernels compute for every extended type, as llama.cpp's CUDA backend
+// quantizes all activations to 32-value Q8_1 blocks).
 void MatMulRowsExtendedScalar(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
                               int64_t r0, int64_t r1, float* y, int64_t y_stride);
+// The plain-loop reference of a UsesQ8K format against Q8_K activations,
+// computed as llama.cpp's generic vec_dot_*_q8_K is: per super-block the
+// exact integer sums isum = sum_i sc_i * sum(q_w * q_a) over the 16-value
+// sub-blocks i and msum = sum_i m_i * bsums_i, then d_a * d * isum -
+// d_a * dmin * msum in float (quants.cc).
+void MatMulRowsQ8KReference(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                            int64_t r0, int64_t r1, float* y, int64_t y_stride);
+// The plain-loop form of ggml's Q5_0 / Q5_1 / IQ4_NL dots on 32-value
+// activation blocks: per block the exact integer sum of the weights'
+// integers (Q5_0: q - 16, Q5_1: q, IQ4_NL: the table value) times the
+// activations' q, then isum * (d * d_a) plus, for Q5_1, m * s_a (s_a as
+// QuantizeActs* wrote it: ggml's Q8_1 s in kQ8_1 mode).
+void MatMulRowsBlock32Reference(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
+                                int64_t r0, int64_t r1, float* y, int64_t y_stride);
+// One super-block of a UsesQ8K format as integers: value i = d * sc[i / 16] *
+// q[i] - dmin * mn[i / 16] (exactly what the dequantizer computes, up to
+// float rounding). False for other types.
+struct KSuperBlockInts {
+  int8_t q[256];
+  int sc[16];
+  int mn[16];
+  float d;
+  float dmin;
+};
+bool DecodeKSuperBlock(DType type, const void* block, KSuperBlockInts* out);
+
 // Extended types on quantized activations: rows [r0, r1), every token
 // (matmul_quants_avx2.cc / matmul_quants_avx512.cc).
 void MatMulRowsExtendedAvx2(const WeightView& w, const QuantizedActs& acts, int64_t n_tokens,
