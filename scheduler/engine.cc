@@ -258,8 +258,16 @@ RequestLimits Engine::limits() const {
   // All n samples run at once: n above max_seqs could never be admitted.
   l.max_n = std::min(options_.max_n, options_.max_seqs);
   l.block_size = options_.block_size;
-  // Admission reserves a prompt's blocks in every KV cache group.
-  l.num_blocks = kv_->num_blocks() / kv_->num_groups();
+  // A sequence holds its blocks in every full KV cache group and at most its
+  // window and one prefill chunk in each window group (PeakBlocksNeeded).
+  l.num_blocks = kv_->num_blocks();
+  if (kv_->hybrid()) {
+    l.full_groups = 0;
+    for (int32_t g = 0; g < kv_->num_groups(); ++g) {
+      ++(kv_->group_window(g) > 0 ? l.window_groups : l.full_groups);
+    }
+    l.window_group_blocks = kv_->WindowGroupPeakBlocks(options_.max_batched_tokens);
+  }
   // StreamingLLM past the trained context needs keys re-rotated on the host.
   l.kv_past_context = !kv_->pool().on_device() && !kernels::KvIsKivi(options_.kv_dtype);
   l.kv_switch_margin = EvictorOptions().switch_margin;

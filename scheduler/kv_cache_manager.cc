@@ -259,6 +259,37 @@ int32_t KvCacheManager::BlocksNeeded(const SeqKv& kv, int32_t num_new, int32_t n
   return n;
 }
 
+int32_t KvCacheManager::WindowGroupPeakBlocks(int32_t max_chunk) const {
+  int32_t w = 0;
+  for (const auto& g : groups_) w = std::max(w, g->window_);
+  if (w <= 0) return 0;
+  // Slots [p - w + 1, p + c) are live while the chunk [p, p + c) is
+  // allocated: w - 1 + c slots, which touch at most (w + c - 3) / bs + 2
+  // blocks (a run of n slots spans at most (n - 2) / bs + 2 blocks).
+  const int32_t span = w - 1 + std::max(1, max_chunk);
+  return (span - 2 + block_size()) / block_size() + 1;
+}
+
+int32_t KvCacheManager::PeakBlocksNeeded(const SeqKv& kv, int32_t num_new,
+                                         int32_t max_chunk) const {
+  if (!hybrid()) return BlocksNeeded(kv, num_new);
+  const int32_t want = kv.num_computed + num_new;
+  int32_t n = kv.table.BlocksNeeded(std::max(0, want - kv.table.num_tokens()));  // group 0: full
+  const int32_t span = std::max(1, max_chunk);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const int32_t all = g < kv.groups.size()
+                            ? groups_[g]->BlocksNeeded(kv.groups[g], num_new)
+                            : kv.table.BlocksNeeded(std::max(0, want));
+    if (groups_[g]->window_ <= 0) {
+      n += all;
+    } else {
+      const int32_t slots = groups_[g]->window_ - 1 + span;
+      n += std::min(all, (slots - 2 + block_size()) / block_size() + 1);
+    }
+  }
+  return n;
+}
+
 absl::Status KvCacheManager::AllocateSlots(SeqKv* kv, int32_t num_new, int32_t num_lookahead,
                                            int32_t num_external) {
   if (num_new < 0 || num_lookahead < 0 || num_external < 0) {

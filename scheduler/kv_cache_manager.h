@@ -163,6 +163,21 @@ class KvCacheManager {
   // Blocks AllocateSlots(kv, n, k, e) would take from the pool.
   int32_t BlocksNeeded(const SeqKv& kv, int32_t num_new, int32_t num_lookahead = 0,
                        int32_t num_external = 0) const;
+  // The most blocks the pool must supply at once while kv computes num_new
+  // more tokens in chunks of at most max_chunk, each committed before the
+  // next is allocated (how the scheduler prefills; admission and "will it
+  // ever fit" count this). One group: exactly BlocksNeeded(kv, num_new). A
+  // window group counts at most WindowGroupPeakBlocks(max_chunk): when a
+  // chunk is allocated the group holds only the blocks of its last
+  // window - 1 committed slots and of that chunk, since each commit's window
+  // release let the earlier ones go (to the pool, or to the radix index,
+  // where they are evictable).
+  int32_t PeakBlocksNeeded(const SeqKv& kv, int32_t num_new, int32_t max_chunk) const;
+  // The blocks one window group's table holds at most while a chunk of
+  // max_chunk tokens is allocated on top of committed slots: its
+  // window - 1 + max_chunk slots span at most (window + max_chunk - 3) /
+  // block_size + 2 blocks. 0 for a model with no window group.
+  int32_t WindowGroupPeakBlocks(int32_t max_chunk) const;
   // Makes the table cover num_computed + num_new + num_lookahead +
   // num_external slots (it never shrinks here). ResourceExhausted when the
   // pool lacks blocks; then nothing changes (call EnsureFree, or preempt).

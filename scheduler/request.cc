@@ -1,5 +1,7 @@
 #include "scheduler/request.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
@@ -135,7 +137,9 @@ absl::Status ValidateEngineRequest(const EngineRequest& request, const RequestLi
     }
   }
   // A sequence that could never fit would wait forever.
-  const int64_t blocks = (held + limits.block_size - 1) / limits.block_size;
+  const int64_t seq_blocks = (held + limits.block_size - 1) / limits.block_size;
+  const int64_t blocks = seq_blocks * limits.full_groups +
+                         limits.window_groups * std::min(seq_blocks, limits.window_group_blocks);
   if (limits.num_blocks > 0 && blocks > limits.num_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("request needs ", blocks,
                                                      " KV blocks; the cache has ",

@@ -102,6 +102,12 @@ struct RequestLimits {
   int32_t max_n = 16;
   int32_t block_size = 16;
   int64_t num_blocks = 0;  // KV pool size; 0: not checked
+  // KV cache groups (hybrid attention): besides the full groups' blocks a
+  // sequence holds, at once, at most window_group_blocks in each of its
+  // window_groups (Engine::limits; 0: one group, or all-layers layout).
+  int32_t full_groups = 1;
+  int32_t window_groups = 0;
+  int64_t window_group_blocks = 0;
   size_t max_cache_salt_bytes = 256;
   // A sinks or window policy may run past the trained context (positions within the
   // cache, keys re-rotated): prompt + max_tokens is then bounded by the KV

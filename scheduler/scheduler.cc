@@ -339,9 +339,10 @@ void Scheduler::Admit(BatchPlan* plan) {
   for (Sequence* r : running_) {
     const int32_t unreserved = r->num_input_tokens() - r->kv.table.num_tokens();
     if (unreserved > 1) {
-      // Every KV cache group reserves its table (a bound: window groups let
-      // go of blocks as the prompt's chunks commit).
-      pending_blocks += r->kv.table.BlocksNeeded(unreserved) * kv_->num_groups();
+      // The full group reserves the rest of the prompt; a window group at
+      // most its window and one chunk (it lets go as the chunks commit).
+      pending_blocks += kv_->PeakBlocksNeeded(r->kv, r->num_input_tokens() - r->kv.num_computed,
+                                              options_.max_batched_tokens);
     }
   }
   // Seats: running sequences count one each, and a request that has not
@@ -368,7 +369,8 @@ void Scheduler::Admit(BatchPlan* plan) {
     // generated before a preemption. FCFS: no overtaking.
     kv_->MatchPrefix(&s->kv, s->group()->salt(), s->tokens(), s->num_tokens() - 1);
     if (s->kv.reencoded) s->lossy_kv = true;
-    const int32_t need = kv_->BlocksNeeded(s->kv, s->num_input_tokens() - s->kv.num_computed);
+    const int32_t need = kv_->PeakBlocksNeeded(
+        s->kv, s->num_input_tokens() - s->kv.num_computed, options_.max_batched_tokens);
     const int32_t free_before = kv_->num_free_blocks();
     if (!kv_->EnsureFree(need + pending_blocks)) {
       kv_->Discard(&s->kv);  // unpin the match; it is looked up again next time

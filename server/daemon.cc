@@ -376,6 +376,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
     // The tier the events describe is the KV pool: device memory with the
     // CUDA backend, host memory otherwise (the CPU engine and emulator).
     vo.format.medium = d->engine_->kv_pool().on_device() ? "GPU" : "CPU";
+    if (d->engine_->kv_manager().hybrid()) {
+      // KV cache groups: the stream publishes the full group's index (group
+      // 0, whose blocks spell every cached prefix), tagged as vLLM tags a
+      // hybrid model's groups (docs/kubernetes.md).
+      vo.format.group_idx = 0;
+      vo.format.kv_cache_spec_kind = "full_attention";
+    }
     ASSIGN_OR_RETURN(d->vllm_events_, VllmEventPublisher::Start(d->kv_events_.get(), vo));
   }
   d->engine_->Start();

@@ -60,10 +60,13 @@ void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& f) {
   switch (e.kind) {
     case VllmKvEvent::Kind::kBlockStored: {
       // type, block_hashes, parent_block_hash, token_ids, block_size,
-      // lora_id, medium, lora_name (no defaults: always present), then
-      // extra_keys (None by default: only when some block has keys);
-      // group_idx and the kv_cache_spec fields stay at None.
-      pk.pack_map(e.extra_keys.empty() ? 8 : 9);
+      // lora_id, medium, lora_name (no defaults: always present), then the
+      // fields whose default is None, each only when set: extra_keys (some
+      // block has keys), group_idx, kv_cache_spec_kind and
+      // kv_cache_spec_sliding_window (a hybrid model's group).
+      pk.pack_map(8 + (e.extra_keys.empty() ? 0 : 1) + (f.group_idx.has_value() ? 1 : 0) +
+                  (f.kv_cache_spec_kind.empty() ? 0 : 1) +
+                  (f.kv_cache_spec_sliding_window.has_value() ? 1 : 0));
       PackStr(pk, "type");
       PackStr(pk, "BlockStored");
       PackStr(pk, "block_hashes");
@@ -98,10 +101,22 @@ void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& f) {
           for (const std::string& k : keys) PackKey(pk, k);
         }
       }
+      if (f.group_idx.has_value()) {
+        PackStr(pk, "group_idx");
+        pk.pack_int32(*f.group_idx);
+      }
+      if (!f.kv_cache_spec_kind.empty()) {
+        PackStr(pk, "kv_cache_spec_kind");
+        PackStr(pk, f.kv_cache_spec_kind);
+      }
+      if (f.kv_cache_spec_sliding_window.has_value()) {
+        PackStr(pk, "kv_cache_spec_sliding_window");
+        pk.pack_int32(*f.kv_cache_spec_sliding_window);
+      }
       return;
     }
     case VllmKvEvent::Kind::kBlockRemoved:
-      pk.pack_map(3);
+      pk.pack_map(f.group_idx.has_value() ? 4 : 3);
       PackStr(pk, "type");
       PackStr(pk, "BlockRemoved");
       PackStr(pk, "block_hashes");
@@ -109,6 +124,10 @@ void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& f) {
       for (uint64_t h : e.block_hashes) pk.pack_uint64(h);
       PackStr(pk, "medium");
       PackStr(pk, f.medium);
+      if (f.group_idx.has_value()) {
+        PackStr(pk, "group_idx");
+        pk.pack_int32(*f.group_idx);
+      }
       return;
     case VllmKvEvent::Kind::kAllBlocksCleared:
       pk.pack_map(1);

@@ -54,6 +54,15 @@ struct VllmEventFormat {
   int32_t block_size = 16;
   std::string medium = "GPU";  // "GPU" or "CPU": where the KV pool lives
   int32_t data_parallel_rank = 0;
+  // KV cache groups (a hybrid-attention model): the group whose radix index
+  // the stream publishes, and its KV cache spec. Every BlockStored then
+  // carries group_idx, kv_cache_spec_kind ("full_attention" or
+  // "sliding_window") and, for a window, kv_cache_spec_sliding_window;
+  // every BlockRemoved carries group_idx. Unset (a model with one group):
+  // those fields stay at their None default, off the wire, as before.
+  std::optional<int32_t> group_idx;
+  std::string kv_cache_spec_kind;                       // empty: None
+  std::optional<int32_t> kv_cache_spec_sliding_window;  // none: None
 };
 
 // The msgpack bytes of KVEventBatch{ts, events, data_parallel_rank}.

@@ -14,7 +14,10 @@ and drives a real `kvserve serve` on 127.0.0.1:
     the replay socket, and the replay from 0 equals the live stream byte for byte;
   - a salted request's chain names its salt in the first block's extra_keys;
   - with a tcp://host:port endpoint the PUB connects to a consumer that binds
-    (llm-d's layout) and the consumer gets the blocks.
+    (llm-d's layout) and the consumer gets the blocks;
+  - group_idx and the kv_cache_spec fields are absent on a one-group model and,
+    on a hybrid-attention model (Gemma 3 270M in KVSERVE_MODEL_DIR, when
+    present), name the full group: 0, "full_attention", no window.
 
 usage: vllm_kv_events_test.py KVSERVE_BINARY MODEL.gguf
 Exit 77 (skip) without msgspec/pyzmq or the model.
@@ -346,11 +349,22 @@ def main():
             proc.kill()
         ctx.term()
     connect_mode(binary, model)
+    # A hybrid-attention model (KV cache groups): Gemma 3 270M when present.
+    gemma = os.environ.get("KVSERVE_HYBRID_MODEL") or os.path.join(
+        os.environ.get("KVSERVE_MODEL_DIR", ""), "gemma-3-270m-Q4_K_M.gguf")
+    if os.path.exists(gemma):
+        connect_mode(binary, gemma, hybrid=True)
+    else:
+        print(f"hybrid part skipped: no {gemma} (set KVSERVE_MODEL_DIR or KVSERVE_HYBRID_MODEL)")
     print("PASS")
 
 
-def connect_mode(binary, model):
+def connect_mode(binary, model, hybrid=False):
     """llm-d's layout: the consumer binds, kvserve's PUB connects to it.
+
+    hybrid: the model has KV cache groups (Gemma 3): every event names the
+    full group (group_idx 0, kv_cache_spec_kind "full_attention", no window);
+    otherwise those fields are absent (None).
 
     ZeroMQ's SUB sends its subscription to a new peer when the SUB socket
     next runs (a poll or a receive), so the consumer polls while the daemon
@@ -388,8 +402,20 @@ def connect_mode(binary, model):
         full = prompt[: len(prompt) // BLOCK * BLOCK]
         if not any(path[: len(full)] == full for path in index.prefixes()):
             fail(f"connect mode: {len(batches)} batches, no stored path reproduces the prompt")
-        print(f"connect mode: {len(batches)} batches, {index.stored} blocks stored through a "
-              f"PUB that connected to the consumer")
+        want = (0, "full_attention", None) if hybrid else (None, None, None)
+        for _, _, b in batches:
+            for e in b.events:
+                if isinstance(e, BlockStored):
+                    got = (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+                elif isinstance(e, BlockRemoved):
+                    got = (e.group_idx, want[1], want[2])
+                else:
+                    continue
+                if got != want:
+                    fail(f"{type(e).__name__} group fields {got}, want {want} (hybrid {hybrid})")
+        print(f"connect mode{' (hybrid, KV cache groups)' if hybrid else ''}: {len(batches)} "
+              f"batches, {index.stored} blocks stored through a PUB that connected to the "
+              f"consumer; group fields {want}")
     finally:
         proc.terminate()
         try:

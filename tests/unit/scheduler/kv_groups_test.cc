@@ -430,6 +430,121 @@ TEST_F(KvGroupsEngineTest, PreemptionGivesTheSameOutput) {
   }
 }
 
+// The manager's admission count for a hybrid model: a window group counts
+// at most its window and one chunk, and that is never less than what the
+// pool actually supplies while the chunks are allocated and committed; a
+// one-group model counts exactly BlocksNeeded.
+TEST(KvGroupsAdmissionTest, PeakCountBoundsTheChunkedPrefillAndIsExactForOneGroup) {
+  Loaded m = LoadHybrid();
+  for (bool groups : {true, false}) {
+    const LlamaConfig::KvGroups g = m.model->config().MakeKvGroups(groups);
+    for (int32_t chunk : {1, 3, 4, 7, 16, 33, 64}) {
+      for (int32_t prompt : {5, 17, 40, 131}) {
+        KvCacheManagerOptions ko;
+        ko.pool.n_layers = g.layers_per_group;
+        ko.pool.n_kv_heads = m.model->config().n_kv_heads;
+        ko.pool.head_dim = m.model->config().head_dim;
+        ko.pool.block_size = kBlock;
+        ko.pool.n_blocks = 512;
+        ko.prefix_cache = false;
+        if (g.num_groups() > 1) {
+          ko.group_windows = g.group_window;
+          ko.layer_group = g.layer_group;
+          ko.layer_index = g.layer_index;
+        } else {
+          ko.sliding_window = g.group_window[0];
+        }
+        auto kvm = KvCacheManager::Create(std::move(ko)).value();
+        const std::vector<int32_t> tokens = Prompt(prompt, chunk);
+        SeqKv kv(kvm->mutable_pool());
+        kvm->MatchPrefix(&kv, "", tokens, 0);
+        const int32_t counted = kvm->PeakBlocksNeeded(kv, prompt, chunk);
+        const int32_t whole = kvm->BlocksNeeded(kv, prompt);
+        if (!groups) EXPECT_EQ(counted, whole) << "one group: chunk " << chunk << " prompt " << prompt;
+        const int32_t free0 = kvm->num_free_blocks();
+        int32_t peak = 0;
+        for (int32_t done = 0; done < prompt; done += chunk) {
+          const int32_t n = std::min(chunk, prompt - done);
+          ASSERT_TRUE(kvm->AllocateSlots(&kv, n).ok());
+          peak = std::max(peak, free0 - kvm->num_free_blocks());
+          kvm->MarkComputed(&kv, n);
+          kvm->Commit(&kv, "", tokens, n);
+        }
+        EXPECT_GE(counted, peak) << "groups " << groups << " chunk " << chunk << " prompt " << prompt;
+        EXPECT_LE(counted, whole);
+        if (groups && prompt >= 131 && chunk <= 16) {
+          EXPECT_LT(counted, whole) << "chunk " << chunk;  // the window groups count less
+        }
+        kvm->Discard(&kv);
+      }
+    }
+  }
+}
+
+// The allocator's capacity for the fixture's groups: sequences of `prompt`
+// tokens prefilled in chunks of `chunk` (allocate, compute, commit), then
+// `decode` tokens one at a time, each held until every one is in.
+int32_t FixtureSequencesThatFit(const LlamaModel& model, int32_t num_blocks, int32_t prompt,
+                                int32_t chunk, int32_t decode) {
+  const LlamaConfig::KvGroups g = model.config().MakeKvGroups(true);
+  KvCacheManagerOptions ko;
+  ko.pool.n_layers = g.layers_per_group;
+  ko.pool.n_kv_heads = model.config().n_kv_heads;
+  ko.pool.head_dim = model.config().head_dim;
+  ko.pool.block_size = kBlock;
+  ko.pool.n_blocks = num_blocks;
+  ko.prefix_cache = false;
+  ko.group_windows = g.group_window;
+  ko.layer_group = g.layer_group;
+  ko.layer_index = g.layer_index;
+  auto kvm = KvCacheManager::Create(std::move(ko)).value();
+  std::vector<std::unique_ptr<SeqKv>> seqs;
+  const std::vector<int32_t> tokens(static_cast<size_t>(prompt + decode), 5);
+  for (;;) {
+    auto kv = std::make_unique<SeqKv>(kvm->mutable_pool());
+    kvm->MatchPrefix(kv.get(), "", tokens, 0);
+    for (int32_t done = 0; done < prompt + decode;) {
+      const int32_t n = done < prompt ? std::min(chunk, prompt - done) : 1;
+      if (!kvm->AllocateSlots(kv.get(), n).ok()) {
+        kvm->Discard(kv.get());
+        for (auto& s : seqs) kvm->Discard(s.get());
+        return static_cast<int32_t>(seqs.size());
+      }
+      kvm->MarkComputed(kv.get(), n);
+      kvm->Commit(kv.get(), "", tokens, n);
+      done += n;
+    }
+    seqs.push_back(std::move(kv));
+  }
+}
+
+// Through the engine: long prompts (16 windows) on a pool the allocator
+// fills with K such sequences run K at once, without a preemption. Counting
+// the whole prompt in every group at admission (the old count) left the
+// last one waiting for a finished sequence's blocks.
+TEST_F(KvGroupsEngineTest, EngineAdmitsAsManyLongPromptsAsTheAllocatorHolds) {
+  constexpr int32_t kPrompt = 16 * kWindow;
+  constexpr int32_t kChunk = 64;
+  constexpr int32_t kDecode = 40;
+  constexpr int32_t kBlocks = 530;
+  const int32_t fit = FixtureSequencesThatFit(*m_.model, kBlocks, kPrompt, kChunk, kDecode);
+  ASSERT_GE(fit, 3);
+  std::vector<EngineRequest> reqs;
+  for (int32_t i = 0; i < fit; ++i) reqs.push_back(Greedy(Prompt(kPrompt, i + 30), kDecode));
+  auto e = MakeEngine(m_, true, false, kBlocks, kBlock, kChunk);
+  for (const EngineRequest& r : reqs) ASSERT_TRUE(e->Submit(r, [](const SeqEvent&) {}).ok());
+  int32_t peak_running = 0;
+  while (e->Step()) peak_running = std::max(peak_running, e->Stats().running);
+  std::printf("pool %d blocks, %d-token prompts + %d tokens: allocator holds %d, engine ran %d at once\n",
+              kBlocks, kPrompt, kDecode, fit, peak_running);
+  EXPECT_EQ(peak_running, fit);
+  EXPECT_EQ(e->Stats().preemptions, 0);
+  // Every whole-prompt-per-group count would not fit the last one beside
+  // the others: the pool is smaller than that.
+  EXPECT_LT(kBlocks, (fit - 1) * ((kPrompt + kDecode) / kBlock + 2 * 6) +
+                         3 * (kPrompt / kBlock) + 2);
+}
+
 TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   auto e = MakeEngine(m_, true, true, 256);
   EngineRequest r = Greedy(Prompt(20, 1), 4);

@@ -77,6 +77,59 @@ TEST(VllmEventEncoderTest, BlockStoredFieldsInDeclaredOrder) {
             std::string::npos);
 }
 
+// A hybrid model's stream (KV cache groups): group_idx and the KV cache
+// spec follow extra_keys in vLLM's declared order, each only when set (None
+// defaults stay off); BlockRemoved gains group_idx after medium.
+TEST(VllmEventEncoderTest, GroupFieldsFollowInDeclaredOrderOnlyWhenSet) {
+  VllmKvEvent s;
+  s.kind = VllmKvEvent::Kind::kBlockStored;
+  s.block_hashes = {9};
+  s.token_ids = {4};
+  VllmEventFormat f;
+  f.block_size = 1;
+  f.medium = "CPU";
+  f.group_idx = 0;
+  f.kv_cache_spec_kind = "full_attention";
+  const std::string head = Bytes({0x83}) + Str("ts") + Bytes({0xcb, 0, 0, 0, 0, 0, 0, 0, 0}) +
+                           Str("events") + Bytes({0x91});
+  const std::string common = Str("type") + Str("BlockStored") + Str("block_hashes") +
+                             Bytes({0x91, 0x09}) + Str("parent_block_hash") + Bytes({0xc0}) +
+                             Str("token_ids") + Bytes({0x91, 0x04}) + Str("block_size") +
+                             Bytes({0x01}) + Str("lora_id") + Bytes({0xc0}) + Str("medium") +
+                             Str("CPU") + Str("lora_name") + Bytes({0xc0});
+  const std::string tail = Str("data_parallel_rank") + Bytes({0x00});
+  EXPECT_EQ(EncodeVllmEventBatch(0.0, {s}, f),
+            head + Bytes({0x8a}) + common + Str("group_idx") + Bytes({0x00}) +
+                Str("kv_cache_spec_kind") + Str("full_attention") + tail);
+
+  // A window group: the window as msgspec's smallest integer (uint16 for
+  // 512), after the kind; with extra keys those come first.
+  f.group_idx = 3;
+  f.kv_cache_spec_kind = "sliding_window";
+  f.kv_cache_spec_sliding_window = 512;
+  s.extra_keys = {{"t"}};
+  EXPECT_EQ(EncodeVllmEventBatch(0.0, {s}, f),
+            head + Bytes({0x8c}) + common + Str("extra_keys") + Bytes({0x91, 0x91}) + Str("t") +
+                Str("group_idx") + Bytes({0x03}) + Str("kv_cache_spec_kind") +
+                Str("sliding_window") + Str("kv_cache_spec_sliding_window") +
+                Bytes({0xcd, 0x02, 0x00}) + tail);
+
+  VllmKvEvent r;
+  r.kind = VllmKvEvent::Kind::kBlockRemoved;
+  r.block_hashes = {5};
+  EXPECT_EQ(EncodeVllmEventBatch(0.0, {r}, f),
+            head + Bytes({0x84}) + Str("type") + Str("BlockRemoved") + Str("block_hashes") +
+                Bytes({0x91, 0x05}) + Str("medium") + Str("CPU") + Str("group_idx") +
+                Bytes({0x03}) + tail);
+
+  // One group (the fields unset): today's bytes, nothing added.
+  VllmEventFormat one;
+  one.block_size = 1;
+  one.medium = "CPU";
+  s.extra_keys.clear();
+  EXPECT_EQ(EncodeVllmEventBatch(0.0, {s}, one), head + Bytes({0x88}) + common + tail);
+}
+
 TEST(VllmEventEncoderTest, AllBlocksClearedIsATagAlone) {
   VllmKvEvent c;
   c.kind = VllmKvEvent::Kind::kAllBlocksCleared;
