@@ -25,23 +25,43 @@ import argparse
 import sys
 
 
+def ref_is_dump(path):
+    with open(path) as f:
+        return f.read(2) == "C "
+
+
+def read_dump(path):
+    out = []
+    for line in open(path):
+        if not line.startswith("C "):
+            continue
+        fields = {p.strip()[0]: p.strip()[2:].split() for p in line.split("|")}
+        out.append((list(map(int, fields["A"])), list(map(float, fields["M"])),
+                    list(map(float, fields["N"]))))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("ours", help="kvserve perplexity --top1-out file")
+    ap.add_argument("ours", help="kvserve perplexity --top1-out file (or a second llama.cpp dump)")
     ap.add_argument("ref", help="llama.cpp per-window dump (C|T|A|M|N lines)")
     ap.add_argument("--near-tie", type=float, default=0.1)
     args = ap.parse_args()
 
-    lines = [line.split() for line in open(args.ours) if line.strip()]
-    ours = [list(map(int, l)) for l in lines[0::2]]
-    ours_nll = [list(map(float, l)) for l in lines[1::2]]
-    ref = []
-    for line in open(args.ref):
-        if not line.startswith("C "):
-            continue
-        fields = {p.strip()[0]: p.strip()[2:].split() for p in line.split("|")}
-        ref.append((list(map(int, fields["A"])), list(map(float, fields["M"])),
-                    list(map(float, fields["N"]))))
+    ref = read_dump(args.ref)
+    if ref_is_dump(args.ours):
+        # A second llama.cpp dump in place of kvserve's file: llama.cpp against
+        # itself (another attention setting, or a last-bit perturbation), the
+        # ceiling any other engine can reach on the same file.
+        ours, ours_nll = [], []
+        for a, _, nll in read_dump(args.ours):
+            c = len(a) + 1
+            ours.append(a[c // 2:c - 1])
+            ours_nll.append(nll)
+    else:
+        lines = [line.split() for line in open(args.ours) if line.strip()]
+        ours = [list(map(int, l)) for l in lines[0::2]]
+        ours_nll = [list(map(float, l)) for l in lines[1::2]]
     n = min(len(ours), len(ref))
     if n == 0:
         sys.exit("no windows to compare")
@@ -69,7 +89,7 @@ def main():
           f"{miss} misses, {near} of them where llama.cpp's top-2 margin < {args.near_tie}")
     mean = sum(diffs) / len(diffs)
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1))
-    print(f"per-position NLL, kvserve - llama.cpp: mean {mean:+.5f} (ppl ratio "
+    print(f"per-position NLL, first file - llama.cpp dump: mean {mean:+.5f} (ppl ratio "
           f"{math.exp(mean):.4f}), sd {sd:.4f}, mean |diff| "
           f"{sum(abs(d) for d in diffs) / len(diffs):.4f}; chance spread of the ppl ratio "
           f"+-{100 * sd / math.sqrt(len(diffs)):.2f}%")
