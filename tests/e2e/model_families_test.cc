@@ -304,6 +304,14 @@ TEST(Gemma3RealE2eTest, GreedyCompletionsMatchLlamaCpp) {
   // Below this top-2 logit gap at a step, the two engines' rounding
   // (activations quantized per block, f16 K/V) may pick either token.
   constexpr double kNearTie = 0.1;
+  // On a file whose activations are rounded to 8 bits, llama.cpp's own
+  // arg-max moves at 3-5% of positions after a last-bit change (flash
+  // attention on/off, an RMSNorm epsilon moved by 1e-4: docs/model-families.md,
+  // "What bounds top-1 agreement on quantized-activation files"), not only at
+  // gaps below kNearTie. So one of the ten completions may part at a gap
+  // below kWide; a second one, or any wider gap, fails.
+  constexpr double kWide = 0.5;
+  int wide = 0;
   std::ifstream in(std::string(KVSERVE_SOURCE_DIR) + "/tests/data/gemma3_greedy_reference.jsonl");
   ASSERT_TRUE(in.good());
   std::string line;
@@ -339,9 +347,11 @@ TEST(Gemma3RealE2eTest, GreedyCompletionsMatchLlamaCpp) {
     if (i == want.size() && pieces.size() == want.size()) {
       ++identical;
     } else {
-      // Parted at step i: only where llama.cpp itself had a near-tie.
+      // Parted at step i: only where llama.cpp itself had a near-tie (or,
+      // once, a gap its own last-bit changes also flip).
       ASSERT_LT(i, margins.size());
-      EXPECT_LT(margins[i], kNearTie)
+      if (margins[i] >= kNearTie && margins[i] < kWide) ++wide;
+      EXPECT_LT(margins[i], wide <= 1 ? kWide : kNearTie)
           << "step " << i << ": kvserve "
           << (i < pieces.size() ? pieces[i].dump() : std::string("(stopped)")) << ", llama.cpp "
           << (i < want.size() ? "'" + (*tok)->TokenToBytes(want[i]) + "'" : std::string("(stopped)"))
@@ -350,6 +360,7 @@ TEST(Gemma3RealE2eTest, GreedyCompletionsMatchLlamaCpp) {
     ++prompts;
   }
   EXPECT_EQ(prompts, 10);
+  EXPECT_LE(wide, 1);
   RecordProperty("identical_completions", identical);
   std::printf("gemma3 greedy: %d of %d completions identical to llama.cpp's\n", identical, prompts);
 }
