@@ -945,22 +945,7 @@ TEST_F(CudaTest, NativeMatMulMatchesCpuMatMul) {
         auto x = RandomFloats(n_tokens * x_stride, 22 + n_tokens);
         if (n_tokens == 17) x = AwkwardActivations(n_tokens, x_stride, cols, 23, 300.f);
         std::vector<float> want(n_tokens * y_stride, -7.f);
-        {
-          const int64_t nb = cols / 32;
-          std::vector<int8_t> qs(n_tokens * cols);
-          std::vector<float> ds(2 * n_tokens * nb);
-          for (int64_t t = 0; t < n_tokens; ++t) {
-            kernels::internal::QuantizeActsScalar(x.data() + t * x_stride, cols,
-                                                  kernels::internal::ActSum::kExact,
-                                                  qs.data() + t * cols, ds.data() + t * 2 * nb);
-          }
-          kernels::internal::QuantizedActs acts;
-          acts.n_blocks = nb;
-          acts.qs = qs.data();
-          acts.ds = ds.data();
-          kernels::internal::MatMulRowsExtendedScalar(wv, acts, n_tokens, 0, rows, want.data(),
-                                                      y_stride);
-        }
+        kernels::MatMul(wv, x.data(), n_tokens, x_stride, want.data(), y_stride, nullptr);
         float* y = Upload(std::vector<float>(want.size(), -7.f));
         ASSERT_TRUE((*mm)->MatMul(*dw, Upload(x), n_tokens, x_stride, y, y_stride).ok());
         const auto got = Download(y, want.size());
@@ -1113,7 +1098,22 @@ TEST_F(CudaTest, ExtendedFormatsMatMulMatchesCpu) {
         const int64_t x_stride = cols + 5, y_stride = rows + 3;
         const auto x = RandomFloats(n_tokens * x_stride, 42 + n_tokens);
         std::vector<float> want(n_tokens * y_stride, -7.f);
-        kernels::MatMul(wv, x.data(), n_tokens, x_stride, want.data(), y_stride, nullptr);
+        {
+          const int64_t nb = cols / 32;
+          std::vector<int8_t> qs(n_tokens * cols);
+          std::vector<float> ds(2 * n_tokens * nb);
+          for (int64_t t = 0; t < n_tokens; ++t) {
+            kernels::internal::QuantizeActsScalar(x.data() + t * x_stride, cols,
+                                                  kernels::internal::ActSum::kExact,
+                                                  qs.data() + t * cols, ds.data() + t * 2 * nb);
+          }
+          kernels::internal::QuantizedActs acts;
+          acts.n_blocks = nb;
+          acts.qs = qs.data();
+          acts.ds = ds.data();
+          kernels::internal::MatMulRowsExtendedScalar(wv, acts, n_tokens, 0, rows, want.data(),
+                                                      y_stride);
+        }
         std::vector<float> ref(n_tokens * y_stride, -7.f);
         kernels::MatMulReference(wv, x.data(), n_tokens, x_stride, ref.data(), y_stride);
         float* y = Upload(std::vector<float>(want.size(), -7.f));
