@@ -208,6 +208,34 @@ def replay(ctx, endpoint, start):
     return out
 
 
+def start_daemon(binary, model, args, what, wait=lambda: time.sleep(0.05)):
+    """Starts `kvserve serve` on 127.0.0.1 with `args`; returns (proc, http port).
+
+    wait() runs while the port file is not there yet (a SUB that must poll
+    passes its poll).
+    """
+    port_file = os.path.join(tempfile.mkdtemp(prefix="vllm-events-ports-"), "ports.json")
+    proc = subprocess.Popen(
+        [binary, "--log-level", "warn", "-t", "2", "-m", model, "serve", "--http-port", "0",
+         "--grpc-address", "127.0.0.1:0", "--port-file", port_file, "--kv-events-topic", "kv",
+         "--drain-timeout", "1"] + args)
+    deadline = time.time() + 60
+    while not os.path.exists(port_file):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            fail(f"{what}: daemon did not start")
+        wait()
+    return proc, json.load(open(port_file))["http"]
+
+
+def stop_daemon(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main():
     binary, model = sys.argv[1], sys.argv[2]
     if not os.path.exists(model):
@@ -222,20 +250,11 @@ def main():
     replay_ep = f"tcp://127.0.0.1:{replay_port}"
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    port_file = os.path.join(tmp, "ports.json")
     # A small pool, so that later prompts evict earlier ones.
-    proc = subprocess.Popen(
-        [binary, "--log-level", "warn", "-t", "2", "-m", model, "serve", "--http-port", "0",
-         "--grpc-address", "127.0.0.1:0", "--port-file", port_file, "--kv-cache-memory", "160KiB",
-         "--kv-events-endpoint", pub_ep, "--kv-events-replay-endpoint", replay_ep,
-         "--kv-events-topic", "kv", "--drain-timeout", "1"])
+    proc, http = start_daemon(binary, model,
+                              ["--kv-cache-memory", "160KiB", "--kv-events-endpoint", pub_ep,
+                               "--kv-events-replay-endpoint", replay_ep], "bind mode")
     try:
-        deadline = time.time() + 60
-        while not os.path.exists(port_file):
-            if proc.poll() is not None or time.time() > deadline:
-                fail("daemon did not start")
-            time.sleep(0.05)
-        http = json.load(open(port_file))["http"]
         sub.connect(pub_ep)
         time.sleep(0.5)  # the subscription reaches the PUB
 
@@ -342,11 +361,7 @@ def main():
               f"{index.removed} removed, {len(index.blocks)} cached")
         late.close(linger=0)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_daemon(proc)
         ctx.term()
     connect_mode(binary, model)
     # A hybrid-attention model (KV cache groups): Gemma 3 270M when present.
@@ -375,20 +390,9 @@ def connect_mode(binary, model, hybrid=False):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     port = sub.bind_to_random_port("tcp://127.0.0.1")
-    tmp = tempfile.mkdtemp(prefix="vllm-events-connect-")
-    port_file = os.path.join(tmp, "ports.json")
-    proc = subprocess.Popen(
-        [binary, "--log-level", "warn", "-t", "2", "-m", model, "serve", "--http-port", "0",
-         "--grpc-address", "127.0.0.1:0", "--port-file", port_file,
-         "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-topic", "kv",
-         "--drain-timeout", "1"])
+    proc, http = start_daemon(binary, model, ["--kv-events-endpoint", f"tcp://127.0.0.1:{port}"],
+                              "connect mode", wait=lambda: sub.poll(50))
     try:
-        deadline = time.time() + 60
-        while not os.path.exists(port_file):
-            if proc.poll() is not None or time.time() > deadline:
-                fail("connect mode: daemon did not start")
-            sub.poll(50)
-        http = json.load(open(port_file))["http"]
         end = time.time() + 0.5
         while time.time() < end:
             sub.poll(50)
@@ -417,11 +421,7 @@ def connect_mode(binary, model, hybrid=False):
               f"batches, {index.stored} blocks stored through a PUB that connected to the "
               f"consumer; group fields {want}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_daemon(proc)
         sub.close(linger=0)
         ctx.term()
 
