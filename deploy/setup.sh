@@ -73,6 +73,20 @@ fi
 # as a static library, without the Python bindings. The sha256 was recorded
 # from the first download. A build without it refuses response_format,
 # structured_outputs and forced tool_choice by name.
+# Downloads the sdist `requirement` (e.g. pkg==1.2) from PyPI into `dir` and
+# checks that `file` (its name there) has sha256 `sha`; exits on a mismatch.
+fetch_checked_sdist() {
+  local dir="$1" requirement="$2" file="$3" sha="$4"
+  python3 -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+    --dest "$dir" "$requirement" 2>/dev/null ||
+    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$dir" "$requirement"
+  if ! echo "$sha  $dir/$file" | sha256sum -c --status; then
+    rm -rf "$dir"
+    echo "setup: sha256 mismatch for $file (expected $sha)" >&2
+    exit 1
+  fi
+}
+
 fetch_xgrammar() {
   local ver="0.1.27"
   local sha="40af7bb2891f1633ec7f660723c74a92a963307d283aca9e3b4e53a0feaf1d46"
@@ -84,15 +98,8 @@ fetch_xgrammar() {
   local dl
   dl="$(mktemp -d)"
   echo "setup: fetching the xgrammar==$ver sdist from PyPI (C++ sources only)"
-  python3 -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
-    --dest "$dl" "xgrammar==$ver" 2>/dev/null ||
-    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$dl" "xgrammar==$ver"
+  fetch_checked_sdist "$dl" "xgrammar==$ver" "xgrammar-$ver.tar.gz" "$sha"
   local sdist="$dl/xgrammar-$ver.tar.gz"
-  if ! echo "$sha  $sdist" | sha256sum -c --status; then
-    rm -rf "$dl"
-    echo "setup: sha256 mismatch for xgrammar-$ver.tar.gz (expected $sha)" >&2
-    exit 1
-  fi
   mkdir -p "$ROOT/third_party"
   rm -rf "$dest.part"
   mkdir "$dest.part"
@@ -272,15 +279,9 @@ de785bb305cc6fa9d43908ed5da337f853c0b79e971348fcfb9f0915a39c5363  ggml-vocab-qwe
   local dl
   dl="$(mktemp -d)"
   echo "setup: fetching the llama-cpp-python==0.3.36 sdist from PyPI (vocabularies only)"
-  python3 -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
-    --dest "$dl" "llama-cpp-python==0.3.36" 2>/dev/null ||
-    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$dl" "llama-cpp-python==0.3.36"
+  fetch_checked_sdist "$dl" "llama-cpp-python==0.3.36" "llama_cpp_python-0.3.36.tar.gz" \
+    "$sdist_sha"
   local sdist="$dl/llama_cpp_python-0.3.36.tar.gz"
-  if ! echo "$sdist_sha  $sdist" | sha256sum -c --status; then
-    rm -rf "$dl"
-    echo "setup: sha256 mismatch for llama_cpp_python-0.3.36.tar.gz (expected $sdist_sha)" >&2
-    exit 1
-  fi
   tar -xzf "$sdist" -C "$dl" --wildcards \
     'llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf*' \
     'llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf*'
