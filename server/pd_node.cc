@@ -201,7 +201,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
  public:
   Impl(const PdFlags& flags, PdRole role, std::string fingerprint, std::string api_key)
       : flags_(flags), role_(role), fingerprint_(std::move(fingerprint)),
-        api_key_(std::move(api_key)), incarnation_(RandomNonZero()) {}
+        api_key_(std::move(api_key)), auth_(api_key_), incarnation_(RandomNonZero()) {}
 
   ~Impl() override { Shutdown(); }
 
@@ -1100,7 +1100,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   // The P/D node's calls take the operator's key (tenant keys are the
   // front ends' business): Authenticator's rule and wording.
   grpc::Status Authorize(grpc::ServerContext* ctx) const {
-    absl::StatusOr<CallerAuth> caller = AuthorizeGrpc(Authenticator(api_key_), *ctx, true);
+    absl::StatusOr<CallerAuth> caller = AuthorizeGrpc(auth_, *ctx, true);
     return caller.ok() ? grpc::Status::OK : ToGrpc(caller.status());
   }
 
@@ -1833,6 +1833,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   const PdRole role_;
   const std::string fingerprint_;
   const std::string api_key_;
+  const Authenticator auth_;  // api_key_'s check of incoming calls
   const uint64_t incarnation_;
   Engine* engine_ = nullptr;
   ModelService* service_ = nullptr;

@@ -172,6 +172,7 @@ double Secs(double ms) { return ms / 1000.0; }
 
 struct Router::Impl final : public v1::Kvserve::Service {
   RouterOptions o;
+  Authenticator auth{""};  // o.api_key's check of incoming calls (set with o)
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   httplib::Server http;
@@ -471,7 +472,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
   }
 
   grpc::Status Authorize(grpc::ServerContext* ctx) const {
-    absl::StatusOr<CallerAuth> caller = AuthorizeGrpc(Authenticator(o.api_key), *ctx, true);
+    absl::StatusOr<CallerAuth> caller = AuthorizeGrpc(auth, *ctx, true);
     return caller.ok() ? grpc::Status::OK : ToGrpc(caller.status());
   }
 
@@ -655,7 +656,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
       res.set_content(j.dump(), "application/json");
     };
     if (absl::StatusOr<CallerAuth> caller =
-            Authenticator(o.api_key).Check(req.get_header_value("Authorization"), true);
+            auth.Check(req.get_header_value("Authorization"), true);
         !caller.ok()) {
       return error(HttpStatusFor(caller.status().code()), std::string(caller.status().message()));
     }
@@ -910,6 +911,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(RouterOptions options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->o = std::move(options);
+  impl->auth = Authenticator(impl->o.api_key);
   Impl* i = impl.get();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder b;
