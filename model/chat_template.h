@@ -23,7 +23,7 @@ namespace kvserve {
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant", "tool", "developer"
   std::string content;
-  // Tool calling (server/tool_calls.h): an assistant turn's tool_calls (a
+  // Tool calling (server/service/tool_calls.h): an assistant turn's tool_calls (a
   // JSON array text, "" when none), a tool turn's tool_call_id, and a tool
   // turn's function name.
   std::string tool_calls_json = {};

@@ -19,7 +19,7 @@
 //
 // Threads: every method taking a KvCacheManager runs on the engine thread
 // (Engine::RunOnEngineThread; tests call them directly). stats() and
-// stats() may be called from any thread (server/metrics.h renders it).
+// stats() may be called from any thread (server/observe/metrics.h renders it).
 #pragma once
 
 #include <cstdint>

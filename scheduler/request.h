@@ -1,5 +1,5 @@
 // The engine's request and event types, and the one place that validates a
-// request. Both front ends (server/model_service.cc) and Engine::Submit call
+// request. Both front ends (server/service/model_service.cc) and Engine::Submit call
 // ValidateEngineRequest, so a rule and its message exist once: a bad field is
 // InvalidArgument naming it; a request the KV pool could never hold is
 // ResourceExhausted.

@@ -23,7 +23,7 @@ No cluster runs here, so this is the check that always can:
    every $(VAR) in args is defined in the container's env.
 5. Wiring: the model-fetching init containers repeat setup.sh's file name,
    pip spec and sha256; the endpoint picker's --*-metric flags name series
-   kvserve renders (server/metrics.cc), vllm: ones only with --metrics-compat
+   kvserve renders (server/observe/metrics.cc), vllm: ones only with --metrics-compat
    vllm on the pool's pods; the InferencePool selects the kvserve pods, its
    target port is theirs and its picker a Service with that port; the pods'
    --kv-events-endpoint reaches the picker Service's ZMQ port.

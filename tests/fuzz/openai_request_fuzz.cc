@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "server/openai_request.h"
+#include "server/frontend/openai_request.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;

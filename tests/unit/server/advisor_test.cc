@@ -1,7 +1,7 @@
 // The advisor's choices from a fixed calibration: two different workloads
 // get two different, explained configurations; the prediction model behaves
 // (more load, longer TPOT); the TOML is what `kvserve serve --config` reads.
-#include "server/advisor.h"
+#include "server/app/advisor.h"
 
 #include <gtest/gtest.h>
 

@@ -1,12 +1,12 @@
 // The API-key check both front ends share: the bearer scheme in any case,
 // the exact key, nothing else.
-#include "server/auth.h"
+#include "server/service/auth.h"
 
 #include <memory>
 
 #include "gtest/gtest.h"
-#include "server/status_map.h"
-#include "server/tenants.h"
+#include "server/frontend/status_map.h"
+#include "server/service/tenants.h"
 
 namespace kvserve {
 namespace {

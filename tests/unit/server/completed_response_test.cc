@@ -3,7 +3,7 @@
 // emitted, however the samples interleave and whichever threads add them;
 // done() exactly when every sample has finished; usage counts as the front
 // ends report them.
-#include "server/completed_response.h"
+#include "server/service/completed_response.h"
 
 #include <atomic>
 #include <random>

@@ -1,7 +1,7 @@
 // The dashboard's pure parts: the block map's arithmetic, the histogram read
 // back from the metrics text, the radix-tree replica and its hit counts, and
 // the request board.
-#include "server/dashboard.h"
+#include "server/observe/dashboard.h"
 
 #include <gtest/gtest.h>
 
@@ -9,8 +9,8 @@
 #include <random>
 #include <set>
 
-#include "server/metrics.h"
-#include "server/request_board.h"
+#include "server/observe/metrics.h"
+#include "server/service/request_board.h"
 
 namespace kvserve {
 namespace {

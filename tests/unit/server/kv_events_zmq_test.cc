@@ -1,8 +1,8 @@
-// The vLLM-format KV event encoder (server/kv_events_zmq.h): exact msgpack
+// The vLLM-format KV event encoder (server/observe/kv_events_zmq.h): exact msgpack
 // bytes, worked out by hand from msgspec's rules for vLLM's structs (map,
 // "type" tag first, declared field order, None defaults omitted, smallest
 // integer forms), and the translation of the prefix cache's events.
-#include "server/kv_events_zmq.h"
+#include "server/observe/kv_events_zmq.h"
 
 #include <string>
 #include <vector>

@@ -2,7 +2,7 @@
 // from the server's defaults, an h2o budget left at 0 everywhere is derived
 // from the sinks and window in force, an unknown name is refused naming the
 // valid ones; and the --kv-* flags are refused naming the flag.
-#include "server/kv_policy.h"
+#include "server/service/kv_policy.h"
 
 #include <limits>
 #include <string>

@@ -3,7 +3,7 @@
 // (one HELP/TYPE per family before its samples, valid names and labels,
 // parseable values, cumulative histogram buckets ending in +Inf that agree
 // with _count), and that recorded events show up in the right series.
-#include "server/metrics.h"
+#include "server/observe/metrics.h"
 
 #include <algorithm>
 #include <cmath>

@@ -16,8 +16,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/kvserve.pb.h"
-#include "server/grpc_server.h"
-#include "server/openai_request.h"
+#include "server/frontend/grpc_server.h"
+#include "server/frontend/openai_request.h"
 
 namespace kvserve {
 namespace {

@@ -2,7 +2,7 @@
 // or a socket. Each accepted shape lands in the right field; each wrong type
 // or shape is a 400 naming the field (param) with a message that says what
 // is wrong; explicit nulls count as absent.
-#include "server/openai_request.h"
+#include "server/frontend/openai_request.h"
 
 #include <string>
 

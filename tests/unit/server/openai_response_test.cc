@@ -2,7 +2,7 @@
 // status mapping, the non-streaming body, and the SSE stream SseEncoder
 // writes for a request's events (deltas, finish chunks, usage, [DONE], the
 // shutdown error event).
-#include "server/openai_response.h"
+#include "server/frontend/openai_response.h"
 
 #include <string>
 #include <vector>

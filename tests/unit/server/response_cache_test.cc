@@ -4,7 +4,7 @@
 // on a fake clock, and a hit replays the original stream chunk for chunk —
 // in the cache alone and through ModelService over a real (tiny, written)
 // model and engine.
-#include "server/response_cache.h"
+#include "server/service/response_cache.h"
 
 #include <atomic>
 #include <cctype>
@@ -18,8 +18,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "grammar/structured_output.h"
-#include "server/model_service.h"
-#include "server/semantic_cache.h"
+#include "server/service/model_service.h"
+#include "server/service/semantic_cache.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 

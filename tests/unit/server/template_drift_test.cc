@@ -4,7 +4,7 @@
 // the block's position, the explainer reports "diverged at token N" with
 // exactly that N, and with canonicalization the second turn hits the whole
 // cached first turn. Tokens are bytes here (no model needed).
-#include "server/template_drift.h"
+#include "server/service/template_drift.h"
 
 #include <string>
 #include <vector>
@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "scheduler/cache_control.h"
 #include "scheduler/kv_cache_manager.h"
-#include "server/tenants.h"
+#include "server/service/tenants.h"
 
 namespace kvserve {
 namespace {

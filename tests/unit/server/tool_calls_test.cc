@@ -6,7 +6,7 @@
 // the model's <tool_call> blocks parsed into OpenAI tool_calls whole and
 // streamed, however the text is cut into deltas; and the response bodies
 // and SSE chunks that carry them.
-#include "server/tool_calls.h"
+#include "server/service/tool_calls.h"
 
 #include <fstream>
 #include <sstream>
@@ -17,8 +17,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "server/openai_request.h"
-#include "server/openai_response.h"
+#include "server/frontend/openai_request.h"
+#include "server/frontend/openai_response.h"
 
 namespace kvserve {
 namespace {
