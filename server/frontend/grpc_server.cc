@@ -27,6 +27,7 @@
 #include "common/status.h"
 #include "server/service/auth.h"
 #include "server/frontend/status_map.h"
+#include "server/service/admission.h"
 #include "server/service/completed_response.h"
 #include "spdlog/spdlog.h"
 
@@ -206,29 +207,17 @@ std::chrono::steady_clock::time_point SteadyDeadline(std::chrono::system_clock::
 // gRPC may run reactions such as OnWriteDone inline on the calling thread.
 class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
-  CompletionStream(ModelService* service, grpc::CallbackServerContext* ctx,
-                   absl::StatusOr<CompletionParams> params, const std::string& tenant,
-                   const CallerAuth& auth = {}, CacheControlService* cache_control = nullptr)
-      : service_(service), shared_(std::make_shared<Shared>()) {
+  CompletionStream(const Admission* admission, grpc::CallbackServerContext* ctx,
+                   absl::StatusOr<CompletionParams> params, const CallerAuth& auth)
+      : service_(admission->service()), shared_(std::make_shared<Shared>()) {
     shared_->stream = this;
-    if (params.ok()) params->tenant = tenant;  // from the key Authorize() checked
-    if (params.ok() && !auth.tenant.empty()) {
-      // A tenant key: the response cache and the prefix cache are the tenant's.
-      params->tenant = "tenant:" + auth.tenant;
-      params->cache_tenant = auth.tenant;
-    }
+    // Scope, validate, report: server/service/admission.h.
     absl::StatusOr<PreparedRequest> prepared =
-        params.ok() ? service->Prepare(*params) : absl::StatusOr<PreparedRequest>(params.status());
+        params.ok() ? admission->Prepare(*std::move(params), auth, SteadyDeadline(ctx->deadline()))
+                    : absl::StatusOr<PreparedRequest>(params.status());
     if (!prepared.ok()) {
       FinishNow(ToGrpc(prepared.status()));
       return;
-    }
-    prepared->engine.deadline =
-        std::min(prepared->engine.deadline, SteadyDeadline(ctx->deadline()));
-    if (prepared->cache_report && cache_control != nullptr && prepared->notes) {
-      std::string report = cache_control->ReportJson(*prepared, auth);
-      std::lock_guard<std::mutex> lock(prepared->notes->mu);
-      prepared->notes->report_json = std::move(report);
     }
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
@@ -236,7 +225,7 @@ class CompletionStream final : public grpc::ServerWriteReactor<pb::GenerateRespo
       shared_->notes = prepared->notes;
     }
     std::shared_ptr<Shared> shared = shared_;
-    absl::StatusOr<uint64_t> id = service->Start(
+    absl::StatusOr<uint64_t> id = admission->Start(
         std::move(prepared).value(), [shared](const SeqEvent& ev) { Shared::OnEvent(shared, ev); },
         &shared->cache);
     if (!id.ok()) {
@@ -680,7 +669,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
                  std::shared_ptr<const TenantKeys> tenant_keys = nullptr,
                  CacheControlService* cache_control = nullptr)
       : service_(service),
-        tenant_(TenantFromApiKey(api_key)),
+        admission_(service, api_key, cache_control),
         auth_(std::move(api_key), std::move(tenant_keys)),
         cache_control_(cache_control) {}
 
@@ -690,7 +679,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
     if (grpc::Status auth = Authorize(ctx, &who, /*admin_only=*/false); !auth.ok()) {
       return new RejectedStream<pb::GenerateResponse>(auth);
     }
-    return new CompletionStream(service_, ctx, ToParams(*request), tenant_, who, cache_control_);
+    return new CompletionStream(&admission_, ctx, ToParams(*request), who);
   }
 
   grpc::ServerWriteReactor<pb::GenerateResponse>* Chat(grpc::CallbackServerContext* ctx,
@@ -699,7 +688,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
     if (grpc::Status auth = Authorize(ctx, &who, /*admin_only=*/false); !auth.ok()) {
       return new RejectedStream<pb::GenerateResponse>(auth);
     }
-    return new CompletionStream(service_, ctx, ToParams(*request), tenant_, who, cache_control_);
+    return new CompletionStream(&admission_, ctx, ToParams(*request), who);
   }
 
   grpc::ServerUnaryReactor* CacheControl(grpc::CallbackServerContext* ctx,
@@ -962,7 +951,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
                             "all, cache_salt: give one of them, not both");
       }
       absl::StatusOr<int64_t> purged = service_->PurgeResponseCache(
-          request->all() ? std::nullopt : std::optional<std::string>(tenant_),
+          request->all() ? std::nullopt : std::optional<std::string>(admission_.operator_scope()),
           request->has_cache_salt() ? std::optional<std::string>(request->cache_salt())
                                     : std::nullopt);
       if (!purged.ok()) return ToGrpc(purged.status());
@@ -1003,7 +992,7 @@ class KvserveService final : public pb::Kvserve::CallbackService {
   }
 
   ModelService* service_;
-  std::string tenant_;  // the response cache's scope for the checked key
+  Admission admission_;  // the request path (server/service/admission.h)
   Authenticator auth_;
   CacheControlService* cache_control_ = nullptr;
   BackgroundThreads threads_;

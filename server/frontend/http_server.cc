@@ -49,6 +49,7 @@
 #include "server/service/auth.h"
 #include "server/observe/metrics.h"
 #include "server/frontend/status_map.h"
+#include "server/service/admission.h"
 #include "server/service/completed_response.h"
 #include "server/observe/dashboard.h"
 #include "server/frontend/openai_request.h"
@@ -191,6 +192,7 @@ struct ServerCore {
   ModelService* service = nullptr;
   HttpServerOptions options;
   Authenticator authenticator{""};  // options' api_key and tenant_keys
+  std::unique_ptr<Admission> admission;  // the request path (server/service/admission.h)
   int64_t created = 0;
   net::io_context ioc;
   std::unique_ptr<net::thread_pool> handlers;
@@ -910,7 +912,7 @@ void ServerCore::Route(const std::shared_ptr<Connection>& conn, Request req) {
     if (path == "/admin/response_cache/purge") {
       // Admin: purges the response cache (server/frontend/response_cache_api.h).
       return net::post(*handlers, [this, conn, body = std::move(req.body())] {
-        PurgeAnswer a = PurgeResponseCacheHttp(service, TenantFromApiKey(options.api_key), body);
+        PurgeAnswer a = PurgeResponseCacheHttp(service, admission->operator_scope(), body);
         conn->Send(TextReply(a.status, a.body.dump(), "application/json"));
       });
     }
@@ -1000,15 +1002,10 @@ void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::
                                   bool chat, CallerAuth auth) {
   OpenAiRequest parsed;
   if (auto err = ParseOpenAiRequest(body, chat, &parsed)) return conn->Send(ErrorReply(*err));
-  parsed.params.tenant = TenantFromApiKey(options.api_key);  // the key Authorize checked
-  if (!auth.tenant.empty()) {
-    // A tenant key: the response cache and the prefix cache are the tenant's.
-    parsed.params.tenant = absl::StrCat("tenant:", auth.tenant);
-    parsed.params.cache_tenant = auth.tenant;
-  }
   const CompletionParams& params = parsed.params;
   const HttpRequestOptions& opts = parsed.options;
-  absl::StatusOr<PreparedRequest> prepared = service->Prepare(params);
+  // Scope, validate, report: server/service/admission.h.
+  absl::StatusOr<PreparedRequest> prepared = admission->Prepare(params, auth);
   if (!prepared.ok()) {
     ApiError e = ApiErrorFromStatus(prepared.status());
     if (e.param == "max_tokens" && opts.max_completion_tokens_alias) {
@@ -1026,12 +1023,6 @@ void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::
   call->opts = opts;
   call->meta = ResponseMeta::New(chat, service->model_name());
   call->meta.cache_notes = prepared->notes;
-  if (prepared->cache_report && options.cache_control != nullptr && prepared->notes) {
-    // What the cache holds for this prompt as it is admitted.
-    std::string report = options.cache_control->ReportJson(*prepared, auth);
-    std::lock_guard<std::mutex> lock(prepared->notes->mu);
-    prepared->notes->report_json = std::move(report);
-  }
   // The policy the request runs with (its own or the server's default).
   call->meta.kv_policy = prepared->engine.kv_policy.kind != KvPolicy::Kind::kNone;
   if (opts.echo) {
@@ -1058,7 +1049,7 @@ void ServerCore::HandleCompletion(const std::shared_ptr<Connection>& conn, std::
   // The encoder and accumulator exist already; the cache's verdict reaches
   // the encoder through its meta below, before any event is encoded (events
   // wait for Arm on the connection's strand).
-  absl::StatusOr<uint64_t> started = service->Start(
+  absl::StatusOr<uint64_t> started = admission->Start(
       std::move(prepared).value(),
       [call](const SeqEvent& ev) {
         call->Push(ev, call);  // engine thread: hand over and return at once
@@ -1207,6 +1198,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(ModelService* serv
   core.service = service;
   core.options = options;
   core.authenticator = Authenticator(options.api_key, options.tenant_keys);
+  core.admission = std::make_unique<Admission>(service, options.api_key, options.cache_control);
   core.created = std::chrono::duration_cast<std::chrono::seconds>(
                      std::chrono::system_clock::now().time_since_epoch())
                      .count();

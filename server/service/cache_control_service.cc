@@ -2,6 +2,7 @@
 // opening paragraph of server/service/cache_control_service.h.
 
 #include "server/service/cache_control_service.h"
+#include "server/service/admission.h"
 
 #include <chrono>
 #include <future>
@@ -145,17 +146,19 @@ absl::StatusOr<PreparedRequest> CacheControlService::PrepareBody(const json& bod
     if (!it->is_string()) return absl::InvalidArgumentError("cache_salt must be a string");
     p.cache_salt = it->get<std::string>();
   }
-  p.cache_tenant = auth.tenant;
+  CallerAuth scope = auth;
   if (auth.admin) {
     // The operator may look at a tenant's scope.
     if (auto it = body.find("tenant"); it != body.end() && !it->is_null()) {
       if (!it->is_string()) return absl::InvalidArgumentError("tenant must be a string");
-      p.cache_tenant = it->get<std::string>();
+      scope.tenant = it->get<std::string>();
     }
   }
   p.max_tokens = 1;  // not run (or run for one token when warming)
   p.temperature = 0;
-  p.tenant = p.cache_tenant.empty() ? "" : absl::StrCat("tenant:", p.cache_tenant);
+  // The scope rule of every request (server/service/admission.h); no
+  // response cache is involved, so the operator's scope is empty.
+  ScopeToCaller(scope, "", &p);
   return service_->Prepare(p);
 }
 

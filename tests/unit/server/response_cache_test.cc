@@ -18,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "grammar/structured_output.h"
+#include "server/service/admission.h"
 #include "server/service/model_service.h"
 #include "server/service/semantic_cache.h"
 #include "tests/testing/gguf_writer.h"
@@ -420,9 +421,8 @@ struct RunResult {
 };
 
 // Runs to the end (or cancels after the first token when `cancel`).
-RunResult RunRequest(ModelService* service, const CompletionParams& p, bool cancel = false) {
+RunResult RunPrepared(ModelService* service, PreparedRequest prepared, bool cancel = false) {
   RunResult out;
-  PreparedRequest prepared = service->Prepare(p).value();
   const int32_t n = prepared.engine.n;
   struct State {
     std::mutex mu;
@@ -450,6 +450,10 @@ RunResult RunRequest(ModelService* service, const CompletionParams& p, bool canc
   st->cv.wait(lock, [&] { return st->finished == n; });
   out.events = st->events;
   return out;
+}
+
+RunResult RunRequest(ModelService* service, const CompletionParams& p, bool cancel = false) {
+  return RunPrepared(service, service->Prepare(p).value(), cancel);
 }
 
 std::string TextOf(const RunResult& r) {
@@ -579,6 +583,58 @@ TEST(ModelServiceCacheTest, PurgeDropsTheTenantsEntries) {
   EXPECT_EQ(RunRequest(s->service.get(), alice).outcome.kind, CacheHitKind::kMiss);
   EXPECT_EQ(RunRequest(s->service.get(), bob).outcome.kind, CacheHitKind::kExact);
   EXPECT_EQ(s->service->PurgeResponseCache(std::nullopt, std::nullopt).value(), 2);
+}
+
+// ---------------------------------------------------------------------------
+// Admission (server/service/admission.h): the scopes come from the caller.
+
+TEST(AdmissionTest, ScopeComesFromTheCallerNeverFromTheBody) {
+  CompletionParams p = Greedy();
+  p.tenant = "tenant:bob";  // what a forged request would carry
+  p.cache_tenant = "bob";
+  ScopeToCaller(CallerAuth{false, "alice"}, "key:operator", &p);
+  EXPECT_EQ(p.tenant, "tenant:alice");
+  EXPECT_EQ(p.cache_tenant, "alice");
+  ScopeToCaller(CallerAuth{true, ""}, "key:operator", &p);
+  EXPECT_EQ(p.tenant, "key:operator");
+  EXPECT_EQ(p.cache_tenant, "");
+}
+
+TEST(AdmissionTest, TenantsShareNeitherCachedRepliesNorPrefixScopes) {
+  auto s = Serve(1 << 20);
+  const Admission admission(s->service.get(), "operator-key");
+  const CallerAuth alice{false, "alice"};
+  const CallerAuth bob{false, "bob"};
+  const CallerAuth op;
+  auto prepare = [&](const CallerAuth& who) { return admission.Prepare(Greedy(), who).value(); };
+  PreparedRequest a = prepare(alice);
+  PreparedRequest b = prepare(bob);
+  EXPECT_NE(a.engine.cache_salt, b.engine.cache_salt);
+  EXPECT_NE(a.engine.cache_salt, prepare(op).engine.cache_salt);
+  ModelService* svc = s->service.get();
+  EXPECT_EQ(RunPrepared(svc, std::move(a)).outcome.kind, CacheHitKind::kMiss);
+  EXPECT_EQ(RunPrepared(svc, prepare(alice)).outcome.kind, CacheHitKind::kExact);
+  EXPECT_EQ(RunPrepared(svc, std::move(b)).outcome.kind, CacheHitKind::kMiss);
+  EXPECT_EQ(RunPrepared(svc, prepare(op)).outcome.kind, CacheHitKind::kMiss);
+  EXPECT_EQ(RunPrepared(svc, prepare(op)).outcome.kind, CacheHitKind::kExact);
+  // Another operator key is another response-cache scope.
+  const Admission other(s->service.get(), "another-operator-key");
+  EXPECT_EQ(RunPrepared(svc, other.Prepare(Greedy(), op).value()).outcome.kind,
+            CacheHitKind::kMiss);
+}
+
+TEST(AdmissionTest, ACallsDeadlineTightensTheEngineRequests) {
+  auto s = Serve(0);
+  const Admission admission(s->service.get(), "");
+  const auto soon = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  EXPECT_EQ(admission.Prepare(Greedy(), {}, soon).value().engine.deadline, soon);
+  EXPECT_GT(admission.Prepare(Greedy(), {}).value().engine.deadline, soon);
+  CompletionParams bad = Greedy();
+  bad.n = 0;
+  absl::StatusOr<PreparedRequest> refused = admission.Prepare(bad, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("n"));
 }
 
 // ---------------------------------------------------------------------------
