@@ -142,6 +142,22 @@ absl::Status ApplyResponseCache(const pb::ResponseCacheOptions& o, ResponseCache
   return absl::OkStatus();
 }
 
+// The fields Generate and Chat requests share (cache control, token
+// eviction, speculation, sampling, the response cache), read one way.
+template <typename Request>
+absl::StatusOr<CompletionParams> ApplyShared(const Request& r, CompletionParams p) {
+  p.cache_salt = r.cache_salt();
+  if (r.has_retain()) p.retain = RetainAsk{r.retain().ttl_s(), r.retain().tokens()};
+  p.cache_report = r.cache_report();
+  p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
+  if (r.has_speculative()) p.speculative = r.speculative();
+  ApplySampling(r.sampling(), &p);
+  if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
+    return st;
+  }
+  return p;
+}
+
 absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
   RETURN_IF_ERROR(RefuseUnknownProtoFields(r, "GenerateRequest"));
   CompletionParams p;
@@ -155,16 +171,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::GenerateRequest& r) {
     p.prompt_text = r.prompt();  // empty is rejected by Prepare, naming the field
   }
   if (r.has_add_special_tokens()) p.add_special_tokens = r.add_special_tokens();
-  p.cache_salt = r.cache_salt();
-  if (r.has_retain()) p.retain = RetainAsk{r.retain().ttl_s(), r.retain().tokens()};
-  p.cache_report = r.cache_report();
-  p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
-  if (r.has_speculative()) p.speculative = r.speculative();
-  ApplySampling(r.sampling(), &p);
-  if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
-    return st;
-  }
-  return p;
+  return ApplyShared(r, std::move(p));
 }
 
 absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
@@ -175,16 +182,7 @@ absl::StatusOr<CompletionParams> ToParams(const pb::ChatRequest& r) {
   messages.reserve(r.messages_size());
   for (const pb::ChatMessage& m : r.messages()) messages.push_back({m.role(), m.content()});
   p.messages = std::move(messages);
-  p.cache_salt = r.cache_salt();
-  if (r.has_retain()) p.retain = RetainAsk{r.retain().ttl_s(), r.retain().tokens()};
-  p.cache_report = r.cache_report();
-  p.kv_policy = ToKvPolicy(r.has_kv_policy(), r.kv_policy());
-  if (r.has_speculative()) p.speculative = r.speculative();
-  ApplySampling(r.sampling(), &p);
-  if (absl::Status st = ApplyResponseCache(r.response_cache(), &p.response_cache); !st.ok()) {
-    return st;
-  }
-  return p;
+  return ApplyShared(r, std::move(p));
 }
 
 // The engine enforces deadlines itself too, so a request whose client has
