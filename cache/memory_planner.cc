@@ -224,6 +224,21 @@ absl::StatusOr<MemoryPlan> PlanKvMemory(const KvShape& shape, int32_t block_size
   return plan;
 }
 
+int64_t SequenceKvBytes(const MemoryPlan& plan, int64_t tokens) {
+  const int64_t bs = std::max<int64_t>(1, plan.block_size);
+  const int64_t blocks = (std::max<int64_t>(tokens, 0) + bs - 1) / bs;
+  const int64_t window =
+      plan.sliding_window > 0 ? std::min(blocks, WindowBlocks(plan.sliding_window, plan.block_size))
+                              : blocks;
+  if (plan.kv_groups > 0) {
+    return plan.block_bytes * (plan.full_groups * blocks + plan.window_groups * window);
+  }
+  if (plan.sliding_window > 0 && plan.windowed_layers == plan.n_layers) {
+    return plan.block_bytes * window;
+  }
+  return plan.block_bytes * blocks;
+}
+
 int64_t WindowBlocks(int32_t window, int32_t block_size) {
   // Slots [L - window + 1, L] touch at most ceil((window - 1) / bs) + 1
   // blocks; the block the next token lands in may be one more.

@@ -72,6 +72,12 @@ int64_t AvailableMemoryBytes();
 // both ends, plus the block the next token opens.
 int64_t WindowBlocks(int32_t window, int32_t block_size);
 
+// Bytes one sequence of `tokens` tokens holds in `plan`'s layout: with KV
+// cache groups, every full group's pages for all its tokens and every window
+// group's for at most its window; with a window on every layer (one group),
+// the window's blocks; otherwise a block per block_size tokens.
+int64_t SequenceKvBytes(const MemoryPlan& plan, int64_t tokens);
+
 [[nodiscard]] absl::StatusOr<MemoryPlan> PlanKvMemory(const KvShape& shape, int32_t block_size,
                                                       kernels::KvDType dtype, int64_t budget_bytes);
 

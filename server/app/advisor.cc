@@ -44,11 +44,28 @@ constexpr const char* kPplSource =
     "measured: kvserve perplexity on SmolLM2-135M-Instruct Q4_1, GPL-3 text, context 512 "
     "(docs/quantized-kv.md)";
 
-int64_t BytesPerToken(const KvShape& shape, const std::string& dtype, int32_t block_size) {
+// The layout the engine would allocate for `dtype` (one GiB: only the block
+// and group figures are used).
+MemoryPlan LayoutFor(const KvShape& shape, const std::string& dtype, int32_t block_size) {
   kernels::KvDType d;
-  if (!kernels::ParseKvDType(dtype, &d)) return 0;
+  if (!kernels::ParseKvDType(dtype, &d)) return {};
   absl::StatusOr<MemoryPlan> p = PlanKvMemory(shape, block_size, d, int64_t{1} << 30);
-  return p.ok() ? p->block_bytes / std::max(1, block_size) : 0;
+  return p.ok() ? *p : MemoryPlan{};
+}
+
+// Bytes a sequence of `tokens` holds (KV cache groups: each group's pages,
+// window groups only their window's), memory_planner.h's SequenceKvBytes.
+double SeqBytes(const KvShape& shape, const std::string& dtype, int32_t block_size,
+                double tokens) {
+  return static_cast<double>(
+      SequenceKvBytes(LayoutFor(shape, dtype, block_size), static_cast<int64_t>(tokens)));
+}
+
+// Average bytes per token of a sequence of `tokens` (hybrid models hold
+// fewer per token the longer the sequence runs past the window).
+double BytesPerToken(const KvShape& shape, const std::string& dtype, int32_t block_size,
+                     double tokens) {
+  return SeqBytes(shape, dtype, block_size, std::max(1.0, tokens)) / std::max(1.0, tokens);
 }
 
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -235,9 +252,17 @@ absl::StatusOr<Advice> Advise(const AdvisorInputs& in) {
   // common prefixes kept cached.
   const double per_seq = w.prompt.high + w.output.high;
   const double prefix_ws = w.prefix_share > 0 ? prefix_tokens * std::max(1, w.prefixes) : 0;
+  // Each running sequence at its high length, and each common prefix once
+  // (a cached prefix of a hybrid model keeps its window groups' last blocks
+  // only, as a sequence does).
+  auto prefix_bytes = [&](const std::string& dtype) {
+    return w.prefix_share > 0
+               ? std::max(1, w.prefixes) * SeqBytes(in.shape, dtype, a.block_size, prefix_tokens)
+               : 0.0;
+  };
   auto need_bytes = [&](const std::string& dtype) {
-    const double bpt = static_cast<double>(BytesPerToken(in.shape, dtype, a.block_size));
-    return static_cast<int64_t>(bpt * (seqs * RoundUp(static_cast<int64_t>(per_seq), a.block_size) + prefix_ws));
+    return static_cast<int64_t>(seqs * SeqBytes(in.shape, dtype, a.block_size, per_seq) +
+                                prefix_bytes(dtype));
   };
   const DtypeChoice* chosen = nullptr;
   for (const DtypeChoice& d : kDtypes) {
@@ -250,9 +275,9 @@ absl::StatusOr<Advice> Advise(const AdvisorInputs& in) {
   if (chosen == nullptr) {
     // Nothing holds the whole batch: the smallest dtype, fewer sequences.
     chosen = &kDtypes[std::size(kDtypes) - 1];
-    const double bpt = static_cast<double>(BytesPerToken(in.shape, chosen->name, a.block_size));
-    const int32_t fit = static_cast<int32_t>((kv_room / bpt - prefix_ws) /
-                                             RoundUp(static_cast<int64_t>(per_seq), a.block_size));
+    const int32_t fit =
+        static_cast<int32_t>((kv_room - prefix_bytes(chosen->name)) /
+                             std::max(1.0, SeqBytes(in.shape, chosen->name, a.block_size, per_seq)));
     if (fit < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--memory ", FormatBytes(in.memory_budget_bytes), " leaves ", FormatBytes(kv_room),
@@ -280,6 +305,25 @@ absl::StatusOr<Advice> Advise(const AdvisorInputs& in) {
         "; its cost: ", chosen->note));
   }
 
+  if (in.shape.layers_per_block > 0 && in.shape.full_groups + in.shape.window_groups > 1) {
+    // Hybrid attention: memory per KV cache group, against the layout that
+    // keeps every layer's K/V for every token.
+    const MemoryPlan grouped = LayoutFor(in.shape, a.kv_dtype, a.block_size);
+    KvShape all_layers = in.shape;
+    all_layers.layers_per_block = all_layers.full_groups = all_layers.window_groups = 0;
+    const int64_t blocks = (static_cast<int64_t>(per_seq) + a.block_size - 1) / a.block_size;
+    const int64_t full_part = grouped.block_bytes * grouped.full_groups * blocks;
+    const int64_t seq_bytes = SequenceKvBytes(grouped, static_cast<int64_t>(per_seq));
+    const int64_t flat_bytes =
+        SequenceKvBytes(LayoutFor(all_layers, a.kv_dtype, a.block_size), static_cast<int64_t>(per_seq));
+    a.reasons.push_back(absl::StrCat(
+        "KV cache groups: ", grouped.kv_groups, " groups of ", grouped.layers_per_block,
+        " layers (", grouped.full_groups, " full, ", grouped.window_groups, " with a ",
+        in.shape.sliding_window, "-token window); a sequence of ", static_cast<int>(per_seq),
+        " tokens holds ", FormatBytes(seq_bytes), " at ", a.kv_dtype, " (full groups ",
+        FormatBytes(full_part), ", window groups ", FormatBytes(seq_bytes - full_part),
+        ") where keeping every layer would take ", FormatBytes(flat_bytes)));
+  }
   // The KV budget is all the room: spare blocks keep more prefixes cached.
   a.kv_cache_bytes = (kv_room >> 20) << 20;
   a.reasons.push_back(absl::StrCat(
@@ -289,7 +333,7 @@ absl::StatusOr<Advice> Advise(const AdvisorInputs& in) {
   // Tiers: on this (CPU) engine the primary pool already is host memory, so a
   // host tier would copy within the same RAM. A disk tier pays when the
   // prefixes worth keeping exceed what RAM holds.
-  const double bpt_chosen = static_cast<double>(BytesPerToken(in.shape, a.kv_dtype, a.block_size));
+  const double bpt_chosen = BytesPerToken(in.shape, a.kv_dtype, a.block_size, per_seq);
   const double primary_tokens = a.kv_cache_bytes / std::max(1.0, bpt_chosen);
   const double spare_tokens = primary_tokens - seqs * per_seq;
   if (prefix_ws > 0 && prefix_ws > spare_tokens) {

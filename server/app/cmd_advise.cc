@@ -122,7 +122,7 @@ class AdviseCommand final : public Command {
 
     LoadedModel l = LoadModelOrDie(global.model_path);
     const LlamaConfig& cfg = l.model->config();
-    in.shape = {cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.context_length};
+    in.shape = KvShapeOf(cfg, /*groups=*/true);  // hybrid models: memory per KV cache group
     in.model_name = cfg.name;
     if (!calibration_in_.empty()) {
       std::ifstream f(calibration_in_);

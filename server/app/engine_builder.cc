@@ -22,17 +22,22 @@ absl::StatusOr<kernels::KvDType> KvDTypeFromFlags(const EngineFlags& flags) {
                                                  flags.kv_cache_dtype, "'"));
 }
 
+KvShape KvShapeOf(const LlamaConfig& c, bool groups) {
+  KvShape shape{c.n_layers,       c.n_kv_heads,     c.head_dim,
+                c.context_length, c.sliding_window, c.n_windowed_layers()};
+  const LlamaConfig::KvGroups g = c.MakeKvGroups(groups);
+  if (g.num_groups() > 1) {
+    shape.layers_per_block = g.layers_per_group;
+    for (int32_t w : g.group_window) ++(w > 0 ? shape.window_groups : shape.full_groups);
+  }
+  return shape;
+}
+
 absl::StatusOr<MemoryPlan> PlanFromFlags(const EngineFlags& flags, const LlamaConfig& c) {
   ASSIGN_OR_RETURN(const int64_t budget, ParseMemoryBudget(flags.kv_cache_memory));
   ASSIGN_OR_RETURN(const kernels::KvDType dtype, KvDTypeFromFlags(flags));
-  KvShape shape{c.n_layers,       c.n_kv_heads,     c.head_dim,
-                c.context_length, c.sliding_window, c.n_windowed_layers()};
-  const LlamaConfig::KvGroups groups = c.MakeKvGroups(flags.kv_layout != "all-layers");
-  if (groups.num_groups() > 1) {
-    shape.layers_per_block = groups.layers_per_group;
-    for (int32_t w : groups.group_window) ++(w > 0 ? shape.window_groups : shape.full_groups);
-  }
-  return PlanKvMemory(shape, flags.block_size, dtype, budget);
+  return PlanKvMemory(KvShapeOf(c, flags.kv_layout != "all-layers"), flags.block_size, dtype,
+                      budget);
 }
 
 absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const EngineFlags& flags,

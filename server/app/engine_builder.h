@@ -30,6 +30,11 @@ namespace kvserve {
 
 // The KV memory plan for `config` under --kv-cache-memory, --block-size and
 // --kv-cache-dtype.
+// The KV shape the memory planner and the advisor work from: the model's
+// dimensions and, with `groups` (--kv-layout groups, the default), its KV
+// cache groups (hybrid attention: full and sliding-window groups).
+KvShape KvShapeOf(const LlamaConfig& c, bool groups);
+
 [[nodiscard]] absl::StatusOr<MemoryPlan> PlanFromFlags(const EngineFlags& flags,
                                                        const LlamaConfig& config);
 

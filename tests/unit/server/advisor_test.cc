@@ -102,6 +102,44 @@ TEST(AdvisorTest, PredictionGrowsWithLoadAndShrinksWithHits) {
   EXPECT_FALSE(Predict(w, c, 64, 512, 0).overloaded);
 }
 
+// A hybrid-attention model (Gemma 3 270M's KV shape: 18 layers, 1 KV head of
+// 256, a 512-token window on 15 layers): memory per KV cache group. Long
+// sequences hold far less than with every layer's K/V kept, so the same
+// budget advises more sequences at f16, and the advice says why.
+TEST(AdvisorTest, HybridModelsAreSizedPerKvCacheGroup) {
+  AdvisorInputs flat = Inputs();
+  flat.shape = {18, 1, 256, 32768, 512, 15};
+  flat.model_bytes = int64_t{240} << 20;
+  flat.workload.prompt = *ParseLengthSpec("8000");
+  flat.workload.output = *ParseLengthSpec("192");
+  flat.workload.concurrency = 24;
+  flat.memory_budget_bytes = int64_t{2} << 30;
+  AdvisorInputs grouped = flat;
+  grouped.shape.layers_per_block = 3;
+  grouped.shape.full_groups = 1;
+  grouped.shape.window_groups = 5;
+
+  const Advice f = *Advise(flat);
+  const Advice g = *Advise(grouped);
+  // All layers: 24 x 8192 tokens x 18 KiB/token = 3.4 GiB > the room, so
+  // fewer sequences or a smaller dtype; groups: 24 x (8192 x 3 KiB + 5 x
+  // ~560 x 3 KiB) = 0.75 GiB fits at f16.
+  EXPECT_EQ(g.kv_dtype, "f16");
+  EXPECT_EQ(g.max_seqs, 24);
+  EXPECT_TRUE(f.kv_dtype != "f16" || f.max_seqs < 24);
+  EXPECT_TRUE(AnyReason(g, "KV cache groups: 6 groups of 3 layers (1 full, 5 with a 512-token window)"));
+  EXPECT_FALSE(AnyReason(f, "KV cache groups"));
+  // The planner's per-sequence bytes: one full group for every block, five
+  // window groups for at most their window's blocks.
+  kernels::KvDType f16;
+  ASSERT_TRUE(kernels::ParseKvDType("f16", &f16));
+  const MemoryPlan plan = *PlanKvMemory(grouped.shape, 16, f16, int64_t{1} << 30);
+  const int64_t blocks = 8192 / 16;
+  EXPECT_EQ(SequenceKvBytes(plan, 8192),
+            plan.block_bytes * (blocks + 5 * WindowBlocks(512, 16)));
+  EXPECT_EQ(SequenceKvBytes(plan, 100), plan.block_bytes * 6 * 7);  // 7 blocks, all groups
+}
+
 TEST(AdvisorTest, BadInputsNameTheProblem) {
   AdvisorInputs in = Inputs();
   in.workload.prompt = *ParseLengthSpec("100");
