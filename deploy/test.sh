@@ -21,11 +21,46 @@ for arg in "$@"; do
 done
 JOBS="$(nproc)"
 
+# Wall time of each stage, printed as it ends and as a table at the end (also
+# when a stage fails), so a CI log shows where its minutes go.
+STAGE_NAMES=()
+STAGE_SECS=()
+STAGE_NAME=""
+STAGE_T0=0
+T_ALL="$(date +%s)"
+stage() {
+  stage_end
+  STAGE_NAME="$1"
+  STAGE_T0="$(date +%s)"
+  echo "test.sh: stage $STAGE_NAME"
+}
+stage_end() {
+  [ -n "$STAGE_NAME" ] || return 0
+  local dt=$(($(date +%s) - STAGE_T0))
+  STAGE_NAMES+=("$STAGE_NAME")
+  STAGE_SECS+=("$dt")
+  echo "test.sh: stage $STAGE_NAME took ${dt}s"
+  STAGE_NAME=""
+}
+stage_table() {
+  local rc=$?
+  stage_end
+  echo "test.sh: wall time per stage (s):"
+  local i
+  for i in "${!STAGE_NAMES[@]}"; do
+    printf 'test.sh:   %-16s %6d\n' "${STAGE_NAMES[$i]}" "${STAGE_SECS[$i]}"
+  done
+  printf 'test.sh:   %-16s %6d%s\n' total "$(($(date +%s) - T_ALL))" \
+    "$([ "$rc" = 0 ] || echo " (failed, exit $rc)")"
+}
+trap stage_table EXIT
+
 # Three configurations (the main build, ASan, the CUDA emulator), each built
 # once. With ccache installed every build goes through it, keyed relative to
 # the checkout: the emulator build differs from the main one only in
 # kernels/cuda and two tests, so the rest of its daemon (server, scheduler,
 # model, ...) comes from the main build's objects instead of compiling again.
+stage setup
 bash "$ROOT/deploy/setup.sh"
 LAUNCHER=()
 if command -v ccache >/dev/null 2>&1; then
@@ -36,7 +71,9 @@ if command -v ccache >/dev/null 2>&1; then
   export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 fi
 
+stage build
 bash "$ROOT/deploy/build.sh" "${LAUNCHER[@]}"
+stage venv
 # The official openai Python client, for the HTTP compatibility test
 # (PyPI, in a venv of the project's own).
 # msgspec + pyzmq: the vLLM-format KV event subscriber; prometheus_client: the
@@ -72,15 +109,18 @@ if [ -n "${KVSERVE_PROMTOOL:-}" ] || command -v promtool >/dev/null 2>&1; then
   # The test fails instead of skipping promtool if it goes missing.
   export KVSERVE_REQUIRE_PROMTOOL=1
 fi
+stage ctest
 ctest --test-dir "$ROOT/build" --output-on-failure -j "$JOBS" --timeout 600
 
 if [ "$ASAN" = 1 ]; then
+  stage asan-build
   ASAN_BUILD="$ROOT/build-asan"
   cmake -S "$ROOT" -B "$ASAN_BUILD" -G Ninja -DKVSERVE_SANITIZE=ON -DKVSERVE_WITH_CUDA=OFF \
     -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug "${LAUNCHER[@]}" >/dev/null
   # Only the targets run below.
   cmake --build "$ASAN_BUILD" --target gguf_fuzz_test gguf_test tokenizer_test cache_test \
     scheduler_test engine_seams_test embed_test
+  stage asan-run
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
   for t in gguf_fuzz_test gguf_test tokenizer_test cache_test engine_seams_test; do
@@ -102,6 +142,7 @@ if [ "$EMU" = 1 ]; then
   # seam run on the CPU emulator, against the same CPU references the GPU
   # tests use. Needs only the toolkit's headers.
   if [ -f /usr/local/cuda/include/cuda_runtime.h ] || command -v nvcc >/dev/null 2>&1; then
+    stage emu-build
     EMU_BUILD="$ROOT/build-emu"
     cmake -S "$ROOT" -B "$EMU_BUILD" -G Ninja -DKVSERVE_CUDA_EMULATOR=ON \
       -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${LAUNCHER[@]}" >/dev/null
@@ -109,6 +150,7 @@ if [ "$EMU" = 1 ]; then
     # CUDA KV pools (PdCudaTest), moved through UCX's host staging.
     cmake --build "$EMU_BUILD" --target cuda_emu_test cuda_kernels_test llama_cuda_test \
       kvserve pd_e2e_test
+    stage emu-run
     echo "test.sh: CUDA tests on the CPU emulator"
     ctest --test-dir "$EMU_BUILD" -R 'Cuda|BackendSelection' --output-on-failure -j "$JOBS" \
       --timeout 900
@@ -123,6 +165,7 @@ if [ "$FUZZ" = 1 ]; then
   # libFuzzer targets (tests/fuzz): the OpenAI request parser, the GGUF
   # reader, the chat-template renderer and the tokenizers under ASan +
   # UBSan, 20 s each; a crash fails CI.
+  stage fuzz
   bash "$ROOT/tests/fuzz/run.sh" 20
 fi
 echo "test.sh: all tests passed"

@@ -15,7 +15,9 @@ if command -v ccache >/dev/null 2>&1; then LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCH
 
 cmake -S "$ROOT/tests/fuzz" -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER="$CXX_FUZZ" \
   "${LAUNCHER[@]}" >/dev/null
+t0="$(date +%s)"
 cmake --build "$BUILD" -j "$(nproc)"
+echo "fuzz: build took $(($(date +%s) - t0))s"
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
