@@ -86,7 +86,9 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 
 stage build
-bash "$ROOT/deploy/build.sh" "${LAUNCHER[@]}"
+# -UKVSERVE_WITH_CUDA: back to the default (the CUDA kernels compiled by nvcc
+# wherever it is installed) if deploy/quickstart.sh left them out of build/.
+bash "$ROOT/deploy/build.sh" -UKVSERVE_WITH_CUDA "${LAUNCHER[@]}"
 stage venv
 # The official openai Python client, for the HTTP compatibility test
 # (PyPI, in a venv of the project's own).
