@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/deploy/setup.sh"
 # Only what this script runs: the daemon and the client (not the ~270 test
 # and benchmark targets deploy/build.sh builds), through ccache as
-# deploy/test.sh builds, so a later test.sh finds these objects in the cache.
+# deploy/test.sh builds.
 CONFIG=()
 if command -v ccache >/dev/null 2>&1; then
   CONFIG+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
