@@ -21,11 +21,60 @@ for arg in "$@"; do
 done
 JOBS="$(nproc)"
 
+# Wall time of each stage, and the CPU time (user + system) of the commands
+# it ran, printed as it ends and as a table at the end (also when a stage
+# fails), so a CI log shows where its minutes go. On a machine shared with
+# other work the CPU column is the steadier figure of the two.
+STAGE_NAMES=()
+STAGE_SECS=()
+STAGE_CPU=()
+STAGE_NAME=""
+STAGE_T0=0
+STAGE_C0=0
+T_ALL="$(date +%s)"
+TIMES_FILE="$(mktemp)"
+cpu_secs() {  # user + system seconds of this shell's finished children
+  times > "$TIMES_FILE"
+  awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, p, "m"); n += p[1] * 60 + p[2] }
+       printf "%d\n", n }' "$TIMES_FILE"
+}
+stage() {
+  stage_end
+  STAGE_NAME="$1"
+  STAGE_T0="$(date +%s)"
+  STAGE_C0="$(cpu_secs)"
+  echo "test.sh: stage $STAGE_NAME"
+}
+stage_end() {
+  [ -n "$STAGE_NAME" ] || return 0
+  local dt=$(($(date +%s) - STAGE_T0))
+  local dc=$(($(cpu_secs) - STAGE_C0))
+  STAGE_NAMES+=("$STAGE_NAME")
+  STAGE_SECS+=("$dt")
+  STAGE_CPU+=("$dc")
+  echo "test.sh: stage $STAGE_NAME took ${dt}s (${dc} CPU-s)"
+  STAGE_NAME=""
+}
+stage_table() {
+  local rc=$?
+  stage_end
+  echo "test.sh: time per stage:          wall s    CPU s"
+  local i
+  for i in "${!STAGE_NAMES[@]}"; do
+    printf 'test.sh:   %-24s %8d %8d\n' "${STAGE_NAMES[$i]}" "${STAGE_SECS[$i]}" "${STAGE_CPU[$i]}"
+  done
+  printf 'test.sh:   %-24s %8d %8d%s\n' total "$(($(date +%s) - T_ALL))" "$(cpu_secs)" \
+    "$([ "$rc" = 0 ] || echo " (failed, exit $rc)")"
+  rm -f "$TIMES_FILE"
+}
+trap stage_table EXIT
+
 # Three configurations (the main build, ASan, the CUDA emulator), each built
 # once. With ccache installed every build goes through it, keyed relative to
 # the checkout: the emulator build differs from the main one only in
 # kernels/cuda and two tests, so the rest of its daemon (server, scheduler,
 # model, ...) comes from the main build's objects instead of compiling again.
+stage setup
 bash "$ROOT/deploy/setup.sh"
 LAUNCHER=()
 if command -v ccache >/dev/null 2>&1; then
@@ -36,7 +85,11 @@ if command -v ccache >/dev/null 2>&1; then
   export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
 fi
 
-bash "$ROOT/deploy/build.sh" "${LAUNCHER[@]}"
+stage build
+# -UKVSERVE_WITH_CUDA: back to the default (the CUDA kernels compiled by nvcc
+# wherever it is installed) if deploy/quickstart.sh left them out of build/.
+bash "$ROOT/deploy/build.sh" -UKVSERVE_WITH_CUDA "${LAUNCHER[@]}"
+stage venv
 # The official openai Python client, for the HTTP compatibility test
 # (PyPI, in a venv of the project's own).
 # msgspec + pyzmq: the vLLM-format KV event subscriber; prometheus_client: the
@@ -72,15 +125,18 @@ if [ -n "${KVSERVE_PROMTOOL:-}" ] || command -v promtool >/dev/null 2>&1; then
   # The test fails instead of skipping promtool if it goes missing.
   export KVSERVE_REQUIRE_PROMTOOL=1
 fi
+stage ctest
 ctest --test-dir "$ROOT/build" --output-on-failure -j "$JOBS" --timeout 600
 
 if [ "$ASAN" = 1 ]; then
+  stage asan-build
   ASAN_BUILD="$ROOT/build-asan"
   cmake -S "$ROOT" -B "$ASAN_BUILD" -G Ninja -DKVSERVE_SANITIZE=ON -DKVSERVE_WITH_CUDA=OFF \
     -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug "${LAUNCHER[@]}" >/dev/null
   # Only the targets run below.
   cmake --build "$ASAN_BUILD" --target gguf_fuzz_test gguf_test tokenizer_test cache_test \
     scheduler_test engine_seams_test embed_test
+  stage asan-run
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
   for t in gguf_fuzz_test gguf_test tokenizer_test cache_test engine_seams_test; do
@@ -102,6 +158,7 @@ if [ "$EMU" = 1 ]; then
   # seam run on the CPU emulator, against the same CPU references the GPU
   # tests use. Needs only the toolkit's headers.
   if [ -f /usr/local/cuda/include/cuda_runtime.h ] || command -v nvcc >/dev/null 2>&1; then
+    stage emu-build
     EMU_BUILD="$ROOT/build-emu"
     cmake -S "$ROOT" -B "$EMU_BUILD" -G Ninja -DKVSERVE_CUDA_EMULATOR=ON \
       -DKVSERVE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${LAUNCHER[@]}" >/dev/null
@@ -109,6 +166,7 @@ if [ "$EMU" = 1 ]; then
     # CUDA KV pools (PdCudaTest), moved through UCX's host staging.
     cmake --build "$EMU_BUILD" --target cuda_emu_test cuda_kernels_test llama_cuda_test \
       kvserve pd_e2e_test
+    stage emu-run
     echo "test.sh: CUDA tests on the CPU emulator"
     ctest --test-dir "$EMU_BUILD" -R 'Cuda|BackendSelection' --output-on-failure -j "$JOBS" \
       --timeout 900
@@ -123,6 +181,7 @@ if [ "$FUZZ" = 1 ]; then
   # libFuzzer targets (tests/fuzz): the OpenAI request parser, the GGUF
   # reader, the chat-template renderer and the tokenizers under ASan +
   # UBSan, 20 s each; a crash fails CI.
+  stage fuzz
   bash "$ROOT/tests/fuzz/run.sh" 20
 fi
 echo "test.sh: all tests passed"
