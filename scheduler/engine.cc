@@ -161,7 +161,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   // The cache and its tiers are complete before the Engine exists (its
   // destructor assumes a whole engine).
   ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> kv, KvCacheManager::Create(std::move(ko)));
-  if (o.kv_tiers != nullptr) RETURN_IF_ERROR(o.kv_tiers->Attach(kv->pool(), kv->prefix_cache()));
+  if (o.kv_tiers != nullptr) {
+    o.kv_tiers->SetEventSink(o.kv_events);  // the log KvEventLog is thread-safe
+    RETURN_IF_ERROR(o.kv_tiers->Attach(kv->pool(), kv->prefix_cache()));
+  }
   if (o.kv_tiers != nullptr && o.cache_control != nullptr) {
     // Retained prefixes are demoted, never dropped, while a tier can take them.
     CacheControl* cc = o.cache_control.get();

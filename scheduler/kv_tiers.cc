@@ -276,25 +276,41 @@ void KvTiers::RememberGhost(uint64_t hash, int64_t hits) {
   }
 }
 
-void KvTiers::SpillToDisk(EvictedPage page) {
-  if (disk_ == nullptr) return;
+void KvTiers::PublishTier(bool stored, KvTier tier, uint64_t hash, KvTier moved_to) const {
+  if (events_ == nullptr) return;
+  std::vector<KvCacheEvent> one(1);
+  one[0].kind = stored ? KvCacheEvent::Kind::kBlockStored : KvCacheEvent::Kind::kBlockRemoved;
+  one[0].tier = tier;
+  one[0].block_hash = hash;
+  one[0].moved_to = moved_to;
+  events_->Publish(std::move(one));
+}
+
+bool KvTiers::SpillToDisk(EvictedPage page) {
+  if (disk_ == nullptr) return false;
   if (page.hits < options_.disk_min_hits) {
     RememberGhost(page.hash, page.hits);
-    return;
+    return false;
   }
   if (pending_disk_bytes_.load() + page_bytes_ > options_.max_pending_disk_bytes) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.dropped_demotions;
-    return;
+    return false;
   }
   pending_disk_bytes_ += page_bytes_;
   auto shared = std::make_shared<EvictedPage>(std::move(page));
   writer_->Post([this, shared] { StoreOnDisk(*shared); });
+  return true;
 }
 
 void KvTiers::StoreOnDisk(const EvictedPage& page) {
-  const absl::Status s = disk_->Store(page.hash, page.data.get(), page.checksum, page.hits);
+  std::vector<uint64_t> evicted;
+  const absl::Status s =
+      disk_->Store(page.hash, page.data.get(), page.checksum, page.hits, &evicted);
   pending_disk_bytes_ -= page_bytes_;
+  for (uint64_t h : evicted) PublishTier(false, KvTier::kDisk, h);
+  // Published as stored when it was queued: a write that failed takes it back.
+  if (!s.ok()) PublishTier(false, KvTier::kDisk, page.hash);
   std::lock_guard<std::mutex> lock(stats_mu_);
   if (s.ok()) {
     ++stats_.demotions_disk;
@@ -376,6 +392,7 @@ void KvTiers::PostDiskStore(uint64_t hash, int64_t hits, PageBuffer page,
   writer_->Post([this, shared, raw = std::move(raw), fence = std::move(fence)] {
     if (!WaitFence(fence)) {
       pending_disk_bytes_ -= page_bytes_;
+      PublishTier(false, KvTier::kDisk, shared->hash);
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.dropped_demotions;
       return;
@@ -404,7 +421,14 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     uint8_t* page = nullptr;
     std::vector<EvictedPage> evicted;
     const HostTier::ReserveResult r = host_->Reserve(b.hash, b.hits, &page, &evicted);
-    for (EvictedPage& p : evicted) SpillToDisk(std::move(p));
+    for (EvictedPage& p : evicted) {
+      const uint64_t h = p.hash;
+      // Stored on disk before it leaves the host, so the event log still
+      // knows the block's tokens when it describes the disk page.
+      const bool spilled = SpillToDisk(std::move(p));
+      if (spilled) PublishTier(true, KvTier::kDisk, h);
+      PublishTier(false, KvTier::kHost, h, spilled ? KvTier::kDisk : KvTier::kNone);
+    }
     if (r == HostTier::ReserveResult::kPresent) return KvTier::kHost;  // a second eviction is free
     if (r == HostTier::ReserveResult::kReserved) {
       // The pool block is released when we return: the copy starts now, on
@@ -424,9 +448,12 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
         ++stats_.dropped_demotions;
         return KvTier::kNone;
       }
+      // In the host tier from now on (visible to loads once written).
+      PublishTier(true, KvTier::kHost, hash);
       writer_->Post([this, hash, page, raw, fence = *std::move(fence)] {
         if (!WaitFence(fence)) {
           host_->Abort(hash);
+          PublishTier(false, KvTier::kHost, hash);
           std::lock_guard<std::mutex> lock(stats_mu_);
           ++stats_.dropped_demotions;
           return;
@@ -450,6 +477,7 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
         absl::StatusOr<Fence> fence = CopyBlockOut(b.data, reencode_ ? raw.get() : copy.get(),
                                                    reencode_ ? block_bytes_ : page_bytes_);
         if (fence.ok()) {
+          PublishTier(true, KvTier::kDisk, b.hash);
           PostDiskStore(b.hash, b.hits, std::move(copy), std::move(raw), *std::move(fence));
           if (reencode_) {
             std::lock_guard<std::mutex> lock(stats_mu_);
@@ -612,6 +640,7 @@ absl::Status KvTiers::ChecksumFailed(const LoadItem& it) {
   spdlog::warn("{}; recomputing its tokens", std::string(s.message()));
   if (it.tier == KvTier::kHost) host_->Remove(it.hash);
   if (it.tier == KvTier::kDisk) disk_->Remove(it.hash);
+  PublishTier(false, it.tier, it.hash);
   return s;
 }
 
@@ -788,7 +817,14 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
     if (retained_ && retained_(hash)) all = std::max<int64_t>(all, options_.disk_min_hits);
     if (all < options_.disk_min_hits || disk_->Contains(hash)) return;
     const uint64_t checksum = XXH3_64bits(data, static_cast<size_t>(page_bytes_));
-    if (disk_->Store(hash, data, checksum, all).ok()) {
+    std::vector<uint64_t> evicted;
+    // Stored first (the event log still knows the block), taken back when
+    // the write fails.
+    PublishTier(true, KvTier::kDisk, hash);
+    const absl::Status st = disk_->Store(hash, data, checksum, all, &evicted);
+    for (uint64_t h : evicted) PublishTier(false, KvTier::kDisk, h);
+    if (!st.ok()) PublishTier(false, KvTier::kDisk, hash);
+    if (st.ok()) {
       ++written;
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.demotions_disk;

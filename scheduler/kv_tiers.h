@@ -176,6 +176,13 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
     retained_ = std::move(retained);
   }
 
+  // KV events (cache/kv_event_log.h): every block this stores in a tier is
+  // published as stored there (KvCacheEvent::tier), every page leaving a
+  // tier as removed from it (moved_to: the disk for a spilled host page).
+  // Published from the engine thread and from the writer and loader
+  // threads, so the sink must be thread-safe. Set before Attach; null: none.
+  void SetEventSink(KvEventSink* sink) { events_ = sink; }
+
   // Waits until every queued write and load has finished (tests; shutdown).
   void Flush();
   // Shutdown with a disk tier: writes every block that qualifies for the
@@ -213,9 +220,14 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   // The chained hashes of blocks [0, n) of tokens under salt's root.
   void HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
                  std::vector<uint64_t>* out) const;
-  void SpillToDisk(EvictedPage page);
+  // Queues a page the host tier evicted for the disk; false when it does
+  // not go there (no disk tier, not proven useful, too much queued).
+  bool SpillToDisk(EvictedPage page);
   // The writer's half of a disk demotion: stores the page, counts.
   void StoreOnDisk(const EvictedPage& page);
+  // One tier event to events_ (nothing without a sink).
+  void PublishTier(bool stored, KvTier tier, uint64_t hash,
+                   KvTier moved_to = KvTier::kNone) const;
   // A pool block into a page (re-encoded, or copied when the codecs agree),
   // and back.
   void EncodePage(const uint8_t* block, uint8_t* page) const;
@@ -288,6 +300,7 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   std::atomic<int64_t> pending_disk_bytes_{0};
   absl::flat_hash_map<uint64_t, int64_t> ghost_hits_;  // engine thread
   std::function<bool(uint64_t)> retained_;             // engine thread
+  KvEventSink* events_ = nullptr;
   std::deque<uint64_t> ghost_order_;                   // oldest first
 
   mutable std::mutex stats_mu_;
