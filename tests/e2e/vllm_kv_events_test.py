@@ -17,7 +17,10 @@ and drives a real `kvserve serve` on 127.0.0.1:
     (llm-d's layout) and the consumer gets the blocks;
   - group_idx and the kv_cache_spec fields are absent on a one-group model and,
     on a hybrid-attention model (Gemma 3 270M in KVSERVE_MODEL_DIR, when
-    present), name the full group: 0, "full_attention", no window.
+    present), name the full group: 0, "full_attention", no window;
+  - a tier round trip (tier_round_trip): a prompt's blocks leave "GPU" for
+    "CPU" (and "Disk" when the host tier spills) and come back to "GPU", on
+    the one-group model and on Gemma 3's KV cache groups.
 
 usage: vllm_kv_events_test.py KVSERVE_BINARY MODEL.gguf
 Exit 77 (skip) without msgspec/pyzmq or the model.
@@ -384,11 +387,19 @@ def main():
     connect_mode(binary, model)
     tier_round_trip(binary, model)
     tier_round_trip(binary, model, host="48KiB", spill=True)
+    smol = os.path.join(os.environ.get("KVSERVE_MODEL_DIR", ""), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if os.path.exists(smol):
+        tier_round_trip(binary, smol, pool="4MiB", host="32MiB", expect_load=True)
+    else:
+        print(f"tier round trip with loads skipped: no {smol} (set KVSERVE_MODEL_DIR)")
     # A hybrid-attention model (KV cache groups): Gemma 3 270M when present.
     gemma = os.environ.get("KVSERVE_HYBRID_MODEL") or os.path.join(
         os.environ.get("KVSERVE_MODEL_DIR", ""), "gemma-3-270m-Q4_K_M.gguf")
     if os.path.exists(gemma):
         connect_mode(binary, gemma, hybrid=True)
+        # Every KV cache group's blocks go to the tiers and come back; the
+        # stream names the full group's (issue 41).
+        tier_round_trip(binary, gemma, hybrid=True, pool="4MiB", host="16MiB", expect_load=True)
     else:
         print(f"hybrid part skipped: no {gemma} (set KVSERVE_MODEL_DIR or KVSERVE_HYBRID_MODEL)")
     print("PASS")
@@ -446,7 +457,8 @@ def connect_mode(binary, model, hybrid=False):
         ctx.term()
 
 
-def tier_round_trip(binary, model, hybrid=False, pool="160KiB", host="1MiB", spill=False):
+def tier_round_trip(binary, model, hybrid=False, pool="160KiB", host="1MiB", spill=False,
+                    expect_load=False):
     """A demote -> promote round trip through the host and disk tiers.
 
     A prompt's blocks are evicted from the KV pool by other prompts: each full
@@ -458,7 +470,10 @@ def tier_round_trip(binary, model, hybrid=False, pool="160KiB", host="1MiB", spi
     the prompt's blocks come back to "GPU" then too (loaded, or recomputed
     where the load-vs-recompute estimate says a tiny model's recompute is
     cheaper). The stream stays consistent per medium throughout (no double
-    store, no removal of a block the medium does not hold).
+    store, no removal of a block the medium does not hold). expect_load: a
+    model whose recompute costs more than a load (not stories260K, whose
+    prefill is as cheap as a host copy, so the engine's cost model may
+    recompute): the returning prompt must report its blocks as cached.
     """
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp(prefix="vllm-events-tiers-")
@@ -520,12 +535,12 @@ def tier_round_trip(binary, model, hybrid=False, pool="160KiB", host="1MiB", spi
             for h, (_, toks) in pages.items():
                 if h in chain and toks != full[chain.index(h) * BLOCK:(chain.index(h) + 1) * BLOCK]:
                     fail(f"{what}: {medium} page {h} carries other tokens")
-        if not spill and cached < len(chain) * BLOCK:
+        if expect_load and cached < len(chain) * BLOCK:
             fail(f"{what}: the repeated prompt reported {cached} cached tokens")
         if index.removed == 0 or not any(m == "CPU" for _, m, _ in index.log):
             fail(f"{what}: no block reached the host tier")
-        if spill != any(m == "Disk" for _, m, _ in index.log):
-            fail(f"{what}: blocks reached the disk tier: {not spill}")
+        if spill and not any(m == "Disk" for _, m, _ in index.log):
+            fail(f"{what}: no block reached the disk tier")
         print(f"{what}: {len(batches)} batches; the target's {len(chain)} blocks: "
               f"{dict((f'{k} {m}', n) for (k, m), n in seen.items() if n)}; "
               f"{cached} tokens cached on its return; stream-wide "
