@@ -244,8 +244,9 @@ class PrefixCache {
   // last `window` tokens before its end all have their K/V, and hand out
   // `stand_in` (one reference each, like any block) for hollow blocks before
   // that window; the caller must never read it. Insert refills a hollow
-  // node from a caller's real block, and stops at a stand_in it would need
-  // to cache. Hollow nodes are not published as removed (a router's replica
+  // node from a caller's real block, and caches a stand_in it meets where
+  // no node is as a hollow node (a load from the KV tiers leaves the blocks
+  // before its window's end as stand-ins), so the path goes on. Hollow nodes are not published as removed (a router's replica
   // keeps them; its matches may then be shorter here than it predicts).
   // REQUIRES: called once, before anything is cached; stand_in stays live.
   void SetWindow(int32_t window, BlockHandle stand_in);

@@ -244,9 +244,10 @@ class KvCacheManager {
   // window group the blocks wholly before the window of `end` (slots <
   // end - window + 1), which no later token reads, go back to the pool now
   // and their table entries become the placeholder (the load never writes
-  // them, and the radix index never takes them: Insert stops at a
-  // stand-in). Returns per group g >= 1 (at [g - 1]) the first slot the load
-  // must write there. Truncate undoes it with the load.
+  // them; the group's radix index keeps their place as hollow nodes when
+  // the sequence is offered, so the loaded blocks after them are cached).
+  // Returns per group g >= 1 (at [g - 1]) the first slot the load must
+  // write there. Truncate undoes it with the load.
   std::vector<int32_t> PrepareGroupLoad(SeqKv* kv, int32_t from, int32_t end);
   // A new SeqKv sharing every block of kv (the fork of an n > 1 request).
   SeqKv Fork(const SeqKv& kv) const;
