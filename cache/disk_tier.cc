@@ -201,7 +201,7 @@ void DiskTier::EraseLocked(uint64_t hash, std::vector<std::string>* remove) {
 }
 
 absl::Status DiskTier::Store(uint64_t hash, const uint8_t* data, uint64_t checksum,
-                             int64_t hits) {
+                             int64_t hits, std::vector<uint64_t>* evicted) {
   DiskFileLayer* fs = options_.files;
   std::vector<std::string> remove;
   {
@@ -218,6 +218,7 @@ absl::Status DiskTier::Store(uint64_t hash, const uint8_t* data, uint64_t checks
       if (e.pins > 0 || !e.ready) continue;
       EraseLocked(h, &remove);
       ++stats_.evicted;
+      if (evicted != nullptr) evicted->push_back(h);
     }
     if (static_cast<int64_t>(entries_.size()) >= capacity_files_) {
       ++stats_.full_drops;

@@ -93,8 +93,9 @@ class DiskTier {
   // Writes a page under hash (blocking I/O: call from a writer thread) and
   // publishes it when the write is durable. OK when stored or already there.
   // REQUIRES: data holds page_bytes() bytes whose XXH3-64 is checksum.
+  // evicted (optional): the hashes of the files LRU removed to make room.
   [[nodiscard]] absl::Status Store(uint64_t hash, const uint8_t* data, uint64_t checksum,
-                                   int64_t hits);
+                                   int64_t hits, std::vector<uint64_t>* evicted = nullptr);
   bool Contains(uint64_t hash) const;
   // Pins a visible file for reading; false when absent.
   bool Pin(uint64_t hash, uint64_t* checksum);

@@ -27,7 +27,7 @@ void KvEventLog::Publish(std::vector<KvCacheEvent> events) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (KvCacheEvent& e : events) {
-      ApplyLocked(e);
+      if (!ApplyLocked(e)) continue;
       if (retain_ == 0) {
         ++last_;
         continue;
@@ -39,31 +39,72 @@ void KvEventLog::Publish(std::vector<KvCacheEvent> events) {
   cv_.notify_all();
 }
 
-void KvEventLog::ApplyLocked(const KvCacheEvent& e) {
+bool KvEventLog::ApplyLocked(KvCacheEvent& e) {
+  if (e.tier != KvTier::kNone && e.kind != KvCacheEvent::Kind::kAllCleared) {
+    auto& pages = tier_replica_[e.tier == KvTier::kHost ? 0 : 1];
+    auto& order = tier_order_[e.tier == KvTier::kHost ? 0 : 1];
+    if (e.kind == KvCacheEvent::Kind::kBlockRemoved) return pages.erase(e.block_hash) > 0;
+    if (pages.count(e.block_hash) > 0) return false;  // the tier holds it already
+    if (e.token_ids.empty()) {
+      // Describe it as the block the log knew under this hash: the index's
+      // (a demotion), else the other tier's page (a spill, a promotion).
+      const ReplicaBlock* known = nullptr;
+      for (const auto* m : {&replica_, &tier_replica_[0], &tier_replica_[1]}) {
+        auto it = m->find(e.block_hash);
+        if (it != m->end()) {
+          known = &it->second;
+          break;
+        }
+      }
+      if (known == nullptr) return false;
+      e.parent_hash = known->parent;
+      e.token_ids = known->tokens;
+      e.scope = known->scope;
+    }
+    ReplicaBlock& b = pages[e.block_hash];
+    b.parent = e.parent_hash;
+    b.tokens = e.token_ids;
+    b.scope = e.scope;
+    b.order = order.size();
+    order.push_back(e.block_hash);
+    if (order.size() > 2 * pages.size() + 1024) {
+      std::vector<uint64_t> live;
+      for (size_t i = 0; i < order.size(); ++i) {
+        auto it = pages.find(order[i]);
+        if (it == pages.end() || it->second.order != i) continue;
+        it->second.order = live.size();
+        live.push_back(order[i]);
+      }
+      order = std::move(live);
+    }
+    return true;
+  }
   switch (e.kind) {
     case KvCacheEvent::Kind::kBlockStored: {
       // A hash already present keeps its place: its children, if any, were
       // stored after it, so the original position stays parents-first.
       auto [it, inserted] = replica_.try_emplace(e.block_hash);
-      if (!inserted) return;
+      if (!inserted) return true;
       it->second.parent = e.parent_hash;
       it->second.tokens = e.token_ids;
       it->second.scope = e.scope;
       it->second.order = replica_order_.size();
       replica_order_.push_back(e.block_hash);
-      return;
+      return true;
     }
     case KvCacheEvent::Kind::kBlockRemoved:
       replica_.erase(e.block_hash);
       // Stale entries in replica_order_ are skipped by SnapshotLocked and
       // dropped here once they outnumber the live ones.
       if (replica_order_.size() > 2 * replica_.size() + 1024) CompactOrderLocked();
-      return;
+      return true;
     case KvCacheEvent::Kind::kAllCleared:
+      // The index's blocks only: the tiers keep their pages.
       replica_.clear();
       replica_order_.clear();
-      return;
+      return true;
   }
+  return true;
 }
 
 void KvEventLog::CompactOrderLocked() {
@@ -93,6 +134,22 @@ std::vector<KvCacheEvent> KvEventLog::SnapshotLocked() const {
     e.token_ids = it->second.tokens;
     e.scope = it->second.scope;
     out.push_back(std::move(e));
+  }
+  for (int t = 0; t < 2; ++t) {
+    const auto& pages = tier_replica_[t];
+    const auto& order = tier_order_[t];
+    for (size_t i = 0; i < order.size(); ++i) {
+      auto it = pages.find(order[i]);
+      if (it == pages.end() || it->second.order != i) continue;
+      KvCacheEvent e;
+      e.kind = KvCacheEvent::Kind::kBlockStored;
+      e.tier = t == 0 ? KvTier::kHost : KvTier::kDisk;
+      e.block_hash = it->first;
+      e.parent_hash = it->second.parent;
+      e.token_ids = it->second.tokens;
+      e.scope = it->second.scope;
+      out.push_back(std::move(e));
+    }
   }
   return out;
 }
@@ -146,6 +203,12 @@ uint64_t KvEventLog::oldest_retained() const {
 size_t KvEventLog::replica_size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return replica_.size();
+}
+
+size_t KvEventLog::tier_replica_size(KvTier tier) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tier == KvTier::kNone) return replica_.size();
+  return tier_replica_[tier == KvTier::kHost ? 0 : 1].size();
 }
 
 }  // namespace kvserve

@@ -7,6 +7,17 @@
 // those have left the window, a snapshot of the whole index as of some
 // sequence number followed by the events after it.
 //
+// The KV tiers' events (KvCacheEvent::tier: a block demoted to the host or
+// disk tier, a page leaving it) go through the same log, so every stream
+// built on it agrees on them. The log keeps a replica per tier beside the
+// index's: a tier's stored event gets the parent, tokens and scope of the
+// block it knew under that hash (the index's block being demoted, or the
+// host page being spilled to disk), and is dropped (never numbered) when it
+// knows none (a KV cache group's page: the log describes the full group
+// only) or the tier holds the hash already; a tier's removed event is
+// dropped unless that tier's replica holds the hash. Snapshots list the
+// index's blocks, then the host tier's, then the disk tier's.
+//
 // Thread-safe.
 #pragma once
 
@@ -63,6 +74,7 @@ class KvEventLog : public KvEventSink {
   uint64_t last_sequence() const;
   uint64_t oldest_retained() const;  // 0 when nothing is retained
   size_t replica_size() const;       // blocks in the replica
+  size_t tier_replica_size(KvTier tier) const;  // pages of the host or disk tier
 
  private:
   mutable std::mutex mu_;
@@ -80,9 +92,13 @@ class KvEventLog : public KvEventSink {
   };
   std::unordered_map<uint64_t, ReplicaBlock> replica_;
   std::vector<uint64_t> replica_order_;  // insertion order, for parents-first snapshots (lazily compacted)
+  // The host [0] and disk [1] tiers' pages (order: unused).
+  std::unordered_map<uint64_t, ReplicaBlock> tier_replica_[2];
+  std::vector<uint64_t> tier_order_[2];  // insertion order (lazily compacted)
 
-  // REQUIRES: mu_ held.
-  void ApplyLocked(const KvCacheEvent& e);
+  // REQUIRES: mu_ held. False: the event is dropped (a tier event the log
+  // cannot describe or that changes nothing); e may be completed.
+  bool ApplyLocked(KvCacheEvent& e);
   void CompactOrderLocked();
   std::vector<KvCacheEvent> SnapshotLocked() const;
 };

@@ -631,11 +631,15 @@ struct PrefixCache::Impl final : public KvPoolObserver {
         node = existing;
         continue;
       }
-      // The caller's table has the window's stand-in here (its K/V is gone):
-      // nothing below can be reached, so the rest stays uncached.
+      // The caller's table has the window's stand-in here: no K/V, and no
+      // later token of the caller reads it (a load from the KV tiers parks
+      // the blocks before its window's end this way). The path goes on as
+      // a hollow node, so the blocks after it, which hold K/V, can be
+      // cached and matched (a match never ends where its window needs a
+      // hollow node).
       if (window > 0 && blocks[i] == stand_in) {
-        collided = true;
-        break;
+        node = AddHollowChild(node, hash, block, now, &events);
+        continue;
       }
       node = AddChild(node, hash, blocks[i], block, now, &events);
       node->lossy = lossy;
@@ -703,6 +707,21 @@ struct PrefixCache::Impl final : public KvPoolObserver {
       events->push_back(std::move(e));
     }
     return child;
+  }
+
+  // A child that is hollow from the start (HollowBlock's state: tokens, no
+  // block, never pinned).
+  Node* AddHollowChild(Node* parent, uint64_t hash, absl::Span<const int32_t> tokens, int64_t now,
+                       std::vector<KvCacheEvent>* events) {
+    Node* n = AddChild(parent, hash, stand_in, tokens, now, events);
+    SetPinned(n, false);
+    UnregisterBlock(n);
+    n->hollow = true;
+    ++num_hollow;
+    if (!Blocked(n)) ++num_hollow_free;
+    n->block = BlockHandle{};
+    pool->Release(stand_in);
+    return n;
   }
 
   void Publish(std::vector<KvCacheEvent> events) {

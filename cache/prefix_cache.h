@@ -105,6 +105,13 @@ struct KvCacheEvent {
   // removed: the tier the evicted block's K/V moved to (kNone: dropped), so
   // a router knows the block is still a (slower) hit on this node.
   KvTier moved_to = KvTier::kNone;
+  // Where the block is (stored) or was (removed): kNone for the primary
+  // pool's radix index, kHost / kDisk for a page of that tier (KvTiers
+  // publishes those: a demoted block is stored there, a page leaving the
+  // tier is removed from it, moved_to saying where it went). A tier event
+  // may leave parent_hash, token_ids and scope empty; the event log fills
+  // them from the block it knew under the same hash (KvEventLog).
+  KvTier tier = KvTier::kNone;
 };
 
 // A full block leaving the primary pool (PrefixCache::Evict), offered to the
@@ -131,6 +138,8 @@ class BlockDemotionSink {
 };
 
 // Receives index changes, in order, on the engine thread; must not block.
+// A sink given to KvTiers also receives the tiers' events from their worker
+// threads, so it must be thread-safe (KvEventLog is).
 class KvEventSink {
  public:
   virtual ~KvEventSink() = default;
@@ -235,8 +244,9 @@ class PrefixCache {
   // last `window` tokens before its end all have their K/V, and hand out
   // `stand_in` (one reference each, like any block) for hollow blocks before
   // that window; the caller must never read it. Insert refills a hollow
-  // node from a caller's real block, and stops at a stand_in it would need
-  // to cache. Hollow nodes are not published as removed (a router's replica
+  // node from a caller's real block, and caches a stand_in it meets where
+  // no node is as a hollow node (a load from the KV tiers leaves the blocks
+  // before its window's end as stand-ins), so the path goes on. Hollow nodes are not published as removed (a router's replica
   // keeps them; its matches may then be shorter here than it predicts).
   // REQUIRES: called once, before anything is cached; stand_in stays live.
   void SetWindow(int32_t window, BlockHandle stand_in);

@@ -665,7 +665,10 @@ void PrintEvent(const pb::KvEvent& e, bool json) {
   switch (e.event_case()) {
     case pb::KvEvent::kBlockStored: {
       const pb::KvBlockStored& b = e.block_stored();
-      std::printf("#%" PRIu64 " stored %s parent %s tokens %d [", e.sequence(),
+      std::printf("#%" PRIu64 " stored%s %s parent %s tokens %d [", e.sequence(),
+                  b.tier() == pb::KV_TIER_HOST   ? " (host tier)"
+                  : b.tier() == pb::KV_TIER_DISK ? " (disk tier)"
+                                                 : "",
                   Hex(b.block_hash()).c_str(), Hex(b.parent_hash()).c_str(), b.token_count());
       for (int i = 0; i < b.token_ids_size(); ++i) {
         std::printf(i == 0 ? "%d" : " %d", b.token_ids(i));
@@ -674,7 +677,10 @@ void PrintEvent(const pb::KvEvent& e, bool json) {
       break;
     }
     case pb::KvEvent::kBlockRemoved:
-      std::printf("#%" PRIu64 " removed %s\n", e.sequence(),
+      std::printf("#%" PRIu64 " removed%s %s\n", e.sequence(),
+                  e.block_removed().tier() == pb::KV_TIER_HOST   ? " (host tier)"
+                  : e.block_removed().tier() == pb::KV_TIER_DISK ? " (disk tier)"
+                                                                 : "",
                   Hex(e.block_removed().block_hash()).c_str());
       break;
     case pb::KvEvent::kAllCleared:
@@ -755,7 +761,9 @@ int RunKvEvents(Client* client, const KvEventsFlags& flags) {
           replica.Clear();
           position = 0;
         }
-        for (const pb::KvBlockStored& b : chunk.blocks()) replica.Store(b);
+        for (const pb::KvBlockStored& b : chunk.blocks()) {
+          if (b.tier() == pb::KV_TIER_NONE) replica.Store(b);  // tier pages: not the index
+        }
         if (json) {
           std::printf("{\"snapshot\":{\"as_of_sequence\":%" PRIu64
                       ",\"index\":%u,\"blocks\":%d,\"last\":%s}}\n",
@@ -783,8 +791,14 @@ int RunKvEvents(Client* client, const KvEventsFlags& flags) {
           break;
         }
         switch (e.event_case()) {
-          case pb::KvEvent::kBlockStored: replica.Store(e.block_stored()); break;
-          case pb::KvEvent::kBlockRemoved: replica.Remove(e.block_removed().block_hash()); break;
+          case pb::KvEvent::kBlockStored:
+            if (e.block_stored().tier() == pb::KV_TIER_NONE) replica.Store(e.block_stored());
+            break;
+          case pb::KvEvent::kBlockRemoved:
+            if (e.block_removed().tier() == pb::KV_TIER_NONE) {
+              replica.Remove(e.block_removed().block_hash());
+            }
+            break;
           case pb::KvEvent::kAllCleared: replica.Clear(); break;
           case pb::KvEvent::EVENT_NOT_SET: break;
         }

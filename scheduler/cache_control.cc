@@ -306,9 +306,20 @@ CacheReport CacheControl::Explain(const KvCacheManager& kv, KvTiers* tiers, std:
     if (all < p.matched_tokens) {
       p.window_dropped_tokens = std::max(p.window_dropped_tokens, p.matched_tokens - all);
       p.matched_tokens = all;
-      p.next_block_start = all;  // no tier continues a hybrid match
+      p.next_block_start = all;
       p.next_block_hashes.clear();
       p.diverged = false;
+    }
+    if (tiers != nullptr && p.matched_tokens % bs == 0) {
+      // The tiers continue a hybrid match only as far as every group's
+      // pages do (KvTiers::Lookup); the full group's pages name them.
+      const int32_t cap = std::max(0, static_cast<int32_t>(tokens.size()) - 1);
+      const int32_t n =
+          p.matched_tokens < cap ? tiers->Lookup(salt, tokens, p.matched_tokens, cap) : 0;
+      std::vector<uint64_t> chain;
+      cache->ChainHashes(salt, tokens, (p.matched_tokens + n) / bs, &chain);
+      p.next_block_start = p.matched_tokens;
+      p.next_block_hashes.assign(chain.begin() + p.matched_tokens / bs, chain.end());
     }
   }
   r.primary_tokens = p.matched_tokens;

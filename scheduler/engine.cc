@@ -69,13 +69,10 @@ class Engine::EvictionCostsImpl final : public EvictionCosts {
 absl::Status CheckHybridKvOptions(const EngineOptions& o) {
   // What moves blocks without knowing the groups yet is refused by name on
   // a hybrid model, never run half right.
+  // (The KV tiers know them: each group's blocks are pages of their own.)
   const char* why =
       " moves blocks without knowing the KV cache groups of a hybrid-attention "
       "model (use --kv-layout all-layers, or a single-attention model)";
-  if (o.kv_tiers != nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KV tiers (--kv-host-memory, --kv-disk-dir)", why));
-  }
   if (o.kv_loader != nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill/decode disaggregation (a KV loader)", why));
@@ -151,6 +148,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
           "KV tiers (--kv-host-memory, --kv-disk-dir) need the prefix cache (drop --no-prefix-cache)");
     }
     ko.prefix.demotion = o.kv_tiers.get();
+    // Every group demotes its own blocks, keyed by group (none: one group).
+    o.kv_tiers->SetGroups(groups.num_groups() > 1 ? groups.group_window : std::vector<int32_t>());
+    if (groups.num_groups() > 1) {
+      ko.group_demotion.assign(1, nullptr);
+      for (int32_t g = 1; g < groups.num_groups(); ++g) {
+        ko.group_demotion.push_back(o.kv_tiers->group_demotion(g));
+      }
+    }
     loader = o.kv_tiers.get();
     if (o.kv_loader != nullptr) {
       // A decode node with tiers: its own tiers first, then the pull.
@@ -161,7 +166,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(LlamaModel* model,
   // The cache and its tiers are complete before the Engine exists (its
   // destructor assumes a whole engine).
   ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> kv, KvCacheManager::Create(std::move(ko)));
-  if (o.kv_tiers != nullptr) RETURN_IF_ERROR(o.kv_tiers->Attach(kv->pool(), kv->prefix_cache()));
+  if (o.kv_tiers != nullptr) {
+    o.kv_tiers->SetEventSink(o.kv_events);  // the log KvEventLog is thread-safe
+    RETURN_IF_ERROR(o.kv_tiers->Attach(kv->pool(), kv->prefix_cache()));
+  }
   if (o.kv_tiers != nullptr && o.cache_control != nullptr) {
     // Retained prefixes are demoted, never dropped, while a tier can take them.
     CacheControl* cc = o.cache_control.get();
@@ -224,7 +232,11 @@ Engine::~Engine() {
     options_.cache_control->SaveRetention(options_.kv_tiers.get());
   }
   if (options_.kv_tiers != nullptr && kv_->prefix_cache() != nullptr) {
-    options_.kv_tiers->PersistForRestart(*kv_->prefix_cache());
+    // Every KV cache group's index (one for a single-attention model).
+    for (int32_t g = 0; g < kv_->num_groups(); ++g) {
+      const PrefixCache* c = kv_->group_manager(g).prefix_cache();
+      if (c != nullptr) options_.kv_tiers->PersistForRestart(*c, g);
+    }
   }
   // Leases hold pool references: they go before the pool (the disk tier got
   // their blocks above, as cached blocks).

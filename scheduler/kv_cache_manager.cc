@@ -67,9 +67,10 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
     go.prefix.on_evict = options.prefix.on_evict;
     go.prefix.public_salt = options.prefix.public_salt;
     if (options.group_policy) go.prefix.policy = options.group_policy();
-    // KV events, tier demotion: group 0 only (the engine refuses tiers on
-    // hybrid models; the event stream publishes the full group's index,
-    // whose blocks spell every cached prefix).
+    // Tier demotion: each group its own sink (its pages keyed by group).
+    // KV events: group 0 only (the event stream publishes the full group's
+    // index, whose blocks spell every cached prefix).
+    if (g < options.group_demotion.size()) go.prefix.demotion = options.group_demotion[g];
     ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> gm, Create(std::move(go)));
     m->groups_.push_back(std::move(gm));
   }
@@ -198,6 +199,23 @@ int32_t KvCacheManager::GroupMatchLength(std::string_view salt, absl::Span<const
     if (next == len || next <= 0) return std::max(next, 0);
     len = next;
   }
+}
+
+std::vector<int32_t> KvCacheManager::PrepareGroupLoad(SeqKv* kv, int32_t from, int32_t end) {
+  std::vector<int32_t> first(groups_.size(), from);
+  const int32_t bs = block_size();
+  for (size_t g = 0; g < groups_.size() && g < kv->groups.size(); ++g) {
+    KvCacheManager& gm = *groups_[g];
+    if (gm.window_ <= 0) continue;
+    SeqKv& k = kv->groups[g];
+    const int32_t upto =
+        std::min(std::max(0, end - gm.window_ + 1) / bs, k.table.num_blocks());
+    for (int32_t b = from / bs; b < upto; ++b) {
+      if (!(k.table.blocks()[b] == gm.placeholder_)) k.table.ReplaceBlock(b, gm.placeholder_);
+    }
+    first[g] = std::max(from, upto * bs);
+  }
+  return first;
 }
 
 void KvCacheManager::EnsureGroups(SeqKv* kv) const {

@@ -119,6 +119,10 @@ struct KvCacheManagerOptions {
   // With group_windows and the prefix cache: the eviction policy of each
   // group > 0's index (null: LRU).
   std::function<std::unique_ptr<EvictionPolicy>()> group_policy;
+  // With group_windows: group g's demotion sink at [g] (the KV tiers'
+  // KvTiers::group_demotion; [0] is unused: group 0 takes prefix.demotion).
+  // Empty: groups > 0 demote nothing.
+  std::vector<BlockDemotionSink*> group_demotion;
   // Internal: a group manager draws from this pool instead of its own.
   KvPool* shared_pool = nullptr;
 };
@@ -235,6 +239,16 @@ class KvCacheManager {
   // Hybrid prefix matches the window groups cut shorter than the full
   // group's (tokens the window groups had dropped K/V for).
   int64_t group_window_dropped_tokens() const { return group_window_dropped_; }
+  // A load of slots [from, end) into kv from the KV tiers, after
+  // AllocateSlots(kv, 0, 0, end - from) and before the load starts: in each
+  // window group the blocks wholly before the window of `end` (slots <
+  // end - window + 1), which no later token reads, go back to the pool now
+  // and their table entries become the placeholder (the load never writes
+  // them; the group's radix index keeps their place as hollow nodes when
+  // the sequence is offered, so the loaded blocks after them are cached).
+  // Returns per group g >= 1 (at [g - 1]) the first slot the load must
+  // write there. Truncate undoes it with the load.
+  std::vector<int32_t> PrepareGroupLoad(SeqKv* kv, int32_t from, int32_t end);
   // A new SeqKv sharing every block of kv (the fork of an n > 1 request).
   SeqKv Fork(const SeqKv& kv) const;
   // The first slot from which every block is the sequence's own (reference

@@ -35,6 +35,18 @@ struct KvLoadTarget {
   int32_t first_slot = 0;
   int32_t num_tokens = 0;
   kernels::PagedKvView view;  // valid until the load is Done (blocks stay pinned)
+  // KV cache groups (a hybrid-attention model): groups 1.. of the same
+  // sequence, each its own table's blocks (view as above, over the same
+  // slots) and the first slot that group needs written: a window group's
+  // blocks wholly before the window of the load's end are the manager's
+  // placeholder (KvCacheManager::PrepareGroupLoad) and must never be
+  // written. Empty for a model with one group; a loader that does not know
+  // groups refuses a target that has them (Start returns null).
+  struct Group {
+    kernels::PagedKvView view;
+    int32_t first_slot = 0;
+  };
+  std::vector<Group> groups;
 };
 
 // A finished load's tokens by the tier they came from (zeros for a loader

@@ -109,7 +109,48 @@ struct KvTiers::LoadItem {
   uint64_t checksum = 0;
   uint8_t* dest = nullptr;             // the primary block's bytes
   int32_t tokens = 0;                  // of the load's tokens this block carries
+  bool counted = true;                 // counts its tokens (group 0's pages only)
 };
+
+// A KV cache group's demotions: its blocks become pages under their group
+// key.
+class KvTiers::GroupSink final : public BlockDemotionSink {
+ public:
+  GroupSink(KvTiers* tiers, int32_t group) : tiers_(tiers), group_(group) {}
+  KvTier Demote(const EvictedBlock& block) override {
+    EvictedBlock b = block;
+    b.hash = GroupKey(block.hash, group_);
+    return tiers_->Demote(b);
+  }
+
+ private:
+  KvTiers* tiers_;
+  int32_t group_;
+};
+
+uint64_t KvTiers::GroupKey(uint64_t hash, int32_t group) {
+  if (group == 0) return hash;
+  const uint64_t in[2] = {hash, static_cast<uint64_t>(group)};
+  return XXH3_64bits_withSeed(in, sizeof in, 0x6b76677270ULL);  // "kvgrp"
+}
+
+void KvTiers::SetGroups(std::vector<int32_t> windows) {
+  group_windows_ = std::move(windows);
+  group_sinks_.clear();
+  for (size_t g = 1; g < group_windows_.size(); ++g) {
+    group_sinks_.push_back(std::make_unique<GroupSink>(this, static_cast<int32_t>(g)));
+  }
+}
+
+BlockDemotionSink* KvTiers::group_demotion(int32_t g) const { return group_sinks_[g - 1].get(); }
+
+int32_t KvTiers::GroupFirstBlock(int32_t g, int32_t first, int32_t end) const {
+  const int32_t w = group_windows_[g];
+  if (w <= 0) return first;
+  // After the run, the sequence's next token attends to slots from
+  // end - w + 1 on (KvCacheManager::ReleaseOutOfWindow).
+  return std::max(first, std::max(0, end - w + 1) / block_size_);
+}
 
 KvTiers::KvTiers(KvTiersOptions options) : options_(std::move(options)) {}
 
@@ -276,25 +317,41 @@ void KvTiers::RememberGhost(uint64_t hash, int64_t hits) {
   }
 }
 
-void KvTiers::SpillToDisk(EvictedPage page) {
-  if (disk_ == nullptr) return;
+void KvTiers::PublishTier(bool stored, KvTier tier, uint64_t hash, KvTier moved_to) const {
+  if (events_ == nullptr) return;
+  std::vector<KvCacheEvent> one(1);
+  one[0].kind = stored ? KvCacheEvent::Kind::kBlockStored : KvCacheEvent::Kind::kBlockRemoved;
+  one[0].tier = tier;
+  one[0].block_hash = hash;
+  one[0].moved_to = moved_to;
+  events_->Publish(std::move(one));
+}
+
+bool KvTiers::SpillToDisk(EvictedPage page) {
+  if (disk_ == nullptr) return false;
   if (page.hits < options_.disk_min_hits) {
     RememberGhost(page.hash, page.hits);
-    return;
+    return false;
   }
   if (pending_disk_bytes_.load() + page_bytes_ > options_.max_pending_disk_bytes) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.dropped_demotions;
-    return;
+    return false;
   }
   pending_disk_bytes_ += page_bytes_;
   auto shared = std::make_shared<EvictedPage>(std::move(page));
   writer_->Post([this, shared] { StoreOnDisk(*shared); });
+  return true;
 }
 
 void KvTiers::StoreOnDisk(const EvictedPage& page) {
-  const absl::Status s = disk_->Store(page.hash, page.data.get(), page.checksum, page.hits);
+  std::vector<uint64_t> evicted;
+  const absl::Status s =
+      disk_->Store(page.hash, page.data.get(), page.checksum, page.hits, &evicted);
   pending_disk_bytes_ -= page_bytes_;
+  for (uint64_t h : evicted) PublishTier(false, KvTier::kDisk, h);
+  // Published as stored when it was queued: a write that failed takes it back.
+  if (!s.ok()) PublishTier(false, KvTier::kDisk, page.hash);
   std::lock_guard<std::mutex> lock(stats_mu_);
   if (s.ok()) {
     ++stats_.demotions_disk;
@@ -376,6 +433,7 @@ void KvTiers::PostDiskStore(uint64_t hash, int64_t hits, PageBuffer page,
   writer_->Post([this, shared, raw = std::move(raw), fence = std::move(fence)] {
     if (!WaitFence(fence)) {
       pending_disk_bytes_ -= page_bytes_;
+      PublishTier(false, KvTier::kDisk, shared->hash);
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.dropped_demotions;
       return;
@@ -404,7 +462,14 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
     uint8_t* page = nullptr;
     std::vector<EvictedPage> evicted;
     const HostTier::ReserveResult r = host_->Reserve(b.hash, b.hits, &page, &evicted);
-    for (EvictedPage& p : evicted) SpillToDisk(std::move(p));
+    for (EvictedPage& p : evicted) {
+      const uint64_t h = p.hash;
+      // Stored on disk before it leaves the host, so the event log still
+      // knows the block's tokens when it describes the disk page.
+      const bool spilled = SpillToDisk(std::move(p));
+      if (spilled) PublishTier(true, KvTier::kDisk, h);
+      PublishTier(false, KvTier::kHost, h, spilled ? KvTier::kDisk : KvTier::kNone);
+    }
     if (r == HostTier::ReserveResult::kPresent) return KvTier::kHost;  // a second eviction is free
     if (r == HostTier::ReserveResult::kReserved) {
       // The pool block is released when we return: the copy starts now, on
@@ -424,9 +489,12 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
         ++stats_.dropped_demotions;
         return KvTier::kNone;
       }
+      // In the host tier from now on (visible to loads once written).
+      PublishTier(true, KvTier::kHost, hash);
       writer_->Post([this, hash, page, raw, fence = *std::move(fence)] {
         if (!WaitFence(fence)) {
           host_->Abort(hash);
+          PublishTier(false, KvTier::kHost, hash);
           std::lock_guard<std::mutex> lock(stats_mu_);
           ++stats_.dropped_demotions;
           return;
@@ -450,6 +518,7 @@ KvTier KvTiers::Demote(const EvictedBlock& evicted) {
         absl::StatusOr<Fence> fence = CopyBlockOut(b.data, reencode_ ? raw.get() : copy.get(),
                                                    reencode_ ? block_bytes_ : page_bytes_);
         if (fence.ok()) {
+          PublishTier(true, KvTier::kDisk, b.hash);
           PostDiskStore(b.hash, b.hits, std::move(copy), std::move(raw), *std::move(fence));
           if (reencode_) {
             std::lock_guard<std::mutex> lock(stats_mu_);
@@ -548,7 +617,23 @@ int32_t KvTiers::LookupWorthLoading(std::string_view salt, absl::Span<const int3
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_.recompute_chosen_blocks += left;
   }
-  return n;
+  // KV cache groups: the longest run every group can serve. A shorter run
+  // moves the window earlier, so each length is checked on its own.
+  auto held = [&](uint64_t key) {
+    return (host_ && host_->Contains(key)) || (disk_ && disk_->Contains(key));
+  };
+  for (; n > 0 && num_groups() > 1; n -= bs) {
+    const int32_t end = std::min(from + n, limit);
+    const int32_t last = (end + bs - 1) / bs;
+    bool all = true;
+    for (int32_t g = 1; g < num_groups() && all; ++g) {
+      for (int32_t b = GroupFirstBlock(g, from / bs, end); b < last && all; ++b) {
+        all = held(GroupKey(chain[b], g));
+      }
+    }
+    if (all) break;
+  }
+  return std::max(n, 0);
 }
 
 std::shared_ptr<KvLoad> KvTiers::Start(const KvLoadTarget& t) {
@@ -568,20 +653,35 @@ std::shared_ptr<KvLoad> KvTiers::Start(const KvLoadTarget& t) {
       if (it.tier == KvTier::kDisk) disk_->Unpin(it.hash);
     }
   };
-  for (int32_t b = first; b < last; ++b) {
-    LoadItem it;
-    it.hash = chain[b];
-    it.dest = t.view.pool + static_cast<int64_t>(t.view.block_ids[b]) * t.view.block_bytes;
-    it.tokens = std::min(end, (b + 1) * bs) - b * bs;
-    if (host_ && (it.host_page = host_->Pin(it.hash, &it.checksum)) != nullptr) {
-      it.tier = KvTier::kHost;
-    } else if (disk_ && disk_->Pin(it.hash, &it.checksum)) {
-      it.tier = KvTier::kDisk;
-    } else {
-      unpin();  // evicted since Lookup: the caller recomputes instead
+  // KV cache groups: one target per group (KvLoadTarget::groups), each
+  // loading what its window needs (GroupFirstBlock).
+  const int32_t n_groups = std::max(1, num_groups());
+  if (n_groups > 1 && static_cast<int32_t>(t.groups.size()) != n_groups - 1) return nullptr;
+  for (int32_t g = 0; g < n_groups; ++g) {
+    const kernels::PagedKvView& view = g == 0 ? t.view : t.groups[g - 1].view;
+    if (g > 0 && (view.n_seqs != 1 || view.seq_block_offsets[1] < last)) {
+      unpin();
       return nullptr;
     }
-    items.push_back(it);
+    const int32_t from_block =
+        g == 0 ? first
+               : std::max(GroupFirstBlock(g, first, end), t.groups[g - 1].first_slot / bs);
+    for (int32_t b = from_block; b < last; ++b) {
+      LoadItem it;
+      it.hash = GroupKey(chain[b], g);
+      it.counted = g == 0;
+      it.dest = view.pool + static_cast<int64_t>(view.block_ids[b]) * view.block_bytes;
+      it.tokens = std::min(end, (b + 1) * bs) - b * bs;
+      if (host_ && (it.host_page = host_->Pin(it.hash, &it.checksum)) != nullptr) {
+        it.tier = KvTier::kHost;
+      } else if (disk_ && disk_->Pin(it.hash, &it.checksum)) {
+        it.tier = KvTier::kDisk;
+      } else {
+        unpin();  // evicted since Lookup: the caller recomputes instead
+        return nullptr;
+      }
+      items.push_back(it);
+    }
   }
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
@@ -612,19 +712,22 @@ absl::Status KvTiers::ChecksumFailed(const LoadItem& it) {
   spdlog::warn("{}; recomputing its tokens", std::string(s.message()));
   if (it.tier == KvTier::kHost) host_->Remove(it.hash);
   if (it.tier == KvTier::kDisk) disk_->Remove(it.hash);
+  PublishTier(false, it.tier, it.hash);
   return s;
 }
 
 void KvTiers::CountLoaded(const LoadItem& it, KvLoadSources* src, int64_t* from_host,
                           int64_t* from_disk) const {
+  // Pages are counted by tier; tokens once per block (group 0's page).
+  const int32_t tokens = it.counted ? it.tokens : 0;
   if (it.tier == KvTier::kHost) {
-    src->host_tokens += it.tokens;
+    src->host_tokens += tokens;
     ++*from_host;
   } else {
-    src->disk_tokens += it.tokens;
+    src->disk_tokens += tokens;
     ++*from_disk;
   }
-  if (reencode_) src->lossy_tokens += it.tokens;
+  if (reencode_) src->lossy_tokens += tokens;
 }
 
 absl::Status KvTiers::LoadToDevice(const std::vector<LoadItem>& items, const Fence& after,
@@ -775,7 +878,7 @@ void KvTiers::Flush() {
   if (writer_) writer_->Flush();
 }
 
-int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
+int64_t KvTiers::PersistForRestart(const PrefixCache& cache, int32_t group) {
   if (disk_ == nullptr) return 0;
   Flush();
   int64_t written = 0;
@@ -788,7 +891,14 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
     if (retained_ && retained_(hash)) all = std::max<int64_t>(all, options_.disk_min_hits);
     if (all < options_.disk_min_hits || disk_->Contains(hash)) return;
     const uint64_t checksum = XXH3_64bits(data, static_cast<size_t>(page_bytes_));
-    if (disk_->Store(hash, data, checksum, all).ok()) {
+    std::vector<uint64_t> evicted;
+    // Stored first (the event log still knows the block), taken back when
+    // the write fails.
+    PublishTier(true, KvTier::kDisk, hash);
+    const absl::Status st = disk_->Store(hash, data, checksum, all, &evicted);
+    for (uint64_t h : evicted) PublishTier(false, KvTier::kDisk, h);
+    if (!st.ok()) PublishTier(false, KvTier::kDisk, hash);
+    if (st.ok()) {
       ++written;
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.demotions_disk;
@@ -806,12 +916,13 @@ int64_t KvTiers::PersistForRestart(const PrefixCache& cache) {
       if (!fence.ok() || !WaitFence(*fence)) return;
       data = host_copy.get();
     }
-    if (!reencode_) return store(b.hash, data, b.hits);
+    const uint64_t key = GroupKey(b.hash, group);
+    if (!reencode_) return store(key, data, b.hits);
     if (encoded == nullptr) return;
     EncodePage(data, encoded.get());
-    store(b.hash, encoded.get(), b.hits);
+    store(key, encoded.get(), b.hits);
   });
-  if (host_ != nullptr) {
+  if (host_ != nullptr && group == 0) {
     for (const auto& [hash, hits] : host_->ReadyPages()) {
       uint64_t checksum = 0;
       const uint8_t* page = host_->Pin(hash, &checksum);

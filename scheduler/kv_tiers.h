@@ -176,14 +176,41 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
     retained_ = std::move(retained);
   }
 
+  // KV cache groups (a hybrid-attention model): per group its window (0:
+  // full attention; group 0 is full and uses this object as its demotion
+  // sink). Every group's pool blocks are pages here, group g's keyed by
+  // GroupKey(chained hash, g) and demoted through group_demotion(g). A
+  // lookup then supplies a run of blocks only when every group can: the
+  // full group's pages for each block, each window group's for the blocks
+  // its window reaches at the run's end (the prefix cache's hit rule);
+  // Start loads exactly those (KvLoadTarget::groups). Engine thread, before
+  // the engine runs.
+  void SetGroups(std::vector<int32_t> windows);
+  int32_t num_groups() const { return static_cast<int32_t>(group_windows_.size()); }
+  // Group g's demotion sink (g >= 1; group 0: this object).
+  BlockDemotionSink* group_demotion(int32_t g) const;
+  // The key of group g's page of the block with chained hash `hash`: the
+  // hash itself for group 0, a hash of (hash, g) for the others (stable
+  // across restarts, so the disk tier finds them again).
+  static uint64_t GroupKey(uint64_t hash, int32_t group);
+
+  // KV events (cache/kv_event_log.h): every block this stores in a tier is
+  // published as stored there (KvCacheEvent::tier), every page leaving a
+  // tier as removed from it (moved_to: the disk for a spilled host page).
+  // Published from the engine thread and from the writer and loader
+  // threads, so the sink must be thread-safe. Set before Attach; null: none.
+  void SetEventSink(KvEventSink* sink) { events_ = sink; }
+
   // Waits until every queued write and load has finished (tests; shutdown).
   void Flush();
   // Shutdown with a disk tier: writes every block that qualifies for the
   // disk (hit at least disk_min_hits times) from the radix index and the
   // host tier to disk, so a restart finds the hot prefixes, not only those
   // that happened to be evicted. Blocking; engine thread (or engine
-  // stopped). Returns the blocks written.
-  int64_t PersistForRestart(const PrefixCache& cache);
+  // stopped). Returns the blocks written. group: the KV cache group whose
+  // index `cache` is (its pages are keyed GroupKey(hash, group)); the host
+  // tier's pages (every group's) go with group 0's call.
+  int64_t PersistForRestart(const PrefixCache& cache, int32_t group = 0);
   KvTiersStats stats() const;
   // From the options (before Attach).
   bool disk_enabled_requested() const { return !options_.disk_dir.empty(); }
@@ -213,9 +240,14 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   // The chained hashes of blocks [0, n) of tokens under salt's root.
   void HashChain(std::string_view salt, absl::Span<const int32_t> tokens, int32_t n,
                  std::vector<uint64_t>* out) const;
-  void SpillToDisk(EvictedPage page);
+  // Queues a page the host tier evicted for the disk; false when it does
+  // not go there (no disk tier, not proven useful, too much queued).
+  bool SpillToDisk(EvictedPage page);
   // The writer's half of a disk demotion: stores the page, counts.
   void StoreOnDisk(const EvictedPage& page);
+  // One tier event to events_ (nothing without a sink).
+  void PublishTier(bool stored, KvTier tier, uint64_t hash,
+                   KvTier moved_to = KvTier::kNone) const;
   // A pool block into a page (re-encoded, or copied when the codecs agree),
   // and back.
   void EncodePage(const uint8_t* block, uint8_t* page) const;
@@ -288,6 +320,13 @@ class KvTiers final : public KvLoader, public BlockDemotionSink {
   std::atomic<int64_t> pending_disk_bytes_{0};
   absl::flat_hash_map<uint64_t, int64_t> ghost_hits_;  // engine thread
   std::function<bool(uint64_t)> retained_;             // engine thread
+  KvEventSink* events_ = nullptr;
+  class GroupSink;
+  std::vector<int32_t> group_windows_;                 // empty: one group
+  std::vector<std::unique_ptr<GroupSink>> group_sinks_;  // groups 1..
+  // The first block of [first, last) group g must load for a run ending at
+  // token `end` (a window group: the blocks its window reaches).
+  int32_t GroupFirstBlock(int32_t g, int32_t first, int32_t end) const;
   std::deque<uint64_t> ghost_order_;                   // oldest first
 
   mutable std::mutex stats_mu_;

@@ -296,17 +296,28 @@ bool Scheduler::StartLoad(Sequence* s) {
   }
   if (n <= 0) return false;
   if (!kv_->AllocateSlots(&s->kv, 0, 0, n).ok()) return false;
-  std::vector<int32_t> ids;
-  s->kv.table.AppendIds(&ids);
-  auto offsets = std::make_shared<std::vector<int32_t>>(
-      std::vector<int32_t>{0, static_cast<int32_t>(ids.size())});
-  auto block_ids = std::make_shared<std::vector<int32_t>>(std::move(ids));
+  // One table per KV cache group (one for a single-attention model); a
+  // window group's blocks before the window of the load's end are parked.
+  const std::vector<int32_t> group_first =
+      kv_->hybrid() ? kv_->PrepareGroupLoad(&s->kv, from, from + n) : std::vector<int32_t>();
+  auto block_ids = std::make_shared<std::vector<std::vector<int32_t>>>(kv_->num_groups());
+  auto offsets = std::make_shared<std::vector<std::vector<int32_t>>>(kv_->num_groups());
   KvLoadTarget t;
   t.salt = s->group()->salt();
   t.tokens = s->tokens();
   t.first_slot = from;
   t.num_tokens = n;
-  t.view = kv_->View(block_ids->data(), offsets->data(), 1);
+  for (int32_t g = 0; g < kv_->num_groups(); ++g) {
+    std::vector<int32_t>& ids = (*block_ids)[g];
+    kv_->group_table(s->kv, g).AppendIds(&ids);
+    (*offsets)[g] = {0, static_cast<int32_t>(ids.size())};
+    const kernels::PagedKvView view = kv_->View(ids.data(), (*offsets)[g].data(), 1);
+    if (g == 0) {
+      t.view = view;
+    } else {
+      t.groups.push_back(KvLoadTarget::Group{view, group_first[g - 1]});
+    }
+  }
   std::shared_ptr<KvLoad> load = loader_->Start(t);
   if (load == nullptr) {
     kv_->Truncate(&s->kv, from);
@@ -315,7 +326,7 @@ bool Scheduler::StartLoad(Sequence* s) {
   // The view's block table must outlive the load: keep it with the handle.
   struct Holder : KvLoad {
     std::shared_ptr<KvLoad> inner;
-    std::shared_ptr<std::vector<int32_t>> ids, offsets;
+    std::shared_ptr<std::vector<std::vector<int32_t>>> ids, offsets;
     bool Done() override { return inner->Done(); }
     absl::Status status() override { return inner->status(); }
     KvLoadSources sources() override { return inner->sources(); }

@@ -376,9 +376,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
     vo.topic = f.kv_events_topic;
     vo.replay_batches = static_cast<size_t>(f.kv_events_replay_batches);
     vo.format.block_size = d->engine_->options().block_size;
-    // The tier the events describe is the KV pool: device memory with the
-    // CUDA backend, host memory otherwise (the CPU engine and emulator).
-    vo.format.medium = d->engine_->kv_pool().on_device() ? "GPU" : "CPU";
+    // Media by tier, as vLLM names them: the KV pool is "GPU" wherever it
+    // lives (vLLM's block pool says so on every platform; the CPU engine's
+    // pool would otherwise share "CPU" with the host tier's pages), the
+    // host tier "CPU", the disk tier "Disk" (VllmEventFormat).
     if (d->engine_->kv_manager().hybrid()) {
       // KV cache groups: the stream publishes the full group's index (group
       // 0, whose blocks spell every cached prefix), tagged as vLLM tags a

@@ -460,6 +460,7 @@ void ToProto(const KvCacheEvent& e, pb::KvBlockStored* out) {
   out->set_parent_hash(e.parent_hash);
   out->mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
   out->set_token_count(static_cast<int32_t>(e.token_ids.size()));
+  out->set_tier(static_cast<pb::KvTier>(e.tier));
 }
 
 void ToProto(const SequencedKvEvent& e, pb::KvEvent* out) {
@@ -471,6 +472,7 @@ void ToProto(const SequencedKvEvent& e, pb::KvEvent* out) {
     case KvCacheEvent::Kind::kBlockRemoved:
       out->mutable_block_removed()->set_block_hash(e.event.block_hash);
       out->mutable_block_removed()->set_moved_to(static_cast<pb::KvTier>(e.event.moved_to));
+      out->mutable_block_removed()->set_tier(static_cast<pb::KvTier>(e.event.tier));
       break;
     case KvCacheEvent::Kind::kAllCleared:
       out->mutable_all_cleared();

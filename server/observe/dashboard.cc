@@ -125,7 +125,9 @@ void DashboardState::Apply(const KvEventRead& read) {
     }
     nodes_.clear();
     roots_.clear();
-    for (const KvCacheEvent& e : read.snapshot) Store(e);
+    for (const KvCacheEvent& e : read.snapshot) {
+      if (e.tier == KvTier::kNone) Store(e);
+    }
     for (const auto& [h, n] : hits) {
       if (auto it = nodes_.find(h); it != nodes_.end()) it->second.hits = n;
     }
@@ -133,6 +135,8 @@ void DashboardState::Apply(const KvEventRead& read) {
   }
   for (const SequencedKvEvent& se : read.events) {
     const KvCacheEvent& e = se.event;
+    last_sequence_ = se.sequence;
+    if (e.tier != KvTier::kNone) continue;  // a tier's page: not in the block map
     switch (e.kind) {
       case KvCacheEvent::Kind::kBlockStored:
         Store(e);

@@ -59,6 +59,18 @@ void PackKey(Packer& pk, const std::string& key) {
   }
 }
 
+const std::string& MediumOf(const VllmKvEvent& e, const VllmEventFormat& f) {
+  switch (e.tier) {
+    case KvTier::kHost:
+      return f.host_medium;
+    case KvTier::kDisk:
+      return f.disk_medium;
+    case KvTier::kNone:
+      break;
+  }
+  return f.medium;
+}
+
 void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& f) {
   switch (e.kind) {
     case VllmKvEvent::Kind::kBlockStored: {
@@ -89,7 +101,7 @@ void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& f) {
       PackStr(pk, "lora_id");
       pk.pack_nil();
       PackStr(pk, "medium");
-      PackStr(pk, f.medium);
+      PackStr(pk, MediumOf(e, f));
       PackStr(pk, "lora_name");
       pk.pack_nil();
       if (!e.extra_keys.empty()) {
@@ -126,7 +138,7 @@ void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& f) {
       pk.pack_array(static_cast<uint32_t>(e.block_hashes.size()));
       for (uint64_t h : e.block_hashes) pk.pack_uint64(h);
       PackStr(pk, "medium");
-      PackStr(pk, f.medium);
+      PackStr(pk, MediumOf(e, f));
       if (f.group_idx.has_value()) {
         PackStr(pk, "group_idx");
         pk.pack_int32(*f.group_idx);
@@ -183,13 +195,15 @@ void VllmEventTranslator::Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* o
     case KvCacheEvent::Kind::kBlockStored: {
       // vLLM publishes full blocks only.
       if (static_cast<int32_t>(e.token_ids.size()) != block_size_) return;
-      if (!published_.insert(e.block_hash).second) return;
+      if (!published_[static_cast<int>(e.tier)].insert(e.block_hash).second) return;
       VllmKvEvent* last = out->empty() ? nullptr : &out->back();
       const bool extends = last != nullptr && last->kind == VllmKvEvent::Kind::kBlockStored &&
-                           e.parent_hash != 0 && last->block_hashes.back() == e.parent_hash;
+                           last->tier == e.tier && e.parent_hash != 0 &&
+                           last->block_hashes.back() == e.parent_hash;
       if (!extends) {
         VllmKvEvent s;
         s.kind = VllmKvEvent::Kind::kBlockStored;
+        s.tier = e.tier;
         if (e.parent_hash != 0) s.parent_block_hash = e.parent_hash;
         out->push_back(std::move(s));
         last = &out->back();
@@ -207,17 +221,19 @@ void VllmEventTranslator::Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* o
       return;
     }
     case KvCacheEvent::Kind::kBlockRemoved: {
-      if (published_.erase(e.block_hash) == 0) return;
-      if (out->empty() || out->back().kind != VllmKvEvent::Kind::kBlockRemoved) {
+      if (published_[static_cast<int>(e.tier)].erase(e.block_hash) == 0) return;
+      if (out->empty() || out->back().kind != VllmKvEvent::Kind::kBlockRemoved ||
+          out->back().tier != e.tier) {
         VllmKvEvent r;
         r.kind = VllmKvEvent::Kind::kBlockRemoved;
+        r.tier = e.tier;
         out->push_back(std::move(r));
       }
       out->back().block_hashes.push_back(e.block_hash);
       return;
     }
     case KvCacheEvent::Kind::kAllCleared: {
-      published_.clear();
+      published_[0].clear();  // the index: the tiers keep their pages
       VllmKvEvent c;
       c.kind = VllmKvEvent::Kind::kAllBlocksCleared;
       out->push_back(std::move(c));
@@ -231,6 +247,9 @@ void VllmEventTranslator::AddSnapshot(const std::vector<KvCacheEvent>& blocks,
   KvCacheEvent clear;
   clear.kind = KvCacheEvent::Kind::kAllCleared;
   Add(clear, out);
+  // The snapshot lists the tiers' pages too.
+  published_[1].clear();
+  published_[2].clear();
   for (const KvCacheEvent& b : blocks) Add(b, out);
 }
 

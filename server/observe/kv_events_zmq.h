@@ -48,11 +48,20 @@ struct VllmKvEvent {
   // stored: one entry per block, or empty for none at all; an entry is the
   // block's extra keys (empty: None).
   std::vector<std::vector<std::string>> extra_keys;
+  // Which tier the event is about (its `medium`): the primary pool or a
+  // page of the host or disk tier.
+  KvTier tier = KvTier::kNone;
 };
 
 struct VllmEventFormat {
   int32_t block_size = 16;
-  std::string medium = "GPU";  // "GPU" or "CPU": where the KV pool lives
+  // `medium` per tier, as vLLM names them (vllm/v1/kv_offload/mediums.py):
+  // the primary KV pool is "GPU" (as vLLM's own block pool says on every
+  // platform), the host tier's pages "CPU" (its CPU offloading connector),
+  // the disk tier's "Disk".
+  std::string medium = "GPU";
+  std::string host_medium = "CPU";
+  std::string disk_medium = "Disk";
   int32_t data_parallel_rank = 0;
   // KV cache groups (a hybrid-attention model): the group whose radix index
   // the stream publishes, and its KV cache spec. Every BlockStored then
@@ -70,20 +79,27 @@ std::string EncodeVllmEventBatch(double ts, const std::vector<VllmKvEvent>& even
                                  const VllmEventFormat& format);
 
 // Turns the log's events into vLLM events: consecutive stores that extend
-// one chain become one BlockStored, consecutive removals one BlockRemoved.
-// Remembers which hashes it published so that removals of blocks it never
-// stored (partial tail blocks) are left out.
+// one chain in one tier become one BlockStored, consecutive removals from
+// one tier one BlockRemoved. Remembers which hashes it published in each
+// tier so that removals of blocks it never stored (partial tail blocks)
+// are left out. A tier's page is published as the log describes it (the
+// demoted block's parent and tokens), with that tier's medium; an
+// AllCleared (the index emptied) clears the primary pool's blocks only,
+// the tiers keep their pages.
 class VllmEventTranslator {
  public:
   explicit VllmEventTranslator(int32_t block_size) : block_size_(block_size) {}
   void Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* out);
   // A snapshot replaces everything published so far.
   void AddSnapshot(const std::vector<KvCacheEvent>& blocks, std::vector<VllmKvEvent>* out);
-  size_t published_blocks() const { return published_.size(); }
+  // Published blocks in every tier.
+  size_t published_blocks() const {
+    return published_[0].size() + published_[1].size() + published_[2].size();
+  }
 
  private:
   int32_t block_size_;
-  std::unordered_set<uint64_t> published_;
+  std::unordered_set<uint64_t> published_[3];  // by KvTier
 };
 
 struct VllmEventPublisherOptions {

@@ -330,11 +330,17 @@ struct Router::Impl final : public v1::Kvserve::Service {
       while (reader->Read(&r)) {
         if (r.has_snapshot()) {
           if (r.snapshot().index() == 0) n->replica.Clear();
-          for (const auto& b : r.snapshot().blocks()) n->replica.Store(b);
+          for (const auto& b : r.snapshot().blocks()) {
+            if (b.tier() == v1::KV_TIER_NONE) n->replica.Store(b);  // tiers: not the index
+          }
         }
         for (const v1::KvEvent& e : r.events()) {
-          if (e.has_block_stored()) n->replica.Store(e.block_stored());
-          if (e.has_block_removed()) n->replica.Remove(e.block_removed().block_hash());
+          if (e.has_block_stored() && e.block_stored().tier() == v1::KV_TIER_NONE) {
+            n->replica.Store(e.block_stored());
+          }
+          if (e.has_block_removed() && e.block_removed().tier() == v1::KV_TIER_NONE) {
+            n->replica.Remove(e.block_removed().block_hash());
+          }
           if (e.has_all_cleared()) n->replica.Clear();
         }
         last = r.sequence();

@@ -17,7 +17,10 @@ and drives a real `kvserve serve` on 127.0.0.1:
     (llm-d's layout) and the consumer gets the blocks;
   - group_idx and the kv_cache_spec fields are absent on a one-group model and,
     on a hybrid-attention model (Gemma 3 270M in KVSERVE_MODEL_DIR, when
-    present), name the full group: 0, "full_attention", no window.
+    present), name the full group: 0, "full_attention", no window;
+  - a tier round trip (tier_round_trip): a prompt's blocks leave "GPU" for
+    "CPU" (and "Disk" when the host tier spills) and come back to "GPU", on
+    the one-group model and on Gemma 3's KV cache groups.
 
 usage: vllm_kv_events_test.py KVSERVE_BINARY MODEL.gguf
 Exit 77 (skip) without msgspec/pyzmq or the model.
@@ -113,38 +116,56 @@ def metric(text, name):
     fail(f"{name} not in /metrics")
 
 
+MEDIA = ("GPU", "CPU", "Disk")  # the KV pool, the host tier, the disk tier
+
+
 class Index:
-    """A consumer's view of the node: block hash -> (parent, tokens)."""
+    """A consumer's view of the node: block hash -> (parent, tokens), per medium.
+
+    `blocks` is the GPU medium (the prefix cache); `tiers` holds the CPU and
+    Disk media (blocks demoted to the host and disk tiers). A tier's block may
+    outlive its parent (the parent may have left every tier), so only the GPU
+    medium's parents are checked.
+    """
 
     def __init__(self):
         self.blocks = {}
+        self.tiers = {"CPU": {}, "Disk": {}}
         self.stored = 0
         self.removed = 0
+        self.log = []  # (kind, medium, hash) in stream order
+
+    def media(self, medium):
+        if medium not in MEDIA:
+            fail(f"medium {medium!r}")
+        return self.blocks if medium == "GPU" else self.tiers[medium]
 
     def apply(self, batch):
         for e in batch.events:
             if isinstance(e, BlockStored):
                 if e.block_size != BLOCK or len(e.token_ids) != BLOCK * len(e.block_hashes):
                     fail(f"BlockStored sizes: {len(e.token_ids)} tokens, {len(e.block_hashes)} blocks")
-                if e.medium not in ("CPU", "GPU"):
-                    fail(f"medium {e.medium!r}")
+                blocks = self.media(e.medium)
                 parent = e.parent_block_hash
-                if parent is not None and parent not in self.blocks:
+                if e.medium == "GPU" and parent is not None and parent not in blocks:
                     fail(f"BlockStored under an unknown parent {parent}")
                 for i, h in enumerate(e.block_hashes):
-                    if h in self.blocks:
-                        fail(f"block {h} stored twice while cached")
-                    self.blocks[h] = (parent, e.token_ids[i * BLOCK:(i + 1) * BLOCK])
+                    if h in blocks:
+                        fail(f"block {h} stored twice in {e.medium} while there")
+                    blocks[h] = (parent, e.token_ids[i * BLOCK:(i + 1) * BLOCK])
                     parent = h
                     self.stored += 1
+                    self.log.append(("stored", e.medium, h))
             elif isinstance(e, BlockRemoved):
+                blocks = self.media(e.medium)
                 for h in e.block_hashes:
-                    if h not in self.blocks:
-                        fail(f"BlockRemoved of block {h} that is not stored")
-                    del self.blocks[h]
+                    if h not in blocks:
+                        fail(f"BlockRemoved of block {h} that is not stored in {e.medium}")
+                    del blocks[h]
                     self.removed += 1
+                    self.log.append(("removed", e.medium, h))
             else:
-                self.blocks.clear()
+                self.blocks.clear()  # the prefix cache emptied; the tiers keep their pages
 
     def prefixes(self):
         """Every cached path's tokens from its root."""
@@ -364,11 +385,21 @@ def main():
         stop_daemon(proc)
         ctx.term()
     connect_mode(binary, model)
+    tier_round_trip(binary, model)
+    tier_round_trip(binary, model, host="48KiB", spill=True)
+    smol = os.path.join(os.environ.get("KVSERVE_MODEL_DIR", ""), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if os.path.exists(smol):
+        tier_round_trip(binary, smol, pool="4MiB", host="32MiB", expect_load=True)
+    else:
+        print(f"tier round trip with loads skipped: no {smol} (set KVSERVE_MODEL_DIR)")
     # A hybrid-attention model (KV cache groups): Gemma 3 270M when present.
     gemma = os.environ.get("KVSERVE_HYBRID_MODEL") or os.path.join(
         os.environ.get("KVSERVE_MODEL_DIR", ""), "gemma-3-270m-Q4_K_M.gguf")
     if os.path.exists(gemma):
         connect_mode(binary, gemma, hybrid=True)
+        # Every KV cache group's blocks go to the tiers and come back; the
+        # stream names the full group's (issue 41).
+        tier_round_trip(binary, gemma, hybrid=True, pool="4MiB", host="16MiB", expect_load=True)
     else:
         print(f"hybrid part skipped: no {gemma} (set KVSERVE_MODEL_DIR or KVSERVE_HYBRID_MODEL)")
     print("PASS")
@@ -420,6 +451,101 @@ def connect_mode(binary, model, hybrid=False):
         print(f"connect mode{' (hybrid, KV cache groups)' if hybrid else ''}: {len(batches)} "
               f"batches, {index.stored} blocks stored through a PUB that connected to the "
               f"consumer; group fields {want}")
+    finally:
+        stop_daemon(proc)
+        sub.close(linger=0)
+        ctx.term()
+
+
+def tier_round_trip(binary, model, hybrid=False, pool="160KiB", host="1MiB", spill=False,
+                    expect_load=False):
+    """A demote -> promote round trip through the host and disk tiers.
+
+    A prompt's blocks are evicted from the KV pool by other prompts: each full
+    block is published as removed from "GPU" and stored in "CPU" (the host
+    tier) with the same hash, parent and tokens. The prompt sent again loads
+    its blocks from the host tier (cached tokens reported) and its blocks are
+    stored in "GPU" again under the same hashes. spill: the host tier is
+    small, so pages spill on to "Disk" (stored there, removed from "CPU");
+    the prompt's blocks come back to "GPU" then too (loaded, or recomputed
+    where the load-vs-recompute estimate says a tiny model's recompute is
+    cheaper). The stream stays consistent per medium throughout (no double
+    store, no removal of a block the medium does not hold). expect_load: a
+    model whose recompute costs more than a load (not stories260K, whose
+    prefill is as cheap as a host copy, so the engine's cost model may
+    recompute): the returning prompt must report its blocks as cached.
+    """
+    ctx = zmq.Context()
+    tmp = tempfile.mkdtemp(prefix="vllm-events-tiers-")
+    pub_ep = f"ipc://{tmp}/kv-events.sock"
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    proc, http = start_daemon(binary, model,
+                              ["--kv-cache-memory", pool, "--kv-host-memory", host,
+                               "--kv-disk-dir", os.path.join(tmp, "disk"), "--kv-disk-bytes",
+                               "64MiB", "--kv-disk-min-hits", "0", "--kv-events-endpoint",
+                               pub_ep], "tier round trip")
+    what = "tier round trip" + (" (hybrid)" if hybrid else "") + (" with spills" if spill else "")
+    try:
+        sub.connect(pub_ep)
+        time.sleep(0.5)
+        target = [7 + (i * 13) % 350 for i in range(4 * BLOCK + 3)]
+        post(http, "/v1/completions", {"prompt": target, "max_tokens": 1, "temperature": 0})
+        for k in range(10):
+            other = [9 + (i * (17 + k) + k * 31) % 380 for i in range(4 * BLOCK + 1)]
+            post(http, "/v1/completions", {"prompt": other, "max_tokens": 1, "temperature": 0})
+        again = post(http, "/v1/completions",
+                     {"prompt": target, "max_tokens": 1, "temperature": 0})
+        cached = (again.get("usage", {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        batches = []
+        receive(sub, 0, batches)
+        index = Index()
+        for _, _, b in batches:
+            index.apply(b)
+        # The target's full blocks, by hash: the first GPU chain whose tokens are its own.
+        full = target[: len(target) // BLOCK * BLOCK]
+        chain = []
+        for _, _, b in batches:
+            for e in b.events:
+                if isinstance(e, BlockStored) and e.medium == "GPU" and \
+                        e.parent_block_hash is None and e.token_ids == full[: len(e.token_ids)]:
+                    chain = list(e.block_hashes)
+                    break
+            if chain:
+                break
+        if len(chain) != len(full) // BLOCK:
+            fail(f"{what}: the target's chain has {len(chain)} blocks, want {len(full) // BLOCK}")
+        seen = {("removed", m): 0 for m in MEDIA}
+        seen.update({("stored", m): 0 for m in MEDIA})
+        for h in chain:
+            moves = [(k, m) for k, m, x in index.log if x == h]
+            # GPU stored, GPU removed, then in a tier, then GPU stored again.
+            if moves[:1] != [("stored", "GPU")] or ("removed", "GPU") not in moves:
+                fail(f"{what}: block {h} moves {moves}")
+            out = moves.index(("removed", "GPU"))
+            tiers_after = [m for k, m in moves[out - 1:] if k == "stored" and m != "GPU"]
+            if not tiers_after:
+                fail(f"{what}: block {h} left the GPU but was stored in no tier: {moves}")
+            if ("stored", "GPU") not in moves[out + 1:]:
+                fail(f"{what}: block {h} was not stored in the GPU again (promotion): {moves}")
+            for k, m in moves:
+                seen[(k, m)] += 1
+        # A tier's description of a block is the block's own: same tokens.
+        for medium, pages in index.tiers.items():
+            for h, (_, toks) in pages.items():
+                if h in chain and toks != full[chain.index(h) * BLOCK:(chain.index(h) + 1) * BLOCK]:
+                    fail(f"{what}: {medium} page {h} carries other tokens")
+        if expect_load and cached < len(chain) * BLOCK:
+            fail(f"{what}: the repeated prompt reported {cached} cached tokens")
+        if index.removed == 0 or not any(m == "CPU" for _, m, _ in index.log):
+            fail(f"{what}: no block reached the host tier")
+        if spill and not any(m == "Disk" for _, m, _ in index.log):
+            fail(f"{what}: no block reached the disk tier")
+        print(f"{what}: {len(batches)} batches; the target's {len(chain)} blocks: "
+              f"{dict((f'{k} {m}', n) for (k, m), n in seen.items() if n)}; "
+              f"{cached} tokens cached on its return; stream-wide "
+              f"{sum(1 for k, m, _ in index.log if m == 'CPU' and k == 'stored')} stored in CPU, "
+              f"{sum(1 for k, m, _ in index.log if m == 'Disk' and k == 'stored')} in Disk")
     finally:
         stop_daemon(proc)
         sub.close(linger=0)

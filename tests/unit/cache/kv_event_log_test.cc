@@ -483,5 +483,61 @@ TEST(KvEventLogTest, ReplicaOfARealPrefixCacheMatchesItsDump) {
   EXPECT_GT(cache.stats().evicted_blocks, 0);
 }
 
+// The KV tiers' events: a demoted block is described as the index knew it,
+// a page the log cannot describe (a KV cache group's, a block never in the
+// index) and a removal of a page the tier does not hold are dropped, a
+// spill carries the host page's description to the disk, and snapshots
+// list the tiers' pages after the index with their tier. A clear of the
+// index leaves the tiers' pages.
+TEST(KvEventLogTest, TierEventsAreDescribedFromTheIndexAndListedInSnapshots) {
+  KvEventLog log(100);
+  auto tier_event = [](Kind kind, KvTier tier, uint64_t hash, KvTier moved_to = KvTier::kNone) {
+    KvCacheEvent e;
+    e.kind = kind;
+    e.tier = tier;
+    e.block_hash = hash;
+    e.moved_to = moved_to;
+    return e;
+  };
+  log.Publish({Stored(1, 0, {5, 6}), Stored(2, 1, {7, 8})});
+  // Demotion of block 2: stored in the host tier first, then the index's removal.
+  log.Publish({tier_event(Kind::kBlockStored, KvTier::kHost, 2)});
+  KvCacheEvent gone = Removed(2);
+  gone.moved_to = KvTier::kHost;
+  log.Publish({gone});
+  // Unknown page (another group's key) and a second store: dropped.
+  log.Publish({tier_event(Kind::kBlockStored, KvTier::kHost, 99),
+               tier_event(Kind::kBlockStored, KvTier::kHost, 2),
+               tier_event(Kind::kBlockRemoved, KvTier::kDisk, 2)});
+  EXPECT_EQ(log.last_sequence(), 4u);
+  KvEventRead r = log.Read(0, 0, 0ms);
+  ASSERT_EQ(r.events.size(), 4u);
+  const KvCacheEvent& host = r.events[2].event;
+  EXPECT_EQ(host.tier, KvTier::kHost);
+  EXPECT_EQ(host.parent_hash, 1u);
+  EXPECT_THAT(host.token_ids, ::testing::ElementsAre(7, 8));
+  EXPECT_EQ(log.tier_replica_size(KvTier::kHost), 1u);
+  EXPECT_EQ(log.replica_size(), 1u);
+  // Spill: the disk page is described as the host page was.
+  log.Publish({tier_event(Kind::kBlockStored, KvTier::kDisk, 2),
+               tier_event(Kind::kBlockRemoved, KvTier::kHost, 2, KvTier::kDisk)});
+  EXPECT_EQ(log.last_sequence(), 6u);
+  r = log.Read(4, 0, 0ms);
+  ASSERT_EQ(r.events.size(), 2u);
+  EXPECT_EQ(r.events[0].event.tier, KvTier::kDisk);
+  EXPECT_THAT(r.events[0].event.token_ids, ::testing::ElementsAre(7, 8));
+  EXPECT_EQ(r.events[1].event.moved_to, KvTier::kDisk);
+  // A clear of the index keeps the tiers' pages; the snapshot lists them.
+  log.Publish({Cleared()});
+  EXPECT_EQ(log.tier_replica_size(KvTier::kDisk), 1u);
+  log.Publish({Stored(1, 0, {5, 6})});
+  const std::vector<KvCacheEvent> snap = log.Read(kBeyondAnything, 0, 0ms).snapshot;
+  ASSERT_EQ(snap.size(), 2u);
+  EXPECT_EQ(snap[0].tier, KvTier::kNone);
+  EXPECT_EQ(snap[1].tier, KvTier::kDisk);
+  EXPECT_EQ(snap[1].block_hash, 2u);
+  EXPECT_EQ(snap[1].parent_hash, 1u);
+}
+
 }  // namespace
 }  // namespace kvserve

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -81,6 +82,7 @@ EngineRequest Greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
 struct RunResult {
   std::vector<int32_t> tokens;
   int32_t cached_tokens = -1;
+  int32_t tier_tokens = -1;  // of those, loaded from the host and disk tiers
 };
 
 std::vector<RunResult> RunAll(Engine* e, const std::vector<EngineRequest>& reqs,
@@ -89,7 +91,10 @@ std::vector<RunResult> RunAll(Engine* e, const std::vector<EngineRequest>& reqs,
   for (size_t i = 0; i < reqs.size(); ++i) {
     auto id = e->Submit(reqs[i], [&out, i](const SeqEvent& ev) {
       out[i].tokens.insert(out[i].tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
-      if (out[i].cached_tokens < 0) out[i].cached_tokens = ev.cached_tokens;
+      if (out[i].cached_tokens < 0) {
+        out[i].cached_tokens = ev.cached_tokens;
+        out[i].tier_tokens = ev.cached_host_tokens + ev.cached_disk_tokens;
+      }
     });
     EXPECT_TRUE(id.ok()) << id.status();
   }
@@ -572,12 +577,12 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   ASSERT_FALSE(pd.ok());
   EXPECT_NE(pd.status().message().find("prefill/decode"), std::string::npos) << pd.status();
   o.kv_loader = nullptr;
+  // The KV tiers know the groups (TierRoundTrip... below).
   KvTiersOptions to;
   to.host_bytes = int64_t{1} << 20;
   o.kv_tiers = KvTiers::Create(std::move(to)).value();
-  auto tiers = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o);
-  ASSERT_FALSE(tiers.ok());
-  EXPECT_NE(tiers.status().message().find("KV tiers"), std::string::npos) << tiers.status();
+  ASSERT_TRUE(Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).ok());
+  EXPECT_EQ(o.kv_tiers->num_groups(), 3);
   o.kv_tiers = nullptr;
   // A retention lease is refused by name.
   {
@@ -595,6 +600,152 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   o.kv_cache_groups = false;
   auto all = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).value();
   EXPECT_EQ(all->kv_manager().num_groups(), 1);
+}
+
+// ---- The host and disk tiers on a hybrid model ----
+
+std::string TierDir(const char* name) {
+  const std::string d = testing::TempDir() + "/kv-groups-tiers-" + name;
+  std::filesystem::remove_all(d);
+  return d;
+}
+
+std::shared_ptr<KvTiers> GroupTiers(bool host, const std::string& disk_dir) {
+  KvTiersOptions to;
+  if (host) to.host_bytes = int64_t{8} << 20;
+  if (!disk_dir.empty()) {
+    to.disk_dir = disk_dir;
+    to.disk_bytes = int64_t{64} << 20;
+    to.disk_min_hits = 0;
+    to.model_fingerprint = "kv-groups-fixture";
+  }
+  return KvTiers::Create(std::move(to)).value();
+}
+
+std::unique_ptr<Engine> MakeTierEngine(const Loaded& m, std::shared_ptr<KvTiers> tiers,
+                                       int32_t num_blocks, int32_t block = kBlock,
+                                       int32_t max_batched = 8, bool groups = true) {
+  EngineOptions o;
+  o.block_size = block;
+  o.num_blocks = num_blocks;
+  o.max_batched_tokens = max_batched;
+  o.kv_cache_groups = groups;
+  o.prefix_cache = tiers != nullptr;
+  o.kv_tiers = std::move(tiers);
+  return Engine::Create(m.model.get(), m.tokenizer.get(), testing::TestPool(), o).value();
+}
+
+// Evicts every cached block (so each is demoted to the tiers) on the engine
+// thread, as pool pressure would.
+void DemoteEverything(Engine* e) {
+  auto done = e->RunOnEngineThread([](KvCacheManager* kv, KvTiers* tiers) {
+    kv->EnsureFree(kv->num_blocks());
+    tiers->Flush();
+  });
+  e->Step();
+  done.wait();
+}
+
+// A demote -> promote round trip (issue 41): the prompt's blocks leave the
+// pool for the host tier, the disk tier alone, or both, each KV cache group
+// its own pages (the full group's for the whole prefix, each window
+// group's for the window the prefix-cache hit rule needs); the prompt sent
+// again is loaded from there in every group and generates what the
+// all-layers layout without any cache generates.
+TEST_F(KvGroupsEngineTest, TierRoundTripGivesTheSameOutput) {
+  const std::vector<int32_t> target = Prompt(3 * kWindow + 7, 5);  // 55 tokens: 13 full blocks
+  auto plain = MakeEngine(m_, false, false, 512);
+  const RunResult ref = RunAll(plain.get(), {Greedy(target, 24)})[0];
+  ASSERT_EQ(ref.tokens.size(), 24u);
+  struct Mode {
+    const char* name;
+    bool host, disk;
+  };
+  for (const Mode& mode : {Mode{"host", true, false}, Mode{"disk", false, true},
+                           Mode{"host+disk", true, true}}) {
+    auto tiers = GroupTiers(mode.host, mode.disk ? TierDir(mode.name) : std::string());
+    auto e = MakeTierEngine(m_, tiers, 200);
+    const RunResult first = RunAll(e.get(), {Greedy(target, 24)})[0];
+    EXPECT_EQ(first.tokens, ref.tokens) << mode.name;
+    DemoteEverything(e.get());
+    const KvTiersStats demoted = e->Stats().tiers;
+    EXPECT_GT(demoted.demotions_host + demoted.demotions_disk, 13 + 2 * 4) << mode.name;
+    EXPECT_EQ(e->kv_manager().prefix_cache()->num_cached_blocks(), 0) << mode.name;
+    const RunResult again = RunAll(e.get(), {Greedy(target, 24)})[0];
+    EXPECT_EQ(again.tokens, ref.tokens) << mode.name << ": loaded KV must give the same tokens";
+    // The 13 full blocks came back from the tiers, in every group (the
+    // partial 14th is never demoted).
+    EXPECT_EQ(again.tier_tokens, 52) << mode.name;
+    EXPECT_EQ(again.cached_tokens, 52) << mode.name;
+    const EngineStats st = e->Stats();
+    EXPECT_EQ(st.kv_loads, 1) << mode.name;
+    EXPECT_EQ(st.kv_load_failures, 0) << mode.name;
+    // 13 full-group pages and, in each window group, the blocks of its
+    // last window (slots 52 - 16 + 1 = 37 on: blocks 9..12).
+    EXPECT_EQ(st.tiers.promotions_host + st.tiers.promotions_disk, 13 + 2 * 4) << mode.name;
+    EXPECT_EQ(st.tiers.checksum_failures, 0) << mode.name;
+    // Running again hits the pool in every group (the loaded blocks were
+    // cached, the parked ones as hollow nodes): same text.
+    const RunResult third = RunAll(e.get(), {Greedy(target, 24)})[0];
+    EXPECT_EQ(third.tokens, ref.tokens) << mode.name;
+    EXPECT_GE(third.cached_tokens, 52) << mode.name;
+    EXPECT_EQ(third.tier_tokens, 0) << mode.name;
+  }
+}
+
+// Warm restart on a hybrid model: an engine with a disk tier stops (its
+// shutdown persists every group's cached blocks); a new engine over the
+// same directory loads the prompt from disk in every group and generates
+// the same text.
+TEST_F(KvGroupsEngineTest, WarmRestartReloadsEveryGroupFromDisk) {
+  const std::vector<int32_t> target = Prompt(3 * kWindow + 7, 8);
+  auto plain = MakeEngine(m_, false, false, 512);
+  const RunResult ref = RunAll(plain.get(), {Greedy(target, 20)})[0];
+  const std::string dir = TierDir("restart");
+  {
+    auto tiers = GroupTiers(false, dir);
+    auto e = MakeTierEngine(m_, tiers, 200);
+    EXPECT_EQ(RunAll(e.get(), {Greedy(target, 20)})[0].tokens, ref.tokens);
+    e->Stop();
+    e.reset();  // shutdown: persists the cached blocks of every group
+    tiers->Flush();
+    EXPECT_GT(tiers->stats().demotions_disk, 13) << "every group's blocks on disk";
+  }
+  auto tiers = GroupTiers(false, dir);
+  auto e = MakeTierEngine(m_, tiers, 200);
+  EXPECT_GT(tiers->stats().disk_recovered, 13);
+  const RunResult again = RunAll(e.get(), {Greedy(target, 20)})[0];
+  EXPECT_EQ(again.tokens, ref.tokens);
+  EXPECT_EQ(again.tier_tokens, 52);
+  EXPECT_EQ(e->Stats().tiers.promotions_disk, 13 + 2 * 4);
+}
+
+// The same round trip on the real Gemma 3 270M (when present): a prompt past
+// its 512-token window, demoted whole to the host tier and loaded back in
+// all six groups, generates what the all-layers layout without a cache does.
+TEST(KvGroupsTierTest, TierRoundTripOnGemma3GivesTheSameOutput) {
+  const std::string path = testing::ModelDirFile("gemma-3-270m-Q4_K_M.gguf");
+  KVSERVE_SKIP_IF_MISSING(path, "gemma-3-270m-Q4_K_M.gguf (deploy/setup.sh --models all)");
+  Loaded m;
+  m.model = LlamaModel::Load(path).value();
+  m.tokenizer = Tokenizer::FromGguf(m.model->file()).value();
+  const std::vector<int32_t> target = Prompt(600, 3, 20000);  // 37 full blocks of 16
+  auto plain = MakeTierEngine(m, nullptr, 1024, 16, 256, false);
+  const RunResult ref = RunAll(plain.get(), {Greedy(target, 8)})[0];
+  plain.reset();
+  KvTiersOptions to;
+  to.host_bytes = int64_t{64} << 20;
+  auto tiers = KvTiers::Create(std::move(to)).value();
+  auto e = MakeTierEngine(m, tiers, 1024, 16, 256);
+  ASSERT_EQ(e->kv_manager().num_groups(), 6);
+  EXPECT_EQ(RunAll(e.get(), {Greedy(target, 8)})[0].tokens, ref.tokens);
+  DemoteEverything(e.get());
+  const RunResult again = RunAll(e.get(), {Greedy(target, 8)})[0];
+  EXPECT_EQ(again.tokens, ref.tokens);
+  EXPECT_EQ(again.tier_tokens, 592);
+  // 37 full-group pages; each of the 5 window groups the blocks of its
+  // last 512 tokens (slots 81 on: blocks 5..36).
+  EXPECT_EQ(e->Stats().tiers.promotions_host, 37 + 5 * 32);
 }
 
 // ---- Randomized: every block a sequence may read holds what it wrote ----
@@ -622,6 +773,12 @@ struct SimSeq {
 
 TEST(KvGroupsRandomTest, NoLeakNoFreedOrForeignBlockRead) {
   constexpr int32_t kW = 12;
+  // A host tier under the pool: evictions demote each group's blocks, and
+  // new sequences load what the tiers hold past their match (tier moves).
+  KvTiersOptions to;
+  to.host_bytes = 96 * 2 * 4 * kBlock * static_cast<int64_t>(sizeof(float));  // 96 pages
+  std::shared_ptr<KvTiers> tiers = KvTiers::Create(std::move(to)).value();
+  tiers->SetGroups({0, kW, kW});
   KvCacheManagerOptions ko;
   ko.pool.n_layers = 1;
   ko.pool.n_kv_heads = 1;
@@ -633,12 +790,15 @@ TEST(KvGroupsRandomTest, NoLeakNoFreedOrForeignBlockRead) {
   ko.group_windows = {0, kW, kW};
   ko.layer_group = {0, 1, 2};
   ko.layer_index = {0, 0, 0};
+  ko.prefix.demotion = tiers.get();
+  ko.group_demotion = {nullptr, tiers->group_demotion(1), tiers->group_demotion(2)};
   auto kvm = KvCacheManager::Create(std::move(ko)).value();
+  ASSERT_TRUE(tiers->Attach(kvm->pool(), kvm->prefix_cache()).ok());
   KvPool* pool = kvm->mutable_pool();
   std::mt19937 rng(1234);
   auto rnd = [&](int32_t n) { return static_cast<int32_t>(rng() % static_cast<uint32_t>(n)); };
   std::vector<SimSeq> seqs;
-  int64_t reads = 0, matched = 0, ops = 0;
+  int64_t reads = 0, matched = 0, ops = 0, loaded = 0;
 
   // Every slot a future token may attend to must hold its tag: the full
   // group every computed slot, a window group the slots from num_committed
@@ -688,6 +848,49 @@ TEST(KvGroupsRandomTest, NoLeakNoFreedOrForeignBlockRead) {
     for (int32_t j = 0; j < 40; ++j) p.push_back(3 + rnd(3));
     starts.push_back(p);
   }
+  // What the scheduler does at admission (Scheduler::StartLoad): the tiers
+  // supply whole blocks past the match, every group's table gets them (a
+  // window group only its window's), and the load's tokens are committed.
+  auto load = [&](SimSeq& s) {
+    const int32_t from = s.kv->num_computed;
+    const int32_t limit = static_cast<int32_t>(s.tokens.size()) - 1;
+    if (from % kBlock != 0 || from >= limit) return;
+    const int32_t n = std::min(tiers->Lookup("", s.tokens, from, limit), limit - from);
+    if (n <= 0) return;
+    if (!kvm->AllocateSlots(s.kv.get(), 0, 0, n).ok()) {
+      if (!kvm->EnsureFree(kvm->BlocksNeeded(*s.kv, 0, 0, n)) ||
+          !kvm->AllocateSlots(s.kv.get(), 0, 0, n).ok()) {
+        return;
+      }
+      tiers->Flush();  // the evictions' demotions visible
+    }
+    const std::vector<int32_t> first = kvm->PrepareGroupLoad(s.kv.get(), from, from + n);
+    std::vector<std::vector<int32_t>> ids(3), offsets(3);
+    KvLoadTarget t;
+    t.tokens = s.tokens;
+    t.first_slot = from;
+    t.num_tokens = n;
+    for (int32_t g = 0; g < 3; ++g) {
+      kvm->group_table(*s.kv, g).AppendIds(&ids[g]);
+      offsets[g] = {0, static_cast<int32_t>(ids[g].size())};
+      const kernels::PagedKvView v = kvm->View(ids[g].data(), offsets[g].data(), 1);
+      if (g == 0) {
+        t.view = v;
+      } else {
+        t.groups.push_back(KvLoadTarget::Group{v, first[g - 1]});
+      }
+    }
+    std::shared_ptr<KvLoad> l = tiers->Start(t);
+    if (l != nullptr) tiers->Flush();
+    if (l == nullptr || !l->status().ok()) {
+      kvm->Truncate(s.kv.get(), from);  // recomputed instead
+      return;
+    }
+    ASSERT_TRUE(l->Done());
+    kvm->MarkComputed(s.kv.get(), n);
+    kvm->Commit(s.kv.get(), "", s.tokens, n);
+    loaded += n;
+  };
   for (int32_t step = 0; step < 3000; ++step) {
     ++ops;
     const int32_t op = rnd(10);
@@ -697,11 +900,14 @@ TEST(KvGroupsRandomTest, NoLeakNoFreedOrForeignBlockRead) {
       s.tokens = starts[rnd(4)];
       s.tokens.resize(8 + rnd(32));
       for (int32_t j = rnd(3); j > 0; --j) s.tokens.push_back(3 + rnd(3));
+      tiers->Flush();  // demotions so far visible
       const int32_t m =
           kvm->MatchPrefix(s.kv.get(), "", s.tokens, static_cast<int32_t>(s.tokens.size()) - 1);
       matched += m;
+      load(s);  // and what the tiers hold past the match
       verify(s);
       seqs.push_back(std::move(s));
+      if (::testing::Test::HasFatalFailure()) return;
       continue;
     }
     SimSeq& s = seqs[rnd(static_cast<int32_t>(seqs.size()))];
@@ -745,6 +951,16 @@ TEST(KvGroupsRandomTest, NoLeakNoFreedOrForeignBlockRead) {
     kvm->Free(s.kv.get(), "", absl::MakeConstSpan(s.tokens).first(s.kv->num_committed));
   seqs.clear();
   EXPECT_GT(matched, 0);
+  std::printf("%lld operations: %lld tokens matched, %lld loaded from the host tier (%lld pages "
+              "in, %lld out), %lld slot reads checked\n",
+              static_cast<long long>(ops), static_cast<long long>(matched),
+              static_cast<long long>(loaded),
+              static_cast<long long>(tiers->stats().promotions_host),
+              static_cast<long long>(tiers->stats().demotions_host),
+              static_cast<long long>(reads));
+  EXPECT_GT(loaded, 0) << "no tier move happened";
+  EXPECT_GT(tiers->stats().promotions_host, 0);
+  EXPECT_EQ(tiers->stats().checksum_failures, 0);
   EXPECT_GT(kvm->window_stats().blocks_released, 0);
   EXPECT_GT(reads, 10000);
   // No leak: with the index emptied, only the window groups' placeholders.

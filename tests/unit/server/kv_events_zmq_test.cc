@@ -219,5 +219,64 @@ TEST(VllmEventTranslatorTest, ScopedFirstBlockCarriesItsNamespaceInExtraKeys) {
   EXPECT_EQ(out[1].extra_keys[0][0], first.scope);
 }
 
+// Tier moves (issue 42's medium): a block demoted to the host tier is a
+// BlockRemoved with medium GPU and a BlockStored with medium CPU, a spill to
+// the disk a BlockStored "Disk" and a BlockRemoved "CPU", and the block
+// promoted back a BlockStored "GPU" again; each tier's events stay apart
+// (never merged into another tier's event), and a clear of the index keeps
+// the tiers' pages published.
+TEST(VllmEventTranslatorTest, TierMovesCarryTheirMedium) {
+  VllmEventTranslator t(2);
+  std::vector<VllmKvEvent> out;
+  auto in = [](KvCacheEvent e, KvTier tier, KvTier moved_to = KvTier::kNone) {
+    e.tier = tier;
+    e.moved_to = moved_to;
+    return e;
+  };
+  t.Add(Stored(10, 0, {1, 2}), &out);
+  t.Add(Stored(11, 10, {3, 4}), &out);
+  t.Add(in(Stored(11, 10, {3, 4}), KvTier::kHost), &out);  // demoted...
+  t.Add(in(Removed(11), KvTier::kNone, KvTier::kHost), &out);  // ...out of the pool
+  t.Add(in(Stored(11, 10, {3, 4}), KvTier::kDisk), &out);  // spilled...
+  t.Add(in(Removed(11), KvTier::kHost, KvTier::kDisk), &out);  // ...out of the host
+  t.Add(Stored(11, 10, {3, 4}), &out);  // promoted
+  ASSERT_EQ(out.size(), 6u);
+  EXPECT_EQ(out[0].block_hashes, (std::vector<uint64_t>{10, 11}));
+  EXPECT_EQ(out[1].block_hashes, (std::vector<uint64_t>{11}));  // not merged into the GPU's
+  EXPECT_EQ(out[1].tier, KvTier::kHost);
+  EXPECT_EQ(out[1].parent_block_hash, 10u);
+  EXPECT_EQ(out[2].kind, VllmKvEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(out[2].tier, KvTier::kNone);
+  EXPECT_EQ(out[3].tier, KvTier::kDisk);
+  EXPECT_EQ(out[4].kind, VllmKvEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(out[4].tier, KvTier::kHost);
+  EXPECT_EQ(out[5].kind, VllmKvEvent::Kind::kBlockStored);
+  EXPECT_EQ(out[5].tier, KvTier::kNone);
+  const VllmEventFormat f;
+  // Each event's bytes name its tier's medium.
+  auto medium_of = [&](const VllmKvEvent& e) {
+    const std::string b = EncodeVllmEventBatch(1.0, {e}, f);
+    for (const char* m : {"GPU", "CPU", "Disk"}) {
+      if (b.find(Str("medium") + Str(m)) != std::string::npos) return std::string(m);
+    }
+    return std::string("?");
+  };
+  EXPECT_EQ(medium_of(out[0]), "GPU");
+  EXPECT_EQ(medium_of(out[1]), "CPU");
+  EXPECT_EQ(medium_of(out[2]), "GPU");
+  EXPECT_EQ(medium_of(out[3]), "Disk");
+  EXPECT_EQ(medium_of(out[4]), "CPU");
+  EXPECT_EQ(medium_of(out[5]), "GPU");
+  // Index cleared: the disk page stays published (its removal goes out).
+  out.clear();
+  KvCacheEvent clear;
+  clear.kind = KvCacheEvent::Kind::kAllCleared;
+  t.Add(clear, &out);
+  t.Add(in(Removed(11), KvTier::kDisk), &out);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[1].kind, VllmKvEvent::Kind::kBlockRemoved);
+  EXPECT_EQ(medium_of(out[1]), "Disk");
+}
+
 }  // namespace
 }  // namespace kvserve
