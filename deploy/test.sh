@@ -69,11 +69,13 @@ stage_table() {
 }
 trap stage_table EXIT
 
-# Three configurations (the main build, ASan, the CUDA emulator), each built
-# once. With ccache installed every build goes through it, keyed relative to
-# the checkout: the emulator build differs from the main one only in
-# kernels/cuda and two tests, so the rest of its daemon (server, scheduler,
-# model, ...) comes from the main build's objects instead of compiling again.
+# Four configurations (the main build, ASan, the CUDA emulator, libFuzzer),
+# each built once and only for what it runs. With ccache installed every
+# build goes through it, keyed relative to the checkout: the emulator build
+# differs from the main one only in kernels/cuda and three tests, so the rest
+# of its daemon (server, scheduler, model, ...) comes from the main build's
+# objects instead of compiling again (both pass the CUDA headers as SYSTEM
+# includes, so their command lines match: kernels/cuda/CMakeLists.txt).
 stage setup
 bash "$ROOT/deploy/setup.sh"
 LAUNCHER=()
