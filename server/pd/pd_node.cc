@@ -488,52 +488,20 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                                        FinishReasonName(done.finish)));
     }
     // Pin the prompt's full blocks (all but the last token's block: decode
-    // computes the last token itself, its logits pick the first token).
-    struct Pinned {
-      std::shared_ptr<SeqKv> kv;
-      std::vector<BlockHandle> blocks;
-      absl::Status error;
-    };
-    auto pinned = std::make_shared<std::promise<Pinned>>();
-    std::future<Pinned> pinned_f = pinned->get_future();
-    const int32_t n_tokens = static_cast<int32_t>(tokens.size());
-    engine_->RunOnEngineThread([pinned, tokens, salt, n_tokens](KvCacheManager* m, KvTiers*) {
-      Pinned p;
-      if (m->pool().on_device()) {
-        // Every write to the blocks about to be leased was enqueued on the
-        // forward's stream before now: wait for it, so the staging sync (or
-        // a peer's direct read) sees the finished KV.
-        absl::StatusOr<cuda::CudaEvent> e = cuda::CudaEvent::Create();
-        absl::Status s = e.ok() ? e->Record(m->pool().options().device_stream) : e.status();
-        if (s.ok()) s = e->Synchronize();
-        if (!s.ok()) {
-          p.error = s;
-          pinned->set_value(std::move(p));
-          return;
-        }
-      }
-      p.kv = std::make_shared<SeqKv>(m->mutable_pool());
-      const int32_t bs = m->block_size();
-      const int32_t full = (n_tokens - 1) / bs;
-      int32_t matched = 0;
-      if (full > 0) matched = m->MatchPrefix(p.kv.get(), salt, tokens, full * bs);
-      const std::vector<BlockHandle>& hs = p.kv->table.blocks();
-      for (int32_t i = 0; i < matched / bs && i < static_cast<int32_t>(hs.size()); ++i) {
-        p.blocks.push_back(hs[i]);
-      }
-      pinned->set_value(std::move(p));
-    });
-    if (pinned_f.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    // computes the last token itself, its logits pick the first token),
+    // once the device's writes to them landed.
+    absl::StatusOr<PinnedPrefix> pinned =
+        engine_->PinPrefix(salt, tokens, full_blocks * block_size_);
+    if (absl::IsDeadlineExceeded(pinned.status())) {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Prefill: the engine did not answer");
     }
-    Pinned p = pinned_f.get();
-    if (!p.error.ok()) {
-      return grpc::Status(
-          grpc::StatusCode::INTERNAL,
-          absl::StrCat("Prefill: waiting for the device's KV writes failed: ", p.error.message()));
+    if (!pinned.ok()) {
+      return grpc::Status(grpc::StatusCode::INTERNAL,
+                          absl::StrCat("Prefill: ", pinned.status().message()));
     }
+    PinnedPrefix& p = *pinned;
     if (absl::Status s = SyncStaging(p.blocks); !s.ok()) {
-      ReleaseBlocks(p.kv);
+      engine_->Unpin(p.pin);
       return grpc::Status(grpc::StatusCode::INTERNAL,
                           absl::StrCat("Prefill: copying the leased KV blocks to the transport's "
                                        "host staging failed: ",
@@ -542,7 +510,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     EncodeForWire(p.blocks);
     std::lock_guard<std::mutex> lock(mu_);
     if (shutdown_) {
-      ReleaseBlocks(p.kv);
+      engine_->Unpin(p.pin);
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "Prefill: the node is shutting down");
     }
     pb::Lease& l = *out;
@@ -560,7 +528,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     }
     l.set_digest(LeaseDigest(l));
     Held h;
-    h.kv = std::move(p.kv);
+    h.pin = std::move(p.pin);
+    h.held_blocks = p.held_blocks;
     h.digest = l.digest();
     h.ttl = std::chrono::milliseconds(l.ttl_ms());
     h.expiry = PdClock::now() + h.ttl;
@@ -643,55 +612,61 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   void PostRematch(uint64_t id, const std::shared_ptr<Progress>& p) {
     p->rematch_pending = true;
     p->next_rematch = PdClock::now() + std::chrono::milliseconds(2);
-    engine_->RunOnEngineThread(
-        [this, id, p](KvCacheManager* m, KvTiers*) { Rematch(m, id, p); });
+    auto finished = std::make_shared<bool>(false);  // as seen before the pin
+    engine_->PinCachedBlocks(
+        p->salt, p->tokens, p->full_blocks * block_size_,
+        [this, p, finished] { return RematchBegin(p, finished.get()); },
+        [this, id, p, finished](const absl::Status& s, std::vector<BlockHandle>* hs) {
+          RematchEnd(id, p, *finished, s, hs);
+        });
   }
 
-  // Engine thread: pins the full blocks of the prompt the prefix cache
-  // holds now (the prefill commits its blocks there chunk by chunk) and
-  // keeps a reference to each new one. PrefixCache::Pin neither touches nor
-  // counts them, so following a prefill does not make its blocks look
-  // reused to the eviction policy or the disk tier. Blocks already reported
-  // stay what they were: referenced, they cannot be evicted or reused.
-  void Rematch(KvCacheManager* m, uint64_t id, const std::shared_ptr<Progress>& p) {
-    bool finished;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (p->released || p->early_freed || m->mutable_prefix_cache() == nullptr) {
-        if (m->mutable_prefix_cache() == nullptr && p->error.ok()) {
-          p->error = absl::AbortedError(
-              "the prefill node has no prefix cache to follow the prefill in");
-        }
-        p->rematch_pending = false;
-        cv_.notify_all();
-        return;
-      }
-      finished = p->finished;
+  // Engine thread, before the re-match's pin: false when the lease is
+  // gone (nothing to pin). *finished: whether the prefill had ended then.
+  bool RematchBegin(const std::shared_ptr<Progress>& p, bool* finished) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p->released || p->early_freed) {
+      p->rematch_pending = false;
+      cv_.notify_all();
+      return false;
     }
-    std::vector<uint64_t> hashes;
-    PrefixMatch pin = m->mutable_prefix_cache()->Pin(p->salt, p->tokens,
-                                              p->full_blocks * block_size_, &hashes);
-    std::vector<BlockHandle>& hs = pin.blocks;  // whole blocks, one reference each
-    std::vector<BlockHandle> drop;
+    *finished = p->finished;
+    return true;
+  }
+
+  // Engine thread: hs holds the full blocks of the prompt the prefix cache
+  // holds now (the prefill commits its blocks there chunk by chunk), one
+  // reference each; the lease keeps the new ones and leaves the rest in hs,
+  // whose references go back when this returns. PrefixCache::Pin neither
+  // touches nor counts them, so following a prefill does not make its
+  // blocks look reused to the eviction policy or the disk tier. Blocks
+  // already reported stay what they were: referenced, they cannot be
+  // evicted or reused.
+  void RematchEnd(uint64_t id, const std::shared_ptr<Progress>& p, bool finished,
+                  const absl::Status& pinned, std::vector<BlockHandle>* hs) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       p->rematch_pending = false;
-      auto it = held_.find(id);
-      if (!p->released && !p->early_freed && it != held_.end() && it->second.progress == p &&
-          p->error.ok()) {
+      if (!pinned.ok()) {
+        if (p->error.ok()) {
+          p->error = absl::AbortedError(
+              "the prefill node has no prefix cache to follow the prefill in");
+        }
+      } else if (auto it = held_.find(id);
+                 !p->released && !p->early_freed && it != held_.end() &&
+                 it->second.progress == p && p->error.ok()) {
         const size_t have = p->blocks.size();
-        bool same = hs.size() >= have;
+        bool same = hs->size() >= have;
         for (size_t i = 0; same && i < have; ++i) {
-          same = hs[i].id == p->blocks[i].id && hs[i].generation == p->blocks[i].generation;
+          same = (*hs)[i].id == p->blocks[i].id && (*hs)[i].generation == p->blocks[i].generation;
         }
         if (!same) {
           p->error = absl::InternalError(
               "the prefix cache no longer holds the lease's reported blocks");
-          drop = std::move(hs);
         } else {
           // The earlier blocks' references are held already: this pin's go.
-          drop.assign(hs.begin(), hs.begin() + static_cast<int64_t>(have));
-          p->blocks.insert(p->blocks.end(), hs.begin() + static_cast<int64_t>(have), hs.end());
+          p->blocks.insert(p->blocks.end(), hs->begin() + static_cast<int64_t>(have), hs->end());
+          hs->resize(have);
         }
         if (finished && p->error.ok()) {
           p->final = true;
@@ -702,12 +677,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
                 "they could be pinned)"));
           }
         }
-      } else {
-        drop = std::move(hs);
       }
     }
     cv_.notify_all();
-    m->mutable_pool()->Release(drop);
   }
 
   // RenewLease with progress: waits (up to wait_ms, at most 1 s) until the
@@ -891,7 +863,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           "DebugEarlyFree needs --pd-test-hooks");
     }
-    std::shared_ptr<SeqKv> kv;
+    std::shared_ptr<KvPin> pin;
     std::vector<BlockHandle> pinned;  // a progressive lease's references
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -900,7 +872,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       }
       auto it = held_.find(req->transfer_id());
       const std::shared_ptr<Progress>& p = it != held_.end() ? it->second.progress : nullptr;
-      if (it == held_.end() || (p == nullptr && it->second.kv == nullptr) ||
+      if (it == held_.end() || (p == nullptr && it->second.pin == nullptr) ||
           (p != nullptr && p->early_freed)) {
         return grpc::Status(grpc::StatusCode::NOT_FOUND,
                             absl::StrCat("unknown transfer id ", req->transfer_id()));
@@ -916,35 +888,13 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       }
       // The lease record stays (Renew still succeeds), as with a buggy
       // node that freed the blocks but kept answering for them.
-      kv = std::move(it->second.kv);
+      pin = std::move(it->second.pin);
       ++early_frees_;
     }
     // Free the blocks (drop the lease's pin and the prefix cache's), then
     // reuse every free block with other bytes: what a decode node reads
     // from them now is someone else's KV.
-    auto done = std::make_shared<std::promise<void>>();
-    std::future<void> f = done->get_future();
-    engine_->RunOnEngineThread([kv, pinned, done](KvCacheManager* m, KvTiers*) {
-      if (kv != nullptr) m->Discard(kv.get());
-      m->mutable_pool()->Release(pinned);
-      (void)m->ClearPrefixCache();
-      KvPool* pool = m->mutable_pool();
-      std::vector<BlockHandle> hs;
-      if (pool->Allocate(pool->num_free_blocks(), &hs).ok()) {
-        const std::vector<uint8_t> junk(static_cast<size_t>(pool->block_bytes()), 0x5a);
-        for (const BlockHandle& h : hs) {
-          uint8_t* block = pool->storage() + static_cast<int64_t>(h.id) * pool->block_bytes();
-          if (pool->on_device()) {
-            (void)cuda::CopyToDevice(block, junk.data(), junk.size());
-          } else {
-            std::memcpy(block, junk.data(), junk.size());
-          }
-        }
-        pool->Release(hs);
-      }
-      done->set_value();
-    });
-    f.wait_for(std::chrono::seconds(30));
+    (void)engine_->DiscardAndScribbleForTest(std::move(pin), std::move(pinned));
     out->set_released(true);
     return grpc::Status::OK;
   }
@@ -1072,7 +1022,8 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
     bool early_freed = false;  // test hook: the blocks are gone, keep answering
   };
   struct Held {
-    std::shared_ptr<SeqKv> kv;  // null once early-freed (test hook)
+    std::shared_ptr<KvPin> pin;  // whole leases; null once early-freed (test hook)
+    int32_t held_blocks = 0;     // blocks pin holds
     uint64_t digest = 0;
     std::chrono::milliseconds ttl{0};
     PdClock::time_point expiry;
@@ -1124,21 +1075,13 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
       p->released = true;
       if (!p->finished && engine_ != nullptr) engine_->Cancel(p->request_id);
       if (!p->early_freed && !p->blocks.empty() && engine_ != nullptr) {
-        // Its references (Rematch pins; the block list stays for answers
-        // in flight, which see `released` first).
-        engine_->RunOnEngineThread([refs = p->blocks](KvCacheManager* m, KvTiers*) {
-          m->mutable_pool()->Release(refs);
-        });
+        // Its references (RematchEnd's pins; the block list stays for
+        // answers in flight, which see `released` first).
+        engine_->ReleaseBlocks(p->blocks);
       }
     }
-    ReleaseBlocks(h->kv);
-    h->kv = nullptr;
-  }
-
-  // REQUIRES: mu_ held (or only this thread left).
-  void ReleaseBlocks(const std::shared_ptr<SeqKv>& kv) {
-    if (kv == nullptr || engine_ == nullptr) return;
-    engine_->RunOnEngineThread([kv](KvCacheManager* m, KvTiers*) { m->Discard(kv.get()); });
+    if (engine_ != nullptr) engine_->Unpin(std::move(h->pin));
+    h->pin = nullptr;
   }
 
   // REQUIRES: mu_ held.
@@ -1793,7 +1736,7 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
           continue;
         }
         spdlog::info("pd: lease of transfer {} expired unreleased; freeing {} blocks", it->first,
-                     it->second.kv ? it->second.kv->table.num_blocks() : 0);
+                     it->second.pin ? it->second.held_blocks : 0);
         ReleaseHeld(&it->second);
         RememberGone(it->first);
         ++leases_expired_;
