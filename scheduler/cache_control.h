@@ -18,8 +18,10 @@
 // bounded history of evicted and of lease-expired block hashes for this.
 //
 // Threads: every method taking a KvCacheManager runs on the engine thread
-// (Engine::RunOnEngineThread; tests call them directly). stats() and
-// stats() may be called from any thread (server/observe/metrics.h renders it).
+// (through the Engine's named KV operations: Engine::Retain, RenewLease,
+// ReleaseLease, ListLeases, ExplainCache, MarkPublic, UnmarkPublic; tests
+// call them directly). stats() may be called from any thread
+// (server/observe/metrics.h renders it).
 #pragma once
 
 #include <cstdint>

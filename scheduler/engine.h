@@ -16,9 +16,10 @@
 // re-prefills its prompt and generated tokens, continuing with the same
 // sampler, so its output is exactly what it would have been.
 //
-// Thread-safety: Submit, Cancel, Stats, Start, Stop may be called from any
-// thread. Step runs on the engine thread (Start's thread, or the caller's when
-// the engine is driven by hand in tests). Event callbacks run on the engine
+// Thread-safety: Submit, Cancel, Stats, Start, Stop and the named KV
+// operations (PinPrefix ... UnmarkPublic) may be called from any thread.
+// Step runs on the engine thread (Start's thread, or the caller's when the
+// engine is driven by hand in tests). Event callbacks run on the engine
 // thread and must not block.
 #pragma once
 
@@ -31,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -203,6 +205,25 @@ struct EngineStats {
   SpeculationStats speculation;
 };
 
+// Blocks the engine holds for a holder off its thread (a prefill node's
+// lease): made by Engine::PinPrefix, given back by Engine::Unpin. Opaque
+// outside the engine (scheduler/engine_kv_ops.cc).
+class KvPin;
+
+struct PinnedPrefix {
+  std::shared_ptr<KvPin> pin;       // give back with Engine::Unpin
+  std::vector<BlockHandle> blocks;  // the whole blocks matched, in prompt order
+  int32_t held_blocks = 0;          // blocks the pin holds (a last one may be partial)
+};
+
+struct PublicMarking {
+  int32_t marked_blocks = 0;  // blocks newly or still marked public
+  RetainAnswer retention;
+};
+
+// How long the named KV operations wait for the engine thread.
+inline constexpr std::chrono::seconds kEngineOpTimeout{30};
+
 class Engine {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Engine>> Create(LlamaModel* model,
@@ -230,10 +251,75 @@ class Engine {
   // -1 when the prefix cache is off.
   std::future<int32_t> ClearPrefixCache();
 
-  // Runs fn on the engine thread before its next step (with the KV cache
-  // manager and the tiers, null without them): the cache-control calls.
-  // The future is ready once fn ran.
-  std::future<void> RunOnEngineThread(std::function<void(KvCacheManager*, KvTiers*)> fn);
+  // ---- Named KV operations (scheduler/engine_kv_ops.cc) ----
+  // The only way code off the engine thread (server/: cache control, the
+  // P/D node's leases) reaches blocks. Each runs on the engine thread
+  // before its next step. Those returning a status wait for it, at most
+  // kEngineOpTimeout: past it, DeadlineExceeded ("the engine did not answer
+  // within 30 s"; the operation still runs later). Those returning void are
+  // queued and return at once (safe to call under the caller's own locks,
+  // which the engine thread may be waiting for).
+
+  // P/D prefill: waits until the device's pending KV writes landed (a CUDA
+  // pool; failing: Internal, "waiting for the device's KV writes failed:
+  // ..."), then pins the longest cached prefix of tokens[0, max_tokens)
+  // under salt the way a sequence would (max_tokens < one block: nothing).
+  [[nodiscard]] absl::StatusOr<PinnedPrefix> PinPrefix(std::string salt,
+                                                       std::vector<int32_t> tokens,
+                                                       int32_t max_tokens);
+  // Gives a PinPrefix's blocks back (queued). Null: nothing.
+  void Unpin(std::shared_ptr<KvPin> pin);
+  // P/D progressive lease: on the engine thread, runs `before` (null: as
+  // if it said true; false: nothing more happens), then takes one pool
+  // reference on each whole block of tokens[0, max_tokens) the prefix cache
+  // holds under salt now, without touching or counting them for eviction
+  // (PrefixCache::Pin), and hands them to `take`; the blocks `take` leaves
+  // in the vector are released when it returns. Without a prefix cache
+  // `take` gets FailedPrecondition and no blocks. Queued; neither callback
+  // may block.
+  void PinCachedBlocks(std::string salt, std::vector<int32_t> tokens, int32_t max_tokens,
+                       std::function<bool()> before,
+                       std::function<void(const absl::Status&, std::vector<BlockHandle>*)> take);
+  // Drops one pool reference on each block (PinCachedBlocks's). Queued.
+  void ReleaseBlocks(std::vector<BlockHandle> blocks);
+  // Test hook (P/D --pd-test-hooks): gives back pin and refs, empties the
+  // prefix cache and overwrites every free block with junk bytes, as a node
+  // that freed leased blocks early and reused them would.
+  absl::Status DiscardAndScribbleForTest(std::shared_ptr<KvPin> pin,
+                                         std::vector<BlockHandle> refs);
+
+  // Tokens of tokens[0, max_tokens) MatchPrefix would find cached under
+  // salt now (0 with the prefix cache off).
+  [[nodiscard]] absl::StatusOr<int32_t> PeekCachedPrefix(std::string salt,
+                                                         std::vector<int32_t> tokens,
+                                                         int32_t max_tokens);
+  // The prefix cache's public namespace; "" with the prefix cache off.
+  [[nodiscard]] absl::StatusOr<std::string> PublicSalt();
+
+  // Retention leases and the cache report, on EngineOptions::cache_control
+  // (FailedPrecondition without one): CacheControl's calls of the same
+  // names, with the engine's KV cache manager and tiers.
+  [[nodiscard]] absl::StatusOr<RetainAnswer> Retain(RetainRequest request);
+  // Retain, queued: `then` gets the answer on the engine thread (must not
+  // block).
+  void RetainThen(RetainRequest request, std::function<void(absl::StatusOr<RetainAnswer>)> then);
+  // nullopt: no lease with that id for tenant (nullopt tenant: any).
+  [[nodiscard]] absl::StatusOr<std::optional<LeaseInfo>> RenewLease(
+      uint64_t id, double ttl_s, std::optional<std::string> tenant);
+  // false: no lease with that id for tenant.
+  [[nodiscard]] absl::StatusOr<bool> ReleaseLease(uint64_t id, std::optional<std::string> tenant);
+  [[nodiscard]] absl::StatusOr<std::vector<LeaseInfo>> ListLeases(
+      std::optional<std::string> tenant);
+  [[nodiscard]] absl::StatusOr<CacheReport> ExplainCache(
+      std::string salt, std::vector<int32_t> tokens,
+      std::function<bool(const std::string&)> may_see);
+  // Marks request.tokens' full blocks public (PrefixCache::MarkPublic) and
+  // retains them as `request` says, in one step.
+  [[nodiscard]] absl::StatusOr<PublicMarking> MarkPublic(RetainRequest request);
+  // Unmarks tokens' public blocks and releases every lease of lease_tenant
+  // (the public prefixes' pins), in one step. Returns the blocks unmarked.
+  [[nodiscard]] absl::StatusOr<int32_t> UnmarkPublic(std::vector<int32_t> tokens,
+                                                     std::string lease_tenant);
 
   // One scheduling iteration. Returns false when there was nothing to do.
   bool Step();
@@ -261,6 +347,14 @@ class Engine {
   void CheckInvariants() const;
 
   class EvictionCostsImpl;
+
+  // Runs fn on the engine thread before its next step (with the KV cache
+  // manager and the tiers, null without them): what the named KV
+  // operations above are made of. The future is ready once fn ran.
+  std::future<void> RunOnEngineThread(std::function<void(KvCacheManager*, KvTiers*)> fn);
+  // RunOnEngineThread, waiting up to kEngineOpTimeout for fn's answer.
+  template <typename T>
+  absl::StatusOr<T> AskEngineThread(std::function<absl::StatusOr<T>(KvCacheManager*, KvTiers*)> fn);
 
   LlamaModel* model_;
   const Tokenizer* tokenizer_;

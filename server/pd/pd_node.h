@@ -26,6 +26,10 @@
 // Thread-safety: the service's handlers run on gRPC threads; the KvLoader
 // calls on the engine thread; a housekeeping thread expires leases and a
 // pull thread moves KV. Shared state is under mu_.
+//
+// The implementation, by role: server/pd/pd_node_impl.h lists PdNode::Impl's
+// members and the file that defines each group (gRPC glue, prefill leases,
+// decode pulls, wire codecs, device staging, lease digests).
 #pragma once
 
 #include <cstdint>

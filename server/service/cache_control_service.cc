@@ -8,7 +8,6 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
-#include "scheduler/kv_cache_manager.h"
 #include "server/service/tenants.h"
 
 namespace kvserve {
@@ -68,6 +67,9 @@ json LeaseJson(const LeaseInfo& l) {
               {"remaining_s", l.remaining_s}, {"tier", l.tier}};
 }
 
+// The tenant the public prefixes' leases are held under.
+constexpr char kPublicTenant[] = "__public__";
+
 // Reads an optional positive number field.
 std::optional<std::string> ReadNumber(const json& body, const char* name, double* out) {
   auto it = body.find(name);
@@ -95,14 +97,6 @@ std::string RetainAnswerJson(const RetainAnswer& a) {
 CacheControlService::CacheControlService(ModelService* service, Engine* engine,
                                          std::shared_ptr<CacheControl> control)
     : service_(service), engine_(engine), control_(std::move(control)) {}
-
-absl::Status CacheControlService::OnEngine(std::function<void(KvCacheManager*, KvTiers*)> fn) {
-  std::future<void> f = engine_->RunOnEngineThread(std::move(fn));
-  if (f.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
-    return absl::DeadlineExceededError("the engine did not answer within 30 s");
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<PreparedRequest> CacheControlService::PrepareBody(const json& body,
                                                                  const CallerAuth& auth) {
@@ -219,22 +213,19 @@ JsonReply CacheControlService::Retain(const json& body, const CallerAuth& auth) 
   rr.max_tokens = static_cast<int32_t>(tokens);
   rr.ttl_s = ttl;
   if (warm) {
-    int32_t cached = 0;
     const int32_t want = rr.max_tokens > 0 ? std::min<int32_t>(rr.max_tokens, rr.tokens.size())
                                            : static_cast<int32_t>(rr.tokens.size());
-    absl::Status s = OnEngine([&](KvCacheManager* kv, KvTiers*) {
-      cached = kv->PeekPrefix(rr.salt, rr.tokens, want);
-    });
-    if (!s.ok()) return FromStatus(s);
-    if (cached / std::max(1, engine_->options().block_size) <
+    absl::StatusOr<int32_t> cached = engine_->PeekCachedPrefix(rr.salt, rr.tokens, want);
+    if (!cached.ok()) return FromStatus(cached.status());
+    if (*cached / std::max(1, engine_->options().block_size) <
         want / std::max(1, engine_->options().block_size)) {
-      s = Warm(*prepared);
+      absl::Status s = Warm(*prepared);
       if (!s.ok()) return FromStatus(s);
     }
   }
-  RetainAnswer a;
-  absl::Status s = OnEngine([&](KvCacheManager* kv, KvTiers*) { a = control_->Retain(kv, rr); });
-  if (!s.ok()) return FromStatus(s);
+  absl::StatusOr<RetainAnswer> answer = engine_->Retain(rr);
+  if (!answer.ok()) return FromStatus(answer.status());
+  const RetainAnswer& a = *answer;
   JsonReply r;
   r.body = json::parse(RetainAnswerJson(a));
   // Refused is an answer, not a malformed call: 409 with the reason.
@@ -252,12 +243,11 @@ JsonReply CacheControlService::Renew(const json& body, const CallerAuth& auth) {
   const uint64_t id = it->get<uint64_t>();
   double ttl = 0;
   if (auto e = ReadNumber(body, "ttl_s", &ttl)) return Error(400, *e, "ttl_s");
-  std::optional<LeaseInfo> l;
   const std::optional<std::string> tenant =
       auth.admin ? std::nullopt : std::optional<std::string>(auth.tenant);
-  absl::Status s = OnEngine(
-      [&](KvCacheManager* kv, KvTiers*) { l = control_->Renew(kv, id, ttl, tenant); });
-  if (!s.ok()) return FromStatus(s);
+  absl::StatusOr<std::optional<LeaseInfo>> renewed = engine_->RenewLease(id, ttl, tenant);
+  if (!renewed.ok()) return FromStatus(renewed.status());
+  const std::optional<LeaseInfo>& l = *renewed;
   if (!l) return Error(404, absl::StrCat("no lease ", id), "lease_id", "lease_not_found");
   JsonReply r;
   r.body = LeaseJson(*l);
@@ -270,28 +260,25 @@ JsonReply CacheControlService::Release(const json& body, const CallerAuth& auth)
     return Error(400, "lease_id must be a lease id (a positive integer)", "lease_id");
   }
   const uint64_t id = it->get<uint64_t>();
-  bool released = false;
   const std::optional<std::string> tenant =
       auth.admin ? std::nullopt : std::optional<std::string>(auth.tenant);
-  absl::Status s = OnEngine(
-      [&](KvCacheManager* kv, KvTiers*) { released = control_->Release(kv, id, tenant); });
-  if (!s.ok()) return FromStatus(s);
-  if (!released) return Error(404, absl::StrCat("no lease ", id), "lease_id", "lease_not_found");
+  absl::StatusOr<bool> released = engine_->ReleaseLease(id, tenant);
+  if (!released.ok()) return FromStatus(released.status());
+  if (!*released) return Error(404, absl::StrCat("no lease ", id), "lease_id", "lease_not_found");
   JsonReply r;
   r.body = json{{"released", true}, {"lease_id", id}};
   return r;
 }
 
 JsonReply CacheControlService::List(const CallerAuth& auth) {
-  std::vector<LeaseInfo> leases;
   const std::optional<std::string> tenant =
       auth.admin ? std::nullopt : std::optional<std::string>(auth.tenant);
-  absl::Status s = OnEngine([&](KvCacheManager*, KvTiers*) { leases = control_->List(tenant); });
-  if (!s.ok()) return FromStatus(s);
+  absl::StatusOr<std::vector<LeaseInfo>> leases = engine_->ListLeases(tenant);
+  if (!leases.ok()) return FromStatus(leases.status());
   JsonReply r;
   json arr = json::array();
   int64_t bytes = 0;
-  for (const LeaseInfo& l : leases) {
+  for (const LeaseInfo& l : *leases) {
     arr.push_back(LeaseJson(l));
     bytes += l.bytes;
   }
@@ -301,7 +288,6 @@ JsonReply CacheControlService::List(const CallerAuth& auth) {
 }
 
 json CacheControlService::Report(const PreparedRequest& request, const CallerAuth& auth) {
-  CacheReport rep;
   const std::vector<int32_t>& tokens = request.engine.prompt;
   const std::string salt = request.engine.cache_salt;
   const bool admin = auth.admin;
@@ -311,10 +297,9 @@ json CacheControlService::Report(const PreparedRequest& request, const CallerAut
   auto may_see = [admin, tenant](const std::string& scope) {
     return admin || TenantOfScope(scope) == tenant;
   };
-  absl::Status s = OnEngine([&](KvCacheManager* kv, KvTiers* tiers) {
-    rep = control_->Explain(*kv, tiers, salt, tokens, may_see);
-  });
-  if (!s.ok()) return json{{"error", std::string(s.message())}};
+  absl::StatusOr<CacheReport> explained = engine_->ExplainCache(salt, tokens, may_see);
+  if (!explained.ok()) return json{{"error", std::string(explained.status().message())}};
+  const CacheReport& rep = *explained;
   std::string reason = rep.reason;
   std::string detail = rep.detail;
   if (rep.reason == "diverged" && request.drift.drift) {
@@ -407,45 +392,33 @@ JsonReply CacheControlService::Public(const json& body, const CallerAuth& auth) 
   CallerAuth none;  // tokenized without any tenant's scope
   absl::StatusOr<PreparedRequest> prepared = PrepareBody(body, none);
   if (!prepared.ok()) return FromStatus(prepared.status());
-  std::string public_salt;
-  absl::Status s = OnEngine([&](KvCacheManager* kv, KvTiers*) {
-    if (kv->prefix_cache() != nullptr) public_salt = kv->prefix_cache()->public_salt();
-  });
-  if (!s.ok()) return FromStatus(s);
+  absl::StatusOr<std::string> salt = engine_->PublicSalt();
+  if (!salt.ok()) return FromStatus(salt.status());
+  const std::string public_salt = *salt;
   if (public_salt.empty()) return Error(409, "the prefix cache is off", "", "prefix_cache_disabled");
   prepared->engine.cache_salt = public_salt;
   const std::vector<int32_t> tokens = prepared->engine.prompt;
   JsonReply r;
   if (!make_public) {
-    int32_t unmarked = 0;
-    s = OnEngine([&](KvCacheManager* kv, KvTiers*) {
-      unmarked = kv->mutable_prefix_cache()->UnmarkPublic(tokens);
-      // The public leases go too (every public prefix's: one lease per
-      // marking, not told apart yet).
-      for (const LeaseInfo& l : control_->List(std::string("__public__"))) {
-        control_->Release(kv, l.id, std::nullopt);
-      }
-    });
-    if (!s.ok()) return FromStatus(s);
-    r.body = json{{"public", false}, {"blocks_unmarked", unmarked}};
+    // The public leases go too (every public prefix's: one lease per
+    // marking, not told apart yet).
+    absl::StatusOr<int32_t> unmarked = engine_->UnmarkPublic(tokens, kPublicTenant);
+    if (!unmarked.ok()) return FromStatus(unmarked.status());
+    r.body = json{{"public", false}, {"blocks_unmarked", *unmarked}};
     return r;
   }
-  s = Warm(*prepared);
-  if (!s.ok()) return FromStatus(s);
-  int32_t marked = 0;
-  RetainAnswer a;
+  if (absl::Status s = Warm(*prepared); !s.ok()) return FromStatus(s);
   const int32_t bs = engine_->options().block_size;
-  s = OnEngine([&](KvCacheManager* kv, KvTiers*) {
-    marked = kv->mutable_prefix_cache()->MarkPublic(tokens);
-    // Pinned while public: every tenant relies on it.
-    RetainRequest rr;
-    rr.tenant = "__public__";
-    rr.salt = public_salt;
-    rr.tokens = tokens;
-    rr.ttl_s = ttl;
-    a = control_->Retain(kv, rr);
-  });
-  if (!s.ok()) return FromStatus(s);
+  // Marked and pinned in one engine step: every tenant relies on it.
+  RetainRequest rr;
+  rr.tenant = kPublicTenant;
+  rr.salt = public_salt;
+  rr.tokens = tokens;
+  rr.ttl_s = ttl;
+  absl::StatusOr<PublicMarking> marking = engine_->MarkPublic(std::move(rr));
+  if (!marking.ok()) return FromStatus(marking.status());
+  const int32_t marked = marking->marked_blocks;
+  const RetainAnswer& a = marking->retention;
   r.body = json{{"public", true},
                 {"public_tokens", marked * bs},
                 {"prompt_tokens", tokens.size()},

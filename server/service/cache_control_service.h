@@ -11,7 +11,8 @@
 //
 // A tenant's key sees and touches its own scope and leases only; the
 // operator's key (--api-key) sees all. Every call runs its cache part on the
-// engine thread (Engine::RunOnEngineThread) and waits for it.
+// engine thread through the Engine's named KV operations (Engine::Retain,
+// ExplainCache, ...) and waits for it.
 //
 // Thread-safety: every method may be called from any thread.
 #pragma once
@@ -60,8 +61,6 @@ class CacheControlService {
   // Runs the prompt through the engine for one token so its blocks are
   // cached (retain/public with warm).
   absl::Status Warm(PreparedRequest request);
-  // Runs fn on the engine thread and waits (DeadlineExceeded after 30 s).
-  absl::Status OnEngine(std::function<void(KvCacheManager*, KvTiers*)> fn);
 
   ModelService* service_;
   Engine* engine_;

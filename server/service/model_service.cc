@@ -281,15 +281,13 @@ StreamSink ModelService::RetainingSink(const PreparedRequest& request, StreamSin
   auto remaining = std::make_shared<std::atomic<int32_t>>(request.engine.n);
   std::shared_ptr<CacheNotes> notes = request.notes;
   Engine* engine = engine_;
-  std::shared_ptr<CacheControl> cc = cache_control_;
-  return [sink = std::move(sink), rr = std::move(rr), remaining, notes, engine,
-          cc](const SeqEvent& ev) {
+  return [sink = std::move(sink), rr = std::move(rr), remaining, notes,
+          engine](const SeqEvent& ev) {
     if (ev.finish == FinishReason::kNone || remaining->fetch_sub(1) != 1) return sink(ev);
-    (void)engine->RunOnEngineThread([sink, rr, notes, cc, ev](KvCacheManager* kv, KvTiers*) {
-      const RetainAnswer a = cc->Retain(kv, rr);
-      if (notes != nullptr) {
+    engine->RetainThen(rr, [sink, notes, ev](absl::StatusOr<RetainAnswer> a) {
+      if (notes != nullptr && a.ok()) {
         std::lock_guard<std::mutex> lock(notes->mu);
-        notes->retention_json = RetainAnswerJson(a);
+        notes->retention_json = RetainAnswerJson(*a);
       }
       sink(ev);
     });
