@@ -22,9 +22,10 @@ class RouteCommand final : public Command {
             "route", "Route requests over prefill/decode/both nodes (KV-aware, same gRPC API)")) {
     app_->add_option("--grpc-address", o_.grpc_address, "gRPC listen address (port 0: any)")
         ->capture_default_str();
-    app_->add_option("--http-host", o_.http_host, "HTTP (/health) listen host")
+    app_->add_option("--http-host", o_.http_host,
+                     "HTTP listen host (OpenAI routes, /health, /v1/models, /metrics)")
         ->capture_default_str();
-    app_->add_option("--http-port", o_.http_port, "HTTP (/health) port (0: any, -1: none)")
+    app_->add_option("--http-port", o_.http_port, "HTTP port (0: any, -1: none)")
         ->capture_default_str();
     app_->add_option("--port-file", o_.port_file, "Write {\"grpc\": P, \"http\": H} here");
     app_->add_option("--nodes", o_.nodes, "Nodes' gRPC addresses host:port (comma-separated)")

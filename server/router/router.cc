@@ -15,12 +15,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -28,13 +30,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "proto/kvserve.grpc.pb.h"
 #include "proto/pd.grpc.pb.h"
 #include "server/service/auth.h"
 #include "server/pd/pd_node.h"
 #include "server/frontend/status_map.h"
+#include "server/router/router_http.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -112,6 +114,7 @@ struct Node {
   std::string refused_reason;
   pdv1::NodeInfo info;
   v1::Stats stats;
+  v1::ModelInfo model;  // GetModelInfo, asked at registration and on restart
   int64_t pending_prefill_tokens = 0;  // sent here, first token not yet back
   int64_t in_flight = 0;
   bool removed = false;
@@ -173,14 +176,16 @@ double Secs(double ms) { return ms / 1000.0; }
 
 }  // namespace
 
-struct Router::Impl final : public v1::Kvserve::Service {
+struct Router::Impl final : public v1::Kvserve::Service, public RouterHttpBackend {
   RouterOptions o;
   Authenticator auth{""};  // o.api_key's check of incoming calls (set with o)
   std::unique_ptr<grpc::Server> server;
   int port = 0;
-  httplib::Server http;
-  std::thread http_thread;
+  std::unique_ptr<RouterHttp> http;  // server/router/router_http.h
   int http_port = -1;
+  // Requests by (route or RPC, placement "local" | "disaggregated").
+  std::mutex requests_mu_;
+  std::map<std::pair<std::string, std::string>, int64_t> requests_;  // guarded by requests_mu_
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
@@ -188,6 +193,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
   std::thread membership_;
   std::atomic<uint64_t> rr_{0};
   std::atomic<int64_t> disaggregated_{0}, local_{0}, pd_fallbacks_{0}, pd_retries_{0};
+  const int64_t created_ = std::time(nullptr);
 
   // ---- membership ----
 
@@ -266,6 +272,20 @@ struct Router::Impl final : public v1::Kvserve::Service {
       c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
       ss = n->api->GetStats(&c2, v1::GetStatsRequest(), &stats);
     }
+    // The model it serves (/v1/models): once per incarnation.
+    std::optional<v1::ModelInfo> model;
+    bool known = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      known = n->info.incarnation() == info.incarnation() && !n->model.name().empty();
+    }
+    if (s.ok() && ss.ok() && !known) {
+      grpc::ClientContext c3;
+      AddAuth(&c3);
+      c3.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      v1::ModelInfo m;
+      if (n->api->GetModelInfo(&c3, v1::GetModelInfoRequest(), &m).ok()) model = std::move(m);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (!s.ok() || !ss.ok()) {
       if (n->up) spdlog::warn("route: node {} is down: {}", n->address, s.ok() ? ss.error_message() : s.error_message());
@@ -304,6 +324,8 @@ struct Router::Impl final : public v1::Kvserve::Service {
       n->refused = false;
       n->refused_reason.clear();
     }
+    if (n->info.incarnation() != info.incarnation()) n->model.Clear();
+    if (model) n->model = std::move(*model);
     n->info = std::move(info);
     n->stats = std::move(stats);
     n->up = true;
@@ -653,31 +675,33 @@ struct Router::Impl final : public v1::Kvserve::Service {
     return g;
   }
 
+  void CountRequest(const std::string& path, bool disaggregated) {
+    std::lock_guard<std::mutex> lock(requests_mu_);
+    ++requests_[{path, disaggregated ? "disaggregated" : "local"}];
+  }
+
+  // ---- RouterHttpBackend (server/router/router_http.h) ----
+
+  absl::Status Authenticate(std::string_view authorization) override {
+    return auth.Check(authorization, true).status();
+  }
+
   // OpenAI HTTP: the body goes unchanged to the chosen decode-capable node's
-  // HTTP port (streams relayed chunk by chunk; a client that goes away
+  // HTTP port (the front end relays the reply; a client that goes away
   // closes the upstream connection, which cancels the request there). A
-  // completion with a text prompt is placed and disaggregated like Generate.
-  void ProxyHttp(const httplib::Request& req, httplib::Response& res) {
-    auto error = [&res](int status, const std::string& msg) {
-      res.status = status;
-      nlohmann::json j;
-      j["error"]["message"] = msg;
-      res.set_content(j.dump(), "application/json");
-    };
-    if (absl::StatusOr<CallerAuth> caller =
-            auth.Check(req.get_header_value("Authorization"), true);
-        !caller.ok()) {
-      return error(HttpStatusFor(caller.status().code()), std::string(caller.status().message()));
-    }
-    nlohmann::json body = nlohmann::json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  // completion with a text prompt, or a chat, is placed and disaggregated
+  // like Generate and Chat; the lease is released when the exchange ends.
+  absl::StatusOr<UpstreamTarget> Place(const std::string& path,
+                                       const std::string& raw) override {
+    nlohmann::json body = nlohmann::json::parse(raw, nullptr, /*allow_exceptions=*/false);
     if (body.is_discarded() || !body.is_object()) {
-      return error(400, "request body: not a JSON object");
+      return absl::InvalidArgumentError("request body: not a JSON object");
     }
     v1::GenerateRequest gr;
     pdv1::PrefillRequest pr;
     const bool text_completion =
-        req.path == "/v1/completions" && body.contains("prompt") && body["prompt"].is_string();
-    const bool chat = req.path == "/v1/chat/completions" && body.contains("messages") &&
+        path == "/v1/completions" && body.contains("prompt") && body["prompt"].is_string();
+    const bool chat = path == "/v1/chat/completions" && body.contains("messages") &&
                       body["messages"].is_array();
     const std::string salt = body.contains("cache_salt") && body["cache_salt"].is_string()
                                  ? body["cache_salt"].get<std::string>()
@@ -696,70 +720,92 @@ struct Router::Impl final : public v1::Kvserve::Service {
         }
       }
       gr = ChatPlacementStandIn(texts, salt);
-      pr.set_openai_chat_body(req.body);
+      pr.set_openai_chat_body(raw);
     }
     const bool disaggregable = text_completion || chat;
     absl::StatusOr<Placement> placed = Place(disaggregable ? &gr : nullptr);
-    if (!placed.ok()) return error(503, std::string(placed.status().message()));
+    if (!placed.ok()) return absl::UnavailableError(placed.status().message());
     auto p = std::make_shared<Placement>(std::move(*placed));
-    std::shared_ptr<std::optional<pdv1::Lease>> lease =
-        std::make_shared<std::optional<pdv1::Lease>>(
-            disaggregable ? PrefillAndAttach(*p, pr, nullptr, nullptr) : std::nullopt);
+    auto lease = std::make_shared<std::optional<pdv1::Lease>>(
+        disaggregable ? PrefillAndAttach(*p, pr, nullptr, nullptr) : std::nullopt);
     if (*lease) {
       ++disaggregated_;
     } else {
       ++local_;
     }
-    std::string address;
+    CountRequest(path, lease->has_value());
+    UpstreamTarget t;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      address = p->decode->info.http_address();
+      t.http_address = p->decode->info.http_address();
     }
-    const size_t colon = address.rfind(':');
-    if (address.empty() || colon == std::string::npos) {
-      return error(503, "route: the chosen node reports no HTTP address");
-    }
-    const std::string host = address.substr(0, colon);
-    const int port = std::atoi(address.c_str() + colon + 1);
-    httplib::Headers headers;
-    if (req.has_header("Authorization")) {
-      headers.emplace("Authorization", req.get_header_value("Authorization"));
-    }
-    auto finish = [this, p, lease] {
+    t.done = [this, p, lease] {
       if (*lease) Release(p->prefill.get(), **lease, "request ended");
     };
-    const bool stream = body.contains("stream") && body["stream"].is_boolean() &&
-                        body["stream"].get<bool>();
-    if (!stream) {
-      httplib::Client cli(host, port);
-      cli.set_read_timeout(600, 0);
-      auto r = cli.Post(req.path.c_str(), headers, req.body, "application/json");
-      finish();
-      if (!r) return error(502, "route: node " + address + " did not answer");
-      res.status = r->status;
-      res.set_content(r->body, r->get_header_value("Content-Type").c_str());
-      return;
+    return t;
+  }
+
+  std::string Health(bool* ready) override { return HealthJson(ready); }
+
+  // The models of the registered decode-capable nodes, each once.
+  std::string ModelsJson() override {
+    std::map<std::string, nlohmann::json> models;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& n : nodes_) {
+        if (!n->up || n->refused || n->removed || n->model.name().empty()) continue;
+        nlohmann::json& m = models[n->model.name()];
+        if (m.is_null()) {
+          m = {{"id", n->model.name()},
+               {"object", "model"},
+               {"created", created_},
+               {"owned_by", "kvserve"},
+               {"max_model_len", n->model.context_length()},
+               {"nodes", nlohmann::json::array()}};
+        }
+        m["nodes"].push_back({{"address", n->address}, {"role", n->info.role()}});
+      }
     }
-    const std::string path = req.path, payload = req.body;
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [host, port, path, payload, headers, finish](size_t, httplib::DataSink& sink) {
-          httplib::Client cli(host, port);
-          cli.set_read_timeout(600, 0);
-          httplib::Request up;
-          up.method = "POST";
-          up.path = path;
-          up.headers = headers;
-          up.set_header("Content-Type", "application/json");
-          up.body = payload;
-          up.content_receiver = [&sink](const char* data, size_t len, uint64_t, uint64_t) {
-            return sink.write(data, len);  // false (client gone) aborts upstream
-          };
-          (void)cli.send(up);
-          finish();
-          sink.done();
-          return true;
-        });
+    nlohmann::json data = nlohmann::json::array();
+    for (auto& [name, m] : models) data.push_back(std::move(m));
+    return data.dump();
+  }
+
+  std::string MetricsText() override {
+    std::string out =
+        "# HELP kvserve:router_requests_total Requests the router placed, by route and "
+        "placement.\n# TYPE kvserve:router_requests_total counter\n";
+    {
+      std::lock_guard<std::mutex> lock(requests_mu_);
+      for (const auto& [key, n] : requests_) {
+        absl::StrAppend(&out, "kvserve:router_requests_total{path=\"", key.first,
+                        "\",placement=\"", key.second, "\"} ", n, "\n");
+      }
+    }
+    std::map<std::string, int64_t> states = {{"up", 0}, {"down", 0}, {"refused", 0}};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& n : nodes_) {
+        if (n->removed) continue;
+        ++states[n->refused ? "refused" : n->up ? "up" : "down"];
+      }
+    }
+    absl::StrAppend(&out,
+                    "# HELP kvserve:router_nodes Nodes known to the router by state.\n"
+                    "# TYPE kvserve:router_nodes gauge\n");
+    for (const auto& [state, n] : states) {
+      absl::StrAppend(&out, "kvserve:router_nodes{state=\"", state, "\"} ", n, "\n");
+    }
+    absl::StrAppend(
+        &out,
+        "# HELP kvserve:router_pd_fallbacks_total Disaggregations that fell back to decoding "
+        "locally.\n# TYPE kvserve:router_pd_fallbacks_total counter\n"
+        "kvserve:router_pd_fallbacks_total ",
+        pd_fallbacks_.load(),
+        "\n# HELP kvserve:router_pd_retries_total Prefills retried on another prefill node.\n"
+        "# TYPE kvserve:router_pd_retries_total counter\nkvserve:router_pd_retries_total ",
+        pd_retries_.load(), "\n");
+    return out;
   }
 
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
@@ -768,7 +814,8 @@ struct Router::Impl final : public v1::Kvserve::Service {
     pdv1::PrefillRequest pr;
     pr.set_generate_request(req->SerializeAsString());
     return Serve(ctx, *req, pr, w,
-                 [req](Node* d, grpc::ClientContext* c) { return d->api->Generate(c, *req); });
+                 [req](Node* d, grpc::ClientContext* c) { return d->api->Generate(c, *req); },
+                 "/kvserve.v1.Kvserve/Generate");
   }
 
   using NodeCall =
@@ -780,7 +827,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
   // stream the decode node's reply, release the lease at the end.
   grpc::Status Serve(grpc::ServerContext* ctx, const v1::GenerateRequest& placement,
                      const pdv1::PrefillRequest& pr, grpc::ServerWriter<v1::GenerateResponse>* w,
-                     const NodeCall& call) {
+                     const NodeCall& call, const std::string& rpc) {
     absl::StatusOr<Placement> placed = Place(&placement);
     if (!placed.ok()) {
       return grpc::Status(static_cast<grpc::StatusCode>(placed.status().code()),
@@ -797,6 +844,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
     } else {
       ++local_;
     }
+    CountRequest(rpc, lease.has_value());
     const int64_t charged = lease ? 0 : p.prefill_tokens;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -825,7 +873,8 @@ struct Router::Impl final : public v1::Kvserve::Service {
     pdv1::PrefillRequest pr;
     pr.set_chat_request(req->SerializeAsString());
     return Serve(ctx, stand_in, pr, w,
-                 [req](Node* d, grpc::ClientContext* c) { return d->api->Chat(c, *req); });
+                 [req](Node* d, grpc::ClientContext* c) { return d->api->Chat(c, *req); },
+                 "/kvserve.v1.Kvserve/Chat");
   }
 
   std::shared_ptr<Node> AnyDecoder() {
@@ -888,8 +937,7 @@ struct Router::Impl final : public v1::Kvserve::Service {
     }
     cv_.notify_all();
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    if (http_port >= 0) http.stop();
-    if (http_thread.joinable()) http_thread.join();
+    if (http) http->Stop();
     if (membership_.joinable()) membership_.join();
     std::vector<std::shared_ptr<Node>> nodes;
     {
@@ -931,28 +979,16 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(RouterOptions options) {
     return absl::UnavailableError("route: cannot listen on " + i->o.grpc_address);
   }
   if (i->o.http_port >= 0) {
-    i->http.Post("/v1/completions", [i](const httplib::Request& q, httplib::Response& r) {
-      i->ProxyHttp(q, r);
-    });
-    i->http.Post("/v1/chat/completions", [i](const httplib::Request& q, httplib::Response& r) {
-      i->ProxyHttp(q, r);
-    });
-    i->http.Get("/health", [i](const httplib::Request&, httplib::Response& res) {
-      bool ready = false;
-      res.set_content(i->HealthJson(&ready), "application/json");
-      res.status = ready ? 200 : 503;
-    });
-    if (i->o.http_port == 0) {
-      i->http_port = i->http.bind_to_any_port(i->o.http_host);
-    } else {
-      i->http_port = i->http.bind_to_port(i->o.http_host, i->o.http_port) ? i->o.http_port : -1;
-    }
-    if (i->http_port < 0) {
+    RouterHttpOptions ho;
+    ho.host = i->o.http_host;
+    ho.port = i->o.http_port;
+    absl::StatusOr<std::unique_ptr<RouterHttp>> h = RouterHttp::Start(ho, i);
+    if (!h.ok()) {
       i->server->Shutdown();
-      return absl::UnavailableError(
-          absl::StrCat("route: cannot listen on HTTP ", i->o.http_host, ":", i->o.http_port));
+      return h.status();
     }
-    i->http_thread = std::thread([i] { i->http.listen_after_bind(); });
+    i->http = std::move(h).value();
+    i->http_port = i->http->port();
   }
   i->membership_ = std::thread([i] { i->MembershipLoop(); });
   spdlog::info("route: gRPC on {} (port {}), HTTP /health on {}:{}, nodes [{}]{}",

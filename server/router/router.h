@@ -1,7 +1,8 @@
 // Router: `kvserve route`, the front door of a set of kvserve nodes. It
 // speaks the nodes' own kvserve.v1 gRPC API (Generate, Chat, Tokenize,
-// Detokenize, GetModelInfo) and an HTTP /health, so clients and kvserve-bench
-// point at it unchanged.
+// Detokenize, GetModelInfo) and, on HTTP (server/router/router_http.h), the
+// OpenAI completion routes, /health, /v1/models and /metrics, so clients
+// and kvserve-bench point at it unchanged.
 //
 // Membership: a static list of node addresses (--nodes) and/or a DNS name
 // (--nodes-dns, e.g. a Kubernetes headless Service) resolved every second.
@@ -30,8 +31,9 @@
 // the request ends. With only role-both nodes the router is a cache-aware
 // balancer (--policy kv) or round-robin (--policy round-robin).
 //
-// Thread-safety: RPC handlers run on gRPC's sync threads; membership, stats
-// and event subscriptions on their own threads; shared state under mutexes.
+// Thread-safety: RPC handlers run on gRPC's sync threads; HTTP on the front
+// end's fixed I/O and handler threads; membership, stats and event
+// subscriptions on their own threads; shared state under mutexes.
 #pragma once
 
 #include <memory>
@@ -44,7 +46,7 @@ namespace kvserve {
 
 struct RouterOptions {
   std::string grpc_address = "127.0.0.1:50050";
-  int http_port = 0;  // /health; -1: none
+  int http_port = 0;  // OpenAI routes, /health, /v1/models, /metrics; -1: none
   std::string http_host = "127.0.0.1";
   std::string port_file;
   std::vector<std::string> nodes;  // host:port of the nodes' gRPC

@@ -11,7 +11,9 @@
 // (renewed meanwhile), a decode node too small for the lease, the router
 // killed in each protocol state, and a dead prefill node the router retries
 // around. Chat goes through the router disaggregated too. After each fault:
-// every survivor's free blocks are back at baseline.
+// every survivor's free blocks are back at baseline. The router's HTTP front
+// end: /v1/models, /metrics, 404/405, keep-alive upstream connections reused
+// across requests, and a client gone mid-stream cancelling on the node.
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -37,6 +39,7 @@
 #include "proto/kvserve.grpc.pb.h"
 #include "proto/pd.grpc.pb.h"
 #include "tests/testing/daemon.h"
+#include "tests/testing/e2e_client.h"
 #include "tests/testing/gguf_writer.h"
 #include "tests/testing/test_models.h"
 #include "tests/unit/model/cuda_test_skip.h"
@@ -1434,6 +1437,159 @@ TEST(PdCudaTest, DevicePoolsMoveThroughHostStagingAndEqualOneNode) {
   EXPECT_TRUE(p.AtBaseline());
   EXPECT_TRUE(d.AtBaseline());
   EXPECT_TRUE(b.AtBaseline());
+}
+
+
+// ---- The router's HTTP front end (server/router/router_http.h) ----
+
+// GET /v1/models lists the registered nodes' model (OpenAI list format),
+// /metrics parses and counts placements and nodes, unknown routes are 404
+// and wrong methods 405, all with OpenAI-style error bodies.
+TEST_F(PdTest, RouterHttpServesModelsMetricsAnd404And405) {
+  httplib::Client router("127.0.0.1", router_->http_port()), d("127.0.0.1", decode_->http_port());
+  router.set_read_timeout(60, 0);
+  auto models = router.Get("/v1/models");
+  auto node_models = d.Get("/v1/models");
+  ASSERT_TRUE(models && node_models);
+  ASSERT_EQ(models->status, 200) << models->body;
+  const nlohmann::json j = nlohmann::json::parse(models->body, nullptr, false);
+  const nlohmann::json nj = nlohmann::json::parse(node_models->body, nullptr, false);
+  ASSERT_TRUE(j.is_object() && nj.is_object()) << models->body;
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 1u) << models->body;  // prefill and decode serve one model
+  EXPECT_EQ(j["data"][0]["id"], nj["data"][0]["id"]);
+  EXPECT_EQ(j["data"][0]["object"], "model");
+  EXPECT_EQ(j["data"][0]["max_model_len"], nj["data"][0]["max_model_len"]);
+  EXPECT_EQ(j["data"][0]["nodes"].size(), 2u);
+
+  const int port = router_->http_port();
+  EXPECT_EQ(testing::MetricSample(port, "kvserve:router_nodes", {"state=\"up\""}), 2);
+  EXPECT_EQ(testing::MetricSample(port, "kvserve:router_nodes", {"state=\"refused\""}), 0);
+  const std::string placed = "path=\"/v1/completions\"";
+  std::string text;
+  ASSERT_TRUE(testing::ScrapeMetrics(port, &text));
+  // Absent until the first such request (an earlier test may have sent one).
+  const double before = testing::FindMetricSample(text, "kvserve:router_requests_total",
+                                                  {placed, "placement=\"disaggregated\""})
+                            .value_or(0);
+  const nlohmann::json body = {{"prompt", UniquePrompts(1, "Metrics")[0]},
+                               {"max_tokens", kMaxTokens},
+                               {"temperature", 0}};
+  auto r = router.Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(testing::MetricSample(port, "kvserve:router_requests_total",
+                                  {placed, "placement=\"disaggregated\""}),
+            before + 1);
+  EXPECT_GE(testing::MetricSample(port, "kvserve:router_http_responses_total", {"code=\"200\""}),
+            2);
+
+  auto missing = router.Get("/v1/nothing");
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->status, 404);
+  EXPECT_TRUE(nlohmann::json::parse(missing->body, nullptr, false)["error"].contains("message"))
+      << missing->body;
+  auto get_completion = router.Get("/v1/completions");
+  ASSERT_TRUE(get_completion);
+  EXPECT_EQ(get_completion->status, 405);
+  EXPECT_EQ(get_completion->get_header_value("Allow"), "POST");
+  EXPECT_THAT(get_completion->body, HasSubstr("\"message\""));
+  auto post_health = router.Post("/health", "{}", "application/json");
+  ASSERT_TRUE(post_health);
+  EXPECT_EQ(post_health->status, 405);
+  EXPECT_EQ(post_health->get_header_value("Allow"), "GET");
+  auto bad = router.Post("/v1/completions", "not json", "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_THAT(bad->body, HasSubstr("not a JSON object"));
+}
+
+// Sequential requests through the router reuse its keep-alive connections
+// to the decode node instead of opening one each.
+TEST_F(PdTest, RouterHttpReusesUpstreamConnections) {
+  const int port = router_->http_port();
+  const double opened = testing::MetricSample(port, "kvserve:router_upstream_connections_opened_total");
+  const double reused = testing::MetricSample(port, "kvserve:router_upstream_connections_reused_total");
+  httplib::Client router("127.0.0.1", port);
+  router.set_read_timeout(60, 0);
+  constexpr int kRequests = 8;
+  const std::vector<std::string> prompts = UniquePrompts(kRequests, "Keep-alive");
+  for (int i = 0; i < kRequests; ++i) {
+    const nlohmann::json body = {{"prompt", prompts[i]},
+                                 {"max_tokens", kMaxTokens},
+                                 {"temperature", 0},
+                                 {"stream", i % 2 == 1}};
+    auto r = router.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    if (i % 2 == 1) {
+      EXPECT_THAT(r->body, HasSubstr("data: [DONE]"));
+    }
+  }
+  EXPECT_LE(testing::MetricSample(port, "kvserve:router_upstream_connections_opened_total") - opened,
+            2);
+  EXPECT_GE(testing::MetricSample(port, "kvserve:router_upstream_connections_reused_total") - reused,
+            kRequests - 2);
+  EXPECT_LE(testing::MetricSample(port, "kvserve:router_upstream_connections_idle"), 8);
+  EXPECT_TRUE(Client(prefill_->grpc_port()).AtBaseline());
+  EXPECT_TRUE(Client(decode_->grpc_port()).AtBaseline());
+}
+
+// A client that closes its connection mid-stream: the router closes its
+// upstream connection (the decode node cancels the request) and releases
+// the lease; both nodes return to baseline. SmolLM2, whose context holds a
+// stream long enough to be cut.
+TEST(PdRouterHttpTest, ClientDisconnectMidStreamCancelsAndReleasesTheLease) {
+  const std::string model = testing::SmolLM2Path();
+  KVSERVE_SKIP_IF_MISSING(model, "SmolLM2");
+  auto prefill = StartNode("prefill", {"--kv-cache-memory", "64MiB"}, model);
+  auto decode = StartNode("decode", {"--kv-cache-memory", "64MiB"}, model);
+  ASSERT_TRUE(prefill && decode);
+  auto r = StartRouter({prefill.get(), decode.get()}, {"--pd-mode", "always"}, 2);
+  ASSERT_TRUE(r);
+  Client p(prefill->grpc_port()), d(decode->grpc_port());
+  const double cancelled = testing::MetricSample(decode->http_port(), "kvserve:request_success_total",
+                                                 {"finished_reason=\"cancelled\""});
+  const int64_t attached = d.Info().leases_attached();
+
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(r->http_port()));
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const std::string body =
+      nlohmann::json{{"prompt", "Once upon a time, in a quiet village by the sea,"},
+                     {"max_tokens", 600},
+                     {"temperature", 0},
+                     {"ignore_eos", true},
+                     {"stream", true}}
+          .dump();
+  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              "Content-Type: application/json\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+  std::string got;
+  char buf[4096];
+  while (got.find("\"text\"") == std::string::npos) {  // the first token arrived
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0) << got;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_THAT(got, HasSubstr("200 OK"));
+  close(fd);
+
+  double now = cancelled;
+  for (int i = 0; i < 300 && now == cancelled; ++i) {
+    std::this_thread::sleep_for(100ms);
+    now = testing::MetricSample(decode->http_port(), "kvserve:request_success_total",
+                                {"finished_reason=\"cancelled\""});
+  }
+  EXPECT_EQ(now, cancelled + 1);
+  EXPECT_EQ(testing::MetricSample(r->http_port(), "kvserve:router_client_disconnects_total"), 1);
+  EXPECT_EQ(d.Info().leases_attached() - attached, 1);  // it was disaggregated
+  EXPECT_TRUE(p.AtBaseline());
+  EXPECT_TRUE(d.AtBaseline());
 }
 
 }  // namespace
