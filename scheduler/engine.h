@@ -287,6 +287,10 @@ class Engine {
   // that freed leased blocks early and reused them would.
   absl::Status DiscardAndScribbleForTest(std::shared_ptr<KvPin> pin,
                                          std::vector<BlockHandle> refs);
+  // Test hook: evicts every cached block, as pool pressure would (each is
+  // demoted to the tiers when they are on), then waits for the tiers'
+  // writes. Queued: the future is ready once it ran (drive with Step()).
+  std::future<void> EvictAllCachedForTest();
 
   // Tokens of tokens[0, max_tokens) MatchPrefix would find cached under
   // salt now (0 with the prefix cache off).

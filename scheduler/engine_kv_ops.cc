@@ -113,6 +113,13 @@ void Engine::ReleaseBlocks(std::vector<BlockHandle> blocks) {
   });
 }
 
+std::future<void> Engine::EvictAllCachedForTest() {
+  return RunOnEngineThread([](KvCacheManager* kv, KvTiers* tiers) {
+    kv->EnsureFree(kv->num_blocks());
+    if (tiers != nullptr) tiers->Flush();
+  });
+}
+
 absl::Status Engine::DiscardAndScribbleForTest(std::shared_ptr<KvPin> pin,
                                                std::vector<BlockHandle> refs) {
   return AskEngineThread<bool>([pin = std::move(pin), refs = std::move(refs)](

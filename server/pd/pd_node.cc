@@ -38,6 +38,7 @@ const char* PdRoleName(PdRole role) {
 absl::Status PdNode::Impl::Attach(Engine* engine, ModelService* service) {
   engine_ = engine;
   service_ = service;
+  admission_ = std::make_unique<Admission>(service, api_key_);
   const KvPool& pool = engine->kv_pool();
   const KvPoolOptions& o = pool.options();
   layout_.set_model_fingerprint(fingerprint_);

@@ -47,6 +47,7 @@
 #include "server/pd/lease_digest.h"
 #include "server/pd/pd_flags.h"
 #include "server/pd/pd_node.h"
+#include "server/service/admission.h"
 #include "server/service/auth.h"
 #include "server/service/model_service.h"
 #include "transport/ucx_transport.h"
@@ -385,6 +386,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   const uint64_t incarnation_;
   Engine* engine_ = nullptr;
   ModelService* service_ = nullptr;
+  // The prefill node's door into the model service: the same scope and
+  // validation as the decode node's front ends (server/service/admission.h).
+  std::unique_ptr<Admission> admission_;
   pb::KvLayout layout_;
   int32_t block_size_ = 0;
   int64_t block_bytes_ = 0;

@@ -58,8 +58,9 @@ grpc::Status PdNode::Impl::Prefill(grpc::ServerContext* ctx, const pb::PrefillRe
     params = GenerateRequestToParams(gr);
   }
   if (!params.ok()) return ToGrpc(params.status());
-  params->tenant = TenantFromApiKey(api_key_);  // as the decode node's front ends set it
-  absl::StatusOr<PreparedRequest> prepared = service_->Prepare(*params);
+  // Scoped and validated as the decode node's front ends do (the caller is
+  // the operator: P/D calls take the operator's key).
+  absl::StatusOr<PreparedRequest> prepared = admission_->Prepare(*std::move(params), CallerAuth{});
   if (!prepared.ok()) return ToGrpc(prepared.status());
   EngineRequest er = std::move(prepared->engine);
   const std::vector<int32_t> tokens = er.prompt;

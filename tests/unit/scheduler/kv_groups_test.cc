@@ -638,10 +638,7 @@ std::unique_ptr<Engine> MakeTierEngine(const Loaded& m, std::shared_ptr<KvTiers>
 // Evicts every cached block (so each is demoted to the tiers) on the engine
 // thread, as pool pressure would.
 void DemoteEverything(Engine* e) {
-  auto done = e->RunOnEngineThread([](KvCacheManager* kv, KvTiers* tiers) {
-    kv->EnsureFree(kv->num_blocks());
-    tiers->Flush();
-  });
+  auto done = e->EvictAllCachedForTest();
   e->Step();
   done.wait();
 }
