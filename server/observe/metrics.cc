@@ -19,6 +19,8 @@ namespace {
 constexpr const char* kKnownOutcomes[] = {"stop",     "length",   "cancelled",
                                           "deadline", "rejected", "error"};
 
+}  // namespace
+
 void AppendHeader(const std::string& name, const std::string& help, const char* type,
                   std::string* out) {
   absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
@@ -26,7 +28,11 @@ void AppendHeader(const std::string& name, const std::string& help, const char* 
 
 void AppendSample(const std::string& name, const std::string& labels, double value,
                   std::string* out) {
-  absl::StrAppend(out, name, "{", labels, "} ", FormatMetricValue(value), "\n");
+  if (labels.empty()) {
+    absl::StrAppend(out, name, " ", FormatMetricValue(value), "\n");
+  } else {
+    absl::StrAppend(out, name, "{", labels, "} ", FormatMetricValue(value), "\n");
+  }
 }
 
 void AppendGauge(const std::string& name, const std::string& help, const std::string& labels,
@@ -41,7 +47,6 @@ void AppendCounter(const std::string& name, const std::string& help, const std::
   AppendSample(name, labels, value, out);
 }
 
-}  // namespace
 
 std::string RenderCacheControlMetrics(const CacheControlStats& s) {
   std::string out;

@@ -124,6 +124,19 @@ class Metrics {
 // releases, refusals by reason, explains, template drift).
 std::string RenderCacheControlMetrics(const CacheControlStats& s);
 
+// The text format's pieces, for every /metrics in the project (the node's,
+// the router's): a family's HELP and TYPE lines, one sample (`labels` is the
+// inside of the braces, already escaped; empty: no braces), and a family of
+// one gauge or counter sample.
+void AppendHeader(const std::string& name, const std::string& help, const char* type,
+                  std::string* out);
+void AppendSample(const std::string& name, const std::string& labels, double value,
+                  std::string* out);
+void AppendGauge(const std::string& name, const std::string& help, const std::string& labels,
+                 double value, std::string* out);
+void AppendCounter(const std::string& name, const std::string& help, const std::string& labels,
+                   double value, std::string* out);
+
 // Escapes a label value for the text format (backslash, double quote, newline).
 std::string EscapeLabelValue(const std::string& v);
 // A sample value as the text format expects it: shortest round-trip decimal,

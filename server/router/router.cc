@@ -36,6 +36,7 @@
 #include "server/service/auth.h"
 #include "server/pd/pd_node.h"
 #include "server/frontend/status_map.h"
+#include "server/observe/metrics.h"
 #include "server/router/router_http.h"
 #include "spdlog/spdlog.h"
 
@@ -772,14 +773,15 @@ struct Router::Impl final : public v1::Kvserve::Service, public RouterHttpBacken
   }
 
   std::string MetricsText() override {
-    std::string out =
-        "# HELP kvserve:router_requests_total Requests the router placed, by route and "
-        "placement.\n# TYPE kvserve:router_requests_total counter\n";
+    std::string out;
+    AppendHeader("kvserve:router_requests_total",
+                 "Requests the router placed, by route and placement.", "counter", &out);
     {
       std::lock_guard<std::mutex> lock(requests_mu_);
       for (const auto& [key, n] : requests_) {
-        absl::StrAppend(&out, "kvserve:router_requests_total{path=\"", key.first,
-                        "\",placement=\"", key.second, "\"} ", n, "\n");
+        AppendSample("kvserve:router_requests_total",
+                     absl::StrCat("path=\"", key.first, "\",placement=\"", key.second, "\""), n,
+                     &out);
       }
     }
     std::map<std::string, int64_t> states = {{"up", 0}, {"down", 0}, {"refused", 0}};
@@ -790,21 +792,15 @@ struct Router::Impl final : public v1::Kvserve::Service, public RouterHttpBacken
         ++states[n->refused ? "refused" : n->up ? "up" : "down"];
       }
     }
-    absl::StrAppend(&out,
-                    "# HELP kvserve:router_nodes Nodes known to the router by state.\n"
-                    "# TYPE kvserve:router_nodes gauge\n");
+    AppendHeader("kvserve:router_nodes", "Nodes known to the router by state.", "gauge", &out);
     for (const auto& [state, n] : states) {
-      absl::StrAppend(&out, "kvserve:router_nodes{state=\"", state, "\"} ", n, "\n");
+      AppendSample("kvserve:router_nodes", absl::StrCat("state=\"", state, "\""), n, &out);
     }
-    absl::StrAppend(
-        &out,
-        "# HELP kvserve:router_pd_fallbacks_total Disaggregations that fell back to decoding "
-        "locally.\n# TYPE kvserve:router_pd_fallbacks_total counter\n"
-        "kvserve:router_pd_fallbacks_total ",
-        pd_fallbacks_.load(),
-        "\n# HELP kvserve:router_pd_retries_total Prefills retried on another prefill node.\n"
-        "# TYPE kvserve:router_pd_retries_total counter\nkvserve:router_pd_retries_total ",
-        pd_retries_.load(), "\n");
+    AppendCounter("kvserve:router_pd_fallbacks_total",
+                  "Disaggregations that fell back to decoding locally.", "", pd_fallbacks_.load(),
+                  &out);
+    AppendCounter("kvserve:router_pd_retries_total", "Prefills retried on another prefill node.",
+                  "", pd_retries_.load(), &out);
     return out;
   }
 

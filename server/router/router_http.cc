@@ -30,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "server/frontend/status_map.h"
+#include "server/observe/metrics.h"
 #include "spdlog/spdlog.h"
 
 namespace kvserve {
@@ -133,37 +134,33 @@ struct Core {
 
   std::string Metrics() {
     std::string out = backend->MetricsText();
-    auto gauge = [&out](const char* name, const char* help, const char* type, int64_t v) {
-      absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n", name,
-                      " ", v, "\n");
-    };
-    gauge("kvserve:router_http_connections", "Open client HTTP connections.", "gauge",
-          counters.client_connections.load());
-    gauge("kvserve:router_upstream_connections", "Open connections to the nodes' HTTP ports.",
-          "gauge", counters.upstream_open.load());
-    gauge("kvserve:router_upstream_connections_idle",
-          "Idle keep-alive connections to the nodes kept for reuse.", "gauge", pool->idle());
-    gauge("kvserve:router_upstream_connections_opened_total",
-          "Connections opened to the nodes' HTTP ports.", "counter",
-          counters.upstream_opened.load());
-    gauge("kvserve:router_upstream_connections_reused_total",
-          "Requests sent on a pooled keep-alive connection.", "counter",
-          counters.upstream_reused.load());
-    gauge("kvserve:router_upstream_errors_total",
-          "Upstream connections that failed (connect, write, read or timeout).", "counter",
-          counters.upstream_errors.load());
-    gauge("kvserve:router_upstream_retries_total",
-          "Requests resent on a fresh connection after a failure before any reply byte.", "counter",
-          counters.upstream_retries.load());
-    gauge("kvserve:router_client_disconnects_total",
-          "Proxied requests whose client went away before the reply ended.", "counter",
-          counters.client_disconnects.load());
-    absl::StrAppend(&out,
-                    "# HELP kvserve:router_http_responses_total HTTP responses by status.\n"
-                    "# TYPE kvserve:router_http_responses_total counter\n");
+    AppendGauge("kvserve:router_http_connections", "Open client HTTP connections.", "",
+                counters.client_connections.load(), &out);
+    AppendGauge("kvserve:router_upstream_connections", "Open connections to the nodes' HTTP ports.",
+                "", counters.upstream_open.load(), &out);
+    AppendGauge("kvserve:router_upstream_connections_idle",
+                "Idle keep-alive connections to the nodes kept for reuse.", "", pool->idle(), &out);
+    AppendCounter("kvserve:router_upstream_connections_opened_total",
+                  "Connections opened to the nodes' HTTP ports.", "",
+                  counters.upstream_opened.load(), &out);
+    AppendCounter("kvserve:router_upstream_connections_reused_total",
+                  "Requests sent on a pooled keep-alive connection.", "",
+                  counters.upstream_reused.load(), &out);
+    AppendCounter("kvserve:router_upstream_errors_total",
+                  "Upstream connections that failed (connect, write, read or timeout).", "",
+                  counters.upstream_errors.load(), &out);
+    AppendCounter("kvserve:router_upstream_retries_total",
+                  "Requests resent on a fresh connection after a failure before any reply byte.",
+                  "", counters.upstream_retries.load(), &out);
+    AppendCounter("kvserve:router_client_disconnects_total",
+                  "Proxied requests whose client went away before the reply ended.", "",
+                  counters.client_disconnects.load(), &out);
+    AppendHeader("kvserve:router_http_responses_total", "HTTP responses by status.", "counter",
+                 &out);
     std::lock_guard<std::mutex> lock(counters.mu);
     for (const auto& [code, n] : counters.responses) {
-      absl::StrAppend(&out, "kvserve:router_http_responses_total{code=\"", code, "\"} ", n, "\n");
+      AppendSample("kvserve:router_http_responses_total", absl::StrCat("code=\"", code, "\""), n,
+                   &out);
     }
     return out;
   }
