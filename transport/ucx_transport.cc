@@ -1019,16 +1019,20 @@ void UcxTransport::CheckDeadlines() {
                        "process ", peers_[id].pid, " exited")));
     }
   }
-  std::vector<PeerId> late;
+  std::vector<std::pair<PeerId, std::string>> late;
   for (auto& [id, t] : active_) {
-    if (now > t->deadline) late.push_back(t->peer);
+    if (now > t->deadline) {
+      static constexpr const char* kPhaseNames[] = {"data", "flush", "notification",
+                                                    "done", "finished"};
+      late.emplace_back(t->peer, absl::StrCat(
+                                     "transfer ", id, " exceeded ",
+                                     absl::FormatDuration(options_.transfer_timeout),
+                                     " waiting on ", t->outstanding.size(), " ",
+                                     kPhaseNames[static_cast<int>(t->phase)],
+                                     " requests; peer presumed dead"));
+    }
   }
-  for (PeerId peer : late) {
-    FailPeer(peer, absl::DeadlineExceededError(absl::StrCat(
-                       "a transfer exceeded ",
-                       absl::FormatDuration(options_.transfer_timeout),
-                       "; peer presumed dead")));
-  }
+  for (auto& [peer, why] : late) FailPeer(peer, absl::DeadlineExceededError(why));
 }
 
 absl::Status UcxTransport::DoCancel(TransferId id) {
