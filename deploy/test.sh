@@ -33,22 +33,27 @@ STAGE_T0=0
 STAGE_C0=0
 T_ALL="$(date +%s)"
 TIMES_FILE="$(mktemp)"
-cpu_secs() {  # user + system seconds of this shell's finished children
+# Sets CPU_NOW to the user + system seconds of this shell's finished
+# children. `times` must run in this shell, not in a $(...) subshell, which
+# has no finished children of its own (it read 0 there).
+cpu_now() {
   times > "$TIMES_FILE"
-  awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, p, "m"); n += p[1] * 60 + p[2] }
-       printf "%d\n", n }' "$TIMES_FILE"
+  CPU_NOW="$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, p, "m"); n += p[1] * 60 + p[2] }
+       printf "%d\n", n }' "$TIMES_FILE")"
 }
 stage() {
   stage_end
   STAGE_NAME="$1"
   STAGE_T0="$(date +%s)"
-  STAGE_C0="$(cpu_secs)"
+  cpu_now
+  STAGE_C0="$CPU_NOW"
   echo "test.sh: stage $STAGE_NAME"
 }
 stage_end() {
   [ -n "$STAGE_NAME" ] || return 0
   local dt=$(($(date +%s) - STAGE_T0))
-  local dc=$(($(cpu_secs) - STAGE_C0))
+  cpu_now
+  local dc=$((CPU_NOW - STAGE_C0))
   STAGE_NAMES+=("$STAGE_NAME")
   STAGE_SECS+=("$dt")
   STAGE_CPU+=("$dc")
@@ -63,7 +68,8 @@ stage_table() {
   for i in "${!STAGE_NAMES[@]}"; do
     printf 'test.sh:   %-24s %8d %8d\n' "${STAGE_NAMES[$i]}" "${STAGE_SECS[$i]}" "${STAGE_CPU[$i]}"
   done
-  printf 'test.sh:   %-24s %8d %8d%s\n' total "$(($(date +%s) - T_ALL))" "$(cpu_secs)" \
+  cpu_now
+  printf 'test.sh:   %-24s %8d %8d%s\n' total "$(($(date +%s) - T_ALL))" "$CPU_NOW" \
     "$([ "$rc" = 0 ] || echo " (failed, exit $rc)")"
   rm -f "$TIMES_FILE"
 }
