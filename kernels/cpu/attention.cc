@@ -29,6 +29,13 @@ using internal::kPosTile;
 // merge and the dispatch would cost more than the parallelism gains.
 constexpr int32_t kMinSplitPositions = 128;
 
+// The first slot a token at `len - 1` attends to: 0, or the start of its
+// sliding window (batch.window positions ending at the token). Slots before
+// it are never read: a window group may have released their blocks.
+int32_t WindowBegin(const AttentionBatch& batch, int32_t len) {
+  return batch.window > 0 ? std::max(0, len - batch.window) : 0;
+}
+
 template <typename Elem>
 float ToFloat(Elem e) {
   if constexpr (sizeof(Elem) == 4) {
@@ -88,8 +95,8 @@ struct ScalarOps {
 void AttendScalar(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
                   float scale, AttnState st, float* scores, float* rows) {
   if (KvIsQuantized(kv.dtype)) {
-    internal::AttendRangeQuant<ScalarOps<float>, internal::PlainRowDecoder>(kv, layer, item, group,
-                                                                           scale, st, scores, rows);
+    internal::AttendRangeQuant<ScalarOps<float>, internal::PlainRowDecoder>(
+        kv, layer, item, group, scale, st, scores, rows);
   } else if (kv.dtype == KvDType::kF32) {
     internal::AttendRange<ScalarOps<float>, float>(kv, layer, item, group, scale, st, scores);
   } else {
@@ -121,7 +128,7 @@ void PagedAttentionF16Split(const PagedKvView& kv, int32_t layer, const Attentio
   // Per pair: the f16 query (group * hd floats), then the scores
   // (group * ld floats), in one buffer shared by all threads.
   struct Pair {
-    int32_t t, kvh, len, ld, n_blocks;
+    int32_t t, kvh, begin, len, ld, first_block, n_blocks;
     const int32_t* blocks;
     int64_t offset;
   };
@@ -138,8 +145,10 @@ void PagedAttentionF16Split(const PagedKvView& kv, int32_t layer, const Attentio
     pr.t = i / kv.n_kv_heads;
     pr.kvh = i % kv.n_kv_heads;
     pr.len = batch.token_pos[pr.t] + 1;
-    pr.ld = (pr.len + 15) & ~15;
-    pr.n_blocks = (pr.len + bs - 1) / bs;
+    pr.begin = WindowBegin(batch, pr.len);
+    pr.ld = (pr.len - pr.begin + 15) & ~15;
+    pr.first_block = pr.begin / bs;
+    pr.n_blocks = (pr.len + bs - 1) / bs - pr.first_block;
     pr.blocks = kv.block_ids + kv.seq_block_offsets[batch.token_seq[pr.t]];
     pr.offset = total;
     total += static_cast<int64_t>(group) * (hd + pr.ld);
@@ -176,14 +185,16 @@ void PagedAttentionF16Split(const PagedKvView& kv, int32_t layer, const Attentio
       const int32_t i = static_cast<int32_t>(u / n_threads);
       const Pair& pr = pairs[i];
       const int32_t c = static_cast<int32_t>(u % n_threads);
-      const int32_t b0 = static_cast<int32_t>(int64_t{pr.n_blocks} * c / n_threads);
-      const int32_t b1 = static_cast<int32_t>(int64_t{pr.n_blocks} * (c + 1) / n_threads);
-      const int32_t p0 = b0 * bs;
+      const int32_t b0 =
+          pr.first_block + static_cast<int32_t>(int64_t{pr.n_blocks} * c / n_threads);
+      const int32_t b1 =
+          pr.first_block + static_cast<int32_t>(int64_t{pr.n_blocks} * (c + 1) / n_threads);
+      const int32_t p0 = std::max(pr.begin, b0 * bs);
       const int32_t p1 = std::min(pr.len, b1 * bs);
       if (p0 < p1) {
         const float* q16 = base + pr.offset;
         k.score_range(kv, layer, pr.blocks, pr.kvh, group, batch.scale, q16, p0, p1,
-                      base + pr.offset + int64_t{group} * hd, pr.ld);
+                      base + pr.offset + int64_t{group} * hd, pr.ld, pr.begin);
       }
       done[i].fetch_add(1, std::memory_order_release);
     } else if (u < n_score + n_norm) {
@@ -192,7 +203,7 @@ void PagedAttentionF16Split(const PagedKvView& kv, int32_t layer, const Attentio
       const int32_t h = static_cast<int32_t>((u - n_score) % group);
       const Pair& pr = pairs[i];
       wait_for(i, n_threads);
-      k.normalize(base + pr.offset + int64_t{group} * hd + int64_t{h} * pr.ld, pr.len);
+      k.normalize(base + pr.offset + int64_t{group} * hd + int64_t{h} * pr.ld, pr.len - pr.begin);
       done[n_pairs + i].fetch_add(1, std::memory_order_release);
     } else {
       // V: each pair's channels in ranges of whole groups of 8 (the tail of
@@ -208,7 +219,8 @@ void PagedAttentionF16Split(const PagedKvView& kv, int32_t layer, const Attentio
       wait_for(n_pairs + i, group);
       const float* probs = base + pr.offset + int64_t{group} * hd;
       float* o = out + pr.t * out_stride + static_cast<int64_t>(pr.kvh) * group * hd;
-      k.accumulate_v(kv, layer, pr.blocks, pr.kvh, group, probs, pr.ld, pr.len, c0, c1, o);
+      k.accumulate_v(kv, layer, pr.blocks, pr.kvh, group, probs, pr.ld, pr.begin, pr.len, c0, c1,
+                     o);
     }
   };
   std::atomic<int64_t> next{0};
@@ -292,18 +304,10 @@ void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int3
   }
 }
 
-void PagedAttentionWindowed(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
-                            const float* q, int64_t q_stride, float* out, int64_t out_stride,
-                            ThreadPool* pool);
-
 void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                     const float* q, int64_t q_stride, float* out, int64_t out_stride,
                     ThreadPool* pool) {
   if (batch.n_tokens <= 0) return;
-  if (batch.window > 0) {
-    PagedAttentionWindowed(kv, layer, batch, q, q_stride, out, out_stride, pool);
-    return;
-  }
   const int32_t group = batch.n_heads / kv.n_kv_heads;
   const int32_t hd = kv.head_dim;
   const int64_t n_pairs = static_cast<int64_t>(batch.n_tokens) * kv.n_kv_heads;
@@ -320,9 +324,11 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
       const int over = g_f16_split_override.load(std::memory_order_relaxed);
       bool split = over == 1;
       if (over < 0 && n_pairs < 2 * n_threads) {
-        int32_t max_len = 0;
-        for (int32_t t = 0; t < batch.n_tokens; ++t)
-          max_len = std::max(max_len, batch.token_pos[t] + 1);
+        int32_t max_len = 0;  // positions attended, windows applied
+        for (int32_t t = 0; t < batch.n_tokens; ++t) {
+          const int32_t len = batch.token_pos[t] + 1;
+          max_len = std::max(max_len, len - WindowBegin(batch, len));
+        }
         split = max_len >= kMinF16SplitPositions;
       }
       if (split) {
@@ -338,14 +344,15 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
       const int32_t t = static_cast<int32_t>(pair / kv.n_kv_heads);
       const int32_t kvh = static_cast<int32_t>(pair % kv.n_kv_heads);
       const int32_t len = batch.token_pos[t] + 1;
-      const int32_t ld = (len + 15) & ~15;
-      AttnItem item{batch.token_seq[t], kvh, 0, len,
+      const int32_t begin = WindowBegin(batch, len);
+      const int32_t ld = (len - begin + 15) & ~15;
+      AttnItem item{batch.token_seq[t], kvh, begin, len,
                     q + t * q_stride + static_cast<int64_t>(kvh) * group * hd};
       float* buf = ThreadScratch().Reserve(static_cast<size_t>(group) * (ld + hd));
       float* o = out + t * out_stride + static_cast<int64_t>(kvh) * group * hd;
       if (simd) {
-        internal::AttendTwoPassF16Avx2(kv, layer, item, group, batch.scale, buf,
-                                       ld, buf + static_cast<int64_t>(group) * ld, o);
+        internal::AttendTwoPassF16Avx2(kv, layer, item, group, batch.scale, buf, ld,
+                                       buf + static_cast<int64_t>(group) * ld, o);
       } else {
         internal::AttendTwoPassF16<ScalarOps<uint16_t>>(kv, layer, item, group, batch.scale, buf,
                                                         ld, buf + static_cast<int64_t>(group) * ld,
@@ -371,9 +378,11 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
   // merge their softmax states afterwards (flash-decoding).
   int32_t n_split = 1;
   if (n_threads > 1 && n_pairs < 4 * n_threads) {
-    int32_t max_len = 0;
-    for (int32_t t = 0; t < batch.n_tokens; ++t)
-      max_len = std::max(max_len, batch.token_pos[t] + 1);
+    int32_t max_len = 0;  // positions attended, windows applied
+    for (int32_t t = 0; t < batch.n_tokens; ++t) {
+      const int32_t len = batch.token_pos[t] + 1;
+      max_len = std::max(max_len, len - WindowBegin(batch, len));
+    }
     const int64_t want = (4 * n_threads + n_pairs - 1) / n_pairs;
     const int64_t can = std::max(1, max_len / kMinSplitPositions);
     int64_t split = std::min(want, can);
@@ -393,11 +402,16 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
     const int32_t t = static_cast<int32_t>(pair / kv.n_kv_heads);
     const int32_t kvh = static_cast<int32_t>(pair % kv.n_kv_heads);
     const int32_t len = batch.token_pos[t] + 1;
-    // Chunk boundaries on whole blocks so no block is read by two items.
-    const int32_t n_blocks = (len + kv.block_size - 1) / kv.block_size;
-    const int32_t b0 = static_cast<int32_t>(static_cast<int64_t>(n_blocks) * chunk / n_split);
-    const int32_t b1 = static_cast<int32_t>(static_cast<int64_t>(n_blocks) * (chunk + 1) / n_split);
-    AttnItem item{batch.token_seq[t], kvh, std::min(len, b0 * kv.block_size),
+    const int32_t begin = WindowBegin(batch, len);
+    // Chunk boundaries on whole blocks so no block is read by two items;
+    // the first chunk starts at the window's first position.
+    const int32_t first_block = begin / kv.block_size;
+    const int32_t n_blocks = (len + kv.block_size - 1) / kv.block_size - first_block;
+    const int32_t b0 =
+        first_block + static_cast<int32_t>(static_cast<int64_t>(n_blocks) * chunk / n_split);
+    const int32_t b1 =
+        first_block + static_cast<int32_t>(static_cast<int64_t>(n_blocks) * (chunk + 1) / n_split);
+    AttnItem item{batch.token_seq[t], kvh, std::clamp(b0 * kv.block_size, begin, len),
                   std::min(len, b1 * kv.block_size),
                   q + t * q_stride + static_cast<int64_t>(kvh) * group * hd};
 
@@ -510,11 +524,6 @@ void SlotProbabilities(const PagedKvView& kv, int32_t layer, int32_t seq, int32_
   for (int32_t p = begin; p < len; ++p) (*probs)[p] /= sum;
 }
 
-// The first slot a token at `len - 1` attends to.
-int32_t WindowBegin(const AttentionBatch& batch, int32_t len) {
-  return batch.window > 0 ? std::max(0, len - batch.window) : 0;
-}
-
 }  // namespace
 
 namespace {
@@ -570,22 +579,6 @@ void ReferencePass(const PagedKvView& kv, int32_t layer, const AttentionBatch& b
 void PagedAttentionReference(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                              const float* q, int64_t q_stride, float* out, int64_t out_stride) {
   ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0, nullptr);
-}
-
-void PagedAttentionWindowed(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
-                            const float* q, int64_t q_stride, float* out, int64_t out_stride,
-                            ThreadPool* pool) {
-  if (pool == nullptr || batch.n_tokens == 1) {
-    ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0, nullptr);
-    return;
-  }
-  std::atomic<int32_t> next{0};
-  pool->Run([&](int, int) {
-    for (int32_t t = next.fetch_add(1, std::memory_order_relaxed); t < batch.n_tokens;
-         t = next.fetch_add(1, std::memory_order_relaxed)) {
-      ReferencePass(kv, layer, batch, q, q_stride, out, out_stride, nullptr, 0, nullptr, t, t + 1);
-    }
-  });
 }
 
 void AccumulateAttentionMass(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,

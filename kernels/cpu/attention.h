@@ -35,9 +35,9 @@ void AppendKv(const PagedKvView& kv, int32_t layer, int32_t n_tokens, const int3
 
 // q rows: n_heads*head_dim floats, q_stride apart; out rows likewise.
 // REQUIRES: K/V for every attended position have been appended.
-// With batch.window > 0 it runs the plain-loop pass of the reference over
-// each token's window, spread over the pool's threads (windowed layers are
-// a correctness path, not yet a tuned one).
+// With batch.window > 0 every path (f16 two-pass and its split, the
+// flash-decoding chunks, the quantized tiles) starts at each token's window;
+// nothing before it is read.
 void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& batch,
                     const float* q, int64_t q_stride, float* out, int64_t out_stride,
                     ThreadPool* pool);

@@ -125,8 +125,8 @@ inline float* KiviFactorScratch(int32_t head_dim) {
 // Dequantizes the rows of positions [p0, p1) of one KV head (keys, or
 // values when v_half) into rows[(p - p0) * head_dim].
 template <typename Decoder>
-void DequantizeRows(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
-                           int32_t kv_head, bool v_half, int32_t p0, int32_t p1, float* rows) {
+void DequantizeRows(const PagedKvView& kv, int32_t layer, const int32_t* blocks, int32_t kv_head,
+                    bool v_half, int32_t p0, int32_t p1, float* rows) {
   const int32_t hd = kv.head_dim;
   const int64_t row_bytes = kv.RowBytes();
   const int64_t meta_bytes = kv.RowMetaBytes();
@@ -215,12 +215,14 @@ void F16RoundQuery(const float* q, int32_t n, float* q16) {
   Ops::RoundF16(q, q16, n);
 }
 
-// scores[h * ld + p] for positions p in [p0, p1) of KV head kv_head.
-// REQUIRES: p0 % block_size == 0.
+// scores[h * ld + p - origin] for positions p in [p0, p1) of KV head
+// kv_head (origin: the first position the pair attends to, its window's
+// start or 0). Split ranges issue the same Ops::Scores runs as the whole
+// range when p0 is origin or a multiple of block_size.
 template <typename Ops>
 void F16ScoreRange(const PagedKvView& kv, int32_t layer, const int32_t* blocks, int32_t kv_head,
                    int32_t group, float scale, const float* q16, int32_t p0, int32_t p1,
-                   float* scores, int32_t ld) {
+                   float* scores, int32_t ld, int32_t origin) {
   const int32_t hd = kv.head_dim;
   const int32_t bs = kv.block_size;
   for (int32_t p = p0; p < p1;) {
@@ -228,12 +230,13 @@ void F16ScoreRange(const PagedKvView& kv, int32_t layer, const int32_t* blocks, 
     const int32_t run = std::min(p1 - p, bs - slot);
     const uint8_t* k_head = kv.BlockHead(layer, blocks[p / bs], kv_head);
     Ops::Scores(q16, group, hd, reinterpret_cast<const uint16_t*>(k_head) + int64_t{slot} * hd, run,
-                scale, scores + p, ld);
+                scale, scores + (p - origin), ld);
     p += run;
   }
 }
 
-// One head's scores s[0, len) -> f16-rounded probabilities.
+// One head's scores s[0, len) -> f16-rounded probabilities (len: the
+// positions the pair attends to).
 template <typename Ops>
 void F16Normalize(float* s, int32_t len) {
   const float mx = Ops::Max(s, len);
@@ -242,11 +245,12 @@ void F16Normalize(float* s, int32_t len) {
   Ops::ScaleRoundF16(s, len, inv);
 }
 
-// out[h * head_dim + i] = sum_p probs[h * ld + p] * V[p][i] for i in [c0, c1).
+// out[h * head_dim + i] = sum_p probs[h * ld + p - begin] * V[p][i] over
+// positions p in [begin, len), for i in [c0, c1).
 template <typename Ops>
 void F16AccumulateV(const PagedKvView& kv, int32_t layer, const int32_t* blocks, int32_t kv_head,
-                    int32_t group, const float* probs, int32_t ld, int32_t len, int32_t c0,
-                    int32_t c1, float* out) {
+                    int32_t group, const float* probs, int32_t ld, int32_t begin, int32_t len,
+                    int32_t c0, int32_t c1, float* out) {
   const int32_t hd = kv.head_dim;
   const int32_t bs = kv.block_size;
   const int64_t v_offset = kv.layer_bytes / 2;
@@ -254,11 +258,11 @@ void F16AccumulateV(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
     std::fill(out + static_cast<int64_t>(h) * hd + c0, out + static_cast<int64_t>(h) * hd + c1,
               0.0f);
   }
-  for (int32_t p = 0; p < len;) {
+  for (int32_t p = begin; p < len;) {
     const int32_t slot = p % bs;
     const int32_t run = std::min(len - p, bs - slot);
     const uint8_t* v_head = kv.BlockHead(layer, blocks[p / bs], kv_head) + v_offset;
-    Ops::AccumulateV(out + c0, group, hd, c1 - c0, probs + p, ld,
+    Ops::AccumulateV(out + c0, group, hd, c1 - c0, probs + (p - begin), ld,
                      reinterpret_cast<const uint16_t*>(v_head) + int64_t{slot} * hd + c0, run);
     p += run;
   }
@@ -267,13 +271,13 @@ void F16AccumulateV(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
 // The three steps of one ISA, for the threaded driver in attention.cc.
 struct F16Kernels {
   void (*round_query)(const float* q, int32_t n, float* q16);
-  void (*score_range)(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
-                      int32_t kv_head, int32_t group, float scale, const float* q16, int32_t p0,
-                      int32_t p1, float* scores, int32_t ld);
+  void (*score_range)(const PagedKvView& kv, int32_t layer, const int32_t* blocks, int32_t kv_head,
+                      int32_t group, float scale, const float* q16, int32_t p0, int32_t p1,
+                      float* scores, int32_t ld, int32_t origin);
   void (*normalize)(float* s, int32_t len);
-  void (*accumulate_v)(const PagedKvView& kv, int32_t layer, const int32_t* blocks,
-                       int32_t kv_head, int32_t group, const float* probs, int32_t ld,
-                       int32_t len, int32_t c0, int32_t c1, float* out);
+  void (*accumulate_v)(const PagedKvView& kv, int32_t layer, const int32_t* blocks, int32_t kv_head,
+                       int32_t group, const float* probs, int32_t ld, int32_t begin, int32_t len,
+                       int32_t c0, int32_t c1, float* out);
 };
 
 template <typename Ops>
@@ -281,31 +285,35 @@ constexpr F16Kernels MakeF16Kernels() {
   return {&F16RoundQuery<Ops>, &F16ScoreRange<Ops>, &F16Normalize<Ops>, &F16AccumulateV<Ops>};
 }
 
-// The whole of one pair on the calling thread (item.pos_begin == 0).
-// scores: group * ld floats, ld >= pos_end; q16: group * head_dim floats.
+// The whole of one pair on the calling thread: positions [item.pos_begin,
+// item.pos_end) (pos_begin > 0 for a sliding window).
+// scores: group * ld floats, ld >= pos_end - pos_begin; q16: group * head_dim floats.
 // Writes the normalized output of each head to out + h * head_dim.
 template <typename Ops>
 void AttendTwoPassF16(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
                       float scale, float* scores, int32_t ld, float* q16, float* out) {
+  const int32_t begin = item.pos_begin;
   const int32_t len = item.pos_end;
   const int32_t* blocks = kv.block_ids + kv.seq_block_offsets[item.seq];
   F16RoundQuery<Ops>(item.q, group * kv.head_dim, q16);
-  F16ScoreRange<Ops>(kv, layer, blocks, item.kv_head, group, scale, q16, 0, len, scores, ld);
-  for (int32_t h = 0; h < group; ++h) F16Normalize<Ops>(scores + static_cast<int64_t>(h) * ld, len);
-  F16AccumulateV<Ops>(kv, layer, blocks, item.kv_head, group, scores, ld, len, 0, kv.head_dim, out);
+  F16ScoreRange<Ops>(kv, layer, blocks, item.kv_head, group, scale, q16, begin, len, scores, ld,
+                     begin);
+  for (int32_t h = 0; h < group; ++h) {
+    F16Normalize<Ops>(scores + static_cast<int64_t>(h) * ld, len - begin);
+  }
+  F16AccumulateV<Ops>(kv, layer, blocks, item.kv_head, group, scores, ld, begin, len, 0,
+                      kv.head_dim, out);
 }
 
-void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& item,
-                          int32_t group, float scale, float* scores, int32_t ld, float* q16,
-                          float* out);
+void AttendTwoPassF16Avx2(const PagedKvView& kv, int32_t layer, const AttnItem& item, int32_t group,
+                          float scale, float* scores, int32_t ld, float* q16, float* out);
 // The AVX2 steps. REQUIRES: the CPU has AVX2 (and F16C).
 const F16Kernels& F16KernelsAvx2();
 
 // DequantizeRow with AVX2 for f16, bf16, int8, fp8 and the int4 rows (other
 // codecs: the plain loop). Exactly equal to DequantizeRow (f16: but for a
 // signalling NaN's bits). REQUIRES: the CPU has AVX2 and F16C.
-void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n,
-                       float* dst);
+void DequantizeRowAvx2(KvDType t, const uint8_t* data, const uint8_t* meta, int32_t n, float* dst);
 // QuantizeRow with AVX2/F16C for f16, int8, fp8 and the int4 rows (other
 // codecs: the plain loop), byte for byte. REQUIRES: AVX2 and F16C.
 void QuantizeRowAvx2(KvDType t, const float* src, int32_t n, uint8_t* data, uint8_t* meta);

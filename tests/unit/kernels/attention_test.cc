@@ -58,6 +58,8 @@ class KvFixture {
     std::shuffle(ids.begin(), ids.end(), rng_);
     offsets_.push_back(0);
     int32_t next = 0;
+    // The last id is never handed out: it stays NaN (ReleaseBlocksBefore).
+    spare_block_ = ids.back();
     for (int32_t len : seq_lens) {
       for (int32_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
         block_ids_.push_back(ids[next++]);
@@ -90,12 +92,22 @@ class KvFixture {
   const PagedKvView& view() const { return view_; }
   std::mt19937& rng() { return rng_; }
 
+  // Sequence seq's whole blocks before position pos now point at a block
+  // that was never written (NaN), as a window group's released blocks are
+  // gone: a kernel that reads one returns NaN.
+  void ReleaseBlocksBefore(int32_t seq, int32_t pos) {
+    for (int32_t b = 0; b < pos / view_.block_size; ++b) {
+      block_ids_[offsets_[seq] + b] = spare_block_;
+    }
+  }
+
  private:
   std::mt19937 rng_;
   PagedKvView view_;
   std::vector<int32_t> block_ids_;
   std::vector<int32_t> offsets_;
   std::vector<float> storage_;
+  int32_t spare_block_ = 0;
 };
 
 // block size x head dim x GQA ratio x KV dtype x pool.
@@ -104,12 +116,24 @@ using AttnParam = std::tuple<int, int, int, KvDType, bool>;
 class PagedAttentionTest : public ::testing::TestWithParam<AttnParam> {
  protected:
   // Runs the batch through both kernels and compares.
+  // window > 0: a sliding window, with each sequence's blocks before its
+  // tokens' earliest window released (NaN).
   void Check(const std::vector<int32_t>& seq_lens, const std::vector<int32_t>& token_seq,
-             const std::vector<int32_t>& token_pos) {
+             const std::vector<int32_t>& token_pos, int32_t window = 0) {
     const auto [block_size, head_dim, gqa, dtype, use_pool] = GetParam();
     constexpr int32_t kKvHeads = 2;
     KvFixture kv(block_size, kKvHeads, head_dim, dtype, seq_lens, 42);
+    if (window > 0) {
+      for (int32_t s = 0; s < static_cast<int32_t>(seq_lens.size()); ++s) {
+        int32_t earliest = seq_lens[s];
+        for (size_t t = 0; t < token_seq.size(); ++t) {
+          if (token_seq[t] == s) earliest = std::min(earliest, token_pos[t]);
+        }
+        kv.ReleaseBlocksBefore(s, std::max(0, earliest + 1 - window));
+      }
+    }
     AttentionBatch batch;
+    batch.window = window;
     batch.n_tokens = static_cast<int32_t>(token_seq.size());
     batch.token_seq = token_seq.data();
     batch.token_pos = token_pos.data();
@@ -160,9 +184,28 @@ TEST_P(PagedAttentionTest, LongDecodeMatchesReference) {
   Check({700, 300}, {0, 1}, {699, 299});
 }
 
+// Sliding windows (Gemma 3's local layers): decode deep past the window, a
+// prefill chunk whose tokens' windows start mid-block, a window wider than
+// the context, with the blocks before every window released. The split
+// (flash-decoding) and f16 split paths are taken by the long decodes.
+TEST_P(PagedAttentionTest, SlidingWindowMatchesReferenceAndSkipsReleasedBlocks) {
+  std::vector<int32_t> seq = {0, 1};
+  std::vector<int32_t> pos = {699, 299};
+  for (int32_t p = 150; p < 170; ++p) {
+    seq.push_back(2);
+    pos.push_back(p);
+  }
+  seq.push_back(3);
+  pos.push_back(40);
+  Check({700, 300, 170, 41}, seq, pos, /*window=*/100);
+  Check({700, 300}, {0, 1}, {699, 299}, /*window=*/257);
+  Check({700, 300, 170, 41}, seq, pos, /*window=*/1);
+}
+
 TEST_P(PagedAttentionTest, ScalarPathMatchesReference) {
   ScopedDisableSimdForTesting no_simd;
   Check({9, 130}, {0, 1, 1}, {8, 128, 129});
+  Check({9, 130}, {0, 1, 1}, {8, 128, 129}, /*window=*/50);
 }
 
 std::string DTypeTestName(KvDType t) {
@@ -174,8 +217,7 @@ std::string DTypeTestName(KvDType t) {
 std::string AttnName(const ::testing::TestParamInfo<AttnParam>& info) {
   const auto [block_size, head_dim, gqa, dtype, use_pool] = info.param;
   return "bs" + std::to_string(block_size) + "_hd" + std::to_string(head_dim) + "_gqa" +
-         std::to_string(gqa) + "_" + DTypeTestName(dtype) +
-         (use_pool ? "_pool" : "_nopool");
+         std::to_string(gqa) + "_" + DTypeTestName(dtype) + (use_pool ? "_pool" : "_nopool");
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, PagedAttentionTest,
@@ -189,17 +231,15 @@ INSTANTIATE_TEST_SUITE_P(Grid, PagedAttentionTest,
 // Quantized caches: the kernel dequantizes tile by tile as it reads; the
 // reference dequantizes every row with the plain-loop codec. Odd head dims
 // (int4 tails) and head dims over one int4 group are covered.
-INSTANTIATE_TEST_SUITE_P(QuantGrid, PagedAttentionTest,
-                         ::testing::Combine(::testing::Values(1, 16),
-                                            ::testing::Values(8, 40, 64),
-                                            ::testing::Values(1, 3),
-                                            ::testing::Values(KvDType::kBF16, KvDType::kFp8E4M3,
-                                                              KvDType::kFp8E5M2, KvDType::kInt8,
-                                                              KvDType::kInt4, KvDType::kInt4G64,
-                                                              KvDType::kInt4Kivi,
-                                                              KvDType::kInt4KiviG64),
-                                            ::testing::Bool()),
-                         AttnName);
+INSTANTIATE_TEST_SUITE_P(
+    QuantGrid, PagedAttentionTest,
+    ::testing::Combine(::testing::Values(1, 16), ::testing::Values(8, 40, 64),
+                       ::testing::Values(1, 3),
+                       ::testing::Values(KvDType::kBF16, KvDType::kFp8E4M3, KvDType::kFp8E5M2,
+                                         KvDType::kInt8, KvDType::kInt4, KvDType::kInt4G64,
+                                         KvDType::kInt4Kivi, KvDType::kInt4KiviG64),
+                       ::testing::Bool()),
+    AttnName);
 
 // AppendKv writes token t of sequence s at position p into block
 // block_ids[offsets[s] + p / block_size], slot p % block_size, with the
@@ -268,10 +308,9 @@ TEST(F16SplitAttentionTest, SplitIsBitwiseEqualToUnsplit) {
     std::vector<int32_t> lens;  // one decode token at the end of each
   };
   const std::vector<Case> cases = {
-      {16, 64, 3, {1}},          {16, 64, 3, {16}},         {16, 64, 3, {17}},
-      {16, 64, 3, {300}},        {16, 64, 3, {2048}},       {1, 64, 3, {37}},
-      {32, 128, 4, {255, 513}},  {16, 8, 1, {100}},         {4, 20, 5, {61}},
-      {32, 40, 2, {97, 3, 640}}, {16, 64, 3, {15, 33, 48}},
+      {16, 64, 3, {1}},    {16, 64, 3, {16}},         {16, 64, 3, {17}},         {16, 64, 3, {300}},
+      {16, 64, 3, {2048}}, {1, 64, 3, {37}},          {32, 128, 4, {255, 513}},  {16, 8, 1, {100}},
+      {4, 20, 5, {61}},    {32, 40, 2, {97, 3, 640}}, {16, 64, 3, {15, 33, 48}},
   };
   for (bool simd : {true, false}) {
     std::optional<ScopedDisableSimdForTesting> no_simd;
@@ -285,29 +324,38 @@ TEST(F16SplitAttentionTest, SplitIsBitwiseEqualToUnsplit) {
         seq[t] = t;
         pos[t] = c.lens[t] - 1;
       }
-      AttentionBatch batch{n_tokens, seq.data(), pos.data(), kKvHeads * c.gqa,
-                           1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-      const int64_t q_row = static_cast<int64_t>(batch.n_heads) * c.head_dim;
-      // Large scores make some probabilities round to f16 subnormals or 0.
-      auto q = RandomFloats(n_tokens * q_row, kv.rng());
-      for (auto& x : q) x *= 4.0f;
-      std::vector<float> want(n_tokens * q_row), got(n_tokens * q_row);
-      {
-        ScopedF16SplitForTesting unsplit(false);
-        PagedAttention(kv.view(), 1, batch, q.data(), q_row, want.data(), q_row, TestPool());
-      }
-      for (ThreadPool* pool : pools) {
-        ScopedF16SplitForTesting split(true);
+      for (int32_t window : {0, 37}) {
+        // With a window, the blocks before every token's window are released.
+        for (int32_t t = 0; window > 0 && t < n_tokens; ++t) {
+          kv.ReleaseBlocksBefore(t, std::max(0, c.lens[t] - window));
+        }
+        AttentionBatch batch{n_tokens, seq.data(), pos.data(), kKvHeads * c.gqa,
+                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+        batch.window = window;
+        const int64_t q_row = static_cast<int64_t>(batch.n_heads) * c.head_dim;
+        // Large scores make some probabilities round to f16 subnormals or 0.
+        auto q = RandomFloats(n_tokens * q_row, kv.rng());
+        for (auto& x : q) x *= 4.0f;
+        std::vector<float> want(n_tokens * q_row), got(n_tokens * q_row);
+        {
+          ScopedF16SplitForTesting unsplit(false);
+          PagedAttention(kv.view(), 1, batch, q.data(), q_row, want.data(), q_row, TestPool());
+        }
+        for (ThreadPool* pool : pools) {
+          ScopedF16SplitForTesting split(true);
+          std::fill(got.begin(), got.end(), std::nanf(""));
+          PagedAttention(kv.view(), 1, batch, q.data(), q_row, got.data(), q_row, pool);
+          ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+              << "simd=" << simd << " threads=" << pool->num_threads() << " bs=" << c.block_size
+              << " hd=" << c.head_dim << " gqa=" << c.gqa << " len[0]=" << c.lens[0]
+              << " window=" << window;
+        }
+        // The heuristic's own choice (split for the single long decode) too.
         std::fill(got.begin(), got.end(), std::nanf(""));
-        PagedAttention(kv.view(), 1, batch, q.data(), q_row, got.data(), q_row, pool);
-        ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
-            << "simd=" << simd << " threads=" << pool->num_threads() << " bs=" << c.block_size
-            << " hd=" << c.head_dim << " gqa=" << c.gqa << " len[0]=" << c.lens[0];
+        PagedAttention(kv.view(), 1, batch, q.data(), q_row, got.data(), q_row, TestPool());
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+        for (float x : got) ASSERT_FALSE(std::isnan(x)) << "window " << window;
       }
-      // The heuristic's own choice (split for the single long decode) too.
-      std::fill(got.begin(), got.end(), std::nanf(""));
-      PagedAttention(kv.view(), 1, batch, q.data(), q_row, got.data(), q_row, TestPool());
-      ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
     }
   }
 }
