@@ -220,6 +220,16 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
           const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
           for (int j = 0; j < kQK; ++j) isum += blk->qs[j] * x[j];
           d = Scale16(blk->d);
+        } else if (w.type == DType::kQ5_0) {
+          const auto* blk = reinterpret_cast<const BlockQ5_0*>(row) + b;
+          uint32_t qh;
+          std::memcpy(&qh, blk->qh, sizeof(qh));
+          for (int j = 0; j < kQK / 2; ++j) {
+            const int lo = (blk->qs[j] & 0x0F) | static_cast<int>(((qh >> j) & 1u) << 4);
+            const int hi = (blk->qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+            isum += (lo - 16) * x[j] + (hi - 16) * x[j + kQK / 2];
+          }
+          d = Scale16(blk->d);
         } else {
           const uint8_t* qs;
           if (w.type == DType::kQ4_0) {
@@ -258,7 +268,7 @@ const Block* RowBlocks(const WeightView& w, int64_t r) {
 }  // namespace
 
 std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
-  if (!internal::IsPanelType(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
+  if (!internal::CanPackPanels(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
       w.cols % kQK != 0) {
     return nullptr;
   }
@@ -269,7 +279,7 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
   p->cols = w.cols;
   p->n_blocks = w.cols / kQK;
   p->n_panels = (w.rows + kP - 1) / kP;
-  p->qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : 4 * 64;
+  p->qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : (w.type == DType::kQ5_0 ? 5 * 64 : 4 * 64);
   const int64_t scale_bytes = (w.type == DType::kQ4_1 ? 2 : 1) * kP * 2;
   p->block_bytes = (p->qs_bytes + scale_bytes + 63) / 64 * 64;
   p->panel_bytes = p->n_blocks * p->block_bytes;
@@ -290,6 +300,22 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
           const BlockQ8_0& blk = RowBlocks<BlockQ8_0>(w, r)[b];
           for (int e = 0; e < kQK; ++e) {
             qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(blk.qs[e] + 128);
+          }
+          d[n] = blk.d;
+        } else if (w.type == DType::kQ5_0) {
+          const BlockQ5_0& blk = RowBlocks<BlockQ5_0>(w, r)[b];
+          for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = blk.qs[e];
+          uint32_t qh;
+          std::memcpy(&qh, blk.qh, sizeof(qh));
+          // Mask g < 4: elements 4g..4g+3 (low nibbles); g >= 4: 16 + 4(g-4)...
+          for (int g = 0; g < 8; ++g) {
+            uint64_t mask;
+            std::memcpy(&mask, qs + 256 + 8 * g, sizeof(mask));
+            for (int i = 0; i < 4; ++i) {
+              const int e = (g < 4 ? 4 * g : 16 + 4 * (g - 4)) + i;
+              mask |= static_cast<uint64_t>((qh >> e) & 1u) << (4 * n + i);
+            }
+            std::memcpy(qs + 256 + 8 * g, &mask, sizeof(mask));
           }
           d[n] = blk.d;
         } else {
@@ -447,8 +473,39 @@ void QuantizeRowReference(DType type, const float* src, void* dst, int64_t n) {
       }
       return;
     }
+    case DType::kQ5_0: {
+      // As Q4_0 with 5 bits: the signed value of largest magnitude maps to
+      // -16; bit 4 of element j goes to bit j of qh.
+      auto* blocks = static_cast<BlockQ5_0*>(dst);
+      for (int64_t b = 0; b < n / kQK; ++b) {
+        const float* x = src + b * kQK;
+        float amax = 0.0f;
+        float vmax = 0.0f;
+        for (int j = 0; j < kQK; ++j) {
+          if (std::fabs(x[j]) > amax) {
+            amax = std::fabs(x[j]);
+            vmax = x[j];
+          }
+        }
+        const float d = vmax / -16.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        blocks[b].d = Fp32ToFp16(d);
+        uint32_t qh = 0;
+        for (int j = 0; j < kQK / 2; ++j) {
+          const int q0 = std::min(31, static_cast<int>(static_cast<int8_t>(x[j] * id + 16.5f)));
+          const int q1 =
+              std::min(31, static_cast<int>(static_cast<int8_t>(x[j + kQK / 2] * id + 16.5f)));
+          blocks[b].qs[j] = static_cast<uint8_t>((q0 & 0x0F) | ((q1 & 0x0F) << 4));
+          qh |= static_cast<uint32_t>(q0 >> 4) << j;
+          qh |= static_cast<uint32_t>(q1 >> 4) << (j + kQK / 2);
+        }
+        std::memcpy(blocks[b].qh, &qh, sizeof(qh));
+      }
+      return;
+    }
     default:
-      // The extended formats are read from files only; nothing here writes them.
+      // The other extended formats are read from files only; nothing here
+      // writes them.
       std::fprintf(stderr, "QuantizeRowReference: no quantizer for %s\n", DTypeName(type));
       std::abort();
   }

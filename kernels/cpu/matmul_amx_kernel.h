@@ -88,9 +88,12 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
       for (int64_t b = 0; b < nb; ++b) {
         for (int j = 0; j < 4; ++j) {
           const __m512i v = _mm512_load_si512(w.Qs(p, b) + 64 * j);
-          _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * j, _mm512_and_si512(v, low4));
-          _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * (j + 4),
-                             _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+          _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * j,
+                              PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p, b, j));
+          _mm512_storeu_si512(
+              unpacked.data() + b * 512 + 64 * (j + 4),
+              PanelAddHighBits<kType>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w, p, b,
+                                      j + 4));
         }
       }
       bsrc = unpacked.data();
@@ -157,6 +160,8 @@ void AmxPanelsDispatch(const PackedWeight& w, const QuantizedActs& a, int64_t n_
       return AmxPanels<Tiles, DType::kQ4_0>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_1:
       return AmxPanels<Tiles, DType::kQ4_1>(w, a, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ5_0:
+      return AmxPanels<Tiles, DType::kQ5_0>(w, a, n_tokens, r0, r1, y, y_stride);
     default:
       return;
   }

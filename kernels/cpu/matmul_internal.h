@@ -84,13 +84,19 @@ void MatMulRowsAvx512Vnni(const WeightView& w, const float* x, int64_t x_stride,
 constexpr bool IsQuantized(DType t) {
   return t != DType::kF32 && t != DType::kF16 && t != DType::kBF16;
 }
-// The types with 16-row panel kernels (PackWeight, VNNI panels, AMX).
+// The types with their own row kernels (matmul_avx2/avx512) besides the
+// 16-row panels; PackWeight also packs Q5_0 (CanPackPanels).
 constexpr bool IsPanelType(DType t) {
   return t == DType::kQ8_0 || t == DType::kQ4_0 || t == DType::kQ4_1;
 }
 // Q5_0, Q5_1, IQ4_NL and the 256-element formats (quants.cc and the
 // matmul_quants_* kernels).
 constexpr bool IsExtendedType(DType t) { return IsQuantized(t) && !IsPanelType(t); }
+// The types PackWeight packs into 16-row panels (VNNI panels, AMX): Q5_0's
+// values are 5-bit integers with one scale, like Q4_0's 4-bit ones, so its
+// panels are Q4_0's plus a bit plane (matmul_panels.h). Unpacked, Q5_0
+// stays an extended type.
+constexpr bool CanPackPanels(DType t) { return IsPanelType(t) || t == DType::kQ5_0; }
 
 // Reference dequantizer of an extended type (quants.cc); false for others.
 bool DequantizeRowExtended(DType type, const void* src, float* dst, int64_t n);

@@ -11,15 +11,18 @@
 //   Q8_0: 8 groups x 64 bytes = 512 bytes per block, each byte w + 128;
 //   Q4_0/Q4_1: 4 x 64 = 256 bytes, byte (j, n, i) holds groups j (low
 //     nibble) and j + 4 (high nibble), which is exactly the GGUF byte
-//     qs[4j + i] of row n, so packing Q4 only interleaves.
+//     qs[4j + i] of row n, so packing Q4 only interleaves;
+//   Q5_0: the Q4 nibbles of its low 4 bits, then its fifth bits as 8 masks
+//     of 64 bits, mask g's bit 4n + i the fifth bit of element 4g + i of
+//     row n (one kmov + masked move per group puts 16 at those bytes).
 // Each block's weights are followed by its d as 16 fp16 and (Q4_1) m likewise,
-// padded to 64 bytes (Q8_0 576, Q4_0 320, Q4_1 320 bytes per block), so a
-// panel is one linear stream, as a one-token product reads it.
+// padded to 64 bytes (Q8_0 576, Q4_0 320, Q4_1 320, Q5_0 384 bytes per
+// block), so a panel is one linear stream, as a one-token product reads it.
 //
 // Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
-//   Q8_0, Q4_0: isum = sum over the block of w * x with the signed weights
-//     (q for Q8_0, q - 8 for Q4_0): an exact int32, formed from the unsigned
-//     dot as isum_u - 128 * sum(x) (resp. 8 * sum(x));
+//   Q8_0, Q4_0, Q5_0: isum = sum over the block of w * x with the signed
+//     weights (q for Q8_0, q - 8 for Q4_0, q - 16 for Q5_0): an exact int32,
+//     formed from the unsigned dot as isum_u - 128 * sum(x) (resp. 8, 16);
 //     acc = fma(float(isum), d_w * d_a, acc);
 //   Q4_1: isum = sum of q * x (q = 0..15), exact;
 //     acc = fma(float(isum), d_w * d_a, acc);  acc = fma(m_w, s_a, acc);
@@ -29,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "kernels/cpu/matmul_internal.h"
@@ -41,7 +45,7 @@ struct PackedWeight {
   int64_t cols = 0;
   int64_t n_blocks = 0;     // cols / 32
   int64_t n_panels = 0;     // ceil(rows / 16)
-  int64_t qs_bytes = 0;     // per block per panel: 512 (Q8_0) or 256 (Q4)
+  int64_t qs_bytes = 0;     // per block per panel: 512 (Q8_0), 256 (Q4), 320 (Q5_0)
   int64_t block_bytes = 0;  // qs, d, m (Q4_1), padded to 64
   int64_t panel_bytes = 0;  // n_blocks * block_bytes
   std::unique_ptr<uint8_t, void (*)(void*)> storage{nullptr, nullptr};
@@ -53,6 +57,12 @@ struct PackedWeight {
   }
   // Q4_1 only.
   const uint16_t* M(int64_t p, int64_t b) const { return D(p, b) + 16; }
+  // Q5_0 only: the fifth-bit mask of group g (0..7) of block b.
+  uint64_t HighBits(int64_t p, int64_t b, int g) const {
+    uint64_t m;
+    std::memcpy(&m, Qs(p, b) + 256 + 8 * g, sizeof(m));
+    return m;
+  }
 };
 
 namespace internal {
@@ -94,7 +104,7 @@ inline __m512 PanelBlockEpilogue(__m512 acc, __m512i isum_u, __m512 dw, __m512 m
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_u), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
     return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
   } else {
-    constexpr int32_t kOffset = kType == DType::kQ8_0 ? 128 : 8;
+    constexpr int32_t kOffset = kType == DType::kQ8_0 ? 128 : (kType == DType::kQ5_0 ? 16 : 8);
     const __m512i isum = _mm512_sub_epi32(isum_u, _mm512_set1_epi32(kOffset * xsum));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
   }
@@ -108,6 +118,18 @@ inline void PanelScales(const PackedWeight& w, int64_t p, int64_t b, __m512* dw,
     *mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.M(p, b))));
   } else {
     *mw = _mm512_setzero_ps();
+  }
+}
+
+// Q5_0: v (16 rows' nibbles of group g, one per byte) with the group's
+// fifth bits added as 16s; other types: v.
+template <DType kType>
+inline __m512i PanelAddHighBits(__m512i v, const PackedWeight& w, int64_t p, int64_t b, int g) {
+  if constexpr (kType == DType::kQ5_0) {
+    const __mmask64 hb = _cvtu64_mask64(w.HighBits(p, b, g));
+    return _mm512_or_si512(v, _mm512_maskz_mov_epi8(hb, _mm512_set1_epi8(0x10)));
+  } else {
+    return v;
   }
 }
 

@@ -86,8 +86,9 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
 #pragma GCC unroll 16
         for (int p = 0; p < P; ++p) {
           const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * j);
-          lo[p] = _mm512_and_si512(v, low4);
-          hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          lo[p] = PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p0 + p, b, j);
+          hi[p] = PanelAddHighBits<kType>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w,
+                                          p0 + p, b, j + 4);
         }
 #pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
@@ -183,6 +184,8 @@ void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t 
       return PanelsForType<DType::kQ4_0>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_1:
       return PanelsForType<DType::kQ4_1>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ5_0:
+      return PanelsForType<DType::kQ5_0>(w, acts, n_tokens, r0, r1, y, y_stride);
     default:
       return;
   }
