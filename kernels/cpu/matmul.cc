@@ -211,6 +211,31 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
       const int8_t* xq = acts.qs + t * nb * kQK;
       const float* xds = acts.ds + t * 2 * nb;
       float acc = 0.0f;
+      if (w.type == DType::kQ4_K) {
+        // Per super-block: exact scaled dots and mins, then two fmas.
+        const int16_t* xbs = acts.bsums + t * nb * 2;
+        for (int64_t s = 0; s < nb / 8; ++s) {
+          const auto* blk = reinterpret_cast<const BlockQ4_K*>(row) + s;
+          int32_t sumi = 0;
+          int32_t summ = 0;
+          for (int j = 0; j < 8; ++j) {
+            int sc;
+            int mn;
+            KQuantScaleMin(blk->scales, j, &sc, &mn);
+            const uint8_t* q = blk->qs + 32 * (j / 2);
+            const int8_t* x = xq + (8 * s + j) * kQK;
+            int32_t isum = 0;
+            for (int e = 0; e < kQK; ++e) isum += ((q[e] >> (4 * (j % 2))) & 0x0F) * x[e];
+            sumi += sc * isum;
+            summ += mn * (xbs[16 * s + 2 * j] + xbs[16 * s + 2 * j + 1]);
+          }
+          const float da = xds[2 * 8 * s];
+          acc = std::fma(static_cast<float>(sumi), Scale16(blk->d) * da, acc);
+          acc = std::fma(static_cast<float>(summ), -Scale16(blk->dmin) * da, acc);
+        }
+        y[t * y_stride + r] = acc;
+        continue;
+      }
       for (int64_t b = 0; b < nb; ++b) {
         int32_t isum = 0;
         float d = 0.0f;
@@ -265,13 +290,64 @@ const Block* RowBlocks(const WeightView& w, int64_t r) {
                                         r * RowBytes(w.type, w.cols));
 }
 
+// Q4_K panels (matmul_panels.h): per super-block, the 8 sub-blocks'
+// nibbles as Q4_0's layout, their scales and mins, then d and dmin.
+std::shared_ptr<const PackedWeight> PackQ4K(const WeightView& w) {
+  constexpr int64_t kP = internal::kPanelRows;
+  auto p = std::make_shared<PackedWeight>();
+  p->type = w.type;
+  p->rows = w.rows;
+  p->cols = w.cols;
+  p->n_blocks = w.cols / kQK;
+  p->n_panels = (w.rows + kP - 1) / kP;
+  p->qs_bytes = 4 * 64;
+  p->group_blocks = 8;
+  p->block_bytes = 8 * 256 + 8 * 32 + 2 * kP * 2;  // 2,368: a multiple of 64
+  const int64_t n_super = w.cols / kQK_K;
+  p->panel_bytes = n_super * p->block_bytes;
+  const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
+  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
+  if (!p->storage) return nullptr;
+  std::memset(p->storage.get(), 0, total);
+  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
+    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
+    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
+      const auto* blocks = reinterpret_cast<const BlockQ4_K*>(
+          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols));
+      for (int64_t s = 0; s < n_super; ++s) {
+        const BlockQ4_K& blk = blocks[s];
+        uint8_t* sb = panel + s * p->block_bytes;
+        for (int j = 0; j < 8; ++j) {
+          // Element e of sub-block j: nibble (j % 2) of qs[32 (j / 2) + e].
+          const uint8_t* q = blk.qs + 32 * (j / 2);
+          auto nib = [&](int e) { return (q[e] >> (4 * (j % 2))) & 0x0F; };
+          uint8_t* qs = sb + j * 256;
+          for (int e = 0; e < kQK / 2; ++e) {
+            qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(nib(e) | (nib(e + 16) << 4));
+          }
+          int sc;
+          int mn;
+          internal::KQuantScaleMin(blk.scales, j, &sc, &mn);
+          sb[8 * 256 + j * 32 + n] = static_cast<uint8_t>(sc);
+          sb[8 * 256 + j * 32 + 16 + n] = static_cast<uint8_t>(mn);
+        }
+        auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * 256 + 8 * 32);
+        dd[n] = blk.d;
+        dd[kP + n] = blk.dmin;
+      }
+    }
+  }
+  return p;
+}
+
 }  // namespace
 
 std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
   if (!internal::CanPackPanels(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
-      w.cols % kQK != 0) {
+      w.cols % kQK != 0 || (w.type == DType::kQ4_K && w.cols % kQK_K != 0)) {
     return nullptr;
   }
+  if (w.type == DType::kQ4_K) return PackQ4K(w);
   constexpr int64_t kP = internal::kPanelRows;
   auto p = std::make_shared<PackedWeight>();
   p->type = w.type;
@@ -557,7 +633,7 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
     const bool panels = vnni && ws[i].packed != nullptr;
     any_packed = any_packed || panels;
     if (!internal::IsQuantized(ws[i].type)) continue;
-    if (internal::UsesQ8K(ws[i].type) && !panels) {
+    if (internal::UsesQ8K(ws[i].type)) {  // Q4_K panels too (their s_a term)
       any_q8k = true;
       continue;
     }
@@ -630,12 +706,13 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
       if (lo >= hi) continue;
       if (vnni && ws[i].packed != nullptr) {
         const PackedWeight& pw = *ws[i].packed;
+        const QuantizedActs& pa = internal::UsesQ8K(pw.type) ? acts_k : acts;
         if (amx == AmxKernel::kHardware) {
-          internal::MatMulPanelsAmx(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+          internal::MatMulPanelsAmx(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);
         } else if (amx == AmxKernel::kEmulated) {
-          internal::MatMulPanelsAmxEmulated(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+          internal::MatMulPanelsAmxEmulated(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);
         } else {
-          internal::MatMulPanelsVnni(pw, acts, n_tokens, lo, hi, ys[i], y_strides[i]);
+          internal::MatMulPanelsVnni(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);
         }
       } else if (internal::IsExtendedType(ws[i].type)) {
         const QuantizedActs& a = internal::UsesQ8K(ws[i].type) ? acts_k : acts;

@@ -105,10 +105,31 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
       const int64_t nt = std::min<int64_t>(16, n_tokens - t0);
       const int8_t* arows = c < full_chunks ? a.qs + t0 * act_stride : pad.data();
       const float* xds = a.ds + t0 * 2 * nb;
-      const int32_t* xsum = a.sums + t0 * nb;
+      const int32_t* xsum = a.sums != nullptr ? a.sums + t0 * nb : nullptr;
       __m512 acc[16];
       for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+      // Q4_K: the super-block's scaled block dots (matmul_panels.h).
+      __m512i ksumi[16];
       auto epilogue = [&](int64_t b, const int32_t (*isums)[16]) {
+        if constexpr (kType == DType::kQ4_K) {
+          if (b % 8 == 0) {
+            for (int t = 0; t < 16; ++t) ksumi[t] = _mm512_setzero_si512();
+          }
+          const __m512i sc = PanelKScales(w, p, b, false);
+          for (int t = 0; t < nt; ++t) {
+            ksumi[t] = _mm512_add_epi32(ksumi[t],
+                                        _mm512_mullo_epi32(_mm512_load_si512(isums[t]), sc));
+          }
+          if (b % 8 == 7) {
+            const int64_t s = b / 8;
+            for (int t = 0; t < nt; ++t) {
+              acc[t] = PanelQ4KSuperEpilogue(acc[t], ksumi[t], w, p, s,
+                                             a.bsums + (t0 + t) * nb * 2 + 16 * s,
+                                             xds[t * 2 * nb + 2 * 8 * s]);
+            }
+          }
+          return;
+        }
         __m512 dw;
         __m512 mw;
         PanelScales<kType>(w, p, b, &dw, &mw);
@@ -116,7 +137,8 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
           if (t >= nt) break;
           const __m512i isum = _mm512_load_si512(isums[t]);
           acc[t] = PanelBlockEpilogue<kType>(acc[t], isum, dw, mw, xds[t * 2 * nb + 2 * b],
-                                             xds[t * 2 * nb + 2 * b + 1], xsum[t * nb + b]);
+                                             xds[t * 2 * nb + 2 * b + 1],
+                                             PanelUsesSum(kType) ? xsum[t * nb + b] : 0);
         }
       };
       int64_t b = 0;
@@ -162,6 +184,8 @@ void AmxPanelsDispatch(const PackedWeight& w, const QuantizedActs& a, int64_t n_
       return AmxPanels<Tiles, DType::kQ4_1>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ5_0:
       return AmxPanels<Tiles, DType::kQ5_0>(w, a, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ4_K:
+      return AmxPanels<Tiles, DType::kQ4_K>(w, a, n_tokens, r0, r1, y, y_stride);
     default:
       return;
   }

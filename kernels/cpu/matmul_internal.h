@@ -96,7 +96,11 @@ constexpr bool IsExtendedType(DType t) { return IsQuantized(t) && !IsPanelType(t
 // values are 5-bit integers with one scale, like Q4_0's 4-bit ones, so its
 // panels are Q4_0's plus a bit plane (matmul_panels.h). Unpacked, Q5_0
 // stays an extended type.
-constexpr bool CanPackPanels(DType t) { return IsPanelType(t) || t == DType::kQ5_0; }
+// Q4_K's 32-value sub-blocks are Q4_1 blocks with a scale d * sc and a
+// min -dmin * m, so its panels are Q4_1's with those computed per block.
+constexpr bool CanPackPanels(DType t) {
+  return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ4_K;
+}
 
 // Reference dequantizer of an extended type (quants.cc); false for others.
 bool DequantizeRowExtended(DType type, const void* src, float* dst, int64_t n);

@@ -18,6 +18,11 @@
 // Each block's weights are followed by its d as 16 fp16 and (Q4_1) m likewise,
 // padded to 64 bytes (Q8_0 576, Q4_0 320, Q4_1 320, Q5_0 384 bytes per
 // block), so a panel is one linear stream, as a one-token product reads it.
+// Q4_K: a group of its 8 sub-blocks (one 256-value super-block) is 8 x 256
+// bytes of nibbles laid out as Q4_0's (each sub-block's element e and e + 16
+// share a byte), then per sub-block its 16 rows' 6-bit scales and mins as
+// bytes (8 x 32), then the super-block's d and dmin as 16 fp16 each: 2,368
+// bytes per 16 rows x 256 values (Q4_K itself: 2,304).
 //
 // Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
 //   Q8_0, Q4_0, Q5_0: isum = sum over the block of w * x with the signed
@@ -26,6 +31,12 @@
 //     acc = fma(float(isum), d_w * d_a, acc);
 //   Q4_1: isum = sum of q * x (q = 0..15), exact;
 //     acc = fma(float(isum), d_w * d_a, acc);  acc = fma(m_w, s_a, acc);
+//   Q4_K, on Q8_K activations (d_a per super-block, bsums per 16 values),
+//     per super-block as llama.cpp sums it: isum_j = sum of q * x over
+//     sub-block j (q = 0..15), sumi = sum_j sc_j * isum_j and summ = sum_j
+//     m_j * (bsum_2j + bsum_2j+1), both exact int32; then
+//     acc = fma(float(sumi), d * d_a, acc);
+//     acc = fma(float(summ), (-dmin) * d_a, acc);
 // with (d_a, s_a, sum(x)) the activation block's scale, ggml Q8_1 sum term and
 // integer sum (QuantizedActs). Signed dots keep Q8_0/Q4_0 free of the large
 // offset terms that cancel only in exact arithmetic.
@@ -46,12 +57,23 @@ struct PackedWeight {
   int64_t n_blocks = 0;     // cols / 32
   int64_t n_panels = 0;     // ceil(rows / 16)
   int64_t qs_bytes = 0;     // per block per panel: 512 (Q8_0), 256 (Q4), 320 (Q5_0)
-  int64_t block_bytes = 0;  // qs, d, m (Q4_1), padded to 64
-  int64_t panel_bytes = 0;  // n_blocks * block_bytes
+  int64_t block_bytes = 0;  // qs, d, m (Q4_1), padded to 64 (Q4_K: a super-block)
+  int64_t panel_bytes = 0;  // n_blocks * block_bytes (Q4_K: n_blocks / 8 * ...)
+  int64_t group_blocks = 1;  // 32-value blocks per stored block (Q4_K: 8)
   std::unique_ptr<uint8_t, void (*)(void*)> storage{nullptr, nullptr};
 
   const uint8_t* Panel(int64_t p) const { return storage.get() + p * panel_bytes; }
-  const uint8_t* Qs(int64_t p, int64_t b) const { return Panel(p) + b * block_bytes; }
+  const uint8_t* Qs(int64_t p, int64_t b) const {
+    return Panel(p) + b / group_blocks * block_bytes + b % group_blocks * qs_bytes;
+  }
+  // Q4_K only: the 16 scales then 16 mins (bytes) of sub-block b, and the
+  // super-block's 16 d then 16 dmin (fp16).
+  const uint8_t* KScaleMins(int64_t p, int64_t b) const {
+    return Panel(p) + b / 8 * block_bytes + 8 * 256 + b % 8 * 32;
+  }
+  const uint16_t* KD(int64_t p, int64_t b) const {
+    return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * 256 + 8 * 32);
+  }
   const uint16_t* D(int64_t p, int64_t b) const {
     return reinterpret_cast<const uint16_t*>(Qs(p, b) + qs_bytes);
   }
@@ -68,6 +90,11 @@ struct PackedWeight {
 namespace internal {
 
 constexpr int kPanelRows = 16;
+
+// Whether a type's block epilogue takes the integer sum(x) (signed weights
+// formed from unsigned ones); Q4_1 and Q4_K take s_a instead, and Q4_K's
+// activations (Q8_K) carry no integer sums.
+constexpr bool PanelUsesSum(DType t) { return t != DType::kQ4_1 && t != DType::kQ4_K; }
 
 // Rows [r0, r1) of y for all n_tokens tokens from a packed weight. The
 // VNNI kernel serves any n_tokens; the AMX kernels are meant for many
@@ -131,6 +158,34 @@ inline __m512i PanelAddHighBits(__m512i v, const PackedWeight& w, int64_t p, int
   } else {
     return v;
   }
+}
+
+// Q4_K: the 16 rows' 6-bit scales (mins when `mins`) of sub-block b.
+inline __m512i PanelKScales(const PackedWeight& w, int64_t p, int64_t b, bool mins) {
+  return _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.KScaleMins(p, b) + (mins ? 16 : 0))));
+}
+
+// Q4_K: the super-block epilogue of 16 row-lanes of one token: sumi (the
+// scaled block dots) and the mins against the activations' block sums xbs
+// (16 int16 of the super-block), at super-block s of panel p.
+inline __m512 PanelQ4KSuperEpilogue(__m512 acc, __m512i sumi, const PackedWeight& w, int64_t p,
+                                    int64_t s, const int16_t* xbs, float da) {
+  __m512i summ = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) {
+    const int32_t xs = int32_t{xbs[2 * j]} + int32_t{xbs[2 * j + 1]};
+    summ = _mm512_add_epi32(
+        summ, _mm512_mullo_epi32(PanelKScales(w, p, 8 * s + j, true), _mm512_set1_epi32(xs)));
+  }
+  const uint16_t* dd = w.KD(p, 8 * s);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
+  const __m512 dmin =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + 16)));
+  const __m512 neg_dmin =  // exact negation
+      _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin), _mm512_set1_epi32(INT32_MIN)));
+  const __m512 vda = _mm512_set1_ps(da);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, vda), acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(neg_dmin, vda), acc);
 }
 
 // Lanes of panel p that fall in [r0, r1).

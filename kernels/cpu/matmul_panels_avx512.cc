@@ -55,7 +55,7 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
   for (int t = 0; t < T; ++t) {
     xq[t] = a.qs + (t0 + t) * nb * kQK;
     xds[t] = a.ds + (t0 + t) * 2 * nb;
-    xsum[t] = a.sums + (t0 + t) * nb;
+    xsum[t] = a.sums != nullptr ? a.sums + (t0 + t) * nb : nullptr;
   }
   for (int64_t b = 0; b < nb; ++b) {
     __m512i isum[P][T];
@@ -110,7 +110,95 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
         acc[p][t] = PanelBlockEpilogue<kType>(acc[p][t], isum[p][t], dw, mw, xds[t][2 * b],
-                                              xds[t][2 * b + 1], xsum[t][b]);
+                                              xds[t][2 * b + 1],
+                                              PanelUsesSum(kType) ? xsum[t][b] : 0);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
+    }
+  }
+}
+
+// Q4_K panels (matmul_panels.h): per super-block, each sub-block's exact
+// dot times its scale summed as integers (sumi, in registers), then
+// PanelQ4KSuperEpilogue adds the mins and the two float steps.
+template <int P, int T>
+void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
+                  int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+  const int64_t nb = w.n_blocks;
+  __m512 acc[P][T];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
+  }
+  const int8_t* xq[T];
+  const float* xds[T];
+  const int16_t* xbs[T];
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) {
+    xq[t] = a.qs + (t0 + t) * nb * kQK;
+    xds[t] = a.ds + (t0 + t) * 2 * nb;
+    xbs[t] = a.bsums + (t0 + t) * nb * 2;
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    __m512i sumi[P][T];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t) sumi[p][t] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      __m512i isum[P][T];
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) isum[p][t] = _mm512_setzero_si512();
+      }
+#pragma GCC unroll 16
+      for (int g = 0; g < 4; ++g) {
+        __m512i lo[P];
+        __m512i hi[P];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+          const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * g);
+          lo[p] = _mm512_and_si512(v, low4);
+          hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) {
+          const __m512i xlo = Bcast32(xq[t] + b * kQK + 4 * g);
+          const __m512i xhi = Bcast32(xq[t] + b * kQK + 16 + 4 * g);
+#pragma GCC unroll 16
+          for (int p = 0; p < P; ++p) {
+            isum[p][t] = _mm512_dpbusd_epi32(isum[p][t], lo[p], xlo);
+            isum[p][t] = _mm512_dpbusd_epi32(isum[p][t], hi[p], xhi);
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) {
+        const __m512i sc = PanelKScales(w, p0 + p, b, false);
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) {
+          sumi[p][t] = _mm512_add_epi32(sumi[p][t], _mm512_mullo_epi32(isum[p][t], sc));
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t) {
+        acc[p][t] = PanelQ4KSuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s, xbs[t] + 16 * s,
+                                          xds[t][2 * 8 * s]);
       }
     }
   }
@@ -128,8 +216,13 @@ template <DType kType, int P, int T>
 void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedActs& a, int64_t t0,
                int64_t r0, int64_t r1, float* y, int64_t y_stride) {
   int64_t p = pb;
-  for (; p + P <= pe; p += P) PanelTile<kType, P, T>(w, p, a, t0, r0, r1, y, y_stride);
-  for (; p < pe; ++p) PanelTile<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
+  if constexpr (kType == DType::kQ4_K) {
+    for (; p + P <= pe; p += P) PanelTileQ4K<P, T>(w, p, a, t0, r0, r1, y, y_stride);
+    for (; p < pe; ++p) PanelTileQ4K<1, T>(w, p, a, t0, r0, r1, y, y_stride);
+  } else {
+    for (; p + P <= pe; p += P) PanelTile<kType, P, T>(w, p, a, t0, r0, r1, y, y_stride);
+    for (; p < pe; ++p) PanelTile<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
+  }
 }
 
 // RunPanels<kType, 1, T> for the 1 to 7 tokens left after the tiles of 8.
@@ -186,6 +279,8 @@ void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t 
       return PanelsForType<DType::kQ4_1>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ5_0:
       return PanelsForType<DType::kQ5_0>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ4_K:
+      return PanelsForType<DType::kQ4_K>(w, acts, n_tokens, r0, r1, y, y_stride);
     default:
       return;
   }

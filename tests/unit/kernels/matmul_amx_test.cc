@@ -38,6 +38,19 @@ std::vector<float> RandomFloats(int64_t n, uint32_t seed) {
 
 std::vector<uint8_t> Quantize(DType type, const std::vector<float>& w, int64_t rows, int64_t cols) {
   std::vector<uint8_t> out(RowBytes(type, cols) * rows);
+  if (type == DType::kQ4_K) {
+    // No Q4_K quantizer here: random blocks (every bit pattern of scales,
+    // mins and nibbles is a valid Q4_K block) with d, dmin drawn from w.
+    std::mt19937 rng(static_cast<uint32_t>(w.size()));
+    auto* blocks = reinterpret_cast<BlockQ4_K*>(out.data());
+    for (int64_t i = 0; i < rows * cols / kQK_K; ++i) {
+      blocks[i].d = Fp32ToFp16(std::fabs(w[i]) * 0.01f + 1e-3f);
+      blocks[i].dmin = Fp32ToFp16(std::fabs(w[i + 1 < static_cast<int64_t>(w.size()) ? i + 1 : 0]) * 0.01f);
+      for (auto& b : blocks[i].scales) b = static_cast<uint8_t>(rng());
+      for (auto& b : blocks[i].qs) b = static_cast<uint8_t>(rng());
+    }
+    return out;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     QuantizeRowReference(type, w.data() + r * cols, out.data() + r * RowBytes(type, cols), cols);
   }
@@ -85,6 +98,7 @@ struct Case {
   std::vector<int8_t> qs;
   std::vector<float> ds;
   std::vector<int32_t> sums;
+  std::vector<int16_t> bsums;
   internal::QuantizedActs acts;
 
   Case(DType t, int64_t r, int64_t c, int64_t n, uint32_t seed)
@@ -99,14 +113,24 @@ struct Case {
     ds.assign(2 * n * nb + 16, 0.0f);
     sums.assign(n * nb, 0);
     const auto mode = t == DType::kQ4_1 ? internal::ActSum::kQ8_1 : internal::ActSum::kExact;
+    // Q4_K meets Q8_K activations (one scale per 256 values), as MatMulMany
+    // gives it.
+    const bool q8k = internal::UsesQ8K(t);
+    if (q8k) bsums.assign(n * nb * 2, 0);
     for (int64_t i = 0; i < n; ++i) {
-      internal::QuantizeActsAvx2(x.data() + i * c, c, mode, qs.data() + i * c, ds.data() + i * 2 * nb,
-                                 sums.data() + i * nb);
+      if (q8k) {
+        internal::QuantizeActsQ8KAvx2(x.data() + i * c, c, qs.data() + i * c,
+                                      ds.data() + i * 2 * nb, bsums.data() + i * nb * 2);
+      } else {
+        internal::QuantizeActsAvx2(x.data() + i * c, c, mode, qs.data() + i * c,
+                                   ds.data() + i * 2 * nb, sums.data() + i * nb);
+      }
     }
     acts.n_blocks = nb;
     acts.qs = qs.data();
     acts.ds = ds.data();
-    acts.sums = sums.data();
+    acts.sums = q8k ? nullptr : sums.data();
+    acts.bsums = q8k ? bsums.data() : nullptr;
   }
   std::vector<float> Out() const { return std::vector<float>(n_tokens * rows, 0.0f); }
 };
@@ -168,7 +192,10 @@ TEST_P(PanelKernelTest, PackedMatMulMatchesReference) {
     ScopedAmxForTesting amx(k, /*min_tokens=*/1);
     std::vector<float> got = c.Out();
     MatMul(c.view, c.x.data(), n_tokens, cols, got.data(), rows, Pool());
-    EXPECT_LT(Nmse(got, want), 2e-4) << "kernel " << static_cast<int>(k);
+    // Q4_K: Q8_K activations (one scale per 256 values) on random blocks
+    // whose mins cancel much of each dot.
+    EXPECT_LT(Nmse(got, want), type == DType::kQ4_K ? 1e-3 : 2e-4)
+        << "kernel " << static_cast<int>(k);
   }
 }
 
@@ -186,6 +213,13 @@ std::vector<PanelParam> PanelParams() {
       for (int n_tokens : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 33, 64, 70}) {
         p.emplace_back(type, rows, cols, n_tokens);
       }
+    }
+  }
+  // Q4_K: rows of whole 256-value super-blocks.
+  for (auto [rows, cols] : {std::pair{1, 256}, std::pair{17, 512}, std::pair{37, 768},
+                            std::pair{130, 2048}, std::pair{51, 1536}}) {
+    for (int n_tokens : {1, 2, 3, 5, 8, 9, 16, 17, 33, 70}) {
+      p.emplace_back(DType::kQ4_K, rows, cols, n_tokens);
     }
   }
   return p;
@@ -300,9 +334,13 @@ double MeanAbsErrorVsExact(const Case& c, const std::vector<float>& y) {
 // measured: Q4_1 4.8e-6 vs 8.8e-6, Q8_0 and Q4_0 3.5e-6 vs 1.1e-5 (|y| ~ 31).
 // Q5_0's row kernel (the extended one) already forms signed block integers,
 // so the two differ only in float rounding: 3.3e-6 vs 3.1e-6, allowed 1.25x.
+// Q4_K: the panels sum a super-block's scaled dots and mins as integers and
+// take two float steps per super-block (llama.cpp's order), the row kernel
+// a float step per sub-block: 6.8e-6 vs 8.4e-6. (Per-sub-block float steps
+// in the panels measured 1.6e-5, and moved Gemma 3's greedy outputs.)
 TEST(PanelAccuracyTest, AtLeastAsCloseToExactArithmeticAsTheRowKernels) {
   SKIP_WITHOUT_VNNI();
-  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0}) {
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ4_K}) {
     const Case c(type, 256, 1536, 8, 1);
     std::vector<float> rows = c.Out();
     WeightView unpacked = c.view;
@@ -312,7 +350,8 @@ TEST(PanelAccuracyTest, AtLeastAsCloseToExactArithmeticAsTheRowKernels) {
     MatMul(c.view, c.x.data(), c.n_tokens, c.cols, panels.data(), c.rows, nullptr);
     const double e_rows = MeanAbsErrorVsExact(c, rows);
     const double e_panels = MeanAbsErrorVsExact(c, panels);
-    EXPECT_LE(e_panels, (type == DType::kQ5_0 ? 1.25 : 1.0) * e_rows) << DTypeName(type);
+    const double allowed = type == DType::kQ5_0 ? 1.25 : 1.0;
+    EXPECT_LE(e_panels, allowed * e_rows) << DTypeName(type);
     EXPECT_LT(e_panels, 1e-5) << DTypeName(type);
   }
 }
@@ -330,6 +369,11 @@ TEST(PackWeightTest, PacksOnlyQuantizedTypesAndReportsItsBytes) {
   const Case c5(DType::kQ5_0, 17, 64, 1, 3);
   ASSERT_NE(c5.packed, nullptr);
   EXPECT_EQ(PackedBytes(*c5.packed), 2 * 2 * 384);
+  // Q4_K: per super-block 8 x 256 bytes of nibbles, 8 x 32 of scales and
+  // mins, 64 of d and dmin.
+  const Case ck(DType::kQ4_K, 17, 512, 1, 3);
+  ASSERT_NE(ck.packed, nullptr);
+  EXPECT_EQ(PackedBytes(*ck.packed), 2 * 2 * 2368);
   {
     ScopedDisableAvx512ForTesting no_avx512;
     EXPECT_EQ(PackWeight(WeightView{DType::kQ4_0, c.q.data(), 17, 64}), nullptr);
