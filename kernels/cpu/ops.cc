@@ -168,13 +168,19 @@ namespace {
 // GELU as ggml's CPU backend computes it (GGML_GELU_FP16, what llama.cpp
 // runs Gemma with): the input rounded to f16, the tanh-GELU of that value
 // (in float) rounded to f16; inputs <= -10 give 0 and >= 10 pass through.
+// The tanh GELU of an f16 value, rounded to f16: ggml's table entry (built
+// without the cut-offs, so a gate just above -10 that rounds to -10 gets
+// the formula's -0, as in ggml).
+float GeluOfHalf(float x) {
+  constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+  const float gelu = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + 0.044715f * x * x)));
+  return Fp16ToFp32(Fp32ToFp16(gelu));
+}
+
 float GgmlGeluTanh(float g) {
   if (g <= -10.0f) return 0.0f;
   if (g >= 10.0f) return g;
-  constexpr float kSqrt2OverPi = 0.79788456080286535588f;
-  const float x = Fp16ToFp32(Fp32ToFp16(g));
-  const float gelu = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + 0.044715f * x * x)));
-  return Fp16ToFp32(Fp32ToFp16(gelu));
+  return GeluOfHalf(Fp16ToFp32(Fp32ToFp16(g)));
 }
 
 }  // namespace
@@ -183,15 +189,23 @@ void GeluTanhMulReference(const float* gate, const float* up, int64_t n, float* 
   for (int64_t i = 0; i < n; ++i) out[i] = GgmlGeluTanh(gate[i]) * up[i];
 }
 
-void GeluTanhMul(const float* gate, const float* up, int64_t n, float* out) {
+namespace internal {
+const float* GeluTanhTable() {
   // Every f16 input's GELU, once (256 KiB).
   static const std::vector<float> table = [] {
     std::vector<float> t(1 << 16);
     for (uint32_t h = 0; h < (1u << 16); ++h) {
-      t[h] = GgmlGeluTanh(Fp16ToFp32(static_cast<uint16_t>(h)));
+      t[h] = GeluOfHalf(Fp16ToFp32(static_cast<uint16_t>(h)));
     }
     return t;
   }();
+  return table.data();
+}
+}  // namespace internal
+
+void GeluTanhMul(const float* gate, const float* up, int64_t n, float* out) {
+  const float* table = internal::GeluTanhTable();
+  if (UseAvx2()) return internal::GeluTanhMulAvx2(table, gate, up, n, out);
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     const float gelu = g <= -10.0f ? 0.0f : g >= 10.0f ? g : table[Fp32ToFp16(g)];

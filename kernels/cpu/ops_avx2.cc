@@ -33,6 +33,28 @@ void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n,
   }
 }
 
+void GeluTanhMulAvx2(const float* table, const float* gate, const float* up, int64_t n,
+                     float* out) {
+  const __m256 lo = _mm256_set1_ps(-10.0f);
+  const __m256 hi = _mm256_set1_ps(10.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256i h = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT));
+    __m256 gelu = _mm256_i32gather_ps(table, h, 4);
+    gelu = _mm256_blendv_ps(gelu, g, _mm256_cmp_ps(g, hi, _CMP_GE_OQ));
+    gelu = _mm256_blendv_ps(gelu, _mm256_setzero_ps(), _mm256_cmp_ps(g, lo, _CMP_LE_OQ));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    const float gelu = g <= -10.0f   ? 0.0f
+                       : g >= 10.0f ? g
+                                    : table[_cvtss_sh(g, _MM_FROUND_TO_NEAREST_INT)];
+    out[i] = gelu * up[i];
+  }
+}
+
 void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 neg = _mm256_set1_ps(-0.0f);

@@ -9,6 +9,12 @@ namespace kvserve::kernels::internal {
 void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
                  float* out);
 void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out);
+// ggml's GELU (tanh form) of every f16 value, indexed by its bits.
+const float* GeluTanhTable();
+// GeluTanhMul with F16C rounding and gathers from `table`, bit for bit the
+// plain loop (both round the gate to f16 to nearest even).
+void GeluTanhMulAvx2(const float* table, const float* gate, const float* up, int64_t n,
+                     float* out);
 void AddInPlaceAvx2(float* x, const float* y, int64_t n);
 float SoftmaxInPlaceAvx2(float* x, int64_t n);
 

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/half.h"
 #include "kernels/cpu/dispatch.h"
 
 namespace kvserve::kernels {
@@ -101,6 +102,33 @@ TEST_P(OpsTest, GeluTanhMulMatchesReference) {
   std::vector<float> inplace = gate;
   GeluTanhMul(inplace.data(), up.data(), n(), inplace.data());
   EXPECT_EQ(inplace, want);
+}
+
+// The AVX2 GEGLU rounds the gate to f16 with F16C and gathers from the
+// table: equal to the plain loop on every f16 value and on the midpoints
+// between neighbours (where round-to-nearest-even decides), with and
+// without SIMD.
+TEST(GeluTanhMulTest, EveryHalfValueAndMidpointMatchesTheReference) {
+  std::vector<float> gate;
+  for (uint32_t h = 0; h < (1u << 16); ++h) {
+    const float v = Fp16ToFp32(static_cast<uint16_t>(h));
+    if (!std::isfinite(v)) continue;
+    gate.push_back(v);
+    const float next = Fp16ToFp32(static_cast<uint16_t>(h + 1));
+    if (std::isfinite(next) && (h & 0x7FFF) != 0x7BFF) gate.push_back(0.5f * (v + next));
+  }
+  const std::vector<float> up(gate.size(), 1.5f);
+  std::vector<float> want(gate.size()), got(gate.size());
+  GeluTanhMulReference(gate.data(), up.data(), static_cast<int64_t>(gate.size()), want.data());
+  for (bool simd : {true, false}) {
+    std::optional<ScopedDisableSimdForTesting> off;
+    if (!simd) off.emplace();
+    GeluTanhMul(gate.data(), up.data(), static_cast<int64_t>(gate.size()), got.data());
+    for (size_t i = 0; i < gate.size(); ++i) {
+      ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)
+          << "simd " << simd << " gate " << gate[i] << ": " << got[i] << " vs " << want[i];
+    }
+  }
 }
 
 // The model passes a whole batch flattened (n_tokens * ffn_dim), so an
