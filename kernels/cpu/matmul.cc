@@ -211,6 +211,24 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
       const int8_t* xq = acts.qs + t * nb * kQK;
       const float* xds = acts.ds + t * 2 * nb;
       float acc = 0.0f;
+      if (w.type == DType::kQ6_K) {
+        // Per super-block: exact scaled, offset 16-value dots, then one fma.
+        const int16_t* xbs = acts.bsums + t * nb * 2;
+        for (int64_t s = 0; s < nb / 8; ++s) {
+          const auto* blk = reinterpret_cast<const BlockQ6_K*>(row) + s;
+          int32_t sumi = 0;
+          for (int k = 0; k < 16; ++k) {
+            int32_t isum = 0;
+            for (int e = 16 * k; e < 16 * k + 16; ++e) {
+              isum += Q6KValue(*blk, e) * xq[s * kQK_K + e];
+            }
+            sumi += blk->scales[k] * (isum - 32 * xbs[16 * s + k]);
+          }
+          acc = std::fma(static_cast<float>(sumi), Scale16(blk->d) * xds[2 * 8 * s], acc);
+        }
+        y[t * y_stride + r] = acc;
+        continue;
+      }
       if (w.type == DType::kQ4_K) {
         // Per super-block: exact scaled dots and mins, then two fmas.
         const int16_t* xbs = acts.bsums + t * nb * 2;
@@ -340,14 +358,69 @@ std::shared_ptr<const PackedWeight> PackQ4K(const WeightView& w) {
   return p;
 }
 
+// Q6_K panels (matmul_panels.h): per super-block, 8 blocks of nibbles and
+// bit masks, the int8 scales, then d.
+std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w) {
+  constexpr int64_t kP = internal::kPanelRows;
+  auto p = std::make_shared<PackedWeight>();
+  p->type = w.type;
+  p->rows = w.rows;
+  p->cols = w.cols;
+  p->n_blocks = w.cols / kQK;
+  p->n_panels = (w.rows + kP - 1) / kP;
+  p->qs_bytes = 384;
+  p->group_blocks = 8;
+  p->block_bytes = (8 * 384 + 256 + 32 + 63) / 64 * 64;  // 3,392
+  const int64_t n_super = w.cols / kQK_K;
+  p->panel_bytes = n_super * p->block_bytes;
+  const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
+  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
+  if (!p->storage) return nullptr;
+  std::memset(p->storage.get(), 0, total);
+  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
+    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
+    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
+      const auto* blocks = reinterpret_cast<const BlockQ6_K*>(
+          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols));
+      for (int64_t s = 0; s < n_super; ++s) {
+        const BlockQ6_K& blk = blocks[s];
+        uint8_t* sb = panel + s * p->block_bytes;
+        for (int j = 0; j < 8; ++j) {
+          uint8_t* qs = sb + j * 384;
+          auto q = [&](int e) { return internal::Q6KValue(blk, 32 * j + e); };
+          for (int e = 0; e < kQK / 2; ++e) {
+            qs[(e / 4) * 64 + n * 4 + e % 4] =
+                static_cast<uint8_t>((q(e) & 0x0F) | ((q(e + 16) & 0x0F) << 4));
+          }
+          for (int g = 0; g < 8; ++g) {
+            for (int bit = 0; bit < 2; ++bit) {
+              uint64_t mask;
+              std::memcpy(&mask, qs + 256 + 16 * g + 8 * bit, sizeof(mask));
+              for (int i = 0; i < 4; ++i) {
+                const int e = (g < 4 ? 4 * g : 16 + 4 * (g - 4)) + i;
+                mask |= static_cast<uint64_t>((q(e) >> (4 + bit)) & 1) << (4 * n + i);
+              }
+              std::memcpy(qs + 256 + 16 * g + 8 * bit, &mask, sizeof(mask));
+            }
+          }
+        }
+        for (int k = 0; k < 16; ++k) sb[8 * 384 + k * 16 + n] = static_cast<uint8_t>(blk.scales[k]);
+        reinterpret_cast<uint16_t*>(sb + 8 * 384 + 256)[n] = blk.d;
+      }
+    }
+  }
+  return p;
+}
+
 }  // namespace
 
 std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
   if (!internal::CanPackPanels(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
-      w.cols % kQK != 0 || (w.type == DType::kQ4_K && w.cols % kQK_K != 0)) {
+      w.cols % kQK != 0 || (internal::UsesQ8K(w.type) && w.cols % kQK_K != 0)) {
     return nullptr;
   }
   if (w.type == DType::kQ4_K) return PackQ4K(w);
+  if (w.type == DType::kQ6_K) return PackQ6K(w);
   constexpr int64_t kP = internal::kPanelRows;
   auto p = std::make_shared<PackedWeight>();
   p->type = w.type;
@@ -707,9 +780,11 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
       if (vnni && ws[i].packed != nullptr) {
         const PackedWeight& pw = *ws[i].packed;
         const QuantizedActs& pa = internal::UsesQ8K(pw.type) ? acts_k : acts;
-        if (amx == AmxKernel::kHardware) {
+        // Q6_K's scales are per 16 values, finer than a tile's 32-value
+        // sums: the VNNI kernel serves it at every batch size.
+        if (amx == AmxKernel::kHardware && pw.type != DType::kQ6_K) {
           internal::MatMulPanelsAmx(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);
-        } else if (amx == AmxKernel::kEmulated) {
+        } else if (amx == AmxKernel::kEmulated && pw.type != DType::kQ6_K) {
           internal::MatMulPanelsAmxEmulated(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);
         } else {
           internal::MatMulPanelsVnni(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);

@@ -88,12 +88,17 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
       for (int64_t b = 0; b < nb; ++b) {
         for (int j = 0; j < 4; ++j) {
           const __m512i v = _mm512_load_si512(w.Qs(p, b) + 64 * j);
-          _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * j,
-                              PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p, b, j));
-          _mm512_storeu_si512(
-              unpacked.data() + b * 512 + 64 * (j + 4),
-              PanelAddHighBits<kType>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w, p, b,
-                                      j + 4));
+          __m512i lo = _mm512_and_si512(v, low4);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if constexpr (kType == DType::kQ6_K) {
+            lo = PanelQ6Value(lo, w, p, b, j);
+            hi = PanelQ6Value(hi, w, p, b, j + 4);
+          } else {
+            lo = PanelAddHighBits<kType>(lo, w, p, b, j);
+            hi = PanelAddHighBits<kType>(hi, w, p, b, j + 4);
+          }
+          _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * j, lo);
+          _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * (j + 4), hi);
         }
       }
       bsrc = unpacked.data();
@@ -126,6 +131,38 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
               acc[t] = PanelQ4KSuperEpilogue(acc[t], ksumi[t], w, p, s,
                                              a.bsums + (t0 + t) * nb * 2 + 16 * s,
                                              xds[t * 2 * nb + 2 * 8 * s]);
+            }
+          }
+          return;
+        }
+        if constexpr (kType == DType::kQ6_K) {
+          // The tile gives one sum per 32 values; Q6_K scales per 16, so
+          // its two halves come from the unpacked bytes instead.
+          if (b % 8 == 0) {
+            for (int t = 0; t < 16; ++t) ksumi[t] = _mm512_setzero_si512();
+          }
+          const uint8_t* wb = bsrc + b * bstride;
+          for (int t = 0; t < nt; ++t) {
+            const int8_t* x = (c < full_chunks ? a.qs + (t0 + t) * act_stride
+                                               : pad.data() + t * act_stride) +
+                              b * kQK;
+            for (int half = 0; half < 2; ++half) {
+              __m512i isum = _mm512_setzero_si512();
+              for (int g = 0; g < 4; ++g) {
+                int32_t xv;
+                std::memcpy(&xv, x + 16 * half + 4 * g, 4);
+                isum = _mm512_dpbusd_epi32(isum, _mm512_loadu_si512(wb + 64 * (4 * half + g)),
+                                           _mm512_set1_epi32(xv));
+              }
+              const int16_t* xbs = a.bsums + (t0 + t) * nb * 2;
+              ksumi[t] = _mm512_add_epi32(
+                  ksumi[t], PanelQ6SubBlock(isum, w, p, b, half, xbs[2 * b + half]));
+            }
+          }
+          if (b % 8 == 7) {
+            for (int t = 0; t < nt; ++t) {
+              acc[t] = PanelQ6SuperEpilogue(acc[t], ksumi[t], w, p, b / 8,
+                                            xds[t * 2 * nb + 2 * 8 * (b / 8)]);
             }
           }
           return;
@@ -186,6 +223,8 @@ void AmxPanelsDispatch(const PackedWeight& w, const QuantizedActs& a, int64_t n_
       return AmxPanels<Tiles, DType::kQ5_0>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_K:
       return AmxPanels<Tiles, DType::kQ4_K>(w, a, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ6_K:
+      return AmxPanels<Tiles, DType::kQ6_K>(w, a, n_tokens, r0, r1, y, y_stride);
     default:
       return;
   }

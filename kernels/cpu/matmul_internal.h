@@ -98,8 +98,21 @@ constexpr bool IsExtendedType(DType t) { return IsQuantized(t) && !IsPanelType(t
 // stays an extended type.
 // Q4_K's 32-value sub-blocks are Q4_1 blocks with a scale d * sc and a
 // min -dmin * m, so its panels are Q4_1's with those computed per block.
+// Q6_K's 16-value sub-blocks are signed 6-bit integers with an int8 scale.
 constexpr bool CanPackPanels(DType t) {
-  return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ4_K;
+  return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ4_K || t == DType::kQ6_K;
+}
+// The 6-bit value q (0..63; the weight is d * sc[e / 16] * (q - 32)) of
+// element e (0..255) of a Q6_K super-block, as ggml lays them out.
+inline int Q6KValue(const BlockQ6_K& b, int e) {
+  const int half = e / 128;
+  const int r = e % 128;
+  const int l = r % 32;
+  const int quarter = r / 32;  // 0..3: ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high
+  const uint8_t ql = b.ql[64 * half + l + 32 * (quarter % 2)];
+  const int low = quarter < 2 ? ql & 0x0F : ql >> 4;
+  const int high = (b.qh[32 * half + l] >> (2 * quarter)) & 3;
+  return low | (high << 4);
 }
 
 // Reference dequantizer of an extended type (quants.cc); false for others.

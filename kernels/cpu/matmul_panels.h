@@ -23,6 +23,11 @@
 // share a byte), then per sub-block its 16 rows' 6-bit scales and mins as
 // bytes (8 x 32), then the super-block's d and dmin as 16 fp16 each: 2,368
 // bytes per 16 rows x 256 values (Q4_K itself: 2,304).
+// Q6_K: per super-block, 8 sub-blocks of 384 bytes: the low 4 bits of its
+// 6-bit values as Q4_0's nibbles, then for each group g (8) two 64-bit
+// masks, bit 4 and bit 5 of element 4g + i of row n at bit 4n + i; then the
+// 16 scales (int8) of its 16-value sub-blocks for the 16 rows, and d as 16
+// fp16: 3,392 bytes per 16 rows x 256 values (Q6_K itself: 3,360).
 //
 // Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
 //   Q8_0, Q4_0, Q5_0: isum = sum over the block of w * x with the signed
@@ -37,6 +42,9 @@
 //     m_j * (bsum_2j + bsum_2j+1), both exact int32; then
 //     acc = fma(float(sumi), d * d_a, acc);
 //     acc = fma(float(summ), (-dmin) * d_a, acc);
+//   Q6_K, on Q8_K activations: sumi = sum over the 16 sub-blocks k of
+//     sc_k * (isum_k - 32 * bsum_k) (isum_k: q * x over its 16 values, q =
+//     0..63), exact int32; acc = fma(float(sumi), d * d_a, acc);
 // with (d_a, s_a, sum(x)) the activation block's scale, ggml Q8_1 sum term and
 // integer sum (QuantizedActs). Signed dots keep Q8_0/Q4_0 free of the large
 // offset terms that cancel only in exact arithmetic.
@@ -73,6 +81,21 @@ struct PackedWeight {
   }
   const uint16_t* KD(int64_t p, int64_t b) const {
     return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * 256 + 8 * 32);
+  }
+  // Q6_K only: the bit-4 (bit5 false) or bit-5 mask of group g of block b;
+  // the 16 rows' int8 scales of the 16-value sub-block `half` of block b;
+  // the super-block's 16 d (fp16).
+  uint64_t Q6Bits(int64_t p, int64_t b, int g, bool bit5) const {
+    uint64_t m;
+    std::memcpy(&m, Qs(p, b) + 256 + 16 * g + (bit5 ? 8 : 0), sizeof(m));
+    return m;
+  }
+  const int8_t* Q6Scales(int64_t p, int64_t b, int half) const {
+    return reinterpret_cast<const int8_t*>(Panel(p) + b / 8 * block_bytes + 8 * 384 +
+                                           (2 * (b % 8) + half) * 16);
+  }
+  const uint16_t* Q6D(int64_t p, int64_t b) const {
+    return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * 384 + 256);
   }
   const uint16_t* D(int64_t p, int64_t b) const {
     return reinterpret_cast<const uint16_t*>(Qs(p, b) + qs_bytes);
@@ -186,6 +209,32 @@ inline __m512 PanelQ4KSuperEpilogue(__m512 acc, __m512i sumi, const PackedWeight
   const __m512 vda = _mm512_set1_ps(da);
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, vda), acc);
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(neg_dmin, vda), acc);
+}
+
+// Q6_K: v (16 rows' low 4 bits of group g of block b) with bits 4 and 5.
+inline __m512i PanelQ6Value(__m512i v, const PackedWeight& w, int64_t p, int64_t b, int g) {
+  const __m512i b4 = _mm512_maskz_mov_epi8(_cvtu64_mask64(w.Q6Bits(p, b, g, false)),
+                                           _mm512_set1_epi8(0x10));
+  const __m512i b5 = _mm512_maskz_mov_epi8(_cvtu64_mask64(w.Q6Bits(p, b, g, true)),
+                                           _mm512_set1_epi8(0x20));
+  return _mm512_or_si512(v, _mm512_or_si512(b4, b5));
+}
+
+// Q6_K: the int32 contribution of one 16-value sub-block: sc * (isum_u -
+// 32 * bsum), for 16 row-lanes.
+inline __m512i PanelQ6SubBlock(__m512i isum_u, const PackedWeight& w, int64_t p, int64_t b,
+                               int half, int32_t bsum) {
+  const __m512i sc = _mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.Q6Scales(p, b, half))));
+  return _mm512_mullo_epi32(_mm512_sub_epi32(isum_u, _mm512_set1_epi32(32 * bsum)), sc);
+}
+
+// Q6_K: the super-block's float step for 16 row-lanes of one token.
+inline __m512 PanelQ6SuperEpilogue(__m512 acc, __m512i sumi, const PackedWeight& w, int64_t p,
+                                   int64_t s, float da) {
+  const __m512 d = _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Q6D(p, 8 * s))));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, _mm512_set1_ps(da)), acc);
 }
 
 // Lanes of panel p that fall in [r0, r1).

@@ -212,6 +212,94 @@ void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
   }
 }
 
+// Q6_K panels (matmul_panels.h): per sub-block of 16 values, the exact
+// unsigned dot, corrected by 32 * bsum and scaled, summed as int32 over the
+// super-block; then one float step. Each 32-value block is read in two
+// passes (its first and second 16 values), so sumi, the pass's block sums
+// and acc fit in registers.
+template <int P, int T>
+void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
+                  int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+  const int64_t nb = w.n_blocks;
+  __m512 acc[P][T];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
+  }
+  const int8_t* xq[T];
+  const float* xds[T];
+  const int16_t* xbs[T];
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) {
+    xq[t] = a.qs + (t0 + t) * nb * kQK;
+    xds[t] = a.ds + (t0 + t) * 2 * nb;
+    xbs[t] = a.bsums + (t0 + t) * nb * 2;
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    __m512i sumi[P][T];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t) sumi[p][t] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m512i isum[P][T];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) isum[p][t] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 16
+        for (int g = 0; g < 4; ++g) {
+          __m512i q[P];
+#pragma GCC unroll 16
+          for (int p = 0; p < P; ++p) {
+            const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * g);
+            const __m512i nib = half == 0 ? _mm512_and_si512(v, low4)
+                                          : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            q[p] = PanelQ6Value(nib, w, p0 + p, b, g + 4 * half);
+          }
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            const __m512i xv = Bcast32(xq[t] + b * kQK + 16 * half + 4 * g);
+#pragma GCC unroll 16
+            for (int p = 0; p < P; ++p) isum[p][t] = _mm512_dpbusd_epi32(isum[p][t], q[p], xv);
+          }
+        }
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            sumi[p][t] = _mm512_add_epi32(
+                sumi[p][t], PanelQ6SubBlock(isum[p][t], w, p0 + p, b, half,
+                                            xbs[t][2 * b + half]));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t) {
+        acc[p][t] = PanelQ6SuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s, xds[t][2 * 8 * s]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
+    }
+  }
+}
+
 template <DType kType, int P, int T>
 void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedActs& a, int64_t t0,
                int64_t r0, int64_t r1, float* y, int64_t y_stride) {
@@ -219,6 +307,9 @@ void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedAct
   if constexpr (kType == DType::kQ4_K) {
     for (; p + P <= pe; p += P) PanelTileQ4K<P, T>(w, p, a, t0, r0, r1, y, y_stride);
     for (; p < pe; ++p) PanelTileQ4K<1, T>(w, p, a, t0, r0, r1, y, y_stride);
+  } else if constexpr (kType == DType::kQ6_K) {
+    for (; p + P <= pe; p += P) PanelTileQ6K<P, T>(w, p, a, t0, r0, r1, y, y_stride);
+    for (; p < pe; ++p) PanelTileQ6K<1, T>(w, p, a, t0, r0, r1, y, y_stride);
   } else {
     for (; p + P <= pe; p += P) PanelTile<kType, P, T>(w, p, a, t0, r0, r1, y, y_stride);
     for (; p < pe; ++p) PanelTile<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
@@ -281,6 +372,8 @@ void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t 
       return PanelsForType<DType::kQ5_0>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_K:
       return PanelsForType<DType::kQ4_K>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ6_K:
+      return PanelsForType<DType::kQ6_K>(w, acts, n_tokens, r0, r1, y, y_stride);
     default:
       return;
   }

@@ -38,6 +38,19 @@ std::vector<float> RandomFloats(int64_t n, uint32_t seed) {
 
 std::vector<uint8_t> Quantize(DType type, const std::vector<float>& w, int64_t rows, int64_t cols) {
   std::vector<uint8_t> out(RowBytes(type, cols) * rows);
+  if (type == DType::kQ6_K) {
+    // Random Q6_K blocks (every bit pattern of values and int8 scales is
+    // valid) with d drawn from w.
+    std::mt19937 rng(static_cast<uint32_t>(w.size()) + 1);
+    auto* blocks = reinterpret_cast<BlockQ6_K*>(out.data());
+    for (int64_t i = 0; i < rows * cols / kQK_K; ++i) {
+      blocks[i].d = Fp32ToFp16(std::fabs(w[i]) * 0.001f + 1e-4f);
+      for (auto& b : blocks[i].ql) b = static_cast<uint8_t>(rng());
+      for (auto& b : blocks[i].qh) b = static_cast<uint8_t>(rng());
+      for (auto& b : blocks[i].scales) b = static_cast<int8_t>(rng());
+    }
+    return out;
+  }
   if (type == DType::kQ4_K) {
     // No Q4_K quantizer here: random blocks (every bit pattern of scales,
     // mins and nibbles is a valid Q4_K block) with d, dmin drawn from w.
@@ -192,9 +205,9 @@ TEST_P(PanelKernelTest, PackedMatMulMatchesReference) {
     ScopedAmxForTesting amx(k, /*min_tokens=*/1);
     std::vector<float> got = c.Out();
     MatMul(c.view, c.x.data(), n_tokens, cols, got.data(), rows, Pool());
-    // Q4_K: Q8_K activations (one scale per 256 values) on random blocks
-    // whose mins cancel much of each dot.
-    EXPECT_LT(Nmse(got, want), type == DType::kQ4_K ? 1e-3 : 2e-4)
+    // Q4_K, Q6_K: Q8_K activations (one scale per 256 values) on random
+    // blocks (Q4_K's mins cancel much of each dot).
+    EXPECT_LT(Nmse(got, want), internal::UsesQ8K(type) ? 1e-3 : 2e-4)
         << "kernel " << static_cast<int>(k);
   }
 }
@@ -220,6 +233,7 @@ std::vector<PanelParam> PanelParams() {
                             std::pair{130, 2048}, std::pair{51, 1536}}) {
     for (int n_tokens : {1, 2, 3, 5, 8, 9, 16, 17, 33, 70}) {
       p.emplace_back(DType::kQ4_K, rows, cols, n_tokens);
+      p.emplace_back(DType::kQ6_K, rows, cols, n_tokens);
     }
   }
   return p;
@@ -340,7 +354,8 @@ double MeanAbsErrorVsExact(const Case& c, const std::vector<float>& y) {
 // in the panels measured 1.6e-5, and moved Gemma 3's greedy outputs.)
 TEST(PanelAccuracyTest, AtLeastAsCloseToExactArithmeticAsTheRowKernels) {
   SKIP_WITHOUT_VNNI();
-  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ4_K}) {
+  for (DType type :
+       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ4_K, DType::kQ6_K}) {
     const Case c(type, 256, 1536, 8, 1);
     std::vector<float> rows = c.Out();
     WeightView unpacked = c.view;
@@ -374,6 +389,11 @@ TEST(PackWeightTest, PacksOnlyQuantizedTypesAndReportsItsBytes) {
   const Case ck(DType::kQ4_K, 17, 512, 1, 3);
   ASSERT_NE(ck.packed, nullptr);
   EXPECT_EQ(PackedBytes(*ck.packed), 2 * 2 * 2368);
+  // Q6_K: per super-block 8 x 384 bytes of nibbles and bit masks, 256 of
+  // scales, 32 of d, padded to 3,392.
+  const Case c6(DType::kQ6_K, 17, 512, 1, 3);
+  ASSERT_NE(c6.packed, nullptr);
+  EXPECT_EQ(PackedBytes(*c6.packed), 2 * 2 * 3392);
   {
     ScopedDisableAvx512ForTesting no_avx512;
     EXPECT_EQ(PackWeight(WeightView{DType::kQ4_0, c.q.data(), 17, 64}), nullptr);
