@@ -19,6 +19,7 @@
 
 #include "common/thread_pool.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul_internal.h"
 #include "kernels/cpu/kv_transcode.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops.h"
@@ -122,7 +123,7 @@ void BM_MatMul(benchmark::State& state, DType type, int64_t rows, int64_t cols, 
 // L3), all run once per iteration as a forward pass runs its layers.
 // weight_GB/s is the figure to hold against the machine's read bandwidth;
 // tokens/s counts n_tokens per pass.
-void BM_FormatPass(benchmark::State& state, DType type, int threads) {
+void BM_FormatPass(benchmark::State& state, DType type, int threads, bool packed = false) {
   const int n_tokens = static_cast<int>(state.range(0));
   std::vector<std::vector<uint8_t>> owned;
   std::vector<WeightView> views;
@@ -131,6 +132,18 @@ void BM_FormatPass(benchmark::State& state, DType type, int threads) {
     const int64_t cols = i % 2 ? 2048 : 1536;
     owned.push_back(MakeWeights(type, rows, cols));
     views.push_back({type, owned.back().data(), rows, cols});
+  }
+  // packed: the panels the model loads, as it reads them.
+  std::vector<std::shared_ptr<const PackedWeight>> packs;
+  if (packed) {
+    for (WeightView& v : views) {
+      packs.push_back(PackWeight(v));
+      if (packs.back() == nullptr) {
+        state.SkipWithError("no AVX-512 VNNI or not a panel format");
+        return;
+      }
+      v.packed = packs.back().get();
+    }
   }
   size_t bytes = 0;
   for (const auto& o : owned) bytes += o.size();
@@ -342,7 +355,7 @@ void RegisterAll() {
             ->UseRealTime();
       }
     }
-    if (s.type == DType::kQ4_1 || s.type == DType::kQ4_0 || s.type == DType::kQ8_0) {
+    if (kernels::internal::CanPackPanels(s.type)) {
       // One thread, CPU time: GGUF rows (the row kernels) against packed
       // panels, side by side in one run.
       for (int n_tokens : {1, 8, 32, 128}) {
@@ -366,12 +379,23 @@ void RegisterAll() {
       benchmark::RegisterBenchmark(
           (std::string("FormatPass/") + DTypeName(t) + "/threads:" + std::to_string(threads))
               .c_str(),
-          BM_FormatPass, t, threads)
+          BM_FormatPass, t, threads, false)
           ->Arg(1)
           ->Arg(32)
           ->Arg(128)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
+      if (kernels::internal::CanPackPanels(t)) {
+        benchmark::RegisterBenchmark((std::string("FormatPass/") + DTypeName(t) +
+                                      "/panels/threads:" + std::to_string(threads))
+                                         .c_str(),
+                                     BM_FormatPass, t, threads, true)
+            ->Arg(1)
+            ->Arg(32)
+            ->Arg(128)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
     }
   }
   for (bool fused : {false, true}) {

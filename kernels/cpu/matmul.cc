@@ -392,15 +392,11 @@ std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w) {
             qs[(e / 4) * 64 + n * 4 + e % 4] =
                 static_cast<uint8_t>((q(e) & 0x0F) | ((q(e + 16) & 0x0F) << 4));
           }
-          for (int g = 0; g < 8; ++g) {
-            for (int bit = 0; bit < 2; ++bit) {
-              uint64_t mask;
-              std::memcpy(&mask, qs + 256 + 16 * g + 8 * bit, sizeof(mask));
-              for (int i = 0; i < 4; ++i) {
-                const int e = (g < 4 ? 4 * g : 16 + 4 * (g - 4)) + i;
-                mask |= static_cast<uint64_t>((q(e) >> (4 + bit)) & 1) << (4 * n + i);
-              }
-              std::memcpy(qs + 256 + 16 * g + 8 * bit, &mask, sizeof(mask));
+          for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 4; ++i) {
+              uint8_t top = 0;
+              for (int g = 0; g < 4; ++g) top |= static_cast<uint8_t>((q(16 * h + 4 * g + i) >> 4) << (2 * g));
+              qs[256 + 64 * h + 4 * n + i] = top;
             }
           }
         }

@@ -24,10 +24,12 @@
 // bytes (8 x 32), then the super-block's d and dmin as 16 fp16 each: 2,368
 // bytes per 16 rows x 256 values (Q4_K itself: 2,304).
 // Q6_K: per super-block, 8 sub-blocks of 384 bytes: the low 4 bits of its
-// 6-bit values as Q4_0's nibbles, then for each group g (8) two 64-bit
-// masks, bit 4 and bit 5 of element 4g + i of row n at bit 4n + i; then the
-// 16 scales (int8) of its 16-value sub-blocks for the 16 rows, and d as 16
-// fp16: 3,392 bytes per 16 rows x 256 values (Q6_K itself: 3,360).
+// 6-bit values as Q4_0's nibbles, then two 64-byte planes of their top two
+// bits, plane h's byte (4n + i) holding those of element 16h + 4g + i of row
+// n at bits 2g, 2g + 1 (g = 0..3: one shift and one mask put them at bits 4
+// and 5 of group g's bytes); then the 16 scales (int8) of its 16-value
+// sub-blocks for the 16 rows, and d as 16 fp16: 3,392 bytes per 16 rows x
+// 256 values (Q6_K itself: 3,360).
 //
 // Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
 //   Q8_0, Q4_0, Q5_0: isum = sum over the block of w * x with the signed
@@ -82,14 +84,10 @@ struct PackedWeight {
   const uint16_t* KD(int64_t p, int64_t b) const {
     return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * 256 + 8 * 32);
   }
-  // Q6_K only: the bit-4 (bit5 false) or bit-5 mask of group g of block b;
-  // the 16 rows' int8 scales of the 16-value sub-block `half` of block b;
-  // the super-block's 16 d (fp16).
-  uint64_t Q6Bits(int64_t p, int64_t b, int g, bool bit5) const {
-    uint64_t m;
-    std::memcpy(&m, Qs(p, b) + 256 + 16 * g + (bit5 ? 8 : 0), sizeof(m));
-    return m;
-  }
+  // Q6_K only: the top-bit plane of half h (0: values 0..15, 1: 16..31)
+  // of block b; the 16 rows' int8 scales of the 16-value sub-block `half` of
+  // block b; the super-block's 16 d (fp16).
+  const uint8_t* Q6High(int64_t p, int64_t b, int h) const { return Qs(p, b) + 256 + 64 * h; }
   const int8_t* Q6Scales(int64_t p, int64_t b, int half) const {
     return reinterpret_cast<const int8_t*>(Panel(p) + b / 8 * block_bytes + 8 * 384 +
                                            (2 * (b % 8) + half) * 16);
@@ -211,13 +209,28 @@ inline __m512 PanelQ4KSuperEpilogue(__m512 acc, __m512i sumi, const PackedWeight
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(neg_dmin, vda), acc);
 }
 
-// Q6_K: v (16 rows' low 4 bits of group g of block b) with bits 4 and 5.
-inline __m512i PanelQ6Value(__m512i v, const PackedWeight& w, int64_t p, int64_t b, int g) {
-  const __m512i b4 = _mm512_maskz_mov_epi8(_cvtu64_mask64(w.Q6Bits(p, b, g, false)),
-                                           _mm512_set1_epi8(0x10));
-  const __m512i b5 = _mm512_maskz_mov_epi8(_cvtu64_mask64(w.Q6Bits(p, b, g, true)),
-                                           _mm512_set1_epi8(0x20));
-  return _mm512_or_si512(v, _mm512_or_si512(b4, b5));
+// Q6_K: the top two bits of group g (0..3) of a half, from its plane h, at
+// bits 4 and 5 of each byte. (Bits a 16-bit shift carries across a byte
+// boundary land outside bits 4-5 and are masked off.)
+inline __m512i PanelQ6Top(__m512i h, int g) {
+  const __m512i m = _mm512_set1_epi8(0x30);
+  switch (g) {
+    case 0:
+      return _mm512_and_si512(_mm512_slli_epi16(h, 4), m);
+    case 1:
+      return _mm512_and_si512(_mm512_slli_epi16(h, 2), m);
+    case 2:
+      return _mm512_and_si512(h, m);
+    default:
+      return _mm512_and_si512(_mm512_srli_epi16(h, 2), m);
+  }
+}
+
+// Q6_K: v (16 rows' low 4 bits of group G of block b; G >= 4: the second
+// half's group G - 4) with its top two bits: the 6-bit values.
+inline __m512i PanelQ6Value(__m512i v, const PackedWeight& w, int64_t p, int64_t b, int G) {
+  const __m512i h = _mm512_load_si512(w.Q6High(p, b, G / 4));
+  return _mm512_or_si512(v, PanelQ6Top(h, G % 4));
 }
 
 // Q6_K: the int32 contribution of one 16-value sub-block: sc * (isum_u -

@@ -246,6 +246,59 @@ void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
     }
     for (int j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
+      if constexpr (T <= 4) {
+        // Both halves in one pass: each group's bytes unpacked once.
+        __m512i isum[2][P][T];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            isum[0][p][t] = _mm512_setzero_si512();
+            isum[1][p][t] = _mm512_setzero_si512();
+          }
+        }
+        __m512i top[2][P];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+          top[0][p] = _mm512_load_si512(w.Q6High(p0 + p, b, 0));
+          top[1][p] = _mm512_load_si512(w.Q6High(p0 + p, b, 1));
+        }
+#pragma GCC unroll 16
+        for (int g = 0; g < 4; ++g) {
+          __m512i lo[P];
+          __m512i hi[P];
+#pragma GCC unroll 16
+          for (int p = 0; p < P; ++p) {
+            const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * g);
+            lo[p] = _mm512_or_si512(_mm512_and_si512(v, low4), PanelQ6Top(top[0][p], g));
+            hi[p] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                                    PanelQ6Top(top[1][p], g));
+          }
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            const __m512i xlo = Bcast32(xq[t] + b * kQK + 4 * g);
+            const __m512i xhi = Bcast32(xq[t] + b * kQK + 16 + 4 * g);
+#pragma GCC unroll 16
+            for (int p = 0; p < P; ++p) {
+              isum[0][p][t] = _mm512_dpbusd_epi32(isum[0][p][t], lo[p], xlo);
+              isum[1][p][t] = _mm512_dpbusd_epi32(isum[1][p][t], hi[p], xhi);
+            }
+          }
+        }
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            sumi[p][t] = _mm512_add_epi32(
+                sumi[p][t], PanelQ6SubBlock(isum[0][p][t], w, p0 + p, b, 0, xbs[t][2 * b]));
+            sumi[p][t] = _mm512_add_epi32(
+                sumi[p][t], PanelQ6SubBlock(isum[1][p][t], w, p0 + p, b, 1, xbs[t][2 * b + 1]));
+          }
+        }
+        continue;
+      }
+      // Many tokens: one half at a time, so sumi, the half's sums and acc
+      // stay in registers.
 #pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {
         __m512i isum[P][T];
@@ -254,6 +307,9 @@ void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
 #pragma GCC unroll 16
           for (int t = 0; t < T; ++t) isum[p][t] = _mm512_setzero_si512();
         }
+        __m512i top[P];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) top[p] = _mm512_load_si512(w.Q6High(p0 + p, b, half));
 #pragma GCC unroll 16
         for (int g = 0; g < 4; ++g) {
           __m512i q[P];
@@ -262,7 +318,7 @@ void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
             const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * g);
             const __m512i nib = half == 0 ? _mm512_and_si512(v, low4)
                                           : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            q[p] = PanelQ6Value(nib, w, p0 + p, b, g + 4 * half);
+            q[p] = _mm512_or_si512(nib, PanelQ6Top(top[p], g));
           }
 #pragma GCC unroll 16
           for (int t = 0; t < T; ++t) {
