@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/cpu_features.h"
@@ -229,27 +230,38 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
         y[t * y_stride + r] = acc;
         continue;
       }
-      if (w.type == DType::kQ4_K) {
+      if (w.type == DType::kQ4_K || w.type == DType::kQ5_K) {
         // Per super-block: exact scaled dots and mins, then two fmas.
+        const bool five = w.type == DType::kQ5_K;
         const int16_t* xbs = acts.bsums + t * nb * 2;
         for (int64_t s = 0; s < nb / 8; ++s) {
-          const auto* blk = reinterpret_cast<const BlockQ4_K*>(row) + s;
+          const uint8_t* sb = row + s * RowBytes(w.type, kQK_K);
+          uint16_t dh;
+          uint16_t dminh;
+          std::memcpy(&dh, sb, 2);
+          std::memcpy(&dminh, sb + 2, 2);
+          const uint8_t* scales = sb + 4;
+          const uint8_t* qh = five ? sb + 16 : nullptr;
+          const uint8_t* qs = sb + (five ? 48 : 16);
           int32_t sumi = 0;
           int32_t summ = 0;
           for (int j = 0; j < 8; ++j) {
             int sc;
             int mn;
-            KQuantScaleMin(blk->scales, j, &sc, &mn);
-            const uint8_t* q = blk->qs + 32 * (j / 2);
+            KQuantScaleMin(scales, j, &sc, &mn);
+            const uint8_t* q = qs + 32 * (j / 2);
             const int8_t* x = xq + (8 * s + j) * kQK;
             int32_t isum = 0;
-            for (int e = 0; e < kQK; ++e) isum += ((q[e] >> (4 * (j % 2))) & 0x0F) * x[e];
+            for (int e = 0; e < kQK; ++e) {
+              const int v = ((q[e] >> (4 * (j % 2))) & 0x0F) | (five ? ((qh[e] >> j) & 1) << 4 : 0);
+              isum += v * x[e];
+            }
             sumi += sc * isum;
             summ += mn * (xbs[16 * s + 2 * j] + xbs[16 * s + 2 * j + 1]);
           }
           const float da = xds[2 * 8 * s];
-          acc = std::fma(static_cast<float>(sumi), Scale16(blk->d) * da, acc);
-          acc = std::fma(static_cast<float>(summ), -Scale16(blk->dmin) * da, acc);
+          acc = std::fma(static_cast<float>(sumi), Scale16(dh) * da, acc);
+          acc = std::fma(static_cast<float>(summ), -Scale16(dminh) * da, acc);
         }
         y[t * y_stride + r] = acc;
         continue;
@@ -308,9 +320,12 @@ const Block* RowBlocks(const WeightView& w, int64_t r) {
                                         r * RowBytes(w.type, w.cols));
 }
 
-// Q4_K panels (matmul_panels.h): per super-block, the 8 sub-blocks'
-// nibbles as Q4_0's layout, their scales and mins, then d and dmin.
-std::shared_ptr<const PackedWeight> PackQ4K(const WeightView& w) {
+// Q4_K and Q5_K panels (matmul_panels.h): per super-block, the 8
+// sub-blocks' nibbles as Q4_0's layout (Q5_K: and their fifth bits as Q5_0's
+// masks), their scales and mins, then d and dmin.
+template <class Blk>
+std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w) {
+  constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
   constexpr int64_t kP = internal::kPanelRows;
   auto p = std::make_shared<PackedWeight>();
   p->type = w.type;
@@ -318,38 +333,52 @@ std::shared_ptr<const PackedWeight> PackQ4K(const WeightView& w) {
   p->cols = w.cols;
   p->n_blocks = w.cols / kQK;
   p->n_panels = (w.rows + kP - 1) / kP;
-  p->qs_bytes = 4 * 64;
+  p->qs_bytes = kFive ? 5 * 64 : 4 * 64;
   p->group_blocks = 8;
-  p->block_bytes = 8 * 256 + 8 * 32 + 2 * kP * 2;  // 2,368: a multiple of 64
+  // Q4_K 2,368, Q5_K 2,880: multiples of 64.
+  p->block_bytes = 8 * p->qs_bytes + 8 * 32 + 2 * kP * 2;
   const int64_t n_super = w.cols / kQK_K;
   p->panel_bytes = n_super * p->block_bytes;
   const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
   p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
   if (!p->storage) return nullptr;
   std::memset(p->storage.get(), 0, total);
+  const int64_t qsb = p->qs_bytes;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
     uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
     for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
-      const auto* blocks = reinterpret_cast<const BlockQ4_K*>(
+      const auto* blocks = reinterpret_cast<const Blk*>(
           static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols));
       for (int64_t s = 0; s < n_super; ++s) {
-        const BlockQ4_K& blk = blocks[s];
+        const Blk& blk = blocks[s];
         uint8_t* sb = panel + s * p->block_bytes;
         for (int j = 0; j < 8; ++j) {
-          // Element e of sub-block j: nibble (j % 2) of qs[32 (j / 2) + e].
+          // Element e of sub-block j: nibble (j % 2) of qs[32 (j / 2) + e]
+          // (Q5_K: plus 16 times bit j of qh[e]).
           const uint8_t* q = blk.qs + 32 * (j / 2);
           auto nib = [&](int e) { return (q[e] >> (4 * (j % 2))) & 0x0F; };
-          uint8_t* qs = sb + j * 256;
+          uint8_t* qs = sb + j * qsb;
           for (int e = 0; e < kQK / 2; ++e) {
             qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(nib(e) | (nib(e + 16) << 4));
+          }
+          if constexpr (kFive) {
+            for (int g = 0; g < 8; ++g) {
+              uint64_t mask;
+              std::memcpy(&mask, qs + 256 + 8 * g, sizeof(mask));
+              for (int i = 0; i < 4; ++i) {
+                const int e = (g < 4 ? 4 * g : 16 + 4 * (g - 4)) + i;
+                mask |= static_cast<uint64_t>((blk.qh[e] >> j) & 1) << (4 * n + i);
+              }
+              std::memcpy(qs + 256 + 8 * g, &mask, sizeof(mask));
+            }
           }
           int sc;
           int mn;
           internal::KQuantScaleMin(blk.scales, j, &sc, &mn);
-          sb[8 * 256 + j * 32 + n] = static_cast<uint8_t>(sc);
-          sb[8 * 256 + j * 32 + 16 + n] = static_cast<uint8_t>(mn);
+          sb[8 * qsb + j * 32 + n] = static_cast<uint8_t>(sc);
+          sb[8 * qsb + j * 32 + 16 + n] = static_cast<uint8_t>(mn);
         }
-        auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * 256 + 8 * 32);
+        auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * qsb + 8 * 32);
         dd[n] = blk.d;
         dd[kP + n] = blk.dmin;
       }
@@ -415,7 +444,8 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
       w.cols % kQK != 0 || (internal::UsesQ8K(w.type) && w.cols % kQK_K != 0)) {
     return nullptr;
   }
-  if (w.type == DType::kQ4_K) return PackQ4K(w);
+  if (w.type == DType::kQ4_K) return PackQ4KOrQ5K<BlockQ4_K>(w);
+  if (w.type == DType::kQ5_K) return PackQ4KOrQ5K<BlockQ5_K>(w);
   if (w.type == DType::kQ6_K) return PackQ6K(w);
   constexpr int64_t kP = internal::kPanelRows;
   auto p = std::make_shared<PackedWeight>();

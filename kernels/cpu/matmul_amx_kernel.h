@@ -116,7 +116,7 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
       // Q4_K: the super-block's scaled block dots (matmul_panels.h).
       __m512i ksumi[16];
       auto epilogue = [&](int64_t b, const int32_t (*isums)[16]) {
-        if constexpr (kType == DType::kQ4_K) {
+        if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K) {
           if (b % 8 == 0) {
             for (int t = 0; t < 16; ++t) ksumi[t] = _mm512_setzero_si512();
           }
@@ -223,6 +223,8 @@ void AmxPanelsDispatch(const PackedWeight& w, const QuantizedActs& a, int64_t n_
       return AmxPanels<Tiles, DType::kQ5_0>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_K:
       return AmxPanels<Tiles, DType::kQ4_K>(w, a, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ5_K:
+      return AmxPanels<Tiles, DType::kQ5_K>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ6_K:
       return AmxPanels<Tiles, DType::kQ6_K>(w, a, n_tokens, r0, r1, y, y_stride);
     default:

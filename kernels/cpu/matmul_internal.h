@@ -100,7 +100,8 @@ constexpr bool IsExtendedType(DType t) { return IsQuantized(t) && !IsPanelType(t
 // min -dmin * m, so its panels are Q4_1's with those computed per block.
 // Q6_K's 16-value sub-blocks are signed 6-bit integers with an int8 scale.
 constexpr bool CanPackPanels(DType t) {
-  return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ4_K || t == DType::kQ6_K;
+  return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ4_K || t == DType::kQ5_K ||
+         t == DType::kQ6_K;
 }
 // The 6-bit value q (0..63; the weight is d * sc[e / 16] * (q - 32)) of
 // element e (0..255) of a Q6_K super-block, as ggml lays them out.

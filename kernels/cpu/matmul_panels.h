@@ -22,7 +22,9 @@
 // bytes of nibbles laid out as Q4_0's (each sub-block's element e and e + 16
 // share a byte), then per sub-block its 16 rows' 6-bit scales and mins as
 // bytes (8 x 32), then the super-block's d and dmin as 16 fp16 each: 2,368
-// bytes per 16 rows x 256 values (Q4_K itself: 2,304).
+// bytes per 16 rows x 256 values (Q4_K itself: 2,304). Q5_K: the same with
+// each sub-block's fifth bits after its nibbles as Q5_0's masks (320 bytes
+// a sub-block): 2,880 bytes (Q5_K: 2,816).
 // Q6_K: per super-block, 8 sub-blocks of 384 bytes: the low 4 bits of its
 // 6-bit values as Q4_0's nibbles, then two 64-byte planes of their top two
 // bits, plane h's byte (4n + i) holding those of element 16h + 4g + i of row
@@ -38,7 +40,7 @@
 //     acc = fma(float(isum), d_w * d_a, acc);
 //   Q4_1: isum = sum of q * x (q = 0..15), exact;
 //     acc = fma(float(isum), d_w * d_a, acc);  acc = fma(m_w, s_a, acc);
-//   Q4_K, on Q8_K activations (d_a per super-block, bsums per 16 values),
+//   Q4_K and Q5_K (q = 0..31), on Q8_K activations (d_a per super-block, bsums per 16 values),
 //     per super-block as llama.cpp sums it: isum_j = sum of q * x over
 //     sub-block j (q = 0..15), sumi = sum_j sc_j * isum_j and summ = sum_j
 //     m_j * (bsum_2j + bsum_2j+1), both exact int32; then
@@ -79,10 +81,11 @@ struct PackedWeight {
   // Q4_K only: the 16 scales then 16 mins (bytes) of sub-block b, and the
   // super-block's 16 d then 16 dmin (fp16).
   const uint8_t* KScaleMins(int64_t p, int64_t b) const {
-    return Panel(p) + b / 8 * block_bytes + 8 * 256 + b % 8 * 32;
+    return Panel(p) + b / 8 * block_bytes + 8 * qs_bytes + b % 8 * 32;
   }
   const uint16_t* KD(int64_t p, int64_t b) const {
-    return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * 256 + 8 * 32);
+    return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * qs_bytes +
+                                             8 * 32);
   }
   // Q6_K only: the top-bit plane of half h (0: values 0..15, 1: 16..31)
   // of block b; the 16 rows' int8 scales of the 16-value sub-block `half` of
@@ -100,7 +103,7 @@ struct PackedWeight {
   }
   // Q4_1 only.
   const uint16_t* M(int64_t p, int64_t b) const { return D(p, b) + 16; }
-  // Q5_0 only: the fifth-bit mask of group g (0..7) of block b.
+  // Q5_0 and Q5_K: the fifth-bit mask of group g (0..7) of block b.
   uint64_t HighBits(int64_t p, int64_t b, int g) const {
     uint64_t m;
     std::memcpy(&m, Qs(p, b) + 256 + 8 * g, sizeof(m));
@@ -115,7 +118,9 @@ constexpr int kPanelRows = 16;
 // Whether a type's block epilogue takes the integer sum(x) (signed weights
 // formed from unsigned ones); Q4_1 and Q4_K take s_a instead, and Q4_K's
 // activations (Q8_K) carry no integer sums.
-constexpr bool PanelUsesSum(DType t) { return t != DType::kQ4_1 && t != DType::kQ4_K; }
+constexpr bool PanelUsesSum(DType t) {
+  return t != DType::kQ4_1 && t != DType::kQ4_K && t != DType::kQ5_K;
+}
 
 // Rows [r0, r1) of y for all n_tokens tokens from a packed weight. The
 // VNNI kernel serves any n_tokens; the AMX kernels are meant for many
@@ -173,7 +178,7 @@ inline void PanelScales(const PackedWeight& w, int64_t p, int64_t b, __m512* dw,
 // fifth bits added as 16s; other types: v.
 template <DType kType>
 inline __m512i PanelAddHighBits(__m512i v, const PackedWeight& w, int64_t p, int64_t b, int g) {
-  if constexpr (kType == DType::kQ5_0) {
+  if constexpr (kType == DType::kQ5_0 || kType == DType::kQ5_K) {
     const __mmask64 hb = _cvtu64_mask64(w.HighBits(p, b, g));
     return _mm512_or_si512(v, _mm512_maskz_mov_epi8(hb, _mm512_set1_epi8(0x10)));
   } else {

@@ -128,7 +128,7 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
 // Q4_K panels (matmul_panels.h): per super-block, each sub-block's exact
 // dot times its scale summed as integers (sumi, in registers), then
 // PanelQ4KSuperEpilogue adds the mins and the two float steps.
-template <int P, int T>
+template <DType kType, int P, int T>
 void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
                   int64_t r0, int64_t r1, float* y, int64_t y_stride) {
   const int64_t nb = w.n_blocks;
@@ -170,8 +170,9 @@ void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
 #pragma GCC unroll 16
         for (int p = 0; p < P; ++p) {
           const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * g);
-          lo[p] = _mm512_and_si512(v, low4);
-          hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          lo[p] = PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p0 + p, b, g);
+          hi[p] = PanelAddHighBits<kType>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w,
+                                          p0 + p, b, g + 4);
         }
 #pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
@@ -360,9 +361,9 @@ template <DType kType, int P, int T>
 void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedActs& a, int64_t t0,
                int64_t r0, int64_t r1, float* y, int64_t y_stride) {
   int64_t p = pb;
-  if constexpr (kType == DType::kQ4_K) {
-    for (; p + P <= pe; p += P) PanelTileQ4K<P, T>(w, p, a, t0, r0, r1, y, y_stride);
-    for (; p < pe; ++p) PanelTileQ4K<1, T>(w, p, a, t0, r0, r1, y, y_stride);
+  if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K) {
+    for (; p + P <= pe; p += P) PanelTileQ4K<kType, P, T>(w, p, a, t0, r0, r1, y, y_stride);
+    for (; p < pe; ++p) PanelTileQ4K<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
   } else if constexpr (kType == DType::kQ6_K) {
     for (; p + P <= pe; p += P) PanelTileQ6K<P, T>(w, p, a, t0, r0, r1, y, y_stride);
     for (; p < pe; ++p) PanelTileQ6K<1, T>(w, p, a, t0, r0, r1, y, y_stride);
@@ -428,6 +429,8 @@ void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t 
       return PanelsForType<DType::kQ5_0>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_K:
       return PanelsForType<DType::kQ4_K>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ5_K:
+      return PanelsForType<DType::kQ5_K>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ6_K:
       return PanelsForType<DType::kQ6_K>(w, acts, n_tokens, r0, r1, y, y_stride);
     default:

@@ -51,6 +51,19 @@ std::vector<uint8_t> Quantize(DType type, const std::vector<float>& w, int64_t r
     }
     return out;
   }
+  if (type == DType::kQ5_K) {
+    // Random Q5_K blocks, as Q4_K's below plus random fifth bits.
+    std::mt19937 rng(static_cast<uint32_t>(w.size()) + 2);
+    auto* blocks = reinterpret_cast<BlockQ5_K*>(out.data());
+    for (int64_t i = 0; i < rows * cols / kQK_K; ++i) {
+      blocks[i].d = Fp32ToFp16(std::fabs(w[i]) * 0.005f + 1e-3f);
+      blocks[i].dmin = Fp32ToFp16(std::fabs(w[i + 1 < static_cast<int64_t>(w.size()) ? i + 1 : 0]) * 0.01f);
+      for (auto& b : blocks[i].scales) b = static_cast<uint8_t>(rng());
+      for (auto& b : blocks[i].qh) b = static_cast<uint8_t>(rng());
+      for (auto& b : blocks[i].qs) b = static_cast<uint8_t>(rng());
+    }
+    return out;
+  }
   if (type == DType::kQ4_K) {
     // No Q4_K quantizer here: random blocks (every bit pattern of scales,
     // mins and nibbles is a valid Q4_K block) with d, dmin drawn from w.
@@ -205,7 +218,7 @@ TEST_P(PanelKernelTest, PackedMatMulMatchesReference) {
     ScopedAmxForTesting amx(k, /*min_tokens=*/1);
     std::vector<float> got = c.Out();
     MatMul(c.view, c.x.data(), n_tokens, cols, got.data(), rows, Pool());
-    // Q4_K, Q6_K: Q8_K activations (one scale per 256 values) on random
+    // Q4_K, Q5_K, Q6_K: Q8_K activations (one scale per 256 values) on random
     // blocks (Q4_K's mins cancel much of each dot).
     EXPECT_LT(Nmse(got, want), internal::UsesQ8K(type) ? 1e-3 : 2e-4)
         << "kernel " << static_cast<int>(k);
@@ -234,6 +247,7 @@ std::vector<PanelParam> PanelParams() {
     for (int n_tokens : {1, 2, 3, 5, 8, 9, 16, 17, 33, 70}) {
       p.emplace_back(DType::kQ4_K, rows, cols, n_tokens);
       p.emplace_back(DType::kQ6_K, rows, cols, n_tokens);
+      p.emplace_back(DType::kQ5_K, rows, cols, n_tokens);
     }
   }
   return p;
@@ -355,7 +369,8 @@ double MeanAbsErrorVsExact(const Case& c, const std::vector<float>& y) {
 TEST(PanelAccuracyTest, AtLeastAsCloseToExactArithmeticAsTheRowKernels) {
   SKIP_WITHOUT_VNNI();
   for (DType type :
-       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ4_K, DType::kQ6_K}) {
+       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ4_K, DType::kQ5_K,
+        DType::kQ6_K}) {
     const Case c(type, 256, 1536, 8, 1);
     std::vector<float> rows = c.Out();
     WeightView unpacked = c.view;
@@ -394,6 +409,11 @@ TEST(PackWeightTest, PacksOnlyQuantizedTypesAndReportsItsBytes) {
   const Case c6(DType::kQ6_K, 17, 512, 1, 3);
   ASSERT_NE(c6.packed, nullptr);
   EXPECT_EQ(PackedBytes(*c6.packed), 2 * 2 * 3392);
+  // Q5_K: Q4_K's layout with 64 bytes of fifth bits after each sub-block's
+  // nibbles.
+  const Case c5k(DType::kQ5_K, 17, 512, 1, 3);
+  ASSERT_NE(c5k.packed, nullptr);
+  EXPECT_EQ(PackedBytes(*c5k.packed), 2 * 2 * 2880);
   {
     ScopedDisableAvx512ForTesting no_avx512;
     EXPECT_EQ(PackWeight(WeightView{DType::kQ4_0, c.q.data(), 17, 64}), nullptr);
