@@ -49,6 +49,10 @@ class RouteCommand final : public Command {
         ->check(CLI::IsMember({"on", "off"}))
         ->capture_default_str();
     app_->add_option("--api-key", o_.api_key, "Required from clients and sent to the nodes");
+    app_->add_option("--metrics-auth", metrics_auth_,
+                     "Whether GET /metrics needs the API key: key, or none (for Prometheus)")
+        ->check(CLI::IsMember({"key", "none"}))
+        ->capture_default_str();
     app_->add_option("--poll-interval-ms", o_.poll_ms,
                      "Milliseconds between polls of each node's NodeInfo and stats")
         ->check(CLI::Range(20, 600000))
@@ -69,6 +73,7 @@ class RouteCommand final : public Command {
 
   int Run(const GlobalFlags&) override {
     o_.overlap = overlap_ == "on";
+    o_.metrics_without_key = metrics_auth_ == "none";
     std::unique_ptr<Router> r = ValueOrDie(Router::Start(o_));
     r->WaitForSignal();
     r->Shutdown();
@@ -78,6 +83,7 @@ class RouteCommand final : public Command {
  private:
   RouterOptions o_;
   std::string overlap_ = "off";
+  std::string metrics_auth_ = "key";
 };
 
 }  // namespace

@@ -978,6 +978,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(RouterOptions options) {
     RouterHttpOptions ho;
     ho.host = i->o.http_host;
     ho.port = i->o.http_port;
+    ho.metrics_without_key = i->o.metrics_without_key;
     absl::StatusOr<std::unique_ptr<RouterHttp>> h = RouterHttp::Start(ho, i);
     if (!h.ok()) {
       i->server->Shutdown();

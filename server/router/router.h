@@ -60,6 +60,9 @@ struct RouterOptions {
   // default: no gain measured on CPU pools, docs/disaggregation.md).
   bool overlap = false;
   std::string api_key;        // sent to nodes, required from clients when set
+  // --metrics-auth none: GET /metrics needs no API key (for Prometheus), as
+  // on a node; every other route still does.
+  bool metrics_without_key = false;
   int poll_ms = 300;          // how often each node's NodeInfo and stats are polled
   // Fault-injection tests only: the request thread stops (until the router
   // is killed) once the lease is "granted" (before AttachLease) or

@@ -249,7 +249,9 @@ class Session : public std::enable_shared_from_this<Session> {
       std::string body = core_->backend->Health(&ready);
       return Reply(ready ? 200 : 503, std::move(body));
     }
-    if (absl::Status a = core_->backend->Authenticate(req_[http::field::authorization]); !a.ok()) {
+    const bool open_metrics = path == "/metrics" && core_->options.metrics_without_key;
+    if (absl::Status a = core_->backend->Authenticate(req_[http::field::authorization]);
+        !a.ok() && !open_metrics) {
       return Reply(HttpStatusFor(a.code()), ErrorJson(std::string(a.message())));
     }
     if (path == "/v1/models") {

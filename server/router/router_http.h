@@ -49,6 +49,8 @@ struct RouterHttpOptions {
   // until it is done; streams carry heartbeats every 2 s).
   std::chrono::milliseconds upstream_timeout{std::chrono::seconds(600)};
   int upstream_idle_per_node = 8;
+  // GET /metrics answered without the API key (--metrics-auth none).
+  bool metrics_without_key = false;
 };
 
 // Where a placed completion goes and what ends it.

@@ -1504,6 +1504,29 @@ TEST_F(PdTest, RouterHttpServesModelsMetricsAnd404And405) {
   EXPECT_THAT(bad->body, HasSubstr("not a JSON object"));
 }
 
+// With --api-key, every route but /health needs the key; --metrics-auth
+// none opens GET /metrics alone (as on a node, for Prometheus).
+TEST_F(PdTest, RouterMetricsAuthNoneOpensOnlyTheScrape) {
+  for (const char* mode : {"key", "none"}) {
+    SCOPED_TRACE(mode);
+    auto r = StartRouter({prefill_, decode_}, {"--api-key", "sekret", "--metrics-auth", mode}, 0);
+    ASSERT_TRUE(r);
+    httplib::Client c("127.0.0.1", r->http_port());
+    auto metrics = c.Get("/metrics");
+    auto models = c.Get("/v1/models");
+    ASSERT_TRUE(metrics && models);
+    EXPECT_EQ(metrics->status, std::string(mode) == "none" ? 200 : 401) << metrics->body;
+    if (std::string(mode) == "none") EXPECT_THAT(metrics->body, HasSubstr("kvserve:router_nodes"));
+    EXPECT_EQ(models->status, 401) << models->body;
+    auto keyed = c.Get("/metrics", {{"Authorization", "Bearer sekret"}});
+    ASSERT_TRUE(keyed);
+    EXPECT_EQ(keyed->status, 200);
+  }
+  auto bad = testing::Daemon::StartSubcommand(Binary(), {"--log-level", "warn"}, "route",
+                                              {"--nodes", Addr(decode_), "--metrics-auth", "open"});
+  EXPECT_FALSE(bad.ok());
+}
+
 // Sequential requests through the router reuse its keep-alive connections
 // to the decode node instead of opening one each.
 TEST_F(PdTest, RouterHttpReusesUpstreamConnections) {
