@@ -1558,6 +1558,48 @@ TEST_F(PdTest, RouterHttpReusesUpstreamConnections) {
   EXPECT_TRUE(Client(decode_->grpc_port()).AtBaseline());
 }
 
+// A pooled keep-alive connection the node has since closed (its
+// --http-idle-timeout ran out) is stale: the router's pool sees the peer's
+// close before reuse (a non-blocking peek) and opens a fresh connection
+// instead, so the client sees a 200 and nothing is resent. (The resend on a
+// fresh connection, for a close racing that peek, is not reached here.)
+TEST_F(PdTest, RouterOpensAFreshConnectionWhenAPooledOneWentStale) {
+  auto decode = StartNode("decode", {"--http-idle-timeout", "1"});
+  ASSERT_TRUE(decode);
+  auto r = StartRouter({prefill_, decode.get()}, {"--pd-mode", "always"}, 2);
+  ASSERT_TRUE(r);
+  const int port = r->http_port();
+  httplib::Client router("127.0.0.1", port);
+  router.set_read_timeout(60, 0);
+  const std::vector<std::string> prompts = UniquePrompts(3, "Stale");
+  auto send = [&](const std::string& prompt) {
+    const nlohmann::json body = {{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"temperature", 0}};
+    auto res = router.Post("/v1/completions", body.dump(), "application/json");
+    return res ? res->status : -1;
+  };
+  auto metric = [&](const char* name) { return testing::MetricSample(port, name); };
+  ASSERT_EQ(send(prompts[0]), 200);
+  ASSERT_EQ(metric("kvserve:router_upstream_connections_idle"), 1);
+  // Reused while the node keeps it open.
+  double opened = metric("kvserve:router_upstream_connections_opened_total");
+  double reused = metric("kvserve:router_upstream_connections_reused_total");
+  ASSERT_EQ(send(prompts[1]), 200);
+  EXPECT_EQ(metric("kvserve:router_upstream_connections_opened_total"), opened);
+  EXPECT_EQ(metric("kvserve:router_upstream_connections_reused_total"), reused + 1);
+  // The node closes its side after 1 s idle; the router still holds it.
+  std::this_thread::sleep_for(2500ms);
+  opened = metric("kvserve:router_upstream_connections_opened_total");
+  reused = metric("kvserve:router_upstream_connections_reused_total");
+  const double retries = metric("kvserve:router_upstream_retries_total");
+  const double errors = metric("kvserve:router_upstream_errors_total");
+  EXPECT_EQ(send(prompts[2]), 200);
+  EXPECT_EQ(metric("kvserve:router_upstream_connections_opened_total"), opened + 1);
+  EXPECT_EQ(metric("kvserve:router_upstream_connections_reused_total"), reused);
+  EXPECT_EQ(metric("kvserve:router_upstream_retries_total"), retries);
+  EXPECT_EQ(metric("kvserve:router_upstream_errors_total"), errors);
+  EXPECT_TRUE(Client(decode->grpc_port()).AtBaseline());
+}
+
 // A client that closes its connection mid-stream: the router closes its
 // upstream connection (the decode node cancels the request) and releases
 // the lease; both nodes return to baseline. SmolLM2, whose context holds a
