@@ -232,8 +232,16 @@ class KvCacheManager {
   const BlockTable& group_table(const SeqKv& kv, int32_t g) const {
     return g == 0 ? kv.table : kv.groups[g - 1].table;
   }
+  // Whether h is group g's placeholder block (a window group's table entry
+  // for a block its window no longer reaches: no K/V there).
+  bool IsGroupPlaceholder(int32_t g, const BlockHandle& h) const {
+    const KvCacheManager& m = group_manager(g);
+    return m.window_ > 0 && h == m.placeholder_;
+  }
   // Group g's manager (0: this one), for its index and statistics.
   const KvCacheManager& group_manager(int32_t g) const { return g == 0 ? *this : *groups_[g - 1]; }
+  // The same, to pin and mark blocks in its index (retention leases).
+  KvCacheManager* mutable_group_manager(int32_t g) { return g == 0 ? this : groups_[g - 1].get(); }
   const std::vector<int32_t>& layer_group() const { return layer_group_; }
   const std::vector<int32_t>& layer_index() const { return layer_index_; }
   // Hybrid prefix matches the window groups cut shorter than the full

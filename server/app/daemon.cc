@@ -289,13 +289,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   ASSIGN_OR_RETURN(d->pd_, PdNode::Create(f.pd, pd_fingerprint, api_key));
   ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path),
                                              cache_control, d->pd_->kv_loader()));
-  if (d->pd_->role() == PdRole::kPrefill && d->engine_->kv_manager().hybrid()) {
-    // A prefill node's leases name one block table; a hybrid model has one
-    // per KV cache group.
-    return absl::InvalidArgumentError(
-        "prefill/decode disaggregation (--pd-role prefill) moves blocks without knowing the KV "
-        "cache groups of a hybrid-attention model (use --kv-layout all-layers)");
-  }
   RETURN_IF_ERROR(CheckKvPolicyDefaults(limits.kv_policy, d->engine_->limits()));
   if (limits.kv_policy.kind != KvPolicy::Kind::kNone) {
     spdlog::info("token eviction by default: --kv-policy {} (sinks {}, window {}, budget {})",
