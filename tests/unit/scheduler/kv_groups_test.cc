@@ -10,7 +10,8 @@
 // blocks to the pool; a randomized run of allocate / commit / window
 // release / evict / fork / truncate / cancel over the groups with content
 // tags in the blocks reads no freed or foreign block and leaks nothing; and
-// the features that do not know the groups are refused by name.
+// the features that do not know the groups are refused by name; a retention
+// lease keeps every group's blocks of its prefix through an eviction.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -583,17 +584,7 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   ASSERT_TRUE(Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).ok());
   EXPECT_EQ(o.kv_tiers->num_groups(), 3);
   o.kv_tiers = nullptr;
-  // A retention lease is refused by name.
-  {
-    auto e2 = MakeEngine(m_, true, true, 256);
-    CacheControl cc(CacheControlOptions{});
-    RetainRequest rr;
-    rr.tokens = Prompt(20, 3);
-    const RetainAnswer a = cc.Retain(const_cast<KvCacheManager*>(&e2->kv_manager()), rr);
-    EXPECT_EQ(a.outcome, RetainAnswer::Outcome::kRefused);
-    EXPECT_EQ(a.reason, "unsupported") << a.detail;
-    EXPECT_NE(a.detail.find("KV cache groups"), std::string::npos) << a.detail;
-  }
+  // Retention leases know the groups (RetentionLease... below).
   // The all-layers layout runs them (one group).
   o.kv_loader = nullptr;
   o.kv_cache_groups = false;
@@ -640,6 +631,48 @@ void DemoteEverything(Engine* e) {
   auto done = e->EvictAllCachedForTest();
   e->Step();
   done.wait();
+}
+
+// A retention lease on a hybrid model (issue 41) pins the full group's
+// blocks of the whole prefix and each window group's last window's, so an
+// eviction of everything cached keeps the hit in every group (same text as
+// the all-layers layout without a cache); without the lease the same
+// eviction loses it. Released, every block goes back to the pool.
+TEST_F(KvGroupsEngineTest, RetentionLeaseKeepsTheHitInEveryGroupThroughEviction) {
+  const std::vector<int32_t> target = Prompt(3 * kWindow + 7, 9);  // 55 tokens: 13 full blocks
+  auto plain = MakeEngine(m_, false, false, 512);
+  const RunResult ref = RunAll(plain.get(), {Greedy(target, 16)})[0];
+  for (bool retain : {false, true}) {
+    auto e = MakeEngine(m_, true, true, 200);
+    const int32_t baseline = e->kv_pool().num_free_blocks();  // the placeholders are held
+    EXPECT_EQ(RunAll(e.get(), {Greedy(target, 16)})[0].tokens, ref.tokens);
+    KvCacheManager* kv = const_cast<KvCacheManager*>(&e->kv_manager());
+    CacheControl cc(CacheControlOptions{});
+    RetainAnswer a;
+    if (retain) {
+      RetainRequest rr;
+      rr.tokens = target;
+      rr.ttl_s = 60;
+      a = cc.Retain(kv, rr);
+      ASSERT_EQ(a.outcome, RetainAnswer::Outcome::kGranted) << a.reason << ": " << a.detail;
+      EXPECT_EQ(a.lease.tokens, 52);
+      // 13 full-group blocks and, in each of the two window groups, the
+      // blocks its window reaches from slot 52 (37 on: blocks 9..12).
+      EXPECT_EQ(a.lease.blocks, 13 + 2 * 4);
+      EXPECT_EQ(a.lease.bytes, (13 + 2 * 4) * e->kv_pool().block_bytes());
+    }
+    DemoteEverything(e.get());  // no tiers: every evictable cached block is dropped
+    const RunResult again = RunAll(e.get(), {Greedy(target, 16)})[0];
+    EXPECT_EQ(again.tokens, ref.tokens) << "retain " << retain;
+    if (retain) {
+      EXPECT_EQ(again.cached_tokens, 52) << "the lease keeps every group's blocks";
+      EXPECT_TRUE(cc.Release(kv, a.lease.id, std::nullopt));
+    } else {
+      EXPECT_EQ(again.cached_tokens, 0) << "without a lease the eviction loses the prefix";
+    }
+    DemoteEverything(e.get());
+    EXPECT_EQ(e->kv_pool().num_free_blocks(), baseline) << "retain " << retain;
+  }
 }
 
 // A demote -> promote round trip (issue 41): the prompt's blocks leave the
