@@ -334,6 +334,22 @@ class KvCacheManager {
   mutable KvWindowStats group_window_stats_;
   int32_t window_ = 0;
   BlockHandle placeholder_{};  // held while window_ > 0; never written or read
+  // A group manager's KV event sink: stamps its group on each event and
+  // passes it on to the engine's (outlives prefix_cache_, which the
+  // destructor resets first).
+  class GroupEventSink final : public KvEventSink {
+   public:
+    GroupEventSink(KvEventSink* inner, int32_t group) : inner_(inner), group_(group) {}
+    void Publish(std::vector<KvCacheEvent> events) override {
+      for (KvCacheEvent& e : events) e.group = group_;
+      inner_->Publish(std::move(events));
+    }
+
+   private:
+    KvEventSink* inner_;
+    int32_t group_;
+  };
+  std::unique_ptr<GroupEventSink> group_events_;
   KvWindowStats window_stats_;
 };
 

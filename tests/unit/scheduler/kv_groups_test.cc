@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -590,6 +591,53 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   o.kv_cache_groups = false;
   auto all = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).value();
   EXPECT_EQ(all->kv_manager().num_groups(), 1);
+}
+
+// KV events (issue 41): every group's index publishes into the engine's
+// sink, each event tagged with its group. The window groups store the same
+// chains under the same hashes as the full group, and release the blocks
+// their window leaves behind (hollow nodes: not published as removed).
+TEST_F(KvGroupsEngineTest, EveryGroupPublishesItsIndexTaggedWithItsGroup) {
+  struct Capture : KvEventSink {
+    std::vector<KvCacheEvent> events;
+    void Publish(std::vector<KvCacheEvent> e) override {
+      events.insert(events.end(), e.begin(), e.end());
+    }
+  } sink;
+  EngineOptions o;
+  o.block_size = kBlock;
+  o.num_blocks = 256;
+  o.max_batched_tokens = 8;
+  o.kv_events = &sink;
+  auto e = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).value();
+  RunAll(e.get(), {Greedy(Prompt(3 * kWindow + 7, 12), 8)});
+  // Replay the events per group, as a consumer keyed by (group, hash) does.
+  std::map<int32_t, std::set<uint64_t>> stored, live;
+  std::map<int32_t, int> removed;
+  for (const KvCacheEvent& ev : sink.events) {
+    if (ev.kind == KvCacheEvent::Kind::kBlockStored) {
+      stored[ev.group].insert(ev.block_hash);
+      live[ev.group].insert(ev.block_hash);
+    } else if (ev.kind == KvCacheEvent::Kind::kBlockRemoved) {
+      ++removed[ev.group];
+      live[ev.group].erase(ev.block_hash);
+    }
+  }
+  ASSERT_EQ(stored.size(), 3u) << "groups 0, 1 and 2 publish";
+  EXPECT_GE(stored[0].size(), 13u);
+  EXPECT_EQ(removed[0], 0);
+  EXPECT_EQ(live[0], stored[0]);
+  for (int32_t g : {1, 2}) {
+    // The same chains under the same hashes; the blocks the window left
+    // behind were removed (hollow), the boundary's window stays.
+    EXPECT_EQ(stored[g], stored[0]) << "group " << g;
+    EXPECT_GT(removed[g], 0) << "group " << g;
+    EXPECT_LT(live[g].size(), stored[0].size()) << "group " << g;
+    EXPECT_GE(live[g].size(), static_cast<size_t>(kWindow / kBlock)) << "group " << g;
+    const int32_t cached = e->kv_manager().group_manager(g).prefix_cache()->num_cached_blocks();
+    EXPECT_EQ(static_cast<int32_t>(live[g].size()), cached)
+        << "group " << g << ": the replica holds what the group's index holds";
+  }
 }
 
 // ---- The host and disk tiers on a hybrid model ----
