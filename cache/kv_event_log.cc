@@ -79,6 +79,41 @@ bool KvEventLog::ApplyLocked(KvCacheEvent& e) {
     }
     return true;
   }
+  if (e.group != 0) {
+    // Another KV cache group's index: its own replica (same hashes as group
+    // 0's for the same tokens).
+    GroupReplica& r = group_replicas_[e.group];
+    switch (e.kind) {
+      case KvCacheEvent::Kind::kBlockStored: {
+        auto [it, inserted] = r.blocks.try_emplace(e.block_hash);
+        if (!inserted) return true;
+        it->second.parent = e.parent_hash;
+        it->second.tokens = e.token_ids;
+        it->second.scope = e.scope;
+        it->second.order = r.order.size();
+        r.order.push_back(e.block_hash);
+        return true;
+      }
+      case KvCacheEvent::Kind::kBlockRemoved:
+        r.blocks.erase(e.block_hash);
+        if (r.order.size() > 2 * r.blocks.size() + 1024) {
+          std::vector<uint64_t> live;
+          for (size_t i = 0; i < r.order.size(); ++i) {
+            auto it = r.blocks.find(r.order[i]);
+            if (it == r.blocks.end() || it->second.order != i) continue;
+            it->second.order = live.size();
+            live.push_back(r.order[i]);
+          }
+          r.order = std::move(live);
+        }
+        return true;
+      case KvCacheEvent::Kind::kAllCleared:
+        r.blocks.clear();
+        r.order.clear();
+        return true;
+    }
+    return true;
+  }
   switch (e.kind) {
     case KvCacheEvent::Kind::kBlockStored: {
       // A hash already present keeps its place: its children, if any, were
@@ -144,6 +179,20 @@ std::vector<KvCacheEvent> KvEventLog::SnapshotLocked() const {
       KvCacheEvent e;
       e.kind = KvCacheEvent::Kind::kBlockStored;
       e.tier = t == 0 ? KvTier::kHost : KvTier::kDisk;
+      e.block_hash = it->first;
+      e.parent_hash = it->second.parent;
+      e.token_ids = it->second.tokens;
+      e.scope = it->second.scope;
+      out.push_back(std::move(e));
+    }
+  }
+  for (const auto& [g, r] : group_replicas_) {
+    for (size_t i = 0; i < r.order.size(); ++i) {
+      auto it = r.blocks.find(r.order[i]);
+      if (it == r.blocks.end() || it->second.order != i) continue;
+      KvCacheEvent e;
+      e.kind = KvCacheEvent::Kind::kBlockStored;
+      e.group = g;
       e.block_hash = it->first;
       e.parent_hash = it->second.parent;
       e.token_ids = it->second.tokens;

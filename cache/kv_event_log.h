@@ -16,7 +16,9 @@
 // knows none (a KV cache group's page: the log describes the full group
 // only) or the tier holds the hash already; a tier's removed event is
 // dropped unless that tier's replica holds the hash. Snapshots list the
-// index's blocks, then the host tier's, then the disk tier's.
+// index's blocks, then the host tier's, then the disk tier's, then each
+// other KV cache group's index blocks (KvCacheEvent::group, a hybrid
+// model: kept apart from group 0's, since the groups share hashes).
 //
 // Thread-safe.
 #pragma once
@@ -25,6 +27,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -95,6 +98,14 @@ class KvEventLog : public KvEventSink {
   // The host [0] and disk [1] tiers' pages (order: unused).
   std::unordered_map<uint64_t, ReplicaBlock> tier_replica_[2];
   std::vector<uint64_t> tier_order_[2];  // insertion order (lazily compacted)
+  // KV cache groups 1.. (a hybrid model; KvCacheEvent::group): each
+  // group's index apart, since the groups cache the same chains under the
+  // same hashes. replica_ and replica_size() are group 0's.
+  struct GroupReplica {
+    std::unordered_map<uint64_t, ReplicaBlock> blocks;
+    std::vector<uint64_t> order;
+  };
+  std::map<int32_t, GroupReplica> group_replicas_;
 
   // REQUIRES: mu_ held. False: the event is dropped (a tier event the log
   // cannot describe or that changes nothing); e may be completed.

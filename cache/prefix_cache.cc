@@ -626,7 +626,10 @@ struct PrefixCache::Impl final : public KvPoolObserver {
         }
         // Dedupe: the cached block already holds this K/V; keep it. A
         // hollow one takes the caller's block (it computed the K/V again).
-        if (existing->hollow && !(blocks[i] == stand_in)) Refill(existing, blocks[i]);
+        if (existing->hollow && !(blocks[i] == stand_in)) {
+          Refill(existing, blocks[i]);
+          if (options.publish_hollow) StoredEvent(existing, &events);
+        }
         Touch(existing, now);
         node = existing;
         continue;
@@ -697,23 +700,30 @@ struct PrefixCache::Impl final : public KvPoolObserver {
     // still holds the block, as it normally does.
     RegisterBlock(child);
     SetPinned(child, pool->ref_count(child->block) != 1);
-    if (options.events != nullptr) {
-      KvCacheEvent e;
-      e.kind = KvCacheEvent::Kind::kBlockStored;
-      e.block_hash = hash;
-      e.parent_hash = parent->parent == nullptr ? 0 : parent->hash;
-      if (parent->parent == nullptr) e.scope = parent->salt;
-      e.token_ids = child->tokens;
-      events->push_back(std::move(e));
-    }
+    StoredEvent(child, events);
     return child;
+  }
+
+  // n's BlockStored event, appended to *events (nothing without a sink).
+  void StoredEvent(const Node* n, std::vector<KvCacheEvent>* events) const {
+    if (options.events == nullptr) return;
+    const Node* parent = n->parent;
+    KvCacheEvent e;
+    e.kind = KvCacheEvent::Kind::kBlockStored;
+    e.block_hash = n->hash;
+    e.parent_hash = parent->parent == nullptr ? 0 : parent->hash;
+    if (parent->parent == nullptr) e.scope = parent->salt;
+    e.token_ids = n->tokens;
+    events->push_back(std::move(e));
   }
 
   // A child that is hollow from the start (HollowBlock's state: tokens, no
   // block, never pinned).
   Node* AddHollowChild(Node* parent, uint64_t hash, absl::Span<const int32_t> tokens, int64_t now,
                        std::vector<KvCacheEvent>* events) {
+    const size_t published = events->size();
     Node* n = AddChild(parent, hash, stand_in, tokens, now, events);
+    if (options.publish_hollow) events->resize(published);  // no K/V: not stored
     SetPinned(n, false);
     UnregisterBlock(n);
     n->hollow = true;
@@ -852,6 +862,12 @@ bool PrefixCache::HollowBlock(BlockHandle block) {
   n->block = BlockHandle{};
   m.pool->Release(b);
   ++m.stats.hollowed_blocks;
+  if (m.options.publish_hollow && m.options.events != nullptr) {
+    std::vector<KvCacheEvent> events(1);
+    events[0].kind = KvCacheEvent::Kind::kBlockRemoved;
+    events[0].block_hash = n->hash;
+    m.Publish(std::move(events));
+  }
   return true;
 }
 
@@ -928,7 +944,9 @@ int32_t PrefixCache::Evict(int32_t n) {
       if (moved_to != KvTier::kNone) ++m.stats.demoted_blocks;
     }
     if (m.options.on_evict) m.options.on_evict(victim->hash, moved_to);
-    if (m.options.events != nullptr) {
+    // A hollow node was published as removed when it went hollow (or never
+    // as stored) under publish_hollow.
+    if (m.options.events != nullptr && !(hollow && m.options.publish_hollow)) {
       KvCacheEvent e;
       e.kind = KvCacheEvent::Kind::kBlockRemoved;
       e.block_hash = victim->hash;

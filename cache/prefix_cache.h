@@ -112,6 +112,12 @@ struct KvCacheEvent {
   // may leave parent_hash, token_ids and scope empty; the event log fills
   // them from the block it knew under the same hash (KvEventLog).
   KvTier tier = KvTier::kNone;
+  // KV cache groups (a hybrid-attention model): the group whose radix index
+  // the event is about (0: the full group, or a model with one group). The
+  // groups cache the same token chains under the same hashes, so a
+  // consumer keys blocks by (group, hash) or keeps group 0 only. Set by the
+  // group's sink (KvCacheManager); the index itself publishes 0.
+  int32_t group = 0;
 };
 
 // A full block leaving the primary pool (PrefixCache::Evict), offered to the
@@ -151,6 +157,13 @@ struct PrefixCacheOptions {
   Clock* clock = nullptr;            // nullptr: SteadyClock()
   std::unique_ptr<EvictionPolicy> policy;  // nullptr: LRU
   KvEventSink* events = nullptr;     // optional
+  // With a window (SetWindow) and events: a node going hollow is published
+  // as BlockRemoved (its K/V left the pool), a node hollow from the start is
+  // not published, and a refilled one is published as BlockStored again.
+  // Set for a hybrid model's window groups (KvCacheManager), whose events
+  // carry their group; off, hollow nodes stay published as stored (a
+  // router's replica keeps them, as for a Mistral-style window).
+  bool publish_hollow = false;
   // Optional: evicted full blocks are offered here first (host memory pools
   // only; a partly filled tail block is never offered).
   BlockDemotionSink* demotion = nullptr;

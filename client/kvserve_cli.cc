@@ -657,6 +657,12 @@ class KvReplica {
   std::unordered_map<uint64_t, Block> blocks_;
 };
 
+// " (group g)" for another KV cache group's block (a hybrid model), "" for
+// group 0's.
+std::string GroupNote(int32_t group) {
+  return group == 0 ? std::string() : " (group " + std::to_string(group) + ")";
+}
+
 void PrintEvent(const pb::KvEvent& e, bool json) {
   if (json) {
     std::printf("%s\n", ToJson(e).c_str());
@@ -665,11 +671,12 @@ void PrintEvent(const pb::KvEvent& e, bool json) {
   switch (e.event_case()) {
     case pb::KvEvent::kBlockStored: {
       const pb::KvBlockStored& b = e.block_stored();
-      std::printf("#%" PRIu64 " stored%s %s parent %s tokens %d [", e.sequence(),
+      std::printf("#%" PRIu64 " stored%s%s %s parent %s tokens %d [", e.sequence(),
                   b.tier() == pb::KV_TIER_HOST   ? " (host tier)"
                   : b.tier() == pb::KV_TIER_DISK ? " (disk tier)"
                                                  : "",
-                  Hex(b.block_hash()).c_str(), Hex(b.parent_hash()).c_str(), b.token_count());
+                  GroupNote(b.group_idx()).c_str(), Hex(b.block_hash()).c_str(),
+                  Hex(b.parent_hash()).c_str(), b.token_count());
       for (int i = 0; i < b.token_ids_size(); ++i) {
         std::printf(i == 0 ? "%d" : " %d", b.token_ids(i));
       }
@@ -677,14 +684,16 @@ void PrintEvent(const pb::KvEvent& e, bool json) {
       break;
     }
     case pb::KvEvent::kBlockRemoved:
-      std::printf("#%" PRIu64 " removed%s %s\n", e.sequence(),
+      std::printf("#%" PRIu64 " removed%s%s %s\n", e.sequence(),
                   e.block_removed().tier() == pb::KV_TIER_HOST   ? " (host tier)"
                   : e.block_removed().tier() == pb::KV_TIER_DISK ? " (disk tier)"
                                                                  : "",
+                  GroupNote(e.block_removed().group_idx()).c_str(),
                   Hex(e.block_removed().block_hash()).c_str());
       break;
     case pb::KvEvent::kAllCleared:
-      std::printf("#%" PRIu64 " cleared\n", e.sequence());
+      std::printf("#%" PRIu64 " cleared%s\n", e.sequence(),
+                  GroupNote(e.all_cleared().group_idx()).c_str());
       break;
     case pb::KvEvent::EVENT_NOT_SET:
       std::printf("#%" PRIu64 " (unknown event)\n", e.sequence());
@@ -762,7 +771,8 @@ int RunKvEvents(Client* client, const KvEventsFlags& flags) {
           position = 0;
         }
         for (const pb::KvBlockStored& b : chunk.blocks()) {
-          if (b.tier() == pb::KV_TIER_NONE) replica.Store(b);  // tier pages: not the index
+          // Tier pages and other KV cache groups' blocks: not the index.
+          if (b.tier() == pb::KV_TIER_NONE && b.group_idx() == 0) replica.Store(b);
         }
         if (json) {
           std::printf("{\"snapshot\":{\"as_of_sequence\":%" PRIu64
@@ -792,14 +802,19 @@ int RunKvEvents(Client* client, const KvEventsFlags& flags) {
         }
         switch (e.event_case()) {
           case pb::KvEvent::kBlockStored:
-            if (e.block_stored().tier() == pb::KV_TIER_NONE) replica.Store(e.block_stored());
+            if (e.block_stored().tier() == pb::KV_TIER_NONE && e.block_stored().group_idx() == 0) {
+              replica.Store(e.block_stored());
+            }
             break;
           case pb::KvEvent::kBlockRemoved:
-            if (e.block_removed().tier() == pb::KV_TIER_NONE) {
+            if (e.block_removed().tier() == pb::KV_TIER_NONE &&
+                e.block_removed().group_idx() == 0) {
               replica.Remove(e.block_removed().block_hash());
             }
             break;
-          case pb::KvEvent::kAllCleared: replica.Clear(); break;
+          case pb::KvEvent::kAllCleared:
+            if (e.all_cleared().group_idx() == 0) replica.Clear();
+            break;
           case pb::KvEvent::EVENT_NOT_SET: break;
         }
         position = e.sequence();

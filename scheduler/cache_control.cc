@@ -54,7 +54,7 @@ LeaseInfo CacheControl::Info(const Lease& l, int64_t now) const {
   i.id = l.id;
   i.tenant = l.tenant;
   i.tokens = l.tokens;
-  i.blocks = static_cast<int32_t>(l.hashes.size());
+  i.blocks = static_cast<int32_t>(l.hashes.size()) + l.group_blocks;
   i.bytes = l.bytes;
   i.ttl_s = l.ttl_s;
   i.remaining_s = std::max(0.0, static_cast<double>(l.expires_ns - now) * 1e-9);
@@ -91,27 +91,30 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
   }
   PrefixCache* cache = kv->mutable_prefix_cache();
   if (cache == nullptr) return refuse("not_cached", "the prefix cache is off (--no-prefix-cache)");
-  if (kv->hybrid()) {
-    // A lease pins one index's blocks; a hybrid model's prefix lives in
-    // every KV cache group's index, so a lease would protect a part.
-    return refuse("unsupported",
-                  "retention leases are not supported with KV cache groups (a hybrid-attention "
-                  "model); run with --kv-layout all-layers to retain prefixes");
-  }
   const int32_t bs = kv->block_size();
   if (asked < bs) {
     return refuse("not_cached", absl::StrCat("a lease holds whole blocks of ", bs,
                                              " tokens; the range asked has ", asked));
   }
-  // How much the range needs, before pinning anything.
+  // How much the range needs, before pinning anything. KV cache groups (a
+  // hybrid model): the longest prefix every group serves, and besides the
+  // full group's blocks each other group's that a hit at its end reads.
   const int64_t block_bytes = kv->pool().block_bytes();
-  const int32_t matched = cache->MatchLength(r.salt, r.tokens, asked) / bs * bs;
+  const int32_t matched =
+      (kv->hybrid() ? kv->PeekPrefix(r.salt, r.tokens, asked)
+                    : cache->MatchLength(r.salt, r.tokens, asked)) / bs * bs;
   if (matched == 0) {
     return refuse("not_cached",
                   "nothing of the range is cached in this scope (send the prompt once, or "
                   "retain it on the request that computes it)");
   }
-  const int64_t need_blocks = matched / bs;
+  std::vector<int32_t> group_first;  // per group 1..: its first retained block
+  int64_t need_blocks = matched / bs;
+  for (int32_t g = 1; g < kv->num_groups(); ++g) {
+    const int32_t w = kv->group_window(g);
+    group_first.push_back(std::min(matched / bs, w > 0 ? std::max(0, matched - w + 1) / bs : 0));
+    need_blocks += matched / bs - group_first.back();
+  }
   const int64_t need_bytes = need_blocks * block_bytes;
   const int64_t budget = BudgetFor(r.tenant);
   int64_t held = 0;
@@ -137,6 +140,39 @@ RetainAnswer CacheControl::Retain(KvCacheManager* kv, const RetainRequest& r) {
   }
   Lease l;
   PrefixMatch m = cache->Pin(r.salt, r.tokens, matched, &l.hashes);
+  if (kv->hybrid()) {
+    // Each other group's blocks from its first retained one (a window
+    // group's earlier ones are its placeholder: their references go back
+    // at once), kept in its index as a cached boundary's window is, so no
+    // later sequence's window hollows them.
+    std::vector<BlockHandle> extra;
+    bool whole = m.num_tokens == matched;
+    for (int32_t g = 1; g < kv->num_groups() && whole; ++g) {
+      KvCacheManager* gm = kv->mutable_group_manager(g);
+      const int32_t first = group_first[static_cast<size_t>(g - 1)];
+      PrefixMatch gp = gm->mutable_prefix_cache()->Pin(r.salt, r.tokens, matched, nullptr);
+      whole = gp.num_tokens == matched;
+      for (int32_t b = 0; b < static_cast<int32_t>(gp.blocks.size()); ++b) {
+        if (whole && b >= first && !kv->IsGroupPlaceholder(g, gp.blocks[b])) {
+          extra.push_back(gp.blocks[b]);
+        } else {
+          whole &= b < first;
+          kv->mutable_pool()->Release(gp.blocks[b]);
+        }
+      }
+      if (whole) {
+        gm->mutable_prefix_cache()->KeepWindow(
+            r.salt, absl::MakeConstSpan(r.tokens).subspan(0, matched), first);
+      }
+    }
+    if (!whole) {  // cannot happen (every group served `matched` just now)
+      kv->mutable_pool()->Release(m.blocks);
+      kv->mutable_pool()->Release(extra);
+      return refuse("not_cached", "a KV cache group no longer holds the range's blocks");
+    }
+    l.group_blocks = static_cast<int32_t>(extra.size());
+    m.blocks.insert(m.blocks.end(), extra.begin(), extra.end());
+  }
   l.id = next_id_++;
   l.tenant = r.tenant;
   l.salt = r.salt;
@@ -528,7 +564,10 @@ int CacheControl::SaveRetention(KvTiers* tiers) {
   std::string body = absl::StrCat(kRetentionMagic, "\nfingerprint ", FingerprintOf(dir), "\n");
   int written = 0;
   for (const auto& [id, l] : leases_) {
-    if (l.expires_ns <= now || l.tokens_kept.empty()) continue;
+    // A hybrid model's lease pins every KV cache group's blocks, which the
+    // disk-tier restore (group 0's pages by hash) does not know: such
+    // leases end with the process (their blocks stay cached on disk).
+    if (l.expires_ns <= now || l.tokens_kept.empty() || l.group_blocks > 0) continue;
     absl::StrAppend(&body, "lease ", HexField(l.tenant), " ", HexField(l.salt), " ",
                     absl::StrFormat("%.17g", l.ttl_s), " ", wall + (l.expires_ns - now), " ",
                     l.bytes, " ", l.tokens_kept.size(), " ", absl::StrJoin(l.tokens_kept, ","),

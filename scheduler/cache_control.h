@@ -174,6 +174,10 @@ class CacheControl {
     std::vector<int32_t> tokens_kept;  // the retained tokens (whole blocks)
     std::vector<BlockHandle> blocks;   // primary: one reference each
     std::vector<uint64_t> hashes;
+    // KV cache groups (a hybrid model): of `blocks`, those of groups 1..
+    // (after group 0's, which `hashes` name): each window group's blocks
+    // its window reaches from the lease's end, each other full group's all.
+    int32_t group_blocks = 0;
     KvTier tier = KvTier::kNone;       // kNone: the primary pool; kDisk: restored, files pinned
     int32_t tokens = 0;
     int64_t bytes = 0;

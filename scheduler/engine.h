@@ -214,6 +214,16 @@ struct PinnedPrefix {
   std::shared_ptr<KvPin> pin;       // give back with Engine::Unpin
   std::vector<BlockHandle> blocks;  // the whole blocks matched, in prompt order
   int32_t held_blocks = 0;          // blocks the pin holds (a last one may be partial)
+  // KV cache groups (a hybrid-attention model): groups 1.. in order, each
+  // its own table's blocks [first_block, blocks.size() of group 0) that a
+  // continuation from the end of `blocks` reads: a full group's every
+  // block, a window group's those its window reaches from there. Empty for
+  // a model with one group.
+  struct Group {
+    int32_t first_block = 0;
+    std::vector<BlockHandle> blocks;
+  };
+  std::vector<Group> groups;
 };
 
 struct PublicMarking {
@@ -264,6 +274,9 @@ class Engine {
   // pool; failing: Internal, "waiting for the device's KV writes failed:
   // ..."), then pins the longest cached prefix of tokens[0, max_tokens)
   // under salt the way a sequence would (max_tokens < one block: nothing).
+  // A hybrid model's pin holds every group's blocks (PinnedPrefix::groups);
+  // when a window group no longer holds a block its window needs at the
+  // end of the whole blocks matched, nothing is offered (blocks empty).
   [[nodiscard]] absl::StatusOr<PinnedPrefix> PinPrefix(std::string salt,
                                                        std::vector<int32_t> tokens,
                                                        int32_t max_tokens);

@@ -7,6 +7,7 @@
 // marks prefixes public, all on EngineOptions::cache_control. The KV cache
 // manager and the tiers stay behind these: server/ never names them.
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -77,6 +78,33 @@ absl::StatusOr<PinnedPrefix> Engine::PinPrefix(std::string salt, std::vector<int
           p.blocks.push_back(hs[i]);
         }
         p.held_blocks = p.pin->kv.table.num_blocks();
+        if (m->hybrid()) {
+          // Every other group's blocks a continuation from the end of the
+          // whole blocks reads: a window group's from the first block its
+          // window reaches (the rest are its placeholder).
+          const int32_t nb = static_cast<int32_t>(p.blocks.size());
+          const int32_t end = nb * bs;
+          bool served = true;
+          for (int32_t g = 1; g < m->num_groups() && served; ++g) {
+            const int32_t w = m->group_window(g);
+            PinnedPrefix::Group pg;
+            pg.first_block = w > 0 ? std::max(0, end - w + 1) / bs : 0;
+            pg.first_block = std::min(pg.first_block, nb);
+            const BlockTable& t = m->group_table(p.pin->kv, g);
+            for (int32_t b = pg.first_block; b < nb && served; ++b) {
+              served = b < t.num_blocks() && !m->IsGroupPlaceholder(g, t.blocks()[b]);
+              if (served) pg.blocks.push_back(t.blocks()[b]);
+            }
+            p.held_blocks += t.num_blocks();
+            p.groups.push_back(std::move(pg));
+          }
+          if (!served) {
+            // The match ended inside a block and a window group let go of
+            // a block the whole-block end needs: offer nothing.
+            p.blocks.clear();
+            p.groups.clear();
+          }
+        }
         return p;
       });
 }

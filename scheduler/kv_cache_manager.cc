@@ -68,10 +68,17 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
     go.prefix.public_salt = options.prefix.public_salt;
     if (options.group_policy) go.prefix.policy = options.group_policy();
     // Tier demotion: each group its own sink (its pages keyed by group).
-    // KV events: group 0 only (the event stream publishes the full group's
-    // index, whose blocks spell every cached prefix).
+    // KV events: each group publishes its own index, every event tagged
+    // with the group (KvCacheEvent::group), into the same sink.
     if (g < options.group_demotion.size()) go.prefix.demotion = options.group_demotion[g];
+    std::unique_ptr<GroupEventSink> tagged;
+    if (options.prefix.events != nullptr) {
+      tagged = std::make_unique<GroupEventSink>(options.prefix.events, static_cast<int32_t>(g));
+      go.prefix.events = tagged.get();
+      go.prefix.publish_hollow = true;  // a window's hollowing frees the block
+    }
     ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> gm, Create(std::move(go)));
+    gm->group_events_ = std::move(tagged);
     m->groups_.push_back(std::move(gm));
   }
   if (options.prefix_cache) {

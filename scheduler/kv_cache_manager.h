@@ -232,8 +232,16 @@ class KvCacheManager {
   const BlockTable& group_table(const SeqKv& kv, int32_t g) const {
     return g == 0 ? kv.table : kv.groups[g - 1].table;
   }
+  // Whether h is group g's placeholder block (a window group's table entry
+  // for a block its window no longer reaches: no K/V there).
+  bool IsGroupPlaceholder(int32_t g, const BlockHandle& h) const {
+    const KvCacheManager& m = group_manager(g);
+    return m.window_ > 0 && h == m.placeholder_;
+  }
   // Group g's manager (0: this one), for its index and statistics.
   const KvCacheManager& group_manager(int32_t g) const { return g == 0 ? *this : *groups_[g - 1]; }
+  // The same, to pin and mark blocks in its index (retention leases).
+  KvCacheManager* mutable_group_manager(int32_t g) { return g == 0 ? this : groups_[g - 1].get(); }
   const std::vector<int32_t>& layer_group() const { return layer_group_; }
   const std::vector<int32_t>& layer_index() const { return layer_index_; }
   // Hybrid prefix matches the window groups cut shorter than the full
@@ -326,6 +334,22 @@ class KvCacheManager {
   mutable KvWindowStats group_window_stats_;
   int32_t window_ = 0;
   BlockHandle placeholder_{};  // held while window_ > 0; never written or read
+  // A group manager's KV event sink: stamps its group on each event and
+  // passes it on to the engine's (outlives prefix_cache_, which the
+  // destructor resets first).
+  class GroupEventSink final : public KvEventSink {
+   public:
+    GroupEventSink(KvEventSink* inner, int32_t group) : inner_(inner), group_(group) {}
+    void Publish(std::vector<KvCacheEvent> events) override {
+      for (KvCacheEvent& e : events) e.group = group_;
+      inner_->Publish(std::move(events));
+    }
+
+   private:
+    KvEventSink* inner_;
+    int32_t group_;
+  };
+  std::unique_ptr<GroupEventSink> group_events_;
   KvWindowStats window_stats_;
 };
 

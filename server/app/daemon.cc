@@ -289,13 +289,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   ASSIGN_OR_RETURN(d->pd_, PdNode::Create(f.pd, pd_fingerprint, api_key));
   ASSIGN_OR_RETURN(d->engine_, builder.Build(pool, d->kv_events_.get(), ModelIdentity(model_path),
                                              cache_control, d->pd_->kv_loader()));
-  if (d->pd_->role() == PdRole::kPrefill && d->engine_->kv_manager().hybrid()) {
-    // A prefill node's leases name one block table; a hybrid model has one
-    // per KV cache group.
-    return absl::InvalidArgumentError(
-        "prefill/decode disaggregation (--pd-role prefill) moves blocks without knowing the KV "
-        "cache groups of a hybrid-attention model (use --kv-layout all-layers)");
-  }
   RETURN_IF_ERROR(CheckKvPolicyDefaults(limits.kv_policy, d->engine_->limits()));
   if (limits.kv_policy.kind != KvPolicy::Kind::kNone) {
     spdlog::info("token eviction by default: --kv-policy {} (sinks {}, window {}, budget {})",
@@ -380,12 +373,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
     // lives (vLLM's block pool says so on every platform; the CPU engine's
     // pool would otherwise share "CPU" with the host tier's pages), the
     // host tier "CPU", the disk tier "Disk" (VllmEventFormat).
-    if (d->engine_->kv_manager().hybrid()) {
-      // KV cache groups: the stream publishes the full group's index (group
-      // 0, whose blocks spell every cached prefix), tagged as vLLM tags a
+    if (const KvCacheManager& kv = d->engine_->kv_manager(); kv.hybrid()) {
+      // KV cache groups: every group publishes its own index, each event
+      // tagged with its group_idx and that group's spec, as vLLM tags a
       // hybrid model's groups (docs/kubernetes.md).
-      vo.format.group_idx = 0;
-      vo.format.kv_cache_spec_kind = "full_attention";
+      for (int32_t g = 0; g < kv.num_groups(); ++g) {
+        vo.format.group_windows.push_back(kv.group_window(g));
+      }
     }
     ASSIGN_OR_RETURN(d->vllm_events_, VllmEventPublisher::Start(d->kv_events_.get(), vo));
   }

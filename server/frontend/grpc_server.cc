@@ -461,6 +461,7 @@ void ToProto(const KvCacheEvent& e, pb::KvBlockStored* out) {
   out->mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
   out->set_token_count(static_cast<int32_t>(e.token_ids.size()));
   out->set_tier(static_cast<pb::KvTier>(e.tier));
+  out->set_group_idx(e.group);
 }
 
 void ToProto(const SequencedKvEvent& e, pb::KvEvent* out) {
@@ -473,9 +474,10 @@ void ToProto(const SequencedKvEvent& e, pb::KvEvent* out) {
       out->mutable_block_removed()->set_block_hash(e.event.block_hash);
       out->mutable_block_removed()->set_moved_to(static_cast<pb::KvTier>(e.event.moved_to));
       out->mutable_block_removed()->set_tier(static_cast<pb::KvTier>(e.event.tier));
+      out->mutable_block_removed()->set_group_idx(e.event.group);
       break;
     case KvCacheEvent::Kind::kAllCleared:
-      out->mutable_all_cleared();
+      out->mutable_all_cleared()->set_group_idx(e.event.group);
       break;
   }
 }

@@ -126,7 +126,7 @@ void DashboardState::Apply(const KvEventRead& read) {
     nodes_.clear();
     roots_.clear();
     for (const KvCacheEvent& e : read.snapshot) {
-      if (e.tier == KvTier::kNone) Store(e);
+      if (e.tier == KvTier::kNone && e.group == 0) Store(e);
     }
     for (const auto& [h, n] : hits) {
       if (auto it = nodes_.find(h); it != nodes_.end()) it->second.hits = n;
@@ -136,7 +136,9 @@ void DashboardState::Apply(const KvEventRead& read) {
   for (const SequencedKvEvent& se : read.events) {
     const KvCacheEvent& e = se.event;
     last_sequence_ = se.sequence;
-    if (e.tier != KvTier::kNone) continue;  // a tier's page: not in the block map
+    // A tier's page, or another KV cache group's block (the same hashes as
+    // the full group's): not in the block map, which draws group 0's index.
+    if (e.tier != KvTier::kNone || e.group != 0) continue;
     switch (e.kind) {
       case KvCacheEvent::Kind::kBlockStored:
         Store(e);

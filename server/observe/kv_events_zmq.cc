@@ -71,7 +71,20 @@ const std::string& MediumOf(const VllmKvEvent& e, const VllmEventFormat& f) {
   return f.medium;
 }
 
-void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& f) {
+void PackEvent(Packer& pk, const VllmKvEvent& e, const VllmEventFormat& format) {
+  // Every group publishing: the event's own group and that group's spec.
+  VllmEventFormat per_group;
+  if (!format.group_windows.empty()) {
+    per_group = format;
+    const int32_t w = e.group >= 0 && static_cast<size_t>(e.group) < format.group_windows.size()
+                          ? format.group_windows[static_cast<size_t>(e.group)]
+                          : 0;
+    per_group.group_idx = e.group;
+    per_group.kv_cache_spec_kind = w > 0 ? "sliding_window" : "full_attention";
+    per_group.kv_cache_spec_sliding_window =
+        w > 0 ? std::optional<int32_t>(w) : std::optional<int32_t>();
+  }
+  const VllmEventFormat& f = format.group_windows.empty() ? format : per_group;
   switch (e.kind) {
     case VllmKvEvent::Kind::kBlockStored: {
       // type, block_hashes, parent_block_hash, token_ids, block_size,
@@ -195,15 +208,16 @@ void VllmEventTranslator::Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* o
     case KvCacheEvent::Kind::kBlockStored: {
       // vLLM publishes full blocks only.
       if (static_cast<int32_t>(e.token_ids.size()) != block_size_) return;
-      if (!published_[static_cast<int>(e.tier)].insert(e.block_hash).second) return;
+      if (!PublishedFor(e).insert(e.block_hash).second) return;
       VllmKvEvent* last = out->empty() ? nullptr : &out->back();
       const bool extends = last != nullptr && last->kind == VllmKvEvent::Kind::kBlockStored &&
-                           last->tier == e.tier && e.parent_hash != 0 &&
-                           last->block_hashes.back() == e.parent_hash;
+                           last->tier == e.tier && last->group == e.group &&
+                           e.parent_hash != 0 && last->block_hashes.back() == e.parent_hash;
       if (!extends) {
         VllmKvEvent s;
         s.kind = VllmKvEvent::Kind::kBlockStored;
         s.tier = e.tier;
+        s.group = e.group;
         if (e.parent_hash != 0) s.parent_block_hash = e.parent_hash;
         out->push_back(std::move(s));
         last = &out->back();
@@ -221,18 +235,27 @@ void VllmEventTranslator::Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* o
       return;
     }
     case KvCacheEvent::Kind::kBlockRemoved: {
-      if (published_[static_cast<int>(e.tier)].erase(e.block_hash) == 0) return;
+      if (PublishedFor(e).erase(e.block_hash) == 0) return;
       if (out->empty() || out->back().kind != VllmKvEvent::Kind::kBlockRemoved ||
-          out->back().tier != e.tier) {
+          out->back().tier != e.tier || out->back().group != e.group) {
         VllmKvEvent r;
         r.kind = VllmKvEvent::Kind::kBlockRemoved;
         r.tier = e.tier;
+        r.group = e.group;
         out->push_back(std::move(r));
       }
       out->back().block_hashes.push_back(e.block_hash);
       return;
     }
     case KvCacheEvent::Kind::kAllCleared: {
+      if (e.group != 0) {
+        // Another group's index emptied (the engine empties every group
+        // with group 0's, whose AllBlocksCleared the consumer already has).
+        group_published_.erase(e.group);
+        return;
+      }
+      // vLLM's AllBlocksCleared clears every group: so do we.
+      group_published_.clear();
       published_[0].clear();  // the index: the tiers keep their pages
       VllmKvEvent c;
       c.kind = VllmKvEvent::Kind::kAllBlocksCleared;
@@ -240,6 +263,11 @@ void VllmEventTranslator::Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* o
       return;
     }
   }
+}
+
+std::unordered_set<uint64_t>& VllmEventTranslator::PublishedFor(const KvCacheEvent& e) {
+  if (e.group != 0 && e.tier == KvTier::kNone) return group_published_[e.group];
+  return published_[static_cast<int>(e.tier)];
 }
 
 void VllmEventTranslator::AddSnapshot(const std::vector<KvCacheEvent>& blocks,

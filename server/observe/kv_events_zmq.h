@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,6 +52,8 @@ struct VllmKvEvent {
   // Which tier the event is about (its `medium`): the primary pool or a
   // page of the host or disk tier.
   KvTier tier = KvTier::kNone;
+  // The KV cache group whose index the event is about (KvCacheEvent::group).
+  int32_t group = 0;
 };
 
 struct VllmEventFormat {
@@ -72,6 +75,12 @@ struct VllmEventFormat {
   std::optional<int32_t> group_idx;
   std::string kv_cache_spec_kind;                       // empty: None
   std::optional<int32_t> kv_cache_spec_sliding_window;  // none: None
+  // KV cache groups, every group publishing (a hybrid model): per group its
+  // window (0: full attention). When set it replaces the three fields
+  // above per event: group_idx is the event's group, kv_cache_spec_kind
+  // "full_attention" or "sliding_window", kv_cache_spec_sliding_window the
+  // window (None for full attention).
+  std::vector<int32_t> group_windows;
 };
 
 // The msgpack bytes of KVEventBatch{ts, events, data_parallel_rank}.
@@ -92,14 +101,19 @@ class VllmEventTranslator {
   void Add(const KvCacheEvent& e, std::vector<VllmKvEvent>* out);
   // A snapshot replaces everything published so far.
   void AddSnapshot(const std::vector<KvCacheEvent>& blocks, std::vector<VllmKvEvent>* out);
-  // Published blocks in every tier.
+  // Published blocks in every tier (and every KV cache group).
   size_t published_blocks() const {
-    return published_[0].size() + published_[1].size() + published_[2].size();
+    size_t n = published_[0].size() + published_[1].size() + published_[2].size();
+    for (const auto& [g, s] : group_published_) n += s.size();
+    return n;
   }
 
  private:
+  std::unordered_set<uint64_t>& PublishedFor(const KvCacheEvent& e);
   int32_t block_size_;
-  std::unordered_set<uint64_t> published_[3];  // by KvTier
+  std::unordered_set<uint64_t> published_[3];  // group 0's, by KvTier
+  // Other KV cache groups' index blocks (the same hashes as group 0's).
+  std::map<int32_t, std::unordered_set<uint64_t>> group_published_;
 };
 
 struct VllmEventPublisherOptions {

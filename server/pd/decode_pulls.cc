@@ -95,20 +95,38 @@ void PdNode::Impl::Forgo(std::string_view salt, absl::Span<const int32_t> tokens
 }
 
 std::shared_ptr<KvLoad> PdNode::Impl::Start(const KvLoadTarget& t) {
-  std::shared_ptr<Attached> a;
+  auto job = std::make_shared<Job>();
   {
     std::lock_guard<std::mutex> lock(mu_);
     int32_t end = 0;
-    a = FindLease(t.salt, t.tokens, t.first_slot, t.first_slot + t.num_tokens, &end);
+    std::shared_ptr<Attached> a =
+        FindLease(t.salt, t.tokens, t.first_slot, t.first_slot + t.num_tokens, &end);
     if (a == nullptr || end != t.first_slot + t.num_tokens || shutdown_) return nullptr;
+    job->lease = a;
+    job->first_block = t.first_slot / block_size_;
+    const int32_t end_block = end / block_size_;
+    const int32_t* ids = t.view.block_ids + t.view.seq_block_offsets[0];
+    for (int32_t b = job->first_block; b < end_block; ++b) job->local_ids.push_back(ids[b]);
+    // KV cache groups: each other group's blocks the load writes (a window
+    // group's from where its window reaches, PrepareGroupLoad), pulled from
+    // the same lease blocks of that group's table on the prefill node.
+    const pb::Lease& l = a->lease;
+    if (static_cast<int32_t>(t.groups.size()) != l.groups_size()) return nullptr;
+    for (int i = 0; i < l.groups_size(); ++i) {
+      const pb::LeaseGroup& lg = l.groups(i);
+      const KvLoadTarget::Group& tg = t.groups[static_cast<size_t>(i)];
+      const int32_t first = std::max(t.first_slot, tg.first_slot) / block_size_;
+      const int32_t* gids = tg.view.block_ids + tg.view.seq_block_offsets[0];
+      for (int32_t b = first; b < end_block; ++b) {
+        const int32_t k = b - lg.first_block();
+        if (k < 0 || k >= lg.block_ids_size()) return nullptr;  // not leased: recompute
+        job->local_ids.push_back(gids[b]);
+        job->group_remote.push_back(lg.block_ids(k));
+        job->group_gens.push_back(lg.generations(k));
+      }
+    }
     a->consumed = true;
   }
-  auto job = std::make_shared<Job>();
-  job->lease = a;
-  job->first_block = t.first_slot / block_size_;
-  const int32_t n_blocks = (t.first_slot + t.num_tokens) / block_size_ - job->first_block;
-  const int32_t* ids = t.view.block_ids + t.view.seq_block_offsets[0];
-  for (int32_t k = 0; k < n_blocks; ++k) job->local_ids.push_back(ids[job->first_block + k]);
   job->load = std::make_shared<PullLoad>();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -119,7 +137,18 @@ std::shared_ptr<KvLoad> PdNode::Impl::Start(const KvLoadTarget& t) {
 }
 
 int32_t PdNode::Impl::LeaseBlocks(const pb::Lease& l) const {
-  return l.progressive() ? l.tokens_size() / block_size_ : l.block_ids_size();
+  int32_t n = l.progressive() ? l.tokens_size() / block_size_ : l.block_ids_size();
+  for (const pb::LeaseGroup& g : l.groups()) n += g.block_ids_size();
+  return n;
+}
+
+bool PdNode::Impl::GroupsCover(const pb::Lease& l, int32_t end) const {
+  for (int i = 0; i < l.groups_size(); ++i) {
+    const int32_t w = group_windows_[static_cast<size_t>(i) + 1];
+    const int32_t first = w > 0 ? std::max(0, end - w + 1) / block_size_ : 0;
+    if (first < l.groups(i).first_block()) return false;
+  }
+  return true;
 }
 
 absl::Status PdNode::Impl::CheckLeaseShape(const pb::Lease& l) const {
@@ -179,6 +208,49 @@ absl::Status PdNode::Impl::CheckLeaseShape(const pb::Lease& l) const {
     return absl::InvalidArgumentError(
         absl::StrCat("lease.tokens: ", l.tokens_size(), " tokens for ", l.block_ids_size(),
                      " blocks of ", block_size_));
+  }
+  // KV cache groups (the layouts matched above, so both nodes have these
+  // groups): a lease with blocks names every other group's.
+  const int want_groups =
+      group_windows_.empty() ? 0 : static_cast<int>(group_windows_.size()) - 1;
+  if (want_groups == 0 && l.groups_size() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease.groups: ", l.groups_size(), " KV cache groups for a layout with one group"));
+  }
+  if (want_groups > 0 && l.progressive()) {
+    return absl::InvalidArgumentError(
+        "lease.progressive: a lease on KV cache groups (a hybrid-attention model) is granted "
+        "whole");
+  }
+  if (want_groups > 0 && l.block_ids_size() > 0 && l.groups_size() != want_groups) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease.groups: ", l.groups_size(), " groups besides group 0; the layout has ",
+        want_groups));
+  }
+  for (int i = 0; i < l.groups_size(); ++i) {
+    const pb::LeaseGroup& g = l.groups(i);
+    if (g.block_ids_size() != g.generations_size() || g.first_block() < 0 ||
+        g.first_block() + g.block_ids_size() != l.block_ids_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lease.groups[", i, "]: blocks [", g.first_block(), ", ",
+          g.first_block() + g.block_ids_size(), ") with ", g.generations_size(),
+          " generations; group 0 has ", l.block_ids_size(), " blocks (a group's run ends there)"));
+    }
+    const int32_t w = group_windows_[static_cast<size_t>(i) + 1];
+    const int32_t end = l.block_ids_size() * block_size_;
+    if ((w > 0 ? std::max(0, end - w + 1) / block_size_ : 0) < g.first_block()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lease.groups[", i, "].first_block: ", g.first_block(), " leaves out blocks the ",
+          w > 0 ? absl::StrCat("window of ", w, " tokens") : std::string("full attention"),
+          " of group ", i + 1, " reaches from the lease's end"));
+    }
+    for (int j = 0; j < g.block_ids_size(); ++j) {
+      if (g.block_ids(j) < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lease.groups[", i, "].block_ids[", j, "]: negative id ",
+                         g.block_ids(j)));
+      }
+    }
   }
   for (int i = 0; i < l.block_ids_size(); ++i) {
     // Block ids index the prefill node's pool, which has the same layout
@@ -291,6 +363,10 @@ std::shared_ptr<PdNode::Impl::Attached> PdNode::Impl::FindLease(std::string_view
     e = std::min<int32_t>(e, static_cast<int32_t>(tokens.size()));
     e -= e % block_size_;
     if (e <= from || e <= *end) continue;
+    // KV cache groups: a supply that ends before the lease's end needs
+    // window blocks from before the lease's (each window reaches back from
+    // where the supply ends).
+    if (a->lease.groups_size() > 0 && !GroupsCover(a->lease, e)) continue;
     if (!std::equal(tokens.begin(), tokens.begin() + e, a->lease.tokens().begin())) continue;
     best = a;
     *end = e;
@@ -458,6 +534,7 @@ absl::Status PdNode::Impl::Pull(const Job& job, PullStats* st) {
     peer = it->second;
   }
   const int32_t n = static_cast<int32_t>(job.local_ids.size());
+  const int32_t n0 = job.group0_blocks();  // group 0's; the other groups' follow
   // Blocks re-encoded on the wire land in a staging buffer, in order, and
   // are decoded into the pool once the fence passed; others land in the
   // pool's blocks directly.
@@ -472,8 +549,8 @@ absl::Status PdNode::Impl::Pull(const Job& job, PullStats* st) {
   std::vector<uint32_t> gens(l.generations().begin(), l.generations().end());
   bool complete = !l.progressive();
   if (complete) st->complete_at = PdClock::now();
-  const int32_t end = job.first_block + n;
-  for (int32_t done = 0; done < n;) {
+  const int32_t end = job.first_block + n0;
+  for (int32_t done = 0; done < n0;) {
     const int32_t known = std::min<int32_t>(static_cast<int32_t>(remote.size()), end) -
                           job.first_block;
     if (known > done) {
@@ -512,6 +589,17 @@ absl::Status PdNode::Impl::Pull(const Job& job, PullStats* st) {
     // (the decode node held some of the prompt itself): the fence below
     // still applies; the time after this point is what the request waits.
     st->complete_at = PdClock::now();
+  }
+  if (n > n0) {
+    // KV cache groups (whole leases): the other groups' blocks, indexed on
+    // after group 0's, then fenced with them.
+    remote.resize(static_cast<size_t>(end));
+    gens.resize(static_cast<size_t>(end));
+    remote.insert(remote.end(), job.group_remote.begin(), job.group_remote.end());
+    gens.insert(gens.end(), job.group_gens.begin(), job.group_gens.end());
+    const auto r0 = PdClock::now();
+    RETURN_IF_ERROR(ReadBlocks(job, peer, remote, n0, n, wire, read_bytes, deadline));
+    st->active += std::chrono::duration<double>(PdClock::now() - r0).count();
   }
   // The fence: only now, after every data read completed, read the
   // generations. A block freed at any time since the grant has advanced.
@@ -637,7 +725,7 @@ void PdNode::Impl::RunJob(const Job& job) {
   }
   // The blocks are ours alone again; decoded wire blocks are lossy.
   job.load->Finish(s, s.ok() && !pl.wire_dtype().empty()
-                          ? static_cast<int32_t>(job.local_ids.size()) * block_size_
+                          ? job.group0_blocks() * block_size_
                           : 0);
   RemoteRelease(pl, s.ok() ? "committed" : "failed");
 }

@@ -26,6 +26,16 @@ void AppendRepeated(const Repeated& v, std::string* s) {
 
 }  // namespace
 
+std::string GroupWindowsName(const pd::v1::KvLayout& l) {
+  if (l.group_windows_size() == 0) return "1 (all layers in one block)";
+  std::string s = absl::StrCat(l.group_windows_size(), " (");
+  for (int i = 0; i < l.group_windows_size(); ++i) {
+    const int32_t w = l.group_windows(i);
+    absl::StrAppend(&s, i > 0 ? ", " : "", w > 0 ? absl::StrCat("window ", w) : "full");
+  }
+  return s + ")";
+}
+
 std::string KvLayoutDifference(const pd::v1::KvLayout& a, const pd::v1::KvLayout& b) {
   std::vector<std::string> d;
   auto cmp = [&](const char* name, const auto& x, const auto& y) {
@@ -39,14 +49,20 @@ std::string KvLayoutDifference(const pd::v1::KvLayout& a, const pd::v1::KvLayout
   cmp("n_layers", a.n_layers(), b.n_layers());
   cmp("n_kv_heads", a.n_kv_heads(), b.n_kv_heads());
   cmp("head_dim", a.head_dim(), b.head_dim());
+  cmp("kv_cache_groups", GroupWindowsName(a), GroupWindowsName(b));
   if (d.empty() && a.hash() != b.hash()) d.push_back("layout hash differs");
   return absl::StrJoin(d, "; ");
 }
 
 uint64_t LayoutHash(const pd::v1::KvLayout& l) {
-  const std::string s = absl::StrCat(l.model_fingerprint(), "|", l.kv_dtype(), "|",
+  std::string s = absl::StrCat(l.model_fingerprint(), "|", l.kv_dtype(), "|",
                                      l.block_size(), "|", l.block_bytes(), "|", l.n_layers(), "|",
                                      l.n_kv_heads(), "|", l.head_dim());
+  if (l.group_windows_size() > 0) {
+    // Only when set, so a one-group layout hashes as it always did.
+    s.append("|groups:");
+    for (int32_t w : l.group_windows()) absl::StrAppend(&s, w, ",");
+  }
   return XXH3_64bits(s.data(), s.size());
 }
 
@@ -77,6 +93,16 @@ uint64_t LeaseDigest(const pd::v1::Lease& l) {
   AppendRepeated(l.generations(), &s);
   absl::StrAppend(&s, "|", l.wire_dtype().size(), ":", l.wire_dtype(), "|", l.wire_block_bytes(),
                   "|", l.progressive() ? "progressive" : "whole");
+  if (l.groups_size() > 0) {
+    // KV cache groups: each group's blocks are read and fenced like group
+    // 0's (absent for a one-group lease, whose digest is unchanged).
+    absl::StrAppend(&s, "|groups:", l.groups_size());
+    for (const pd::v1::LeaseGroup& g : l.groups()) {
+      absl::StrAppend(&s, "|", g.first_block(), "|");
+      AppendRepeated(g.block_ids(), &s);
+      AppendRepeated(g.generations(), &s);
+    }
+  }
   return XXH3_64bits(s.data(), s.size());
 }
 

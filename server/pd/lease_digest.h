@@ -15,6 +15,10 @@
 
 namespace kvserve {
 
+// A layout's KV cache groups for messages: "1 (all layers in one block)",
+// "6 (full, window 512, ...)".
+std::string GroupWindowsName(const pd::v1::KvLayout& l);
+
 // The hash of a KV layout's fields (KvLayout.hash).
 uint64_t LayoutHash(const pd::v1::KvLayout& l);
 

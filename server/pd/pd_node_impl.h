@@ -182,8 +182,17 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   struct Job {
     std::shared_ptr<Attached> lease;
     int32_t first_block = 0;
+    // Where each pulled block lands: group 0's lease blocks [first_block,
+    // first_block + n0) first, then (KV cache groups) the other groups'
+    // blocks, whose prefill-node ids and generations are group_remote and
+    // group_gens (in the same order).
     std::vector<int32_t> local_ids;
+    std::vector<int32_t> group_remote;
+    std::vector<uint32_t> group_gens;
     std::shared_ptr<PullLoad> load;
+    int32_t group0_blocks() const {
+      return static_cast<int32_t>(local_ids.size() - group_remote.size());
+    }
   };
   struct Peer {
     kt::PeerId id = 0;
@@ -266,6 +275,11 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int32_t LeaseBlocks(const pb::Lease& l) const;
 
   absl::Status CheckLeaseShape(const pb::Lease& l) const;
+
+  // KV cache groups: whether lease l holds every block each other group's
+  // window reaches from slot `end` (a block boundary within the lease).
+  // True for a lease without groups.
+  bool GroupsCover(const pb::Lease& l, int32_t end) const;
 
   absl::StatusOr<uint32_t> RemoteRenew(const pb::Lease& l);
 
@@ -393,6 +407,9 @@ class PdNode::Impl final : public pb::KvTransfer::Service, public KvLoader {
   int32_t block_size_ = 0;
   int64_t block_bytes_ = 0;
   int32_t num_blocks_ = 0;
+  // KV cache groups of a hybrid model: per group its window (0: full),
+  // group 0 first; empty for one group (layout_.group_windows).
+  std::vector<int32_t> group_windows_;
 
   std::unique_ptr<kt::Transport> transport_;
   kernels::KvDType pool_dtype_ = kernels::KvDType::kF16;

@@ -78,8 +78,19 @@ grpc::Status PdNode::Impl::Prefill(grpc::ServerContext* ctx, const pb::PrefillRe
   // write; those leases are granted whole).
   const int32_t full_blocks =
       block_size_ > 0 ? (static_cast<int32_t>(tokens.size()) - 1) / block_size_ : 0;
-  if (req->progressive() && !device_pool_ && !wire_ && full_blocks >= 1) {
+  // KV cache groups (a hybrid model): whole leases only (a progressive
+  // lease follows group 0's index alone).
+  const bool hybrid = !group_windows_.empty();
+  if (req->progressive() && !device_pool_ && !wire_ && !hybrid && full_blocks >= 1) {
     return GrantProgressive(*req, std::move(er), tokens, salt, full_blocks, out);
+  }
+  if (hybrid && full_blocks >= 1) {
+    // The lease ends at full_blocks * block_size and the decode node
+    // computes from there; its window groups need the blocks their window
+    // reaches from that end. A prompt's end is where the prefix cache keeps
+    // a window's blocks, so this node prefills the prompt up to one token
+    // past the lease's end: that boundary's window is exactly the lease's.
+    er.prompt.resize(static_cast<size_t>(full_blocks) * block_size_ + 1);
   }
   auto finished = std::make_shared<std::promise<SeqEvent>>();
   auto fired = std::make_shared<std::atomic<bool>>(false);
@@ -114,14 +125,19 @@ grpc::Status PdNode::Impl::Prefill(grpc::ServerContext* ctx, const pb::PrefillRe
                         absl::StrCat("Prefill: ", pinned.status().message()));
   }
   PinnedPrefix& p = *pinned;
-  if (absl::Status s = SyncStaging(p.blocks); !s.ok()) {
+  // Every block the lease names: group 0's, then the other groups'.
+  std::vector<BlockHandle> moved = p.blocks;
+  for (const PinnedPrefix::Group& g : p.groups) {
+    moved.insert(moved.end(), g.blocks.begin(), g.blocks.end());
+  }
+  if (absl::Status s = SyncStaging(moved); !s.ok()) {
     engine_->Unpin(p.pin);
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         absl::StrCat("Prefill: copying the leased KV blocks to the transport's "
                                      "host staging failed: ",
                                      s.message()));
   }
-  EncodeForWire(p.blocks);
+  EncodeForWire(moved);
   std::lock_guard<std::mutex> lock(mu_);
   if (shutdown_) {
     engine_->Unpin(p.pin);
@@ -134,6 +150,16 @@ grpc::Status PdNode::Impl::Prefill(grpc::ServerContext* ctx, const pb::PrefillRe
   for (const BlockHandle& h : p.blocks) {
     l.add_block_ids(h.id);
     l.add_generations(h.generation);
+  }
+  if (!p.blocks.empty()) {
+    for (const PinnedPrefix::Group& g : p.groups) {
+      pb::LeaseGroup* lg = l.add_groups();
+      lg->set_first_block(g.first_block);
+      for (const BlockHandle& h : g.blocks) {
+        lg->add_block_ids(h.id);
+        lg->add_generations(h.generation);
+      }
+    }
   }
   l.set_prefill_cached_tokens(done.cached_tokens);
   if (wire_) {

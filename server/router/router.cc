@@ -354,17 +354,21 @@ struct Router::Impl final : public v1::Kvserve::Service, public RouterHttpBacken
         if (r.has_snapshot()) {
           if (r.snapshot().index() == 0) n->replica.Clear();
           for (const auto& b : r.snapshot().blocks()) {
-            if (b.tier() == v1::KV_TIER_NONE) n->replica.Store(b);  // tiers: not the index
+            // Tiers' pages and other KV cache groups' blocks (same hashes as
+            // the full group's): not the index the replica predicts from.
+            if (b.tier() == v1::KV_TIER_NONE && b.group_idx() == 0) n->replica.Store(b);
           }
         }
         for (const v1::KvEvent& e : r.events()) {
-          if (e.has_block_stored() && e.block_stored().tier() == v1::KV_TIER_NONE) {
+          if (e.has_block_stored() && e.block_stored().tier() == v1::KV_TIER_NONE &&
+              e.block_stored().group_idx() == 0) {
             n->replica.Store(e.block_stored());
           }
-          if (e.has_block_removed() && e.block_removed().tier() == v1::KV_TIER_NONE) {
+          if (e.has_block_removed() && e.block_removed().tier() == v1::KV_TIER_NONE &&
+              e.block_removed().group_idx() == 0) {
             n->replica.Remove(e.block_removed().block_hash());
           }
-          if (e.has_all_cleared()) n->replica.Clear();
+          if (e.has_all_cleared() && e.all_cleared().group_idx() == 0) n->replica.Clear();
         }
         last = r.sequence();
         epoch = r.epoch();

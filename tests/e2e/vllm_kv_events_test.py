@@ -17,7 +17,10 @@ and drives a real `kvserve serve` on 127.0.0.1:
     (llm-d's layout) and the consumer gets the blocks;
   - group_idx and the kv_cache_spec fields are absent on a one-group model and,
     on a hybrid-attention model (Gemma 3 270M in KVSERVE_MODEL_DIR, when
-    present), name the full group: 0, "full_attention", no window;
+    present), name each event's KV cache group: 0, "full_attention", no window
+    for the full group, 1..5, "sliding_window", 512 for the window groups,
+    which publish the same chains under the same hashes (kept apart by
+    group_idx, each group's stream consistent on its own);
   - a tier round trip (tier_round_trip): a prompt's blocks leave "GPU" for
     "CPU" (and "Disk" when the host tier spills) and come back to "GPU", on
     the one-group model and on Gemma 3's KV cache groups.
@@ -131,6 +134,11 @@ class Index:
     def __init__(self):
         self.blocks = {}
         self.tiers = {"CPU": {}, "Disk": {}}
+        # Other KV cache groups' GPU blocks (group_idx > 0), by group: the same
+        # hashes as group 0's. A window group's block may outlive its parent's
+        # K/V (hollowed, published as removed), so parents are not checked.
+        self.groups = {}
+        self.group_log = []  # (kind, group, hash)
         self.stored = 0
         self.removed = 0
         self.log = []  # (kind, medium, hash) in stream order
@@ -142,6 +150,23 @@ class Index:
 
     def apply(self, batch):
         for e in batch.events:
+            group = getattr(e, "group_idx", None) or 0
+            if group > 0 and not isinstance(e, AllBlocksCleared):
+                if e.medium != "GPU":
+                    fail(f"group {group} event in medium {e.medium}")
+                blocks = self.groups.setdefault(group, {})
+                for h in e.block_hashes:
+                    if isinstance(e, BlockStored):
+                        if h in blocks:
+                            fail(f"block {h} stored twice in group {group} while there")
+                        blocks[h] = True
+                        self.group_log.append(("stored", group, h))
+                    else:
+                        if h not in blocks:
+                            fail(f"BlockRemoved of block {h} that group {group} does not hold")
+                        del blocks[h]
+                        self.group_log.append(("removed", group, h))
+                continue
             if isinstance(e, BlockStored):
                 if e.block_size != BLOCK or len(e.token_ids) != BLOCK * len(e.block_hashes):
                     fail(f"BlockStored sizes: {len(e.token_ids)} tokens, {len(e.block_hashes)} blocks")
@@ -166,6 +191,7 @@ class Index:
                     self.log.append(("removed", e.medium, h))
             else:
                 self.blocks.clear()  # the prefix cache emptied; the tiers keep their pages
+                self.groups.clear()  # every group's
 
     def prefixes(self):
         """Every cached path's tokens from its root."""
@@ -408,8 +434,10 @@ def main():
 def connect_mode(binary, model, hybrid=False):
     """llm-d's layout: the consumer binds, kvserve's PUB connects to it.
 
-    hybrid: the model has KV cache groups (Gemma 3): every event names the
-    full group (group_idx 0, kv_cache_spec_kind "full_attention", no window);
+    hybrid: the model has KV cache groups (Gemma 3): every event names its
+    group (group_idx 0, kv_cache_spec_kind "full_attention", no window for the
+    full group; 1..5, "sliding_window", 512 for the window groups), every group
+    publishes, and a window group holds no block the full group does not;
     otherwise those fields are absent (None).
 
     ZeroMQ's SUB sends its subscription to a new peer when the SUB socket
@@ -437,20 +465,35 @@ def connect_mode(binary, model, hybrid=False):
         full = prompt[: len(prompt) // BLOCK * BLOCK]
         if not any(path[: len(full)] == full for path in index.prefixes()):
             fail(f"connect mode: {len(batches)} batches, no stored path reproduces the prompt")
-        want = (0, "full_attention", None) if hybrid else (None, None, None)
+        def want_for(g):
+            if not hybrid:
+                return (None, None, None)
+            return (0, "full_attention", None) if g == 0 else (g, "sliding_window", 512)
+        groups_seen = set()
         for _, _, b in batches:
             for e in b.events:
                 if isinstance(e, BlockStored):
                     got = (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
                 elif isinstance(e, BlockRemoved):
-                    got = (e.group_idx, want[1], want[2])
+                    got = (e.group_idx,) + want_for(e.group_idx or 0)[1:]
                 else:
                     continue
+                groups_seen.add(e.group_idx or 0)
+                want = want_for(e.group_idx or 0)
                 if got != want:
                     fail(f"{type(e).__name__} group fields {got}, want {want} (hybrid {hybrid})")
+        if hybrid:
+            if groups_seen != set(range(6)):
+                fail(f"connect mode (hybrid): events of groups {sorted(groups_seen)}, want 0..5")
+            for g in range(1, 6):
+                if set(index.groups.get(g, {})) - set(index.blocks):
+                    fail(f"group {g} holds blocks group 0 does not")
+        want = want_for(0)
         print(f"connect mode{' (hybrid, KV cache groups)' if hybrid else ''}: {len(batches)} "
               f"batches, {index.stored} blocks stored through a PUB that connected to the "
-              f"consumer; group fields {want}")
+              f"consumer; group fields {want}"
+              + (f"; window groups hold {[len(index.groups.get(g, {})) for g in range(1, 6)]} "
+                 f"blocks" if hybrid else ""))
     finally:
         stop_daemon(proc)
         sub.close(linger=0)

@@ -298,6 +298,39 @@ TEST(KvEventLogTest, AllClearedEmptiesTheReplica) {
   EXPECT_EQ(replica.snapshots, 0);
 }
 
+// KV cache groups (a hybrid model): a window group's index caches the same
+// chains under the same hashes as the full group's. Its events keep their
+// group through the log and its snapshot, and its removals and clears touch
+// its own replica only: group 0's blocks (replica_size) stay as they were.
+TEST(KvEventLogTest, OtherGroupsBlocksAreKeptApartFromGroupZerosUnderTheSameHashes) {
+  auto in_group = [](KvCacheEvent e, int32_t g) {
+    e.group = g;
+    return e;
+  };
+  KvEventLog log(100);
+  log.Publish({Stored(1, 0), Stored(2, 1), in_group(Stored(1, 0), 2), in_group(Stored(2, 1), 2)});
+  EXPECT_EQ(log.last_sequence(), 4u);  // every event numbered
+  EXPECT_EQ(log.replica_size(), 2u);   // group 0's index only
+  log.Publish({in_group(Removed(2), 2)});
+  EXPECT_EQ(log.replica_size(), 2u) << "group 2's removal must not remove group 0's block";
+  KvEventRead r = log.Read(kBeyondAnything, 0, 0ms);
+  ASSERT_TRUE(r.is_snapshot);
+  std::vector<std::pair<int32_t, uint64_t>> listed;
+  for (const KvCacheEvent& e : r.snapshot) listed.emplace_back(e.group, e.block_hash);
+  EXPECT_EQ(listed, (std::vector<std::pair<int32_t, uint64_t>>{{0, 1}, {0, 2}, {2, 1}}));
+  log.Publish({in_group(Cleared(), 2)});
+  r = log.Read(kBeyondAnything, 0, 0ms);
+  EXPECT_EQ(r.snapshot.size(), 2u) << "group 2's clear empties group 2 only";
+  EXPECT_EQ(log.replica_size(), 2u);
+  // A live reader sees the group on every event.
+  r = log.Read(0, 0, 0ms);
+  ASSERT_FALSE(r.is_snapshot);
+  ASSERT_EQ(r.events.size(), 6u);
+  EXPECT_EQ(r.events[0].event.group, 0);
+  EXPECT_EQ(r.events[2].event.group, 2);
+  EXPECT_EQ(r.events[5].event.group, 2);
+}
+
 TEST(KvEventLogTest, ReadWaitsForTheNextEventAndTimesOutEmpty) {
   KvEventLog log(100);
   const auto start = std::chrono::steady_clock::now();

@@ -10,7 +10,8 @@
 // blocks to the pool; a randomized run of allocate / commit / window
 // release / evict / fork / truncate / cancel over the groups with content
 // tags in the blocks reads no freed or foreign block and leaks nothing; and
-// the features that do not know the groups are refused by name.
+// the features that do not know the groups are refused by name; a retention
+// lease keeps every group's blocks of its prefix through an eviction.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -570,12 +572,11 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   o.kv_events = &sink;
   ASSERT_TRUE(Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).ok());
   o.kv_events = nullptr;
-  // Never called: Create refuses before anything uses the loader.
+  // A KV loader (a decode node's pulls) gets every group's table in its
+  // targets (tests/e2e/pd_hybrid_test.cc): accepted. Never called here.
   KvLoader* loader = reinterpret_cast<KvLoader*>(&sink);
   o.kv_loader = loader;
-  auto pd = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o);
-  ASSERT_FALSE(pd.ok());
-  EXPECT_NE(pd.status().message().find("prefill/decode"), std::string::npos) << pd.status();
+  ASSERT_TRUE(Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).ok());
   o.kv_loader = nullptr;
   // The KV tiers know the groups (TierRoundTrip... below).
   KvTiersOptions to;
@@ -584,22 +585,59 @@ TEST_F(KvGroupsEngineTest, FeaturesThatDoNotKnowTheGroupsAreRefused) {
   ASSERT_TRUE(Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).ok());
   EXPECT_EQ(o.kv_tiers->num_groups(), 3);
   o.kv_tiers = nullptr;
-  // A retention lease is refused by name.
-  {
-    auto e2 = MakeEngine(m_, true, true, 256);
-    CacheControl cc(CacheControlOptions{});
-    RetainRequest rr;
-    rr.tokens = Prompt(20, 3);
-    const RetainAnswer a = cc.Retain(const_cast<KvCacheManager*>(&e2->kv_manager()), rr);
-    EXPECT_EQ(a.outcome, RetainAnswer::Outcome::kRefused);
-    EXPECT_EQ(a.reason, "unsupported") << a.detail;
-    EXPECT_NE(a.detail.find("KV cache groups"), std::string::npos) << a.detail;
-  }
+  // Retention leases know the groups (RetentionLease... below).
   // The all-layers layout runs them (one group).
   o.kv_loader = nullptr;
   o.kv_cache_groups = false;
   auto all = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).value();
   EXPECT_EQ(all->kv_manager().num_groups(), 1);
+}
+
+// KV events (issue 41): every group's index publishes into the engine's
+// sink, each event tagged with its group. The window groups store the same
+// chains under the same hashes as the full group, and release the blocks
+// their window leaves behind (hollow nodes: not published as removed).
+TEST_F(KvGroupsEngineTest, EveryGroupPublishesItsIndexTaggedWithItsGroup) {
+  struct Capture : KvEventSink {
+    std::vector<KvCacheEvent> events;
+    void Publish(std::vector<KvCacheEvent> e) override {
+      events.insert(events.end(), e.begin(), e.end());
+    }
+  } sink;
+  EngineOptions o;
+  o.block_size = kBlock;
+  o.num_blocks = 256;
+  o.max_batched_tokens = 8;
+  o.kv_events = &sink;
+  auto e = Engine::Create(m_.model.get(), m_.tokenizer.get(), testing::TestPool(), o).value();
+  RunAll(e.get(), {Greedy(Prompt(3 * kWindow + 7, 12), 8)});
+  // Replay the events per group, as a consumer keyed by (group, hash) does.
+  std::map<int32_t, std::set<uint64_t>> stored, live;
+  std::map<int32_t, int> removed;
+  for (const KvCacheEvent& ev : sink.events) {
+    if (ev.kind == KvCacheEvent::Kind::kBlockStored) {
+      stored[ev.group].insert(ev.block_hash);
+      live[ev.group].insert(ev.block_hash);
+    } else if (ev.kind == KvCacheEvent::Kind::kBlockRemoved) {
+      ++removed[ev.group];
+      live[ev.group].erase(ev.block_hash);
+    }
+  }
+  ASSERT_EQ(stored.size(), 3u) << "groups 0, 1 and 2 publish";
+  EXPECT_GE(stored[0].size(), 13u);
+  EXPECT_EQ(removed[0], 0);
+  EXPECT_EQ(live[0], stored[0]);
+  for (int32_t g : {1, 2}) {
+    // The same chains under the same hashes; the blocks the window left
+    // behind were removed (hollow), the boundary's window stays.
+    EXPECT_EQ(stored[g], stored[0]) << "group " << g;
+    EXPECT_GT(removed[g], 0) << "group " << g;
+    EXPECT_LT(live[g].size(), stored[0].size()) << "group " << g;
+    EXPECT_GE(live[g].size(), static_cast<size_t>(kWindow / kBlock)) << "group " << g;
+    const int32_t cached = e->kv_manager().group_manager(g).prefix_cache()->num_cached_blocks();
+    EXPECT_EQ(static_cast<int32_t>(live[g].size()), cached)
+        << "group " << g << ": the replica holds what the group's index holds";
+  }
 }
 
 // ---- The host and disk tiers on a hybrid model ----
@@ -641,6 +679,48 @@ void DemoteEverything(Engine* e) {
   auto done = e->EvictAllCachedForTest();
   e->Step();
   done.wait();
+}
+
+// A retention lease on a hybrid model (issue 41) pins the full group's
+// blocks of the whole prefix and each window group's last window's, so an
+// eviction of everything cached keeps the hit in every group (same text as
+// the all-layers layout without a cache); without the lease the same
+// eviction loses it. Released, every block goes back to the pool.
+TEST_F(KvGroupsEngineTest, RetentionLeaseKeepsTheHitInEveryGroupThroughEviction) {
+  const std::vector<int32_t> target = Prompt(3 * kWindow + 7, 9);  // 55 tokens: 13 full blocks
+  auto plain = MakeEngine(m_, false, false, 512);
+  const RunResult ref = RunAll(plain.get(), {Greedy(target, 16)})[0];
+  for (bool retain : {false, true}) {
+    auto e = MakeEngine(m_, true, true, 200);
+    const int32_t baseline = e->kv_pool().num_free_blocks();  // the placeholders are held
+    EXPECT_EQ(RunAll(e.get(), {Greedy(target, 16)})[0].tokens, ref.tokens);
+    KvCacheManager* kv = const_cast<KvCacheManager*>(&e->kv_manager());
+    CacheControl cc(CacheControlOptions{});
+    RetainAnswer a;
+    if (retain) {
+      RetainRequest rr;
+      rr.tokens = target;
+      rr.ttl_s = 60;
+      a = cc.Retain(kv, rr);
+      ASSERT_EQ(a.outcome, RetainAnswer::Outcome::kGranted) << a.reason << ": " << a.detail;
+      EXPECT_EQ(a.lease.tokens, 52);
+      // 13 full-group blocks and, in each of the two window groups, the
+      // blocks its window reaches from slot 52 (37 on: blocks 9..12).
+      EXPECT_EQ(a.lease.blocks, 13 + 2 * 4);
+      EXPECT_EQ(a.lease.bytes, (13 + 2 * 4) * e->kv_pool().block_bytes());
+    }
+    DemoteEverything(e.get());  // no tiers: every evictable cached block is dropped
+    const RunResult again = RunAll(e.get(), {Greedy(target, 16)})[0];
+    EXPECT_EQ(again.tokens, ref.tokens) << "retain " << retain;
+    if (retain) {
+      EXPECT_EQ(again.cached_tokens, 52) << "the lease keeps every group's blocks";
+      EXPECT_TRUE(cc.Release(kv, a.lease.id, std::nullopt));
+    } else {
+      EXPECT_EQ(again.cached_tokens, 0) << "without a lease the eviction loses the prefix";
+    }
+    DemoteEverything(e.get());
+    EXPECT_EQ(e->kv_pool().num_free_blocks(), baseline) << "retain " << retain;
+  }
 }
 
 // A demote -> promote round trip (issue 41): the prompt's blocks leave the

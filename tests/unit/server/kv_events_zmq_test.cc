@@ -130,6 +130,43 @@ TEST(VllmEventEncoderTest, GroupFieldsFollowInDeclaredOrderOnlyWhenSet) {
   EXPECT_EQ(EncodeVllmEventBatch(0.0, {s}, one), head + Bytes({0x88}) + common + tail);
 }
 
+// Every KV cache group publishing (VllmEventFormat::group_windows): each
+// event carries its own group_idx and that group's spec: full attention
+// without a window, a window group its window.
+TEST(VllmEventEncoderTest, EachEventCarriesItsOwnGroupAndSpec) {
+  VllmKvEvent s;
+  s.kind = VllmKvEvent::Kind::kBlockStored;
+  s.block_hashes = {9};
+  s.token_ids = {4};
+  VllmEventFormat f;
+  f.block_size = 1;
+  f.medium = "CPU";
+  f.group_windows = {0, 512, 512};
+  const std::string head = Bytes({0x83}) + Str("ts") + Bytes({0xcb, 0, 0, 0, 0, 0, 0, 0, 0}) +
+                           Str("events") + Bytes({0x92});
+  const std::string common = Str("type") + Str("BlockStored") + Str("block_hashes") +
+                             Bytes({0x91, 0x09}) + Str("parent_block_hash") + Bytes({0xc0}) +
+                             Str("token_ids") + Bytes({0x91, 0x04}) + Str("block_size") +
+                             Bytes({0x01}) + Str("lora_id") + Bytes({0xc0}) + Str("medium") +
+                             Str("CPU") + Str("lora_name") + Bytes({0xc0});
+  const std::string tail = Str("data_parallel_rank") + Bytes({0x00});
+  VllmKvEvent w = s;
+  w.group = 2;
+  EXPECT_EQ(EncodeVllmEventBatch(0.0, {s, w}, f),
+            head + Bytes({0x8a}) + common + Str("group_idx") + Bytes({0x00}) +
+                Str("kv_cache_spec_kind") + Str("full_attention") + Bytes({0x8b}) + common +
+                Str("group_idx") + Bytes({0x02}) + Str("kv_cache_spec_kind") +
+                Str("sliding_window") + Str("kv_cache_spec_sliding_window") +
+                Bytes({0xcd, 0x02, 0x00}) + tail);
+  VllmKvEvent r;
+  r.kind = VllmKvEvent::Kind::kBlockRemoved;
+  r.block_hashes = {5};
+  r.group = 1;
+  const std::string removed = EncodeVllmEventBatch(0.0, {r}, f);
+  EXPECT_NE(removed.find(Str("medium") + Str("CPU") + Str("group_idx") + Bytes({0x01})),
+            std::string::npos);
+}
+
 TEST(VllmEventEncoderTest, AllBlocksClearedIsATagAlone) {
   VllmKvEvent c;
   c.kind = VllmKvEvent::Kind::kAllBlocksCleared;
@@ -187,6 +224,46 @@ TEST(VllmEventTranslatorTest, ChainsMergeAndPartialBlocksStayOut) {
   ASSERT_EQ(out.size(), 2u);
   EXPECT_EQ(out[0].kind, VllmKvEvent::Kind::kAllBlocksCleared);
   EXPECT_EQ(out[1].block_hashes, (std::vector<uint64_t>{10, 40}));
+  EXPECT_EQ(t.published_blocks(), 2u);
+}
+
+// KV cache groups: the same hashes in two groups are published once per
+// group, chains never merge across groups, a group's removal removes its
+// own block only, and a snapshot clears and re-lists every group.
+TEST(VllmEventTranslatorTest, EachGroupPublishesItsOwnBlocksUnderTheSameHashes) {
+  auto in_group = [](KvCacheEvent e, int32_t g) {
+    e.group = g;
+    return e;
+  };
+  VllmEventTranslator t(2);
+  std::vector<VllmKvEvent> out;
+  t.Add(Stored(10, 0, {1, 2}), &out);
+  t.Add(in_group(Stored(10, 0, {1, 2}), 1), &out);
+  t.Add(in_group(Stored(11, 10, {3, 4}), 1), &out);
+  t.Add(Stored(11, 10, {3, 4}), &out);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0].group, 0);
+  EXPECT_EQ(out[0].block_hashes, (std::vector<uint64_t>{10}));
+  EXPECT_EQ(out[1].group, 1);
+  EXPECT_EQ(out[1].block_hashes, (std::vector<uint64_t>{10, 11}));
+  EXPECT_EQ(out[2].group, 0);
+  EXPECT_EQ(out[2].block_hashes, (std::vector<uint64_t>{11}));
+  EXPECT_EQ(t.published_blocks(), 4u);
+  out.clear();
+  t.Add(in_group(Removed(11), 1), &out);
+  t.Add(in_group(Removed(11), 1), &out);  // already gone from group 1
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].group, 1);
+  EXPECT_EQ(t.published_blocks(), 3u);
+  out.clear();
+  t.Add(Removed(11), &out);  // group 0's own copy is still published
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].group, 0);
+  out.clear();
+  t.AddSnapshot({Stored(10, 0, {1, 2}), in_group(Stored(10, 0, {1, 2}), 1)}, &out);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0].kind, VllmKvEvent::Kind::kAllBlocksCleared);
+  EXPECT_EQ(out[2].group, 1);
   EXPECT_EQ(t.published_blocks(), 2u);
 }
 
