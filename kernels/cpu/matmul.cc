@@ -320,6 +320,45 @@ const Block* RowBlocks(const WeightView& w, int64_t r) {
                                         r * RowBytes(w.type, w.cols));
 }
 
+// An empty (zeroed, 64-byte aligned) panel copy of w: ceil(rows / 16)
+// panels of n_blocks / group_blocks stored blocks of block_bytes each, a
+// stored block holding group_blocks 32-value blocks of qs_bytes. Null if
+// the memory is not there.
+std::shared_ptr<PackedWeight> AllocatePanels(const WeightView& w, int64_t qs_bytes,
+                                             int64_t group_blocks, int64_t block_bytes) {
+  auto p = std::make_shared<PackedWeight>();
+  p->type = w.type;
+  p->rows = w.rows;
+  p->cols = w.cols;
+  p->n_blocks = w.cols / kQK;
+  p->n_panels = (w.rows + internal::kPanelRows - 1) / internal::kPanelRows;
+  p->qs_bytes = qs_bytes;
+  p->group_blocks = group_blocks;
+  p->block_bytes = block_bytes;
+  p->panel_bytes = p->n_blocks / group_blocks * block_bytes;
+  const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
+  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
+  if (!p->storage) return nullptr;
+  std::memset(p->storage.get(), 0, total);
+  return p;
+}
+
+// Sets row n's bits of the 8 fifth-bit masks at `masks` (Q5_0, Q5_K; see
+// matmul_panels.h): mask g's bit 4n + i is bit4(e) of element e = 4g + i
+// (g < 4) or 16 + 4(g - 4) + i.
+template <class Bit4>
+void SetFifthBitMasks(uint8_t* masks, int64_t n, Bit4 bit4) {
+  for (int g = 0; g < 8; ++g) {
+    uint64_t mask;
+    std::memcpy(&mask, masks + 8 * g, sizeof(mask));
+    for (int i = 0; i < 4; ++i) {
+      const int e = (g < 4 ? 4 * g : 16 + 4 * (g - 4)) + i;
+      mask |= static_cast<uint64_t>(bit4(e) & 1u) << (4 * n + i);
+    }
+    std::memcpy(masks + 8 * g, &mask, sizeof(mask));
+  }
+}
+
 // Q4_K and Q5_K panels (matmul_panels.h): per super-block, the 8
 // sub-blocks' nibbles as Q4_0's layout (Q5_K: and their fifth bits as Q5_0's
 // masks), their scales and mins, then d and dmin.
@@ -327,23 +366,11 @@ template <class Blk>
 std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w) {
   constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
   constexpr int64_t kP = internal::kPanelRows;
-  auto p = std::make_shared<PackedWeight>();
-  p->type = w.type;
-  p->rows = w.rows;
-  p->cols = w.cols;
-  p->n_blocks = w.cols / kQK;
-  p->n_panels = (w.rows + kP - 1) / kP;
-  p->qs_bytes = kFive ? 5 * 64 : 4 * 64;
-  p->group_blocks = 8;
+  const int64_t qsb = kFive ? 5 * 64 : 4 * 64;
   // Q4_K 2,368, Q5_K 2,880: multiples of 64.
-  p->block_bytes = 8 * p->qs_bytes + 8 * 32 + 2 * kP * 2;
+  std::shared_ptr<PackedWeight> p = AllocatePanels(w, qsb, 8, 8 * qsb + 8 * 32 + 2 * kP * 2);
+  if (p == nullptr) return nullptr;
   const int64_t n_super = w.cols / kQK_K;
-  p->panel_bytes = n_super * p->block_bytes;
-  const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
-  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
-  if (!p->storage) return nullptr;
-  std::memset(p->storage.get(), 0, total);
-  const int64_t qsb = p->qs_bytes;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
     uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
     for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
@@ -362,15 +389,7 @@ std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w) {
             qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(nib(e) | (nib(e + 16) << 4));
           }
           if constexpr (kFive) {
-            for (int g = 0; g < 8; ++g) {
-              uint64_t mask;
-              std::memcpy(&mask, qs + 256 + 8 * g, sizeof(mask));
-              for (int i = 0; i < 4; ++i) {
-                const int e = (g < 4 ? 4 * g : 16 + 4 * (g - 4)) + i;
-                mask |= static_cast<uint64_t>((blk.qh[e] >> j) & 1) << (4 * n + i);
-              }
-              std::memcpy(qs + 256 + 8 * g, &mask, sizeof(mask));
-            }
+            SetFifthBitMasks(qs + 256, n, [&](int e) { return blk.qh[e] >> j; });
           }
           int sc;
           int mn;
@@ -391,21 +410,10 @@ std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w) {
 // bit masks, the int8 scales, then d.
 std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w) {
   constexpr int64_t kP = internal::kPanelRows;
-  auto p = std::make_shared<PackedWeight>();
-  p->type = w.type;
-  p->rows = w.rows;
-  p->cols = w.cols;
-  p->n_blocks = w.cols / kQK;
-  p->n_panels = (w.rows + kP - 1) / kP;
-  p->qs_bytes = 384;
-  p->group_blocks = 8;
-  p->block_bytes = (8 * 384 + 256 + 32 + 63) / 64 * 64;  // 3,392
+  std::shared_ptr<PackedWeight> p =
+      AllocatePanels(w, 384, 8, (8 * 384 + 256 + 32 + 63) / 64 * 64);  // 3,392
+  if (p == nullptr) return nullptr;
   const int64_t n_super = w.cols / kQK_K;
-  p->panel_bytes = n_super * p->block_bytes;
-  const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
-  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
-  if (!p->storage) return nullptr;
-  std::memset(p->storage.get(), 0, total);
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
     uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
     for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
@@ -448,20 +456,12 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
   if (w.type == DType::kQ5_K) return PackQ4KOrQ5K<BlockQ5_K>(w);
   if (w.type == DType::kQ6_K) return PackQ6K(w);
   constexpr int64_t kP = internal::kPanelRows;
-  auto p = std::make_shared<PackedWeight>();
-  p->type = w.type;
-  p->rows = w.rows;
-  p->cols = w.cols;
-  p->n_blocks = w.cols / kQK;
-  p->n_panels = (w.rows + kP - 1) / kP;
-  p->qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : (w.type == DType::kQ5_0 ? 5 * 64 : 4 * 64);
+  const int64_t qs_bytes =
+      w.type == DType::kQ8_0 ? 8 * 64 : (w.type == DType::kQ5_0 ? 5 * 64 : 4 * 64);
   const int64_t scale_bytes = (w.type == DType::kQ4_1 ? 2 : 1) * kP * 2;
-  p->block_bytes = (p->qs_bytes + scale_bytes + 63) / 64 * 64;
-  p->panel_bytes = p->n_blocks * p->block_bytes;
-  const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
-  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
-  if (!p->storage) return nullptr;
-  std::memset(p->storage.get(), 0, total);
+  std::shared_ptr<PackedWeight> p =
+      AllocatePanels(w, qs_bytes, 1, (qs_bytes + scale_bytes + 63) / 64 * 64);
+  if (p == nullptr) return nullptr;
   const int64_t nb = p->n_blocks;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
     uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
@@ -482,16 +482,7 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
           for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = blk.qs[e];
           uint32_t qh;
           std::memcpy(&qh, blk.qh, sizeof(qh));
-          // Mask g < 4: elements 4g..4g+3 (low nibbles); g >= 4: 16 + 4(g-4)...
-          for (int g = 0; g < 8; ++g) {
-            uint64_t mask;
-            std::memcpy(&mask, qs + 256 + 8 * g, sizeof(mask));
-            for (int i = 0; i < 4; ++i) {
-              const int e = (g < 4 ? 4 * g : 16 + 4 * (g - 4)) + i;
-              mask |= static_cast<uint64_t>((qh >> e) & 1u) << (4 * n + i);
-            }
-            std::memcpy(qs + 256 + 8 * g, &mask, sizeof(mask));
-          }
+          SetFifthBitMasks(qs + 256, n, [&](int e) { return qh >> e; });
           d[n] = blk.d;
         } else {
           const uint8_t* src;
