@@ -151,19 +151,46 @@ if [ "$ASAN" = 1 ]; then
   stage asan-run
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-  for t in gguf_fuzz_test gguf_test tokenizer_test cache_test engine_seams_test; do
-    echo "test.sh: $t under AddressSanitizer"
-    "$ASAN_BUILD/tests/$t" --gtest_brief=1
-  done
-  # The sentence encoder's parsers (safetensors, tokenizer.json, UTF-8 text)
-  # and three short forwards; the reference sweep is too slow unoptimized.
-  echo "test.sh: embed_test under AddressSanitizer"
-  "$ASAN_BUILD/tests/embed_test" --gtest_brief=1 \
-    --gtest_filter='Safetensors*:BertTokenizer*:SentenceEncoderLoadTest*:BrokenModelDirTest.Missing*:BrokenModelDirTest.Truncated*:SentenceEncoderTest.Similar*'
+  # Each binary is one single-threaded process, so they run $JOBS at a time,
+  # the longest first; each one's output is printed whole when it ends.
+  ASAN_LOGS="$(mktemp -d)"
+  asan_one() {  # test binary, its extra arguments
+    local t="$1"
+    shift
+    if "$ASAN_BUILD/tests/$t" --gtest_brief=1 "$@" >"$ASAN_LOGS/$t.log" 2>&1; then
+      echo 0 >"$ASAN_LOGS/$t.rc"
+      echo "test.sh: $t under AddressSanitizer: passed"
+    else
+      echo 1 >"$ASAN_LOGS/$t.rc"
+      cat "$ASAN_LOGS/$t.log"
+      echo "test.sh: $t under AddressSanitizer: FAILED"
+    fi
+  }
+  asan_start() {
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+    asan_one "$@" &
+  }
   # The engine with the prefix cache (block sharing, copy-on-write,
   # eviction, preemption) on the small models; SmolLM2 is too slow unoptimized.
-  echo "test.sh: scheduler_test under AddressSanitizer"
-  "$ASAN_BUILD/tests/scheduler_test" --gtest_brief=1 --gtest_filter='-*SmolLM2*'
+  asan_start scheduler_test --gtest_filter='-*SmolLM2*'
+  asan_start cache_test
+  asan_start tokenizer_test
+  asan_start engine_seams_test
+  asan_start gguf_fuzz_test
+  # The sentence encoder's parsers (safetensors, tokenizer.json, UTF-8 text)
+  # and three short forwards; the reference sweep is too slow unoptimized.
+  asan_start embed_test \
+    --gtest_filter='Safetensors*:BertTokenizer*:SentenceEncoderLoadTest*:BrokenModelDirTest.Missing*:BrokenModelDirTest.Truncated*:SentenceEncoderTest.Similar*'
+  asan_start gguf_test
+  wait
+  for t in scheduler_test cache_test tokenizer_test engine_seams_test gguf_fuzz_test embed_test \
+    gguf_test; do
+    if [ "$(cat "$ASAN_LOGS/$t.rc" 2>/dev/null)" != 0 ]; then
+      echo "test.sh: $t failed under AddressSanitizer" >&2
+      exit 1
+    fi
+  done
+  rm -rf "$ASAN_LOGS"
 fi
 if [ "$EMU" = 1 ]; then
   # No GPU here or in CI: the CUDA kernels, the CUDA forward and the backend
