@@ -16,7 +16,7 @@ namespace {
 
 using kernels::DType;
 
-absl::StatusOr<DType> ToDType(GgmlType t) {
+absl::StatusOr<DType> ToCudaDType(GgmlType t) {
   switch (t) {
     case GgmlType::kF32:
       return DType::kF32;
@@ -104,7 +104,7 @@ absl::Status CudaLlama::Upload(const LlamaModel& model) {
 
   auto matrix = [&](const std::string& name) -> absl::StatusOr<cuda::DeviceWeight> {
     ASSIGN_OR_RETURN(const GgufTensorInfo* t, Tensor(f, name));
-    ASSIGN_OR_RETURN(DType type, ToDType(t->type));
+    ASSIGN_OR_RETURN(DType type, ToCudaDType(t->type));
     // ggml shape {in, out}: out rows of `in` elements.
     const kernels::WeightView w{type, t->data, t->shape[1], t->shape[0]};
     return cuda::UploadWeight(w, FormatFor(type), &memory_, stream);
@@ -123,7 +123,7 @@ absl::Status CudaLlama::Upload(const LlamaModel& model) {
   // The embedding table stays in its file type: EmbeddingGather dequantizes
   // only the rows a batch reads.
   ASSIGN_OR_RETURN(const GgufTensorInfo* embd, Tensor(f, "token_embd.weight"));
-  ASSIGN_OR_RETURN(embd_type_, ToDType(embd->type));
+  ASSIGN_OR_RETURN(embd_type_, ToCudaDType(embd->type));
   ASSIGN_OR_RETURN(token_embd_,
                    raw(embd->data, static_cast<size_t>(kernels::RowBytes(embd_type_, c.dim)) *
                                        static_cast<size_t>(c.vocab_size)));

@@ -14,7 +14,7 @@
 namespace kvserve::transport {
 namespace {
 
-constexpr char kBackend[] = "loopback";
+constexpr char kLoopbackName[] = "loopback";
 
 class LoopbackTransport;
 
@@ -51,7 +51,7 @@ class LoopbackTransport final : public Transport {
 
   Capabilities GetCapabilities() const override {
     Capabilities c;
-    c.backend = kBackend;
+    c.backend = kLoopbackName;
     c.memory_kinds = {MemoryKind::kHost, MemoryKind::kCuda};
     c.cuda_staged = true;
     c.notifications = true;
@@ -62,7 +62,7 @@ class LoopbackTransport final : public Transport {
 
   absl::StatusOr<std::string> LocalAddress() override {
     PeerAddress a;
-    a.backend = kBackend;
+    a.backend = kLoopbackName;
     a.agent_id = agent_id_;
     a.name = options_.name;
     return PackPeerAddress(a);
@@ -112,7 +112,7 @@ class LoopbackTransport final : public Transport {
       return absl::NotFoundError(absl::StrCat("no local region ", region));
     }
     RegionDescriptor d;
-    d.backend = kBackend;
+    d.backend = kLoopbackName;
     d.agent_id = agent_id_;
     d.region = region;
     d.kind = it->second.kind;
@@ -138,7 +138,7 @@ class LoopbackTransport final : public Transport {
   }
   absl::StatusOr<PeerId> Connect(absl::string_view blob) override {
     ASSIGN_OR_RETURN(PeerAddress a, UnpackPeerAddress(blob));
-    if (a.backend != kBackend) {
+    if (a.backend != kLoopbackName) {
       return absl::InvalidArgumentError(absl::StrCat(
           "peer address is for backend '", a.backend, "', not loopback"));
     }
@@ -163,7 +163,7 @@ class LoopbackTransport final : public Transport {
   absl::StatusOr<RemoteRegionId> ImportRegion(PeerId peer,
                                               absl::string_view blob) override {
     ASSIGN_OR_RETURN(RegionDescriptor d, UnpackRegionDescriptor(blob));
-    if (d.backend != kBackend) {
+    if (d.backend != kLoopbackName) {
       return absl::InvalidArgumentError(absl::StrCat(
           "region descriptor is for backend '", d.backend, "', not loopback"));
     }

@@ -26,7 +26,7 @@
 namespace kvserve::transport {
 namespace {
 
-constexpr char kBackend[] = "ucx";
+constexpr char kUcxName[] = "ucx";
 // Active-message id of batch-completion notifications.
 constexpr unsigned kNotifyAmId = 0x4b;
 
@@ -319,7 +319,7 @@ absl::Status UcxTransport::Init() {
   st = ucp_worker_get_address(worker_, &address, &address_length);
   if (st != UCS_OK) return UcsError(st, "ucp_worker_get_address");
   PeerAddress peer_address;
-  peer_address.backend = kBackend;
+  peer_address.backend = kUcxName;
   peer_address.agent_id = agent_id_;
   peer_address.name = options_.name;
   peer_address.address.assign(reinterpret_cast<const char*>(address),
@@ -331,7 +331,7 @@ absl::Status UcxTransport::Init() {
   ucp_worker_release_address(worker_, address);
   packed_address_ = PackPeerAddress(peer_address);
 
-  capabilities_.backend = kBackend;
+  capabilities_.backend = kUcxName;
   capabilities_.memory_kinds = {MemoryKind::kHost, MemoryKind::kCuda};
   capabilities_.cuda_direct = cuda_direct_;
   capabilities_.cuda_staged = !cuda_direct_;
@@ -559,7 +559,7 @@ absl::StatusOr<std::string> UcxTransport::DoDescribe(RegionId id) {
   }
   const Region& r = it->second;
   RegionDescriptor d;
-  d.backend = kBackend;
+  d.backend = kUcxName;
   d.agent_id = agent_id_;
   d.region = id;
   d.kind = r.info.kind;
@@ -572,7 +572,7 @@ absl::StatusOr<std::string> UcxTransport::DoDescribe(RegionId id) {
 
 absl::StatusOr<PeerId> UcxTransport::DoConnect(absl::string_view blob) {
   ASSIGN_OR_RETURN(PeerAddress address, UnpackPeerAddress(blob));
-  if (address.backend != kBackend) {
+  if (address.backend != kUcxName) {
     return absl::InvalidArgumentError(absl::StrCat(
         "peer address is for backend '", address.backend, "', not ucx"));
   }
@@ -687,7 +687,7 @@ absl::StatusOr<RemoteRegionId> UcxTransport::DoImport(
   Peer& peer = it->second;
   if (!peer.failure.ok()) return peer.failure;
   ASSIGN_OR_RETURN(RegionDescriptor d, UnpackRegionDescriptor(blob));
-  if (d.backend != kBackend) {
+  if (d.backend != kUcxName) {
     return absl::InvalidArgumentError(absl::StrCat(
         "region descriptor is for backend '", d.backend, "', not ucx"));
   }

@@ -41,7 +41,7 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 using tcp = net::ip::tcp;
 
-std::string ErrorJson(const std::string& message) {
+std::string RouterErrorJson(const std::string& message) {
   nlohmann::json j;
   j["error"]["message"] = message;
   return j.dump();
@@ -201,7 +201,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnHeader(beast::error_code ec) {
     if (ec == http::error::header_limit) {
-      return Reply(431, ErrorJson("request header fields too large"), true);
+      return Reply(431, RouterErrorJson("request header fields too large"), true);
     }
     if (ec == http::error::body_limit) return RefuseTooLarge();
     if (ec) return Shut();
@@ -213,7 +213,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void RefuseTooLarge() {
     Reply(413,
-          ErrorJson(absl::StrCat("request body larger than ", core_->options.max_request_bytes,
+          RouterErrorJson(absl::StrCat("request body larger than ", core_->options.max_request_bytes,
                                  " bytes")),
           true);
   }
@@ -236,11 +236,11 @@ class Session : public std::enable_shared_from_this<Session> {
     const bool completion = path == "/v1/completions" || path == "/v1/chat/completions";
     const bool get_route = path == "/health" || path == "/v1/models" || path == "/metrics";
     if (!completion && !get_route) {
-      return Reply(404, ErrorJson("route: no route " + path));
+      return Reply(404, RouterErrorJson("route: no route " + path));
     }
     if (completion ? method != http::verb::post : method != http::verb::get) {
       return Reply(405,
-                   ErrorJson(absl::StrCat("route: ", path, " takes ", completion ? "POST" : "GET",
+                   RouterErrorJson(absl::StrCat("route: ", path, " takes ", completion ? "POST" : "GET",
                                           ", not ", std::string(req_.method_string()))),
                    false, completion ? "POST" : "GET");
     }
@@ -252,7 +252,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const bool open_metrics = path == "/metrics" && core_->options.metrics_without_key;
     if (absl::Status a = core_->backend->Authenticate(req_[http::field::authorization]);
         !a.ok() && !open_metrics) {
-      return Reply(HttpStatusFor(a.code()), ErrorJson(std::string(a.message())));
+      return Reply(HttpStatusFor(a.code()), RouterErrorJson(std::string(a.message())));
     }
     if (path == "/v1/models") {
       return Reply(200,
@@ -328,12 +328,12 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     if (!t.ok())
-      return Reply(HttpStatusFor(t.status().code()), ErrorJson(std::string(t.status().message())));
+      return Reply(HttpStatusFor(t.status().code()), RouterErrorJson(std::string(t.status().message())));
     target_ = std::move(*t);
     const std::string& a = target_.http_address;
     const size_t colon = a.rfind(':');
     if (a.empty() || colon == std::string::npos) {
-      return Reply(503, ErrorJson("route: the chosen node reports no HTTP address"));
+      return Reply(503, RouterErrorJson("route: the chosen node reports no HTTP address"));
     }
     up_host_ = a.substr(0, colon);
     up_port_ = a.substr(colon + 1);
@@ -523,7 +523,7 @@ class Session : public std::enable_shared_from_this<Session> {
       return Upstream(/*fresh=*/true);
     }
     StopWatchingClient();
-    Reply(502, ErrorJson(absl::StrCat("route: node ", target_.http_address, " did not answer (",
+    Reply(502, RouterErrorJson(absl::StrCat("route: node ", target_.http_address, " did not answer (",
                                       what, ": ", ec.message(), ")")));
   }
 

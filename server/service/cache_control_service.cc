@@ -16,7 +16,7 @@ using nlohmann::json;
 
 namespace {
 
-JsonReply Error(int status, std::string message, std::string param = "",
+JsonReply ControlError(int status, std::string message, std::string param = "",
                 std::string code = "invalid_request") {
   JsonReply r;
   r.status = status;
@@ -50,7 +50,7 @@ JsonReply FromStatus(const absl::Status& s) {
     default:
       break;
   }
-  return Error(code, std::string(s.message()));
+  return ControlError(code, std::string(s.message()));
 }
 
 // A few detokenized tokens may cut a UTF-8 sequence (or be byte tokens):
@@ -180,28 +180,28 @@ JsonReply CacheControlService::Handle(std::string_view op, std::string_view body
                                       const CallerAuth& auth) {
   json parsed = body.empty() ? json::object()
                              : json::parse(body.begin(), body.end(), nullptr, false);
-  if (parsed.is_discarded()) return Error(400, "the request body is not valid JSON", "", "invalid_json");
-  if (!parsed.is_object()) return Error(400, "the body must be a JSON object");
+  if (parsed.is_discarded()) return ControlError(400, "the request body is not valid JSON", "", "invalid_json");
+  if (!parsed.is_object()) return ControlError(400, "the body must be a JSON object");
   if (op == "retain") return Retain(parsed, auth);
   if (op == "renew") return Renew(parsed, auth);
   if (op == "release") return Release(parsed, auth);
   if (op == "list") return List(auth);
   if (op == "explain") return Explain(parsed, auth);
   if (op == "public") return Public(parsed, auth);
-  return Error(404, absl::StrCat("no cache-control call '", std::string(op),
+  return ControlError(404, absl::StrCat("no cache-control call '", std::string(op),
                                  "' (retain, renew, release, list, explain, public)"),
                "", "not_found");
 }
 
 JsonReply CacheControlService::Retain(const json& body, const CallerAuth& auth) {
   double ttl = 300, tokens = 0;
-  if (auto e = ReadNumber(body, "ttl_s", &ttl)) return Error(400, *e, "ttl_s");
-  if (auto e = ReadNumber(body, "tokens", &tokens)) return Error(400, *e, "tokens");
-  if (!(ttl > 0)) return Error(400, "ttl_s must be > 0 seconds", "ttl_s");
-  if (tokens < 0) return Error(400, "tokens must be >= 0 (0: the whole prompt)", "tokens");
+  if (auto e = ReadNumber(body, "ttl_s", &ttl)) return ControlError(400, *e, "ttl_s");
+  if (auto e = ReadNumber(body, "tokens", &tokens)) return ControlError(400, *e, "tokens");
+  if (!(ttl > 0)) return ControlError(400, "ttl_s must be > 0 seconds", "ttl_s");
+  if (tokens < 0) return ControlError(400, "tokens must be >= 0 (0: the whole prompt)", "tokens");
   bool warm = true;
   if (auto it = body.find("warm"); it != body.end() && !it->is_null()) {
-    if (!it->is_boolean()) return Error(400, "warm must be a boolean", "warm");
+    if (!it->is_boolean()) return ControlError(400, "warm must be a boolean", "warm");
     warm = it->get<bool>();
   }
   absl::StatusOr<PreparedRequest> prepared = PrepareBody(body, auth);
@@ -238,17 +238,17 @@ JsonReply CacheControlService::Retain(const json& body, const CallerAuth& auth) 
 JsonReply CacheControlService::Renew(const json& body, const CallerAuth& auth) {
   auto it = body.find("lease_id");
   if (it == body.end() || !it->is_number_unsigned()) {
-    return Error(400, "lease_id must be a lease id (a positive integer)", "lease_id");
+    return ControlError(400, "lease_id must be a lease id (a positive integer)", "lease_id");
   }
   const uint64_t id = it->get<uint64_t>();
   double ttl = 0;
-  if (auto e = ReadNumber(body, "ttl_s", &ttl)) return Error(400, *e, "ttl_s");
+  if (auto e = ReadNumber(body, "ttl_s", &ttl)) return ControlError(400, *e, "ttl_s");
   const std::optional<std::string> tenant =
       auth.admin ? std::nullopt : std::optional<std::string>(auth.tenant);
   absl::StatusOr<std::optional<LeaseInfo>> renewed = engine_->RenewLease(id, ttl, tenant);
   if (!renewed.ok()) return FromStatus(renewed.status());
   const std::optional<LeaseInfo>& l = *renewed;
-  if (!l) return Error(404, absl::StrCat("no lease ", id), "lease_id", "lease_not_found");
+  if (!l) return ControlError(404, absl::StrCat("no lease ", id), "lease_id", "lease_not_found");
   JsonReply r;
   r.body = LeaseJson(*l);
   return r;
@@ -257,14 +257,14 @@ JsonReply CacheControlService::Renew(const json& body, const CallerAuth& auth) {
 JsonReply CacheControlService::Release(const json& body, const CallerAuth& auth) {
   auto it = body.find("lease_id");
   if (it == body.end() || !it->is_number_unsigned()) {
-    return Error(400, "lease_id must be a lease id (a positive integer)", "lease_id");
+    return ControlError(400, "lease_id must be a lease id (a positive integer)", "lease_id");
   }
   const uint64_t id = it->get<uint64_t>();
   const std::optional<std::string> tenant =
       auth.admin ? std::nullopt : std::optional<std::string>(auth.tenant);
   absl::StatusOr<bool> released = engine_->ReleaseLease(id, tenant);
   if (!released.ok()) return FromStatus(released.status());
-  if (!*released) return Error(404, absl::StrCat("no lease ", id), "lease_id", "lease_not_found");
+  if (!*released) return ControlError(404, absl::StrCat("no lease ", id), "lease_id", "lease_not_found");
   JsonReply r;
   r.body = json{{"released", true}, {"lease_id", id}};
   return r;
@@ -367,27 +367,27 @@ JsonReply CacheControlService::Explain(const json& body, const CallerAuth& auth)
   if (!prepared.ok()) return FromStatus(prepared.status());
   JsonReply r;
   r.body = Report(*prepared, auth);
-  if (r.body.contains("error")) return Error(504, r.body["error"].get<std::string>());
+  if (r.body.contains("error")) return ControlError(504, r.body["error"].get<std::string>());
   return r;
 }
 
 JsonReply CacheControlService::Public(const json& body, const CallerAuth& auth) {
   if (!auth.admin) {
-    return Error(403, "marking a prefix public takes the operator's key (--api-key)", "",
+    return ControlError(403, "marking a prefix public takes the operator's key (--api-key)", "",
                  "forbidden");
   }
   bool make_public = true;
   if (auto it = body.find("public"); it != body.end() && !it->is_null()) {
-    if (!it->is_boolean()) return Error(400, "public must be a boolean", "public");
+    if (!it->is_boolean()) return ControlError(400, "public must be a boolean", "public");
     make_public = it->get<bool>();
   }
   double ttl = control_->options().max_ttl_s;
-  if (auto e = ReadNumber(body, "ttl_s", &ttl)) return Error(400, *e, "ttl_s");
+  if (auto e = ReadNumber(body, "ttl_s", &ttl)) return ControlError(400, *e, "ttl_s");
   if (body.contains("messages") && !body["messages"].is_null()) {
-    return Error(400, "public takes prompt (text) or prompt_ids, not messages", "messages");
+    return ControlError(400, "public takes prompt (text) or prompt_ids, not messages", "messages");
   }
   if (body.contains("cache_salt") && !body["cache_salt"].is_null()) {
-    return Error(400, "a public prefix belongs to no scope: drop cache_salt", "cache_salt");
+    return ControlError(400, "a public prefix belongs to no scope: drop cache_salt", "cache_salt");
   }
   CallerAuth none;  // tokenized without any tenant's scope
   absl::StatusOr<PreparedRequest> prepared = PrepareBody(body, none);
@@ -395,7 +395,7 @@ JsonReply CacheControlService::Public(const json& body, const CallerAuth& auth) 
   absl::StatusOr<std::string> salt = engine_->PublicSalt();
   if (!salt.ok()) return FromStatus(salt.status());
   const std::string public_salt = *salt;
-  if (public_salt.empty()) return Error(409, "the prefix cache is off", "", "prefix_cache_disabled");
+  if (public_salt.empty()) return ControlError(409, "the prefix cache is off", "", "prefix_cache_disabled");
   prepared->engine.cache_salt = public_salt;
   const std::vector<int32_t> tokens = prepared->engine.prompt;
   JsonReply r;

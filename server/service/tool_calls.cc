@@ -17,7 +17,7 @@ namespace {
 
 // Ordered: the catalogue and the calls keep the client's key order (name
 // before arguments), as the model saw them in training.
-using json = nlohmann::ordered_json;
+using nlohmann::ordered_json;
 
 // char arrays for absl::StrCat (it does not take std::string_view here).
 constexpr char kOpenTag[] = "<tool_call>";
@@ -34,20 +34,20 @@ std::string CallId() {
 }
 
 // A JSON value as the template sees it.
-jinja::Value ToJinja(const json& j) {
+jinja::Value ToJinja(const ordered_json& j) {
   switch (j.type()) {
-    case json::value_t::null: return jinja::Value::None();
-    case json::value_t::boolean: return jinja::Value::Bool(j.get<bool>());
-    case json::value_t::number_integer:
-    case json::value_t::number_unsigned: return jinja::Value::Int(j.get<int64_t>());
-    case json::value_t::number_float: return jinja::Value::Float(j.get<double>());
-    case json::value_t::string: return jinja::Value::String(j.get<std::string>());
-    case json::value_t::array: {
+    case ordered_json::value_t::null: return jinja::Value::None();
+    case ordered_json::value_t::boolean: return jinja::Value::Bool(j.get<bool>());
+    case ordered_json::value_t::number_integer:
+    case ordered_json::value_t::number_unsigned: return jinja::Value::Int(j.get<int64_t>());
+    case ordered_json::value_t::number_float: return jinja::Value::Float(j.get<double>());
+    case ordered_json::value_t::string: return jinja::Value::String(j.get<std::string>());
+    case ordered_json::value_t::array: {
       jinja::Array a;
-      for (const json& e : j) a.push_back(ToJinja(e));
+      for (const ordered_json& e : j) a.push_back(ToJinja(e));
       return jinja::Value::MakeArray(std::move(a));
     }
-    case json::value_t::object: {
+    case ordered_json::value_t::object: {
       jinja::Object o;
       for (const auto& [k, v] : j.items()) o.emplace_back(k, ToJinja(v));
       return jinja::Value::MakeObject(std::move(o));
@@ -57,17 +57,17 @@ jinja::Value ToJinja(const json& j) {
 }
 
 // An OpenAI call's arguments (a JSON text) as an object when they parse.
-json ArgumentsJson(const json& function) {
+ordered_json ArgumentsJson(const ordered_json& function) {
   auto a = function.find("arguments");
-  if (a == function.end() || a->is_null()) return json::object();
+  if (a == function.end() || a->is_null()) return ordered_json::object();
   if (!a->is_string()) return *a;
-  json parsed = json::parse(a->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+  ordered_json parsed = ordered_json::parse(a->get<std::string>(), nullptr, /*allow_exceptions=*/false);
   return parsed.is_discarded() ? *a : parsed;
 }
 
 // One block's JSON as a call, when it is {"name": string, "arguments": ...}.
 std::optional<ToolCall> CallFromJson(std::string_view body) {
-  json j = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  ordered_json j = ordered_json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return std::nullopt;
   auto name = j.find("name");
   if (name == j.end() || !name->is_string() || name->get<std::string>().empty()) {
@@ -117,9 +117,9 @@ std::string HermesToolsPrompt(const std::string& tools_json) {
   std::string out =
       "# Tools\n\nYou can call the functions listed below when they help with the user's request. "
       "Their signatures are inside the <tools></tools> tags:\n<tools>";
-  json tools = json::parse(tools_json, nullptr, /*allow_exceptions=*/false);
+  ordered_json tools = ordered_json::parse(tools_json, nullptr, /*allow_exceptions=*/false);
   if (tools.is_array()) {
-    for (const json& t : tools) absl::StrAppend(&out, "\n", t.dump());
+    for (const ordered_json& t : tools) absl::StrAppend(&out, "\n", t.dump());
   }
   absl::StrAppend(
       &out,
@@ -137,7 +137,7 @@ absl::StatusOr<std::string> RenderChatWithTools(const ChatTemplate& t,
       if (m.role == "developer") m.role = "system";
     }
   }
-  json tools = tools_json.empty() ? json::array() : json::parse(tools_json, nullptr, false);
+  ordered_json tools = tools_json.empty() ? ordered_json::array() : ordered_json::parse(tools_json, nullptr, false);
   if (tools.is_discarded()) return absl::InvalidArgumentError("tools is not valid JSON");
 
   if (t.interpreted() && (t.Mentions("tools") || t.Mentions("tool_calls"))) {
@@ -148,12 +148,12 @@ absl::StatusOr<std::string> RenderChatWithTools(const ChatTemplate& t,
     for (size_t i = 0; i < messages.size(); ++i) {
       const ChatMessage& m = messages[i];
       if (!m.tool_calls_json.empty()) {
-        json calls = json::parse(m.tool_calls_json, nullptr, false);
+        ordered_json calls = ordered_json::parse(m.tool_calls_json, nullptr, false);
         if (calls.is_discarded()) {
           return absl::InvalidArgumentError(absl::StrCat("messages[", i, "].tool_calls is not JSON"));
         }
         // Hugging Face's templates expect the arguments as an object.
-        for (json& c : calls) {
+        for (ordered_json& c : calls) {
           if (c.contains("function")) c["function"]["arguments"] = ArgumentsJson(c["function"]);
         }
         fields[i].emplace_back("tool_calls", ToJinja(calls));
@@ -181,13 +181,13 @@ absl::StatusOr<std::string> RenderChatWithTools(const ChatTemplate& t,
   for (size_t i = 0; i < messages.size(); ++i) {
     ChatMessage m = messages[i];
     if (!m.tool_calls_json.empty()) {
-      json calls = json::parse(m.tool_calls_json, nullptr, false);
+      ordered_json calls = ordered_json::parse(m.tool_calls_json, nullptr, false);
       if (calls.is_discarded()) {
         return absl::InvalidArgumentError(absl::StrCat("messages[", i, "].tool_calls is not JSON"));
       }
-      for (const json& c : calls) {
-        const json& f = c.at("function");
-        json call = {{"name", f.value("name", "")}, {"arguments", ArgumentsJson(f)}};
+      for (const ordered_json& c : calls) {
+        const ordered_json& f = c.at("function");
+        ordered_json call = {{"name", f.value("name", "")}, {"arguments", ArgumentsJson(f)}};
         absl::StrAppend(&m.content, m.content.empty() ? "" : "\n", kOpenTag, "\n", call.dump(),
                         "\n", kCloseTag);
       }
