@@ -228,7 +228,7 @@ void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused,
 // weights in the file's formats (18 layers: q, k, v in Q5_0 -- v Q8_0 on
 // half the layers --, the output projection in Q4_K, gate and up in Q5_0,
 // down in Q6_K or Q4_K; then the tied 262,144 x 640 Q8_0 head, 178 MB), as
-// the forward calls them. part 0: all of it; 1: the layers only (68 MB);
+// the forward calls them, packed into one PanelArena as the model loads them. part 0: all of it; 1: the layers only (68 MB);
 // 2: the head only. weight_GB/s counts the GGUF bytes read per pass, the
 // figure to hold against the machine's read bandwidth; items/s = tokens/s
 // of the matmul share of a decode step (or prefill chunk, n_tokens > 1).
@@ -240,10 +240,11 @@ void BM_GemmaMatMuls(benchmark::State& state, int threads, int part) {
   std::vector<std::vector<uint8_t>> owned;
   std::vector<std::shared_ptr<const PackedWeight>> packs;
   size_t bytes = 0;
+  PanelArena arena;  // as the model packs them (one arena, huge pages)
   auto make = [&](DType type, int64_t rows, int64_t cols) {
     owned.push_back(MakeWeights(type, rows, cols));
     WeightView v{type, owned.back().data(), rows, cols};
-    packs.push_back(PackWeight(v));
+    packs.push_back(PackWeight(v, &arena));
     v.packed = packs.back().get();
     return v;
   };
