@@ -224,6 +224,76 @@ void BM_SmolLM2DecodeMatMuls(benchmark::State& state, int threads, bool fused,
       benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// Every matmul of one Gemma 3 270M Q4_K_M forward over distinct packed
+// weights in the file's formats (18 layers: q, k, v in Q5_0 -- v Q8_0 on
+// half the layers --, the output projection in Q4_K, gate and up in Q5_0,
+// down in Q6_K or Q4_K; then the tied 262,144 x 640 Q8_0 head, 178 MB), as
+// the forward calls them, packed into one PanelArena as the model loads them. part 0: all of it; 1: the layers only (68 MB);
+// 2: the head only. weight_GB/s counts the GGUF bytes read per pass, the
+// figure to hold against the machine's read bandwidth; items/s = tokens/s
+// of the matmul share of a decode step (or prefill chunk, n_tokens > 1).
+void BM_GemmaMatMuls(benchmark::State& state, int threads, int part) {
+  const int n_tokens = static_cast<int>(state.range(0));
+  struct Layer {
+    WeightView q, k, v, o, gate, up, down;
+  };
+  std::vector<std::vector<uint8_t>> owned;
+  std::vector<std::shared_ptr<const PackedWeight>> packs;
+  size_t bytes = 0;
+  PanelArena arena;  // as the model packs them (one arena, huge pages)
+  auto make = [&](DType type, int64_t rows, int64_t cols) {
+    owned.push_back(MakeWeights(type, rows, cols));
+    WeightView v{type, owned.back().data(), rows, cols};
+    packs.push_back(PackWeight(v, &arena));
+    v.packed = packs.back().get();
+    return v;
+  };
+  std::vector<Layer> layers;
+  if (part != 2) {
+    for (int l = 0; l < 18; ++l) {
+      Layer L;
+      L.q = make(DType::kQ5_0, 1024, 640);
+      L.k = make(DType::kQ5_0, 256, 640);
+      L.v = make(l % 2 ? DType::kQ8_0 : DType::kQ5_0, 256, 640);
+      L.o = make(DType::kQ4_K, 640, 1024);
+      L.gate = make(DType::kQ5_0, 2048, 640);
+      L.up = make(DType::kQ5_0, 2048, 640);
+      L.down = make(l % 2 ? DType::kQ6_K : DType::kQ4_K, 640, 2048);
+      layers.push_back(L);
+    }
+  }
+  WeightView head{};
+  if (part != 1) head = make(DType::kQ8_0, 262144, 640);
+  for (const auto& o : owned) bytes += o.size();
+  if (std::any_of(packs.begin(), packs.end(), [](const auto& p) { return p == nullptr; })) {
+    state.SkipWithError("no AVX-512 VNNI: nothing to pack for");
+    return;
+  }
+  const auto x = MakeActs(n_tokens * 2048);
+  std::vector<float> y(static_cast<size_t>(n_tokens) * (part != 1 ? 262144 : 2048));
+  std::vector<float> y2(n_tokens * 2048), y3(n_tokens * 2048);
+  ThreadPool* pool = Pool(threads);
+  for (auto _ : state) {
+    for (const Layer& L : layers) {
+      const WeightView qkv[3] = {L.q, L.k, L.v};
+      float* qkv_out[3] = {y.data(), y2.data(), y3.data()};
+      const int64_t qkv_strides[3] = {1024, 256, 256};
+      MatMulMany(qkv, 3, x.data(), n_tokens, 640, qkv_out, qkv_strides, pool);
+      MatMul(L.o, x.data(), n_tokens, 1024, y.data(), 640, pool);
+      const WeightView gu[2] = {L.gate, L.up};
+      float* gu_out[2] = {y2.data(), y3.data()};
+      const int64_t gu_strides[2] = {2048, 2048};
+      MatMulMany(gu, 2, x.data(), n_tokens, 640, gu_out, gu_strides, pool);
+      MatMul(L.down, x.data(), n_tokens, 2048, y.data(), 640, pool);
+    }
+    if (part != 1) MatMul(head, x.data(), n_tokens, 640, y.data(), 262144, pool);
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * n_tokens);
+  state.counters["weight_GB/s"] =
+      benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // One layer's attention of a single decode token at context `ctx`, SmolLM2
 // geometry (9 query heads, 3 KV heads of 64), 16-token blocks.
 void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, int threads) {
@@ -429,6 +499,19 @@ void RegisterAll() {
       ->Arg(1)
       ->Arg(8)
       ->Unit(benchmark::kMillisecond);
+  for (int part : {0, 1, 2}) {
+    static const char* kParts[] = {"all", "layers", "head"};
+    for (int threads : {1, 2}) {
+      benchmark::RegisterBenchmark((std::string("GemmaMatMuls/") + kParts[part] +
+                                    "/threads:" + std::to_string(threads))
+                                       .c_str(),
+                                   BM_GemmaMatMuls, threads, part)
+          ->Arg(1)
+          ->Arg(128)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
   const char* op_names[] = {"RmsNorm/576", "SiluMul/1536", "Rope/9x64", "Softmax/49152"};
   for (int which = 0; which < 4; ++which) {
     benchmark::RegisterBenchmark((std::string("Ops/") + op_names[which]).c_str(), BM_Ops, which,

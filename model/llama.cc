@@ -399,10 +399,13 @@ absl::Status LlamaModel::Bind() {
   // Quantized matrices in the VNNI/AMX panel layout. The embedding table
   // keeps only its mapped rows (lookups dequantize single rows); a tied
   // output head gets its own packed copy.
+  // All of them are cut from one arena, so the layers' small matrices share
+  // huge pages as they are streamed (kernels::PanelArena).
   packed_.clear();
   packed_bytes_ = 0;
+  kernels::PanelArena arena;
   auto pack = [&](WeightView* v) {
-    std::shared_ptr<const kernels::PackedWeight> p = kernels::PackWeight(*v);
+    std::shared_ptr<const kernels::PackedWeight> p = kernels::PackWeight(*v, &arena);
     if (p == nullptr) return;
     v->packed = p.get();
     packed_bytes_ += kernels::PackedBytes(*p);

@@ -13,6 +13,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "common/cpu_features.h"
 #include "common/half.h"
 #include "kernels/cpu/dispatch.h"
@@ -320,12 +324,33 @@ const Block* RowBlocks(const WeightView& w, int64_t r) {
                                         r * RowBytes(w.type, w.cols));
 }
 
+// Asks for transparent huge pages over the 2 MB-aligned interior of a large
+// allocation (before its first touch). A batch-1 decode streams every panel
+// once per token, and a head like Gemma 3's (189 MB of panels) on 4 KB pages
+// pays a page walk every 4 KB and stops the hardware prefetchers at each
+// page boundary. Systems whose THP setting is "madvise" (the default of many
+// distributions) give huge pages only to ranges advised so. Smaller
+// allocations are left alone: they hold no whole 2 MB page.
+void AdviseHugePages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
 // An empty (zeroed, 64-byte aligned) panel copy of w: ceil(rows / 16)
 // panels of n_blocks / group_blocks stored blocks of block_bytes each, a
 // stored block holding group_blocks 32-value blocks of qs_bytes. Null if
 // the memory is not there.
 std::shared_ptr<PackedWeight> AllocatePanels(const WeightView& w, int64_t qs_bytes,
-                                             int64_t group_blocks, int64_t block_bytes) {
+                                             int64_t group_blocks, int64_t block_bytes,
+                                             PanelArena* arena) {
   auto p = std::make_shared<PackedWeight>();
   p->type = w.type;
   p->rows = w.rows;
@@ -337,7 +362,12 @@ std::shared_ptr<PackedWeight> AllocatePanels(const WeightView& w, int64_t qs_byt
   p->block_bytes = block_bytes;
   p->panel_bytes = p->n_blocks / group_blocks * block_bytes;
   const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
-  p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
+  if (arena != nullptr) {
+    p->storage = {arena->Allocate(total, &p->arena_chunk), [](void*) {}};
+  } else {
+    p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
+    if (p->storage) AdviseHugePages(p->storage.get(), total);
+  }
   if (!p->storage) return nullptr;
   std::memset(p->storage.get(), 0, total);
   return p;
@@ -363,12 +393,12 @@ void SetFifthBitMasks(uint8_t* masks, int64_t n, Bit4 bit4) {
 // sub-blocks' nibbles as Q4_0's layout (Q5_K: and their fifth bits as Q5_0's
 // masks), their scales and mins, then d and dmin.
 template <class Blk>
-std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w) {
+std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w, PanelArena* arena) {
   constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
   constexpr int64_t kP = internal::kPanelRows;
   const int64_t qsb = kFive ? 5 * 64 : 4 * 64;
   // Q4_K 2,368, Q5_K 2,880: multiples of 64.
-  std::shared_ptr<PackedWeight> p = AllocatePanels(w, qsb, 8, 8 * qsb + 8 * 32 + 2 * kP * 2);
+  std::shared_ptr<PackedWeight> p = AllocatePanels(w, qsb, 8, 8 * qsb + 8 * 32 + 2 * kP * 2, arena);
   if (p == nullptr) return nullptr;
   const int64_t n_super = w.cols / kQK_K;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
@@ -408,10 +438,10 @@ std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w) {
 
 // Q6_K panels (matmul_panels.h): per super-block, 8 blocks of nibbles and
 // bit masks, the int8 scales, then d.
-std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w) {
+std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w, PanelArena* arena) {
   constexpr int64_t kP = internal::kPanelRows;
   std::shared_ptr<PackedWeight> p =
-      AllocatePanels(w, 384, 8, (8 * 384 + 256 + 32 + 63) / 64 * 64);  // 3,392
+      AllocatePanels(w, 384, 8, (8 * 384 + 256 + 32 + 63) / 64 * 64, arena);  // 3,392
   if (p == nullptr) return nullptr;
   const int64_t n_super = w.cols / kQK_K;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
@@ -447,20 +477,20 @@ std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w) {
 
 }  // namespace
 
-std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
+std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* arena) {
   if (!internal::CanPackPanels(w.type) || !UseAvx512Vnni() || w.rows <= 0 || w.cols <= 0 ||
       w.cols % kQK != 0 || (internal::UsesQ8K(w.type) && w.cols % kQK_K != 0)) {
     return nullptr;
   }
-  if (w.type == DType::kQ4_K) return PackQ4KOrQ5K<BlockQ4_K>(w);
-  if (w.type == DType::kQ5_K) return PackQ4KOrQ5K<BlockQ5_K>(w);
-  if (w.type == DType::kQ6_K) return PackQ6K(w);
+  if (w.type == DType::kQ4_K) return PackQ4KOrQ5K<BlockQ4_K>(w, arena);
+  if (w.type == DType::kQ5_K) return PackQ4KOrQ5K<BlockQ5_K>(w, arena);
+  if (w.type == DType::kQ6_K) return PackQ6K(w, arena);
   constexpr int64_t kP = internal::kPanelRows;
   const int64_t qs_bytes =
       w.type == DType::kQ8_0 ? 8 * 64 : (w.type == DType::kQ5_0 ? 5 * 64 : 4 * 64);
   const int64_t scale_bytes = (w.type == DType::kQ4_1 ? 2 : 1) * kP * 2;
   std::shared_ptr<PackedWeight> p =
-      AllocatePanels(w, qs_bytes, 1, (qs_bytes + scale_bytes + 63) / 64 * 64);
+      AllocatePanels(w, qs_bytes, 1, (qs_bytes + scale_bytes + 63) / 64 * 64, arena);
   if (p == nullptr) return nullptr;
   const int64_t nb = p->n_blocks;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
@@ -502,6 +532,29 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w) {
     }
   }
   return p;
+}
+
+uint8_t* PanelArena::Allocate(size_t bytes, std::shared_ptr<void>* owner) {
+  constexpr size_t kAlign = 64;
+  constexpr size_t kHuge = size_t{2} << 20;
+  constexpr size_t kChunk = size_t{32} << 20;
+  const size_t need = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (base_ == nullptr || size_ - used_ < need) {
+    // A new chunk; the old one's unused tail is never touched, so (being
+    // anonymous memory) it costs no RAM.
+    const size_t size = std::max(kChunk, (need + kHuge - 1) / kHuge * kHuge);
+    void* mem = std::aligned_alloc(kHuge, size);
+    if (mem == nullptr) return nullptr;
+    AdviseHugePages(mem, size);
+    chunk_ = std::shared_ptr<void>(mem, std::free);
+    base_ = static_cast<uint8_t*>(mem);
+    size_ = size;
+    used_ = 0;
+  }
+  uint8_t* out = base_ + used_;
+  used_ += need;
+  *owner = chunk_;
+  return out;
 }
 
 int64_t PackedBytes(const PackedWeight& p) { return p.n_panels * p.panel_bytes; }

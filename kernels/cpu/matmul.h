@@ -39,7 +39,35 @@ struct WeightView {
 // acc = fma(float(isum), d_w * d_a, acc); acc = fma(m_w, s_a, acc), blocks in
 // order), whichever of the VNNI and AMX kernels runs and whatever the batch,
 // so the two are bit-identical.
-std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w);
+//
+// With an arena, the panels are cut from its chunks (one model's matrices
+// packed one after another share huge pages; see PanelArena); without, each
+// weight gets its own allocation.
+class PanelArena;
+std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* arena = nullptr);
+
+// Storage for the panel copies of one model's weights: 2 MB-aligned chunks
+// advised for transparent huge pages, cut in order into 64-byte aligned
+// pieces. A batch-1 decode streams every panel once per token; a layer's
+// matrices (0.1-1.3 MB each in the small models) are each smaller than a
+// huge page, so allocated one by one they sat on 4 KB pages, paying a page
+// walk per 4 KB and stopping the hardware prefetchers at each page
+// boundary. A chunk stays alive while any weight cut from it does (the
+// packed weight holds it), so the arena itself may go away after packing.
+// Not thread-safe: one loader packs into an arena at a time.
+class PanelArena {
+ public:
+  // 64-byte aligned bytes (not zeroed); *owner keeps their chunk alive.
+  // Null if the memory is not there.
+  uint8_t* Allocate(size_t bytes, std::shared_ptr<void>* owner);
+
+ private:
+  std::shared_ptr<void> chunk_;
+  uint8_t* base_ = nullptr;
+  size_t size_ = 0;
+  size_t used_ = 0;
+};
+
 // Bytes a packed weight holds (the extra memory next to the mapped file).
 int64_t PackedBytes(const PackedWeight& p);
 

@@ -73,6 +73,9 @@ struct PackedWeight {
   int64_t panel_bytes = 0;  // n_blocks * block_bytes (Q4_K: n_blocks / 8 * ...)
   int64_t group_blocks = 1;  // 32-value blocks per stored block (Q4_K: 8)
   std::unique_ptr<uint8_t, void (*)(void*)> storage{nullptr, nullptr};
+  // The PanelArena chunk that storage was cut from (storage then frees
+  // nothing itself); null for a weight allocated on its own.
+  std::shared_ptr<void> arena_chunk;
 
   const uint8_t* Panel(int64_t p) const { return storage.get() + p * panel_bytes; }
   const uint8_t* Qs(int64_t p, int64_t b) const {

@@ -151,6 +151,10 @@ void Rope(float* x, int32_t n_heads, int32_t pos, const RopeParams& p) {
   }
   const int32_t half = p.rot_dim / 2;
   const float* table = cache->Get(pos, p);
+  if (UseAvx2()) {
+    return internal::RotateHeadsAvx2(x, n_heads, p.head_dim, table, table + half, half,
+                                     p.style == RopeStyle::kNeox);
+  }
   for (int32_t h = 0; h < n_heads; ++h) {
     RotateHead(x + static_cast<int64_t>(h) * p.head_dim, table, table + half, half, p.style);
   }

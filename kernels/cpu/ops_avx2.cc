@@ -10,26 +10,112 @@
 
 namespace kvserve::kernels::internal {
 
+namespace {
+
+// Sums of squares of R rows of n floats, each as RmsNorm's plain loop forms
+// it (squares in float, added in double in element order): R independent
+// chains that the FP adders overlap, where one row alone waits on each
+// add's latency. Bit for bit the one-row loop.
+template <int R>
+inline void SumSquaresRows(const float* x, int64_t n, double* ss) {
+  double s[R];
+  for (int r = 0; r < R; ++r) s[r] = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int r = 0; r < R; ++r) {
+      const float v = x[r * n + i];
+      s[r] += static_cast<double>(v * v);
+    }
+  }
+  for (int r = 0; r < R; ++r) ss[r] = s[r];
+}
+
+}  // namespace
+
 void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
                  float* out) {
-  for (int64_t row = 0; row < n_rows; ++row) {
-    const float* xr = x + row * n;
-    float* o = out + row * n;
+  constexpr int64_t kRows = 4;
+  for (int64_t row0 = 0; row0 < n_rows; row0 += kRows) {
+    const int64_t rows = n_rows - row0 < kRows ? n_rows - row0 : kRows;
     // Squares in float, summed in double in order, then 1/sqrtf of the float
     // mean: ggml's arithmetic, so a model's logits match llama.cpp's (the sum
     // is 2 flops per element; the row is read again below anyway).
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i] * xr[i]);
-    const float mean = static_cast<float>(ss / static_cast<double>(n));
-    const float inv = 1.0f / std::sqrt(mean + eps);
-    int64_t i = 0;
-    const __m256 vinv = _mm256_set1_ps(inv);
-    i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv);
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
+    double ss[kRows];
+    const float* xb = x + row0 * n;
+    switch (rows) {
+      case 4:
+        SumSquaresRows<4>(xb, n, ss);
+        break;
+      case 3:
+        SumSquaresRows<3>(xb, n, ss);
+        break;
+      case 2:
+        SumSquaresRows<2>(xb, n, ss);
+        break;
+      default:
+        SumSquaresRows<1>(xb, n, ss);
+        break;
     }
-    for (; i < n; ++i) o[i] = xr[i] * inv * weight[i];
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = xb + r * n;
+      float* o = out + (row0 + r) * n;
+      const float mean = static_cast<float>(ss[r] / static_cast<double>(n));
+      const float inv = 1.0f / std::sqrt(mean + eps);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv);
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(v, _mm256_loadu_ps(weight + i)));
+      }
+      for (; i < n; ++i) o[i] = xr[i] * inv * weight[i];
+    }
+  }
+}
+
+void RotateHeadsAvx2(float* x, int32_t n_heads, int32_t head_dim, const float* cs,
+                     const float* sn, int32_t half, bool neox) {
+  for (int32_t h = 0; h < n_heads; ++h) {
+    float* hd = x + static_cast<int64_t>(h) * head_dim;
+    int32_t i = 0;
+    if (neox) {
+      float* lo = hd;
+      float* hi = hd + half;
+      for (; i + 8 <= half; i += 8) {
+        const __m256 a = _mm256_loadu_ps(lo + i);
+        const __m256 b = _mm256_loadu_ps(hi + i);
+        const __m256 c = _mm256_loadu_ps(cs + i);
+        const __m256 s = _mm256_loadu_ps(sn + i);
+        // fma(a, c, -(b s)) and fma(a, s, b c): the portable loop's roundings.
+        _mm256_storeu_ps(lo + i, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
+        _mm256_storeu_ps(hi + i, _mm256_fmadd_ps(a, s, _mm256_mul_ps(b, c)));
+      }
+      for (; i < half; ++i) {
+        const float a = lo[i];
+        const float b = hi[i];
+        lo[i] = std::fma(a, cs[i], -(b * sn[i]));
+        hi[i] = std::fma(a, sn[i], b * cs[i]);
+      }
+    } else {
+      // Pairs (2i, 2i + 1): v = [a0 b0 a1 b1 ...], w = v with each pair
+      // swapped, cos/sin doubled per pair; even lanes take fma(a, c, -(b s)),
+      // odd lanes fma(a, s, b c).
+      for (; i + 4 <= half; i += 4) {
+        const __m256 v = _mm256_loadu_ps(hd + 2 * i);
+        const __m256 w = _mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1));
+        const __m128 c4 = _mm_loadu_ps(cs + i);
+        const __m128 s4 = _mm_loadu_ps(sn + i);
+        const __m256 c = _mm256_set_m128(_mm_unpackhi_ps(c4, c4), _mm_unpacklo_ps(c4, c4));
+        const __m256 s = _mm256_set_m128(_mm_unpackhi_ps(s4, s4), _mm_unpacklo_ps(s4, s4));
+        const __m256 even = _mm256_fmsub_ps(v, c, _mm256_mul_ps(w, s));
+        const __m256 odd = _mm256_fmadd_ps(w, s, _mm256_mul_ps(v, c));
+        _mm256_storeu_ps(hd + 2 * i, _mm256_blend_ps(even, odd, 0xAA));
+      }
+      for (; i < half; ++i) {
+        const float a = hd[2 * i];
+        const float b = hd[2 * i + 1];
+        hd[2 * i] = std::fma(a, cs[i], -(b * sn[i]));
+        hd[2 * i + 1] = std::fma(a, sn[i], b * cs[i]);
+      }
+    }
   }
 }
 

@@ -8,6 +8,10 @@ namespace kvserve::kernels::internal {
 
 void RmsNormAvx2(const float* x, const float* weight, int64_t n_rows, int64_t n, float eps,
                  float* out);
+// Rope's rotation of n_heads heads from one position's cos/sin table (kNeox
+// when neox, else kNorm pairs), with the portable loop's fused roundings.
+void RotateHeadsAvx2(float* x, int32_t n_heads, int32_t head_dim, const float* cs,
+                     const float* sn, int32_t half, bool neox);
 void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out);
 // ggml's GELU (tanh form) of every f16 value, indexed by its bits.
 const float* GeluTanhTable();

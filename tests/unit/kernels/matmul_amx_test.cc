@@ -420,6 +420,43 @@ TEST(PackWeightTest, PacksOnlyQuantizedTypesAndReportsItsBytes) {
   }
 }
 
+// Panels cut from a PanelArena (as a model loads them) are the same bytes
+// as panels allocated one by one, at 64-byte aligned, non-overlapping
+// places, and outlive the arena (each weight holds its chunk).
+TEST(PanelArenaTest, PanelsEqualStandaloneOnesAndOutliveTheArena) {
+  SKIP_WITHOUT_VNNI();
+  std::vector<std::shared_ptr<const PackedWeight>> from_arena;
+  std::vector<Case> cases;
+  // ~49 MB of panels (Q8_0 of 4,096 x 1,024 is 4.6 MB): past one 32 MB
+  // chunk, so the test also crosses a chunk boundary.
+  cases.reserve(15);
+  for (int i = 0; i < 15; ++i) {
+    const DType t = i % 3 == 0 ? DType::kQ8_0 : (i % 3 == 1 ? DType::kQ5_0 : DType::kQ4_K);
+    cases.emplace_back(t, 4096 + 16 * i + 1, 1024, 1, 40 + i);
+  }
+  {
+    PanelArena arena;
+    for (const Case& c : cases) {
+      auto p = PackWeight(WeightView{c.type, c.q.data(), c.rows, c.cols}, &arena);
+      ASSERT_NE(p, nullptr);
+      from_arena.push_back(std::move(p));
+    }
+  }  // the arena goes; the weights keep their chunks
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const PackedWeight& a = *from_arena[i];
+    const PackedWeight& b = *cases[i].packed;
+    ASSERT_EQ(PackedBytes(a), PackedBytes(b));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a.storage.get()) % 64, 0u);
+    EXPECT_EQ(0, std::memcmp(a.storage.get(), b.storage.get(), PackedBytes(a))) << i;
+    for (size_t j = 0; j < i; ++j) {
+      const uint8_t* lo = from_arena[j]->storage.get();
+      const uint8_t* hi = lo + PackedBytes(*from_arena[j]);
+      const uint8_t* p = a.storage.get();
+      EXPECT_TRUE(p + PackedBytes(a) <= lo || p >= hi) << i << " overlaps " << j;
+    }
+  }
+}
+
 TEST(AmxDetectionTest, HardwareKernelRunsWhereTheCpuHasAmx) {
   if (!UseAmx()) {
     GTEST_SKIP() << "no usable AMX-INT8 here (CPU, OS permission or KVSERVE_DISABLE_AMX): "

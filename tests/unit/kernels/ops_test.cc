@@ -264,6 +264,51 @@ TEST_P(RopeMatchTest, FastMatchesReference) {
   ExpectNear(x, y, RopeTolerance(pos));
 }
 
+// The vector RmsNorm sums several rows' squares at once; each row must
+// still come out bit for bit as the portable one-row loop gives it (the
+// model's logits are compared with llama.cpp's exactly).
+TEST(RmsNormBitsTest, VectorRowsEqualPortableLoop) {
+  if (!UseAvx2()) GTEST_SKIP() << "no AVX2: only the portable loop runs here";
+  for (int64_t n : {1, 7, 64, 256, 576, 640}) {
+    for (int64_t rows : {1, 2, 3, 4, 5, 7, 9}) {
+      // Wide magnitudes, so a reordered sum would round differently.
+      auto x = RandomFloats(rows * n, static_cast<uint32_t>(n * 16 + rows), 3.0f);
+      for (int64_t i = 0; i < rows * n; i += 5) x[i] *= 1e4f;
+      const auto w = RandomFloats(n, 7);
+      std::vector<float> fast(x.size()), portable(x.size());
+      RmsNorm(x.data(), w.data(), rows, n, 1e-6f, fast.data());
+      {
+        ScopedDisableSimdForTesting no_simd;
+        RmsNorm(x.data(), w.data(), rows, n, 1e-6f, portable.data());
+      }
+      ASSERT_EQ(0, std::memcmp(fast.data(), portable.data(), sizeof(float) * fast.size()))
+          << "n " << n << " rows " << rows;
+    }
+  }
+}
+
+// The AVX2 rotation keeps the portable loop's fused roundings: bit-equal,
+// both pair styles, full and partial rotation, vector tails included.
+TEST(RopeBitsTest, VectorRotationEqualsPortableLoop) {
+  if (!UseAvx2()) GTEST_SKIP() << "no AVX2: only the portable loop runs here";
+  for (RopeStyle style : {RopeStyle::kNorm, RopeStyle::kNeox}) {
+    for (auto [head_dim, rot_dim] : {std::pair{8, 8}, {64, 64}, {256, 256}, {128, 64}, {36, 20}}) {
+      for (int32_t pos : {0, 3, 77, 1000}) {
+        const RopeParams p{head_dim, rot_dim, 10000.0f, style};
+        auto x = RandomFloats(5 * head_dim, static_cast<uint32_t>(pos + head_dim), 2.0f);
+        auto y = x;
+        Rope(x.data(), 5, pos, p);
+        {
+          ScopedDisableSimdForTesting no_simd;
+          Rope(y.data(), 5, pos, p);
+        }
+        ASSERT_EQ(0, std::memcmp(x.data(), y.data(), sizeof(float) * x.size()))
+            << "style " << static_cast<int>(style) << " head_dim " << head_dim << " pos " << pos;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Styles, RopeMatchTest,
                          ::testing::Combine(::testing::Values(RopeStyle::kNorm, RopeStyle::kNeox),
                                             ::testing::Values(8, 64, 128),
