@@ -634,4 +634,11 @@ void Engine::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+std::vector<int32_t> Engine::KvGroupWindows() const {
+  std::vector<int32_t> windows;
+  if (!kv_->hybrid()) return windows;
+  for (int32_t g = 0; g < kv_->num_groups(); ++g) windows.push_back(kv_->group_window(g));
+  return windows;
+}
+
 }  // namespace kvserve

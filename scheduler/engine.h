@@ -350,6 +350,10 @@ class Engine {
   const KvPool& kv_pool() const { return kv_->pool(); }
   // The KV cache manager (its groups, for tests). REQUIRES: as kv_pool().
   const KvCacheManager& kv_manager() const { return *kv_; }
+  // The KV layout's groups for the serving layer (leases, KV events): empty
+  // for a model with one group, else each group's sliding window (0: full
+  // attention) in group order. Fixed at construction: any thread.
+  std::vector<int32_t> KvGroupWindows() const;
   // nullptr when the prefix cache is off. REQUIRES: as kv_pool().
   const PrefixCache* prefix_cache() const { return kv_->prefix_cache(); }
   // REQUIRES: as kv_pool().

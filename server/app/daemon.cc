@@ -373,14 +373,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
     // lives (vLLM's block pool says so on every platform; the CPU engine's
     // pool would otherwise share "CPU" with the host tier's pages), the
     // host tier "CPU", the disk tier "Disk" (VllmEventFormat).
-    if (const KvCacheManager& kv = d->engine_->kv_manager(); kv.hybrid()) {
-      // KV cache groups: every group publishes its own index, each event
-      // tagged with its group_idx and that group's spec, as vLLM tags a
-      // hybrid model's groups (docs/kubernetes.md).
-      for (int32_t g = 0; g < kv.num_groups(); ++g) {
-        vo.format.group_windows.push_back(kv.group_window(g));
-      }
-    }
+    // KV cache groups: every group publishes its own index, each event
+    // tagged with its group_idx and that group's spec, as vLLM tags a
+    // hybrid model's groups (docs/kubernetes.md). Empty for one group.
+    vo.format.group_windows = d->engine_->KvGroupWindows();
     ASSIGN_OR_RETURN(d->vllm_events_, VllmEventPublisher::Start(d->kv_events_.get(), vo));
   }
   d->engine_->Start();

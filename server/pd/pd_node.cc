@@ -50,14 +50,8 @@ absl::Status PdNode::Impl::Attach(Engine* engine, ModelService* service) {
   layout_.set_head_dim(o.head_dim);
   // KV cache groups: leases name each group's blocks, and a peer with
   // other groups (another --kv-layout, another model) has another layout.
-  const KvCacheManager& kv = engine->kv_manager();
-  group_windows_.clear();
-  if (kv.hybrid()) {
-    for (int32_t g = 0; g < kv.num_groups(); ++g) {
-      group_windows_.push_back(kv.group_window(g));
-      layout_.add_group_windows(kv.group_window(g));
-    }
-  }
+  group_windows_ = engine->KvGroupWindows();
+  for (int32_t w : group_windows_) layout_.add_group_windows(w);
   layout_.set_hash(LayoutHash(layout_));
   block_size_ = o.block_size;
   block_bytes_ = pool.block_bytes();
