@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -199,6 +200,52 @@ TEST(DaemonTest, PlanAndBenchCountTheKvPolicy) {
           bin + " bench -b 1 --prompt-tokens 32 --gen-tokens 8 --kv-policy bogus 2>&1");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.out, HasSubstr("--kv-policy"));
+}
+
+// `kvserve bench --bandwidth`: the bytes one decode step reads (weights
+// plus the K and V the step attends to), their rate, and the host's read
+// bandwidth measured after the run. The KV term follows the attended
+// context: an eviction budget of 32 tokens reads 32 slots a step where the
+// full cache reads the whole context.
+TEST(DaemonTest, BenchBandwidthCountsWeightsAndAttendedKv) {
+  const std::string model = testing::Stories260KPath();
+  KVSERVE_SKIP_IF_MISSING(model, "stories260K.gguf");
+  const std::string bin = std::string(KVSERVE_BINARY) + " --log-level warn -m " + model +
+                          " bench -b 1 --prompt-tokens 96 --gen-tokens 24 --repeat 1 "
+                          "--kv-cache-dtype f32 --block-size 16 --bandwidth";
+  // The row's cells after "| 1 |".
+  auto cells = [](const std::string& out) {
+    std::vector<double> v;
+    const size_t row = out.find("|     1 |");
+    if (row == std::string::npos) return v;
+    std::stringstream line(out.substr(row + 1, out.find('\n', row) - row - 1));
+    std::string cell;
+    while (std::getline(line, cell, '|')) v.push_back(std::strtod(cell.c_str(), nullptr));
+    return v;
+  };
+  const testing::CommandResult full = testing::RunCommand(bin + " 2>&1");
+  ASSERT_EQ(full.exit_code, 0) << full.out;
+  EXPECT_THAT(full.out, HasSubstr("| MB read/step | decode GB/s | read GB/s | decode / read |"));
+  const std::vector<double> f = cells(full.out);
+  ASSERT_EQ(f.size(), 11u) << full.out;
+  const testing::CommandResult windowed =
+      testing::RunCommand(bin + " --kv-policy window --kv-window 32 2>&1");
+  ASSERT_EQ(windowed.exit_code, 0) << windowed.out;
+  const std::vector<double> w = cells(windowed.out);
+  ASSERT_EQ(w.size(), 11u) << windowed.out;
+  // stories260K: 1,280 bytes of f32 K and V per token over its 5 layers.
+  // Full cache: the step that writes slot 96 + i attends 97 + i slots, i =
+  // 0..22 (the prefill samples the first of the 24 tokens): 108 on average.
+  // The window's policy keeps at most 32.
+  const double kv_full = 108 * 1280 / 1e6, kv_window = 32 * 1280 / 1e6;
+  EXPECT_NEAR(f[7] - w[7], kv_full - kv_window, 0.002) << full.out << windowed.out;
+  // The rest is the weights, ~1.0 MiB (`kvserve info`: "weights read").
+  EXPECT_NEAR(w[7] - kv_window, 1.05, 0.06) << windowed.out;
+  // decode GB/s = decode tok/s x MB per step at batch 1 (one run).
+  EXPECT_NEAR(f[8], f[4] * f[7] / 1000, 0.02 * f[8] + 0.01) << full.out;
+  // A real read measurement, not a placeholder.
+  EXPECT_GT(f[9], 0.1) << full.out;
+  EXPECT_NEAR(f[10], 100 * f[8] / f[9], 0.2 + 0.01 * f[10]) << full.out;
 }
 
 // Past --max-queued waiting requests, new ones are refused at once (429 over

@@ -1,0 +1,81 @@
+// ReadProbe and SumWords (kernels/cpu/read_probe.h).
+#include "kernels/cpu/read_probe.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "kernels/cpu/dispatch.h"
+
+namespace kvserve::kernels {
+namespace internal {
+uint64_t SumWordsAvx2(const void* p, size_t bytes);
+}  // namespace internal
+
+uint64_t SumWordsReference(const void* p, size_t bytes) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  uint64_t sum = 0;
+  for (size_t i = 0; i + 8 <= bytes; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, b + i, 8);
+    sum += w;
+  }
+  return sum;
+}
+
+uint64_t SumWords(const void* p, size_t bytes) {
+  return UseAvx2() ? internal::SumWordsAvx2(p, bytes) : SumWordsReference(p, bytes);
+}
+
+namespace {
+constexpr size_t kHuge = size_t{2} << 20;
+}  // namespace
+
+ReadProbe::ReadProbe(size_t bytes) : bytes_((std::max<size_t>(bytes, 1) + kHuge - 1) / kHuge * kHuge) {
+  data_ = std::aligned_alloc(kHuge, bytes_);
+  if (data_ == nullptr) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(data_, bytes_, MADV_HUGEPAGE);  // as the weight panels ask
+#endif
+  auto* w = static_cast<uint64_t*>(data_);
+  for (size_t i = 0; i < bytes_ / 8; ++i) w[i] = i * 0x9E3779B97F4A7C15ull;
+}
+
+ReadProbe::~ReadProbe() { std::free(data_); }
+
+double ReadProbe::PassBytesPerSecond(ThreadPool* pool) {
+  const int nt = pool == nullptr ? 1 : pool->num_threads();
+  // Shares in whole 4 KB pages; the last thread takes the rest.
+  const size_t pages = bytes_ / 4096;
+  std::vector<uint64_t> sums(nt, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto body = [&](int tid, int n) {
+    const size_t b = pages * tid / n * 4096, e = pages * (tid + 1) / n * 4096;
+    sums[tid] = SumWords(static_cast<const uint8_t*>(data_) + b, e - b);
+  };
+  if (pool == nullptr) {
+    body(0, 1);
+  } else {
+    pool->Run(body);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  uint64_t sum = 0;
+  for (uint64_t v : sums) sum += v;
+  checksum_ = sum;
+  return static_cast<double>(bytes_) / std::max(s, 1e-9);
+}
+
+double ReadProbe::BestGbps(ThreadPool* pool, int passes) {
+  double best = 0;
+  for (int i = 0; i < std::max(1, passes); ++i) best = std::max(best, PassBytesPerSecond(pool));
+  return best / 1e9;
+}
+
+}  // namespace kvserve::kernels
