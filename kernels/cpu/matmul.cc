@@ -234,6 +234,25 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
         y[t * y_stride + r] = acc;
         continue;
       }
+      if (w.type == DType::kIQ4_XS) {
+        // Per super-block: exact signed-scaled 32-value dots, then one fma.
+        for (int64_t s = 0; s < nb / 8; ++s) {
+          const auto* blk = reinterpret_cast<const BlockIQ4_XS*>(row) + s;
+          int32_t sumi = 0;
+          for (int j = 0; j < 8; ++j) {
+            const int8_t* x = xq + (8 * s + j) * kQK;
+            int32_t isum = 0;
+            for (int l = 0; l < kQK / 2; ++l) {
+              const uint8_t q = blk->qs[16 * j + l];
+              isum += kIq4nlValues[q & 0x0F] * x[l] + kIq4nlValues[q >> 4] * x[l + kQK / 2];
+            }
+            sumi += (IQ4XSScale(*blk, j) - 32) * isum;
+          }
+          acc = std::fma(static_cast<float>(sumi), Scale16(blk->d) * xds[2 * 8 * s], acc);
+        }
+        y[t * y_stride + r] = acc;
+        continue;
+      }
       if (w.type == DType::kQ4_K || w.type == DType::kQ5_K) {
         // Per super-block: exact scaled dots and mins, then two fmas.
         const bool five = w.type == DType::kQ5_K;
@@ -289,6 +308,24 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
             isum += (lo - 16) * x[j] + (hi - 16) * x[j + kQK / 2];
           }
           d = Scale16(blk->d);
+        } else if (w.type == DType::kQ5_1) {
+          const auto* blk = reinterpret_cast<const BlockQ5_1*>(row) + b;
+          uint32_t qh;
+          std::memcpy(&qh, blk->qh, sizeof(qh));
+          for (int j = 0; j < kQK / 2; ++j) {
+            const int lo = (blk->qs[j] & 0x0F) | static_cast<int>(((qh >> j) & 1u) << 4);
+            const int hi = (blk->qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+            isum += lo * x[j] + hi * x[j + kQK / 2];
+          }
+          d = Scale16(blk->d);
+          m = Scale16(blk->m);
+        } else if (w.type == DType::kIQ4_NL) {
+          const auto* blk = reinterpret_cast<const BlockIQ4_NL*>(row) + b;
+          for (int j = 0; j < kQK / 2; ++j) {
+            isum += kIq4nlValues[blk->qs[j] & 0x0F] * x[j] +
+                    kIq4nlValues[blk->qs[j] >> 4] * x[j + kQK / 2];
+          }
+          d = Scale16(blk->d);
         } else {
           const uint8_t* qs;
           if (w.type == DType::kQ4_0) {
@@ -307,7 +344,7 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
           }
         }
         acc = std::fma(static_cast<float>(isum), d * xds[2 * b], acc);
-        if (w.type == DType::kQ4_1) acc = std::fma(m, xds[2 * b + 1], acc);
+        if (PanelHasMin(w.type)) acc = std::fma(m, xds[2 * b + 1], acc);
       }
       y[t * y_stride + r] = acc;
     }
@@ -475,6 +512,37 @@ std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w, PanelArena* are
   return p;
 }
 
+// IQ4_XS panels (matmul_panels.h): per super-block, 8 sub-blocks of
+// nibbles as Q4_0's layout, their int8 scales ls - 32, then d.
+std::shared_ptr<const PackedWeight> PackIq4Xs(const WeightView& w, PanelArena* arena) {
+  constexpr int64_t kP = internal::kPanelRows;
+  std::shared_ptr<PackedWeight> p =
+      AllocatePanels(w, 256, 8, (8 * 256 + 8 * 16 + 2 * kP + 63) / 64 * 64, arena);  // 2,240
+  if (p == nullptr) return nullptr;
+  const int64_t n_super = w.cols / kQK_K;
+  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
+    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
+    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
+      const auto* blocks = reinterpret_cast<const BlockIQ4_XS*>(
+          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols));
+      for (int64_t s = 0; s < n_super; ++s) {
+        const BlockIQ4_XS& blk = blocks[s];
+        uint8_t* sb = panel + s * p->block_bytes;
+        for (int j = 0; j < 8; ++j) {
+          // Sub-block j: qs[16 j + l] holds elements l (low) and l + 16.
+          const uint8_t* q = blk.qs + 16 * j;
+          uint8_t* qs = sb + j * 256;
+          for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = q[e];
+          sb[8 * 256 + j * 16 + n] =
+              static_cast<uint8_t>(static_cast<int8_t>(internal::IQ4XSScale(blk, j) - 32));
+        }
+        reinterpret_cast<uint16_t*>(sb + 8 * 256 + 8 * 16)[n] = blk.d;
+      }
+    }
+  }
+  return p;
+}
+
 }  // namespace
 
 std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* arena) {
@@ -485,10 +553,11 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* 
   if (w.type == DType::kQ4_K) return PackQ4KOrQ5K<BlockQ4_K>(w, arena);
   if (w.type == DType::kQ5_K) return PackQ4KOrQ5K<BlockQ5_K>(w, arena);
   if (w.type == DType::kQ6_K) return PackQ6K(w, arena);
+  if (w.type == DType::kIQ4_XS) return PackIq4Xs(w, arena);
   constexpr int64_t kP = internal::kPanelRows;
-  const int64_t qs_bytes =
-      w.type == DType::kQ8_0 ? 8 * 64 : (w.type == DType::kQ5_0 ? 5 * 64 : 4 * 64);
-  const int64_t scale_bytes = (w.type == DType::kQ4_1 ? 2 : 1) * kP * 2;
+  const bool five = w.type == DType::kQ5_0 || w.type == DType::kQ5_1;
+  const int64_t qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : (five ? 5 * 64 : 4 * 64);
+  const int64_t scale_bytes = (internal::PanelHasMin(w.type) ? 2 : 1) * kP * 2;
   std::shared_ptr<PackedWeight> p =
       AllocatePanels(w, qs_bytes, 1, (qs_bytes + scale_bytes + 63) / 64 * 64, arena);
   if (p == nullptr) return nullptr;
@@ -514,10 +583,22 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* 
           std::memcpy(&qh, blk.qh, sizeof(qh));
           SetFifthBitMasks(qs + 256, n, [&](int e) { return qh >> e; });
           d[n] = blk.d;
+        } else if (w.type == DType::kQ5_1) {
+          const BlockQ5_1& blk = RowBlocks<BlockQ5_1>(w, r)[b];
+          for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = blk.qs[e];
+          uint32_t qh;
+          std::memcpy(&qh, blk.qh, sizeof(qh));
+          SetFifthBitMasks(qs + 256, n, [&](int e) { return qh >> e; });
+          d[n] = blk.d;
+          m[n] = blk.m;
         } else {
           const uint8_t* src;
           if (w.type == DType::kQ4_0) {
             const BlockQ4_0& blk = RowBlocks<BlockQ4_0>(w, r)[b];
+            src = blk.qs;
+            d[n] = blk.d;
+          } else if (w.type == DType::kIQ4_NL) {
+            const BlockIQ4_NL& blk = RowBlocks<BlockIQ4_NL>(w, r)[b];
             src = blk.qs;
             d[n] = blk.d;
           } else {

@@ -94,8 +94,8 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
             lo = PanelQ6Value(lo, w, p, b, j);
             hi = PanelQ6Value(hi, w, p, b, j + 4);
           } else {
-            lo = PanelAddHighBits<kType>(lo, w, p, b, j);
-            hi = PanelAddHighBits<kType>(hi, w, p, b, j + 4);
+            lo = PanelMapValues<kType>(PanelAddHighBits<kType>(lo, w, p, b, j));
+            hi = PanelMapValues<kType>(PanelAddHighBits<kType>(hi, w, p, b, j + 4));
           }
           _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * j, lo);
           _mm512_storeu_si512(unpacked.data() + b * 512 + 64 * (j + 4), hi);
@@ -131,6 +131,24 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
               acc[t] = PanelQ4KSuperEpilogue(acc[t], ksumi[t], w, p, s,
                                              a.bsums + (t0 + t) * nb * 2 + 16 * s,
                                              xds[t * 2 * nb + 2 * 8 * s]);
+            }
+          }
+          return;
+        }
+        if constexpr (kType == DType::kIQ4_XS) {
+          if (b % 8 == 0) {
+            for (int t = 0; t < 16; ++t) ksumi[t] = _mm512_setzero_si512();
+          }
+          for (int t = 0; t < nt; ++t) {
+            const int16_t* xbs = a.bsums + (t0 + t) * nb * 2;
+            const int32_t xs = int32_t{xbs[2 * b]} + int32_t{xbs[2 * b + 1]};
+            ksumi[t] = _mm512_add_epi32(
+                ksumi[t], PanelIq4XsSubBlock(_mm512_load_si512(isums[t]), w, p, b, xs));
+          }
+          if (b % 8 == 7) {
+            for (int t = 0; t < nt; ++t) {
+              acc[t] = PanelIq4XsSuperEpilogue(acc[t], ksumi[t], w, p, b / 8,
+                                               xds[t * 2 * nb + 2 * 8 * (b / 8)]);
             }
           }
           return;
@@ -221,6 +239,12 @@ void AmxPanelsDispatch(const PackedWeight& w, const QuantizedActs& a, int64_t n_
       return AmxPanels<Tiles, DType::kQ4_1>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ5_0:
       return AmxPanels<Tiles, DType::kQ5_0>(w, a, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ5_1:
+      return AmxPanels<Tiles, DType::kQ5_1>(w, a, n_tokens, r0, r1, y, y_stride);
+    case DType::kIQ4_NL:
+      return AmxPanels<Tiles, DType::kIQ4_NL>(w, a, n_tokens, r0, r1, y, y_stride);
+    case DType::kIQ4_XS:
+      return AmxPanels<Tiles, DType::kIQ4_XS>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_K:
       return AmxPanels<Tiles, DType::kQ4_K>(w, a, n_tokens, r0, r1, y, y_stride);
     case DType::kQ5_K:

@@ -85,7 +85,7 @@ constexpr bool IsQuantized(DType t) {
   return t != DType::kF32 && t != DType::kF16 && t != DType::kBF16;
 }
 // The types with their own row kernels (matmul_avx2/avx512) besides the
-// 16-row panels; PackWeight also packs Q5_0 (CanPackPanels).
+// 16-row panels; PackWeight also packs most extended types (CanPackPanels).
 constexpr bool IsPanelType(DType t) {
   return t == DType::kQ8_0 || t == DType::kQ4_0 || t == DType::kQ4_1;
 }
@@ -99,9 +99,12 @@ constexpr bool IsExtendedType(DType t) { return IsQuantized(t) && !IsPanelType(t
 // Q4_K's 32-value sub-blocks are Q4_1 blocks with a scale d * sc and a
 // min -dmin * m, so its panels are Q4_1's with those computed per block.
 // Q6_K's 16-value sub-blocks are signed 6-bit integers with an int8 scale.
+// Q5_1 is Q5_0's bits with Q4_1's scale and min; IQ4_NL is Q4_0's nibbles
+// mapped through its 16-entry table (one byte shuffle); IQ4_XS is IQ4_NL's
+// values in Q4_K's super-blocks, a signed scale per 32 values.
 constexpr bool CanPackPanels(DType t) {
-  return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ4_K || t == DType::kQ5_K ||
-         t == DType::kQ6_K;
+  return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ5_1 || t == DType::kIQ4_NL ||
+         t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kIQ4_XS;
 }
 // The 6-bit value q (0..63; the weight is d * sc[e / 16] * (q - 32)) of
 // element e (0..255) of a Q6_K super-block, as ggml lays them out.

@@ -32,6 +32,12 @@
 // and 5 of group g's bytes); then the 16 scales (int8) of its 16-value
 // sub-blocks for the 16 rows, and d as 16 fp16: 3,392 bytes per 16 rows x
 // 256 values (Q6_K itself: 3,360).
+// Q5_1: Q5_0's nibbles and masks, then d and m as Q4_1's (384 bytes).
+// IQ4_NL: Q4_0's layout (the nibbles are table indices; the kernels map
+// them through kIq4nlValues + 128, one byte shuffle, to unsigned bytes).
+// IQ4_XS: per super-block, 8 sub-blocks of IQ4_NL nibbles (256 bytes each),
+// then per sub-block its 16 rows' scales ls - 32 as int8 (8 x 16), then d as
+// 16 fp16: 2,240 bytes per 16 rows x 256 values (IQ4_XS itself: 2,176).
 //
 // Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
 //   Q8_0, Q4_0, Q5_0: isum = sum over the block of w * x with the signed
@@ -46,6 +52,12 @@
 //     m_j * (bsum_2j + bsum_2j+1), both exact int32; then
 //     acc = fma(float(sumi), d * d_a, acc);
 //     acc = fma(float(summ), (-dmin) * d_a, acc);
+//   Q5_1: as Q4_1 with q = 0..31 (the fifth bit added);
+//   IQ4_NL: as Q8_0 with the table's value as the signed weight (offset 128);
+//   IQ4_XS, on Q8_K activations: sumi = sum over the 8 sub-blocks j of
+//     (ls_j - 32) * (sum of v * x over j), v the table's values, exact int32
+//     (formed from the offset-128 bytes as isum_u - 128 * (bsum_2j +
+//     bsum_2j+1)); acc = fma(float(sumi), d * d_a, acc);
 //   Q6_K, on Q8_K activations: sumi = sum over the 16 sub-blocks k of
 //     sc_k * (isum_k - 32 * bsum_k) (isum_k: q * x over its 16 values, q =
 //     0..63), exact int32; acc = fma(float(sumi), d * d_a, acc);
@@ -104,9 +116,19 @@ struct PackedWeight {
   const uint16_t* D(int64_t p, int64_t b) const {
     return reinterpret_cast<const uint16_t*>(Qs(p, b) + qs_bytes);
   }
-  // Q4_1 only.
+  // IQ4_XS only: the 16 rows' int8 scales (ls - 32) of sub-block b, and
+  // the super-block's 16 d (fp16).
+  const int8_t* XsScales(int64_t p, int64_t b) const {
+    return reinterpret_cast<const int8_t*>(Panel(p) + b / 8 * block_bytes + 8 * qs_bytes +
+                                           b % 8 * 16);
+  }
+  const uint16_t* XsD(int64_t p, int64_t b) const {
+    return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * qs_bytes +
+                                             8 * 16);
+  }
+  // Q4_1 and Q5_1.
   const uint16_t* M(int64_t p, int64_t b) const { return D(p, b) + 16; }
-  // Q5_0 and Q5_K: the fifth-bit mask of group g (0..7) of block b.
+  // Q5_0, Q5_1 and Q5_K: the fifth-bit mask of group g (0..7) of block b.
   uint64_t HighBits(int64_t p, int64_t b, int g) const {
     uint64_t m;
     std::memcpy(&m, Qs(p, b) + 256 + 8 * g, sizeof(m));
@@ -122,8 +144,12 @@ constexpr int kPanelRows = 16;
 // formed from unsigned ones); Q4_1 and Q4_K take s_a instead, and Q4_K's
 // activations (Q8_K) carry no integer sums.
 constexpr bool PanelUsesSum(DType t) {
-  return t != DType::kQ4_1 && t != DType::kQ4_K && t != DType::kQ5_K;
+  return t != DType::kQ4_1 && t != DType::kQ5_1 && !UsesQ8K(t);
 }
+// Q4_1 and Q5_1: the block epilogue adds m_w * s_a.
+constexpr bool PanelHasMin(DType t) { return t == DType::kQ4_1 || t == DType::kQ5_1; }
+// IQ4_NL and IQ4_XS: the nibbles index kIq4nlValues.
+constexpr bool PanelIq4(DType t) { return t == DType::kIQ4_NL || t == DType::kIQ4_XS; }
 
 // Rows [r0, r1) of y for all n_tokens tokens from a packed weight. The
 // VNNI kernel serves any n_tokens; the AMX kernels are meant for many
@@ -156,11 +182,13 @@ namespace {  // internal linkage: each ISA's translation unit keeps its own copy
 template <DType kType>
 inline __m512 PanelBlockEpilogue(__m512 acc, __m512i isum_u, __m512 dw, __m512 mw, float da,
                                  float sa, int32_t xsum) {
-  if constexpr (kType == DType::kQ4_1) {
+  if constexpr (PanelHasMin(kType)) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_u), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
     return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
   } else {
-    constexpr int32_t kOffset = kType == DType::kQ8_0 ? 128 : (kType == DType::kQ5_0 ? 16 : 8);
+    constexpr int32_t kOffset = (kType == DType::kQ8_0 || kType == DType::kIQ4_NL)
+                                    ? 128
+                                    : (kType == DType::kQ5_0 ? 16 : 8);
     const __m512i isum = _mm512_sub_epi32(isum_u, _mm512_set1_epi32(kOffset * xsum));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
   }
@@ -170,7 +198,7 @@ inline __m512 PanelBlockEpilogue(__m512 acc, __m512i isum_u, __m512 dw, __m512 m
 template <DType kType>
 inline void PanelScales(const PackedWeight& w, int64_t p, int64_t b, __m512* dw, __m512* mw) {
   *dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.D(p, b))));
-  if constexpr (kType == DType::kQ4_1) {
+  if constexpr (PanelHasMin(kType)) {
     *mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.M(p, b))));
   } else {
     *mw = _mm512_setzero_ps();
@@ -181,12 +209,52 @@ inline void PanelScales(const PackedWeight& w, int64_t p, int64_t b, __m512* dw,
 // fifth bits added as 16s; other types: v.
 template <DType kType>
 inline __m512i PanelAddHighBits(__m512i v, const PackedWeight& w, int64_t p, int64_t b, int g) {
-  if constexpr (kType == DType::kQ5_0 || kType == DType::kQ5_K) {
+  if constexpr (kType == DType::kQ5_0 || kType == DType::kQ5_1 || kType == DType::kQ5_K) {
     const __mmask64 hb = _cvtu64_mask64(w.HighBits(p, b, g));
     return _mm512_or_si512(v, _mm512_maskz_mov_epi8(hb, _mm512_set1_epi8(0x10)));
   } else {
     return v;
   }
+}
+
+// IQ4_NL / IQ4_XS: nibbles (one per byte) -> kIq4nlValues + 128, unsigned;
+// other types: v.
+struct Iq4UnsignedTable {
+  alignas(16) uint8_t v[16];
+};
+constexpr Iq4UnsignedTable MakeIq4UnsignedTable() {
+  Iq4UnsignedTable t{};
+  for (int i = 0; i < 16; ++i) t.v[i] = static_cast<uint8_t>(kIq4nlValues[i] + 128);
+  return t;
+}
+inline constexpr Iq4UnsignedTable kIq4Unsigned = MakeIq4UnsignedTable();
+
+template <DType kType>
+inline __m512i PanelMapValues(__m512i v) {
+  if constexpr (PanelIq4(kType)) {
+    const __m512i table =
+        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Unsigned.v)));
+    return _mm512_shuffle_epi8(table, v);
+  } else {
+    return v;
+  }
+}
+
+// IQ4_XS: the int32 contribution of sub-block b, (ls - 32) * (isum_u - 128 *
+// xs) with xs the activations' sum over it, for 16 row-lanes.
+inline __m512i PanelIq4XsSubBlock(__m512i isum_u, const PackedWeight& w, int64_t p, int64_t b,
+                                  int32_t xs) {
+  const __m512i sc =
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.XsScales(p, b))));
+  return _mm512_mullo_epi32(_mm512_sub_epi32(isum_u, _mm512_set1_epi32(128 * xs)), sc);
+}
+
+// IQ4_XS: the super-block's float step for 16 row-lanes of one token.
+inline __m512 PanelIq4XsSuperEpilogue(__m512 acc, __m512i sumi, const PackedWeight& w, int64_t p,
+                                      int64_t s, float da) {
+  const __m512 d =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.XsD(p, 8 * s))));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, _mm512_set1_ps(da)), acc);
 }
 
 // Q4_K: the 16 rows' 6-bit scales (mins when `mins`) of sub-block b.

@@ -86,9 +86,10 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
 #pragma GCC unroll 16
         for (int p = 0; p < P; ++p) {
           const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * j);
-          lo[p] = PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p0 + p, b, j);
-          hi[p] = PanelAddHighBits<kType>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w,
-                                          p0 + p, b, j + 4);
+          lo[p] = PanelMapValues<kType>(
+              PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p0 + p, b, j));
+          hi[p] = PanelMapValues<kType>(PanelAddHighBits<kType>(
+              _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w, p0 + p, b, j + 4));
         }
 #pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
@@ -127,7 +128,9 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
 
 // Q4_K panels (matmul_panels.h): per super-block, each sub-block's exact
 // dot times its scale summed as integers (sumi, in registers), then
-// PanelQ4KSuperEpilogue adds the mins and the two float steps.
+// PanelQ4KSuperEpilogue adds the mins and the two float steps. Q5_K adds
+// fifth bits; IQ4_XS maps its nibbles through the table and scales each
+// sub-block's offset-corrected dot by its signed scale (no mins).
 template <DType kType, int P, int T>
 void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
                   int64_t r0, int64_t r1, float* y, int64_t y_stride) {
@@ -170,9 +173,10 @@ void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
 #pragma GCC unroll 16
         for (int p = 0; p < P; ++p) {
           const __m512i v = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * g);
-          lo[p] = PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p0 + p, b, g);
-          hi[p] = PanelAddHighBits<kType>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w,
-                                          p0 + p, b, g + 4);
+          lo[p] = PanelMapValues<kType>(
+              PanelAddHighBits<kType>(_mm512_and_si512(v, low4), w, p0 + p, b, g));
+          hi[p] = PanelMapValues<kType>(PanelAddHighBits<kType>(
+              _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), w, p0 + p, b, g + 4));
         }
 #pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
@@ -187,10 +191,19 @@ void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
       }
 #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
-        const __m512i sc = PanelKScales(w, p0 + p, b, false);
+        if constexpr (kType == DType::kIQ4_XS) {
 #pragma GCC unroll 16
-        for (int t = 0; t < T; ++t) {
-          sumi[p][t] = _mm512_add_epi32(sumi[p][t], _mm512_mullo_epi32(isum[p][t], sc));
+          for (int t = 0; t < T; ++t) {
+            const int32_t xs = int32_t{xbs[t][2 * b]} + int32_t{xbs[t][2 * b + 1]};
+            sumi[p][t] =
+                _mm512_add_epi32(sumi[p][t], PanelIq4XsSubBlock(isum[p][t], w, p0 + p, b, xs));
+          }
+        } else {
+          const __m512i sc = PanelKScales(w, p0 + p, b, false);
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            sumi[p][t] = _mm512_add_epi32(sumi[p][t], _mm512_mullo_epi32(isum[p][t], sc));
+          }
         }
       }
     }
@@ -198,8 +211,13 @@ void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
     for (int p = 0; p < P; ++p) {
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
-        acc[p][t] = PanelQ4KSuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s, xbs[t] + 16 * s,
-                                          xds[t][2 * 8 * s]);
+        if constexpr (kType == DType::kIQ4_XS) {
+          acc[p][t] =
+              PanelIq4XsSuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s, xds[t][2 * 8 * s]);
+        } else {
+          acc[p][t] = PanelQ4KSuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s,
+                                            xbs[t] + 16 * s, xds[t][2 * 8 * s]);
+        }
       }
     }
   }
@@ -361,7 +379,7 @@ template <DType kType, int P, int T>
 void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedActs& a, int64_t t0,
                int64_t r0, int64_t r1, float* y, int64_t y_stride) {
   int64_t p = pb;
-  if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K) {
+  if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K || kType == DType::kIQ4_XS) {
     for (; p + P <= pe; p += P) PanelTileQ4K<kType, P, T>(w, p, a, t0, r0, r1, y, y_stride);
     for (; p < pe; ++p) PanelTileQ4K<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
   } else if constexpr (kType == DType::kQ6_K) {
@@ -427,6 +445,12 @@ void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t 
       return PanelsForType<DType::kQ4_1>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ5_0:
       return PanelsForType<DType::kQ5_0>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ5_1:
+      return PanelsForType<DType::kQ5_1>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kIQ4_NL:
+      return PanelsForType<DType::kIQ4_NL>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kIQ4_XS:
+      return PanelsForType<DType::kIQ4_XS>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_K:
       return PanelsForType<DType::kQ4_K>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ5_K:
