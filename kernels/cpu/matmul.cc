@@ -234,6 +234,29 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
         y[t * y_stride + r] = acc;
         continue;
       }
+      if (w.type == DType::kQ2_K || w.type == DType::kQ3_K) {
+        // Per super-block: exact scaled 16-value dots (and Q2_K's mins),
+        // then one fma each.
+        const int16_t* xbs = acts.bsums + t * nb * 2;
+        const int64_t sb_bytes = RowBytes(w.type, kQK_K);
+        KSuperBlockInts k;
+        for (int64_t s = 0; s < nb / 8; ++s) {
+          DecodeKSuperBlock(w.type, row + s * sb_bytes, &k);
+          int32_t sumi = 0;
+          int32_t summ = 0;
+          for (int i = 0; i < 16; ++i) {
+            int32_t isum = 0;
+            for (int l = 0; l < 16; ++l) isum += k.q[16 * i + l] * xq[s * kQK_K + 16 * i + l];
+            sumi += k.sc[i] * isum;
+            summ += k.mn[i] * xbs[16 * s + i];
+          }
+          const float da = xds[2 * 8 * s];
+          acc = std::fma(static_cast<float>(sumi), k.d * da, acc);
+          if (w.type == DType::kQ2_K) acc = std::fma(static_cast<float>(summ), -k.dmin * da, acc);
+        }
+        y[t * y_stride + r] = acc;
+        continue;
+      }
       if (w.type == DType::kIQ4_XS) {
         // Per super-block: exact signed-scaled 32-value dots, then one fma.
         for (int64_t s = 0; s < nb / 8; ++s) {
@@ -543,6 +566,64 @@ std::shared_ptr<const PackedWeight> PackIq4Xs(const WeightView& w, PanelArena* a
   return p;
 }
 
+// Q2_K and Q3_K panels (matmul_panels.h): per super-block, 8 blocks of two
+// 2-bit planes (Q3_K: and the third bits as Q5_0's masks), the 16 int8
+// scales, (Q2_K) the 16 mins, then d and dmin. The integer values come from
+// DecodeKSuperBlock, the plain-loop decoder the references use.
+std::shared_ptr<const PackedWeight> PackK16(const WeightView& w, PanelArena* arena) {
+  constexpr int64_t kP = internal::kPanelRows;
+  const bool q3 = w.type == DType::kQ3_K;
+  const int64_t qsb = q3 ? 192 : 128;
+  // Q2_K 1,600, Q3_K 1,856: multiples of 64.
+  std::shared_ptr<PackedWeight> p =
+      AllocatePanels(w, qsb, 8, 8 * qsb + 256 + (q3 ? 0 : 256) + 2 * kP * 2, arena);
+  if (p == nullptr) return nullptr;
+  const int64_t n_super = w.cols / kQK_K;
+  const int64_t sb_bytes = RowBytes(w.type, kQK_K);
+  internal::KSuperBlockInts k;
+  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
+    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
+    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
+      const uint8_t* row =
+          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols);
+      for (int64_t s = 0; s < n_super; ++s) {
+        internal::DecodeKSuperBlock(w.type, row + s * sb_bytes, &k);
+        uint8_t* sb = panel + s * p->block_bytes;
+        for (int j = 0; j < 8; ++j) {
+          uint8_t* qs = sb + j * qsb;
+          // Unsigned values: Q2_K's q, Q3_K's q + 4 (its third bit apart).
+          auto u = [&](int e) { return k.q[32 * j + e] + (q3 ? 4 : 0); };
+          for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 4; ++i) {
+              uint8_t bits = 0;
+              for (int g = 0; g < 4; ++g) bits |= static_cast<uint8_t>((u(16 * h + 4 * g + i) & 3) << (2 * g));
+              qs[64 * h + 4 * n + i] = bits;
+            }
+          }
+          if (q3) SetFifthBitMasks(qs + 128, n, [&](int e) { return u(e) >> 2; });
+        }
+        for (int i = 0; i < 16; ++i) {
+          sb[8 * qsb + i * 16 + n] = static_cast<uint8_t>(static_cast<int8_t>(k.sc[i]));
+          if (!q3) sb[8 * qsb + 256 + i * 16 + n] = static_cast<uint8_t>(k.mn[i]);
+        }
+        auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * qsb + 256 + (q3 ? 0 : 256));
+        uint16_t d;
+        uint16_t dmin = 0;
+        if (q3) {
+          std::memcpy(&d, &reinterpret_cast<const BlockQ3_K*>(row + s * sb_bytes)->d, 2);
+        } else {
+          const auto* blk = reinterpret_cast<const BlockQ2_K*>(row + s * sb_bytes);
+          std::memcpy(&d, &blk->d, 2);
+          std::memcpy(&dmin, &blk->dmin, 2);
+        }
+        dd[n] = d;
+        dd[kP + n] = dmin;
+      }
+    }
+  }
+  return p;
+}
+
 }  // namespace
 
 std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* arena) {
@@ -554,6 +635,7 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* 
   if (w.type == DType::kQ5_K) return PackQ4KOrQ5K<BlockQ5_K>(w, arena);
   if (w.type == DType::kQ6_K) return PackQ6K(w, arena);
   if (w.type == DType::kIQ4_XS) return PackIq4Xs(w, arena);
+  if (w.type == DType::kQ2_K || w.type == DType::kQ3_K) return PackK16(w, arena);
   constexpr int64_t kP = internal::kPanelRows;
   const bool five = w.type == DType::kQ5_0 || w.type == DType::kQ5_1;
   const int64_t qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : (five ? 5 * 64 : 4 * 64);
@@ -931,11 +1013,12 @@ void MatMulMany(const WeightView* ws, int n_weights, const float* x, int64_t n_t
       if (vnni && ws[i].packed != nullptr) {
         const PackedWeight& pw = *ws[i].packed;
         const QuantizedActs& pa = internal::UsesQ8K(pw.type) ? acts_k : acts;
-        // Q6_K's scales are per 16 values, finer than a tile's 32-value
-        // sums: the VNNI kernel serves it at every batch size.
-        if (amx == AmxKernel::kHardware && pw.type != DType::kQ6_K) {
+        // Q2_K, Q3_K and Q6_K scale per 16 values, finer than a tile's
+        // 32-value sums: the VNNI kernel serves them at every batch size.
+        const bool per16 = internal::PanelScalesPer16(pw.type);
+        if (amx == AmxKernel::kHardware && !per16) {
           internal::MatMulPanelsAmx(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);
-        } else if (amx == AmxKernel::kEmulated && pw.type != DType::kQ6_K) {
+        } else if (amx == AmxKernel::kEmulated && !per16) {
           internal::MatMulPanelsAmxEmulated(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);
         } else {
           internal::MatMulPanelsVnni(pw, pa, n_tokens, lo, hi, ys[i], y_strides[i]);

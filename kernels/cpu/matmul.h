@@ -33,9 +33,8 @@ struct WeightView {
 };
 
 // Repacks a weight into 16-row panels when the AVX-512 VNNI kernels will
-// run (UseAvx512Vnni()): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K,
-// Q6_K and IQ4_XS (internal::CanPackPanels); null for other types (Q2_K,
-// Q3_K, the float types) or CPUs. Every matmul through a packed view
+// run (UseAvx512Vnni()): every quantized type (internal::CanPackPanels);
+// null for the float types or other CPUs. Every matmul through a packed view
 // computes each output with one expression (matmul_panels.h; for the
 // 32-value formats, per block: the exact int32 dot, then
 // acc = fma(float(isum), d_w * d_a, acc); acc = fma(m_w, s_a, acc), blocks in

@@ -252,7 +252,9 @@ void AmxPanelsDispatch(const PackedWeight& w, const QuantizedActs& a, int64_t n_
     case DType::kQ6_K:
       return AmxPanels<Tiles, DType::kQ6_K>(w, a, n_tokens, r0, r1, y, y_stride);
     default:
-      return;
+      // Q2_K, Q3_K: 16-value scales and 2-3 bit planes, no tile layout; the
+      // VNNI kernel computes the same expression.
+      return MatMulPanelsVnni(w, a, n_tokens, r0, r1, y, y_stride);
   }
 }
 

@@ -101,10 +101,19 @@ constexpr bool IsExtendedType(DType t) { return IsQuantized(t) && !IsPanelType(t
 // Q6_K's 16-value sub-blocks are signed 6-bit integers with an int8 scale.
 // Q5_1 is Q5_0's bits with Q4_1's scale and min; IQ4_NL is Q4_0's nibbles
 // mapped through its 16-entry table (one byte shuffle); IQ4_XS is IQ4_NL's
-// values in Q4_K's super-blocks, a signed scale per 32 values.
+// values in Q4_K's super-blocks, a signed scale per 32 values. Q2_K and
+// Q3_K are Q6_K's 16-value sub-blocks with 2- and 3-bit values (Q2_K: and a
+// min per sub-block, as Q4_K's per 32).
 constexpr bool CanPackPanels(DType t) {
   return IsPanelType(t) || t == DType::kQ5_0 || t == DType::kQ5_1 || t == DType::kIQ4_NL ||
-         t == DType::kQ4_K || t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kIQ4_XS;
+         t == DType::kQ2_K || t == DType::kQ3_K || t == DType::kQ4_K || t == DType::kQ5_K ||
+         t == DType::kQ6_K || t == DType::kIQ4_XS;
+}
+// The packed types whose scales come per 16 values, finer than an AMX
+// tile's 32-value sums: the VNNI panel kernel serves them at every batch
+// size (the AMX entry points hand them to it).
+constexpr bool PanelScalesPer16(DType t) {
+  return t == DType::kQ2_K || t == DType::kQ3_K || t == DType::kQ6_K;
 }
 // The 6-bit value q (0..63; the weight is d * sc[e / 16] * (q - 32)) of
 // element e (0..255) of a Q6_K super-block, as ggml lays them out.

@@ -38,6 +38,15 @@
 // IQ4_XS: per super-block, 8 sub-blocks of IQ4_NL nibbles (256 bytes each),
 // then per sub-block its 16 rows' scales ls - 32 as int8 (8 x 16), then d as
 // 16 fp16: 2,240 bytes per 16 rows x 256 values (IQ4_XS itself: 2,176).
+// Q2_K and Q3_K: per super-block, 8 blocks of 32 values, each two 64-byte
+// planes of 2-bit values -- plane h's byte (4n + i) holds element 16h + 4g
+// + i of row n at bits 2g, 2g + 1 (g = 0..3; one shift and one mask give
+// group g's bytes) -- and (Q3_K) 8 masks of the third bit as Q5_0's fifth
+// bits; then the 16 rows' scales of the 16 sub-blocks of 16 values as int8
+// (16 x 16), (Q2_K) their mins as bytes (16 x 16), then d and dmin as 16
+// fp16 each: Q2_K 1,600 bytes per 16 rows x 256 values (Q2_K itself: 1,344),
+// Q3_K 1,856 (1,760). The weights are unsigned: Q2_K's q (0..3), Q3_K's q +
+// 4 (0..7).
 //
 // Expression. For row r, token t, blocks b = 0..nb-1 in order, from acc = +0:
 //   Q8_0, Q4_0, Q5_0: isum = sum over the block of w * x with the signed
@@ -58,6 +67,11 @@
 //     (ls_j - 32) * (sum of v * x over j), v the table's values, exact int32
 //     (formed from the offset-128 bytes as isum_u - 128 * (bsum_2j +
 //     bsum_2j+1)); acc = fma(float(sumi), d * d_a, acc);
+//   Q2_K and Q3_K, on Q8_K activations: sumi = sum over the 16 sub-blocks k
+//     of sc_k * (isum_k - o * bsum_k) (isum_k: the unsigned values times x,
+//     o = 0 for Q2_K, 4 for Q3_K), summ = sum of m_k * bsum_k (Q2_K), exact
+//     int32; acc = fma(float(sumi), d * d_a, acc); (Q2_K)
+//     acc = fma(float(summ), (-dmin) * d_a, acc);
 //   Q6_K, on Q8_K activations: sumi = sum over the 16 sub-blocks k of
 //     sc_k * (isum_k - 32 * bsum_k) (isum_k: q * x over its 16 values, q =
 //     0..63), exact int32; acc = fma(float(sumi), d * d_a, acc);
@@ -125,6 +139,25 @@ struct PackedWeight {
   const uint16_t* XsD(int64_t p, int64_t b) const {
     return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * qs_bytes +
                                              8 * 16);
+  }
+  // Q2_K and Q3_K only: the third-bit mask of group g (0..7) of block b
+  // (Q3_K); the 16 rows' int8 scales and (Q2_K) byte mins of the 16-value
+  // sub-block `half` of block b; the super-block's 16 d then 16 dmin (fp16).
+  uint64_t K16HighBits(int64_t p, int64_t b, int g) const {
+    uint64_t m;
+    std::memcpy(&m, Qs(p, b) + 128 + 8 * g, sizeof(m));
+    return m;
+  }
+  const int8_t* K16Scales(int64_t p, int64_t b, int half) const {
+    return reinterpret_cast<const int8_t*>(Panel(p) + b / 8 * block_bytes + 8 * qs_bytes +
+                                           (2 * (b % 8) + half) * 16);
+  }
+  const uint8_t* K16Mins(int64_t p, int64_t b, int half) const {
+    return Panel(p) + b / 8 * block_bytes + 8 * qs_bytes + 256 + (2 * (b % 8) + half) * 16;
+  }
+  const uint16_t* K16D(int64_t p, int64_t b) const {
+    return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * qs_bytes + 256 +
+                                             (type == DType::kQ2_K ? 256 : 0));
   }
   // Q4_1 and Q5_1.
   const uint16_t* M(int64_t p, int64_t b) const { return D(p, b) + 16; }
@@ -324,6 +357,58 @@ inline __m512 PanelQ6SuperEpilogue(__m512 acc, __m512i sumi, const PackedWeight&
   const __m512 d = _mm512_cvtph_ps(
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.Q6D(p, 8 * s))));
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, _mm512_set1_ps(da)), acc);
+}
+
+// Q2_K / Q3_K: the unsigned values of group g (0..3) of half `half` of
+// block b, from that half's 2-bit plane (Q3_K: with the third bit added as
+// 4).
+template <DType kType>
+inline __m512i PanelK16Value(__m512i plane, const PackedWeight& w, int64_t p, int64_t b,
+                             int half, int g) {
+  const __m512i q = _mm512_and_si512(_mm512_srli_epi16(plane, 2 * g), _mm512_set1_epi8(0x03));
+  if constexpr (kType == DType::kQ3_K) {
+    const __mmask64 hb = _cvtu64_mask64(w.K16HighBits(p, b, 4 * half + g));
+    return _mm512_or_si512(q, _mm512_maskz_mov_epi8(hb, _mm512_set1_epi8(0x04)));
+  } else {
+    return q;
+  }
+}
+
+// Q2_K / Q3_K: one 16-value sub-block's int32 terms for 16 row-lanes:
+// sumi += sc * (isum_u - o * bsum), and (Q2_K) summ += m * bsum.
+template <DType kType>
+inline void PanelK16SubBlock(__m512i* sumi, __m512i* summ, __m512i isum_u, const PackedWeight& w,
+                             int64_t p, int64_t b, int half, int32_t bsum) {
+  const __m512i sc = _mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.K16Scales(p, b, half))));
+  if constexpr (kType == DType::kQ3_K) {
+    *sumi = _mm512_add_epi32(
+        *sumi, _mm512_mullo_epi32(_mm512_sub_epi32(isum_u, _mm512_set1_epi32(4 * bsum)), sc));
+  } else {
+    *sumi = _mm512_add_epi32(*sumi, _mm512_mullo_epi32(isum_u, sc));
+    const __m512i mn = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.K16Mins(p, b, half))));
+    *summ = _mm512_add_epi32(*summ, _mm512_mullo_epi32(mn, _mm512_set1_epi32(bsum)));
+  }
+}
+
+// Q2_K / Q3_K: the super-block's float steps for 16 row-lanes of one token.
+template <DType kType>
+inline __m512 PanelK16SuperEpilogue(__m512 acc, __m512i sumi, __m512i summ,
+                                    const PackedWeight& w, int64_t p, int64_t s, float da) {
+  const uint16_t* dd = w.K16D(p, 8 * s);
+  const __m512 vda = _mm512_set1_ps(da);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd)));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, vda), acc);
+  if constexpr (kType == DType::kQ2_K) {
+    const __m512 dmin =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + 16)));
+    const __m512 neg_dmin =  // exact negation
+        _mm512_castsi512_ps(
+            _mm512_xor_si512(_mm512_castps_si512(dmin), _mm512_set1_epi32(INT32_MIN)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(neg_dmin, vda), acc);
+  }
+  return acc;
 }
 
 // Lanes of panel p that fall in [r0, r1).

@@ -375,6 +375,94 @@ void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
   }
 }
 
+// Q2_K and Q3_K panels (matmul_panels.h): per 16-value sub-block (a half of
+// a 32-value block, one 2-bit plane), the exact unsigned dot, corrected by
+// the offset, scaled and summed as int32 over the super-block (Q2_K: its
+// mins against the activations' sums beside it); then the float steps.
+template <DType kType, int P, int T>
+void PanelTileK16(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
+                  int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+  const int64_t nb = w.n_blocks;
+  __m512 acc[P][T];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
+  }
+  const int8_t* xq[T];
+  const float* xds[T];
+  const int16_t* xbs[T];
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) {
+    xq[t] = a.qs + (t0 + t) * nb * kQK;
+    xds[t] = a.ds + (t0 + t) * 2 * nb;
+    xbs[t] = a.bsums + (t0 + t) * nb * 2;
+  }
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    __m512i sumi[P][T];
+    __m512i summ[P][T];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t) {
+        sumi[p][t] = _mm512_setzero_si512();
+        summ[p][t] = _mm512_setzero_si512();
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m512i isum[P][T];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) isum[p][t] = _mm512_setzero_si512();
+        }
+        __m512i plane[P];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) plane[p] = _mm512_load_si512(w.Qs(p0 + p, b) + 64 * half);
+#pragma GCC unroll 16
+        for (int g = 0; g < 4; ++g) {
+          __m512i q[P];
+#pragma GCC unroll 16
+          for (int p = 0; p < P; ++p) q[p] = PanelK16Value<kType>(plane[p], w, p0 + p, b, half, g);
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            const __m512i xv = Bcast32(xq[t] + b * kQK + 16 * half + 4 * g);
+#pragma GCC unroll 16
+            for (int p = 0; p < P; ++p) isum[p][t] = _mm512_dpbusd_epi32(isum[p][t], q[p], xv);
+          }
+        }
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int t = 0; t < T; ++t) {
+            PanelK16SubBlock<kType>(&sumi[p][t], &summ[p][t], isum[p][t], w, p0 + p, b, half,
+                                    xbs[t][2 * b + half]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t) {
+        acc[p][t] = PanelK16SuperEpilogue<kType>(acc[p][t], sumi[p][t], summ[p][t], w, p0 + p, s,
+                                                 xds[t][2 * 8 * s]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
+    }
+  }
+}
+
 template <DType kType, int P, int T>
 void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedActs& a, int64_t t0,
                int64_t r0, int64_t r1, float* y, int64_t y_stride) {
@@ -382,6 +470,9 @@ void RunPanels(const PackedWeight& w, int64_t pb, int64_t pe, const QuantizedAct
   if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K || kType == DType::kIQ4_XS) {
     for (; p + P <= pe; p += P) PanelTileQ4K<kType, P, T>(w, p, a, t0, r0, r1, y, y_stride);
     for (; p < pe; ++p) PanelTileQ4K<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
+  } else if constexpr (kType == DType::kQ2_K || kType == DType::kQ3_K) {
+    for (; p + P <= pe; p += P) PanelTileK16<kType, P, T>(w, p, a, t0, r0, r1, y, y_stride);
+    for (; p < pe; ++p) PanelTileK16<kType, 1, T>(w, p, a, t0, r0, r1, y, y_stride);
   } else if constexpr (kType == DType::kQ6_K) {
     for (; p + P <= pe; p += P) PanelTileQ6K<P, T>(w, p, a, t0, r0, r1, y, y_stride);
     for (; p < pe; ++p) PanelTileQ6K<1, T>(w, p, a, t0, r0, r1, y, y_stride);
@@ -451,6 +542,10 @@ void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t 
       return PanelsForType<DType::kIQ4_NL>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kIQ4_XS:
       return PanelsForType<DType::kIQ4_XS>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ2_K:
+      return PanelsForType<DType::kQ2_K>(w, acts, n_tokens, r0, r1, y, y_stride);
+    case DType::kQ3_K:
+      return PanelsForType<DType::kQ3_K>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ4_K:
       return PanelsForType<DType::kQ4_K>(w, acts, n_tokens, r0, r1, y, y_stride);
     case DType::kQ5_K:

@@ -77,6 +77,28 @@ std::vector<uint8_t> Quantize(DType type, const std::vector<float>& w, int64_t r
     }
     return out;
   }
+  if (type == DType::kQ2_K || type == DType::kQ3_K) {
+    // Random Q2_K / Q3_K blocks: every bit pattern of values, high bits,
+    // scales and mins is valid; d (and dmin) drawn from w.
+    std::mt19937 rng(static_cast<uint32_t>(w.size()) + 5);
+    for (int64_t i = 0; i < rows * cols / kQK_K; ++i) {
+      const float d = std::fabs(w[i]) * 0.002f + 2e-4f;
+      if (type == DType::kQ2_K) {
+        auto& b = reinterpret_cast<BlockQ2_K*>(out.data())[i];
+        b.d = Fp32ToFp16(d * 5);
+        b.dmin = Fp32ToFp16(d * 2);
+        for (auto& q : b.scales) q = static_cast<uint8_t>(rng());
+        for (auto& q : b.qs) q = static_cast<uint8_t>(rng());
+      } else {
+        auto& b = reinterpret_cast<BlockQ3_K*>(out.data())[i];
+        b.d = Fp32ToFp16(d);
+        for (auto& q : b.hmask) q = static_cast<uint8_t>(rng());
+        for (auto& q : b.qs) q = static_cast<uint8_t>(rng());
+        for (auto& q : b.scales) q = static_cast<uint8_t>(rng());
+      }
+    }
+    return out;
+  }
   if (type == DType::kIQ4_XS) {
     // Random IQ4_XS blocks: every bit pattern of indices and 6-bit scales is
     // valid; d drawn from w.
@@ -286,6 +308,8 @@ std::vector<PanelParam> PanelParams() {
       p.emplace_back(DType::kQ6_K, rows, cols, n_tokens);
       p.emplace_back(DType::kQ5_K, rows, cols, n_tokens);
       p.emplace_back(DType::kIQ4_XS, rows, cols, n_tokens);
+      p.emplace_back(DType::kQ2_K, rows, cols, n_tokens);
+      p.emplace_back(DType::kQ3_K, rows, cols, n_tokens);
     }
   }
   return p;
