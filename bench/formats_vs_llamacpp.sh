@@ -8,9 +8,10 @@
 # forward streams -- a tied output head is read once per token as the head,
 # its embedding lookup is one row -- plus the K/V the step attends to) times
 # steps per second, over the read bandwidth kernels::ReadProbe measures on
-# the same threads right after each run (median of the runs' ratios). The
-# bandwidth of a shared machine moves between ~25 and ~60 GB/s from one
-# minute to the next, so a fixed figure cannot judge a run.
+# the same threads right after each run (median of the runs' ratios). A
+# fixed figure cannot judge a run: on the 2-vCPU development VM a 2-thread
+# read gives ~33 GB/s on 4 KB pages, ~60 on huge pages, and no more than one
+# thread's ~30 when the scheduler stacks both threads on one CPU.
 #
 # Nothing of llama.cpp or of the models is part of this repository: point
 # LLAMA_BIN at a llama.cpp build (llama-bench, llama-batched-bench) and

@@ -4,8 +4,11 @@
 // weight panels ask for them too, kernels::PackWeight). `kvserve probe
 // --cpu` prints it and `kvserve bench --bandwidth` measures it right after
 // each decode run, so "decode reads N% of what this machine can read" is a
-// ratio taken minutes -- not days -- apart: on a shared VM the figure moves
-// between 25 and 60 GB/s from one minute to the next.
+// ratio of two figures taken seconds apart, under the same page size and
+// thread placement. Both matter: on the 2-vCPU development VM a 2-thread
+// read of 1 GiB gives ~33 GB/s on 4 KB pages and ~60 GB/s on huge pages,
+// one thread ~30, and two threads the scheduler stacks on one CPU no more
+// than one (the 28.8 GB/s once quoted for this machine was such a figure).
 //
 // Thread-safety: a ReadProbe is used by one caller at a time; Pass() runs
 // on the pool it is given.

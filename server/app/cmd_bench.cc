@@ -12,8 +12,9 @@
 // as the head, plus every sequence's K and V over its attended context,
 // windows included) times steps per second, against the machine's read
 // bandwidth measured right after each run by kernels::ReadProbe on the same
-// threads. The ratio is taken per run and the median run is shown, since a
-// shared machine's bandwidth moves from one minute to the next.
+// threads. The ratio is taken per run and the median run is shown: a
+// shared machine's bandwidth moves with its neighbours, and the threads'
+// placement moves both figures (kernels/cpu/read_probe.h).
 //
 // Thread-safety: runs on the main thread; the engine is stepped here.
 #include <algorithm>
