@@ -1,7 +1,13 @@
 #include "common/thread_pool.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -39,6 +45,35 @@ inline void SpinWait(int iteration) {
   }
 }
 
+// The CPUs the calling thread may run on, in increasing order (empty where
+// this cannot be asked).
+std::vector<int> AllowedCpus() {
+  std::vector<int> cpus;
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+#endif
+  return cpus;
+}
+
+// Pins `t` to `cpu`; false if refused (e.g. a cgroup's cpuset changed).
+bool PinThread(std::thread& t, int cpu) {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return pthread_setaffinity_np(t.native_handle(), sizeof(set), &set) == 0;
+#else
+  (void)t;
+  (void)cpu;
+  return false;
+#endif
+}
+
 std::unique_ptr<ThreadPool>& GlobalSlot() {
   static std::unique_ptr<ThreadPool> pool;
   return pool;
@@ -55,11 +90,23 @@ bool& ThreadPool::in_task() {
   return flag;
 }
 
-ThreadPool::ThreadPool(int n_threads) {
+ThreadPool::ThreadPool(int n_threads, bool pin_workers) {
   if (n_threads <= 0) n_threads = static_cast<int>(std::thread::hardware_concurrency());
   if (n_threads <= 0) n_threads = 1;
   n_threads_ = n_threads;
-  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  worker_cpus_.assign(n_threads_, -1);
+  // Pinned only when the pool takes exactly the CPUs the process may use
+  // (-t equal to the CPU count, or a cpuset / taskset of -t CPUs). A pool on
+  // a subset would pin to the first CPUs of the mask, where a second process
+  // doing the same (two daemons on one host, P/D on one box) would stack its
+  // workers on ours; more threads than CPUs cannot spread at all.
+  const std::vector<int> cpus =
+      pin_workers && n_threads_ > 1 ? AllowedCpus() : std::vector<int>();
+  const bool pin = static_cast<int>(cpus.size()) == n_threads_;
+  for (int i = 1; i < n_threads_; ++i) {
+    workers_.emplace_back([this, i] { WorkerLoop(i); });
+    if (pin && PinThread(workers_.back(), cpus[i])) worker_cpus_[i] = cpus[i];
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -124,7 +171,8 @@ ThreadPool& ThreadPool::Global() {
     if (n <= 0) {
       if (const char* env = std::getenv("KVSERVE_THREADS")) n = std::atoi(env);
     }
-    slot = std::make_unique<ThreadPool>(n);
+    const char* pin = std::getenv("KVSERVE_PIN_THREADS");
+    slot = std::make_unique<ThreadPool>(n, pin == nullptr || std::strcmp(pin, "0") != 0);
   });
   return *slot;
 }

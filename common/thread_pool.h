@@ -3,6 +3,15 @@
 // briefly on an atomic generation counter before sleeping, and the calling
 // thread takes a share of the work itself.
 //
+// Workers are pinned, one CPU each, when the process may run on exactly as
+// many CPUs as the pool has threads (worker i on the i-th allowed CPU, the
+// caller left free to take the 0th): unpinned, the scheduler was seen to
+// stack a spinning worker on the caller's CPU for milliseconds at a time (a
+// 2-vCPU VM: 59% of one-token matmul regions began with both threads on one
+// CPU, the worker ~40 us late on a 20 us region, ~2 ms late on the 5 ms
+// output head), and since a region waits for its slowest thread, decode ran
+// up to 2x slower. KVSERVE_PIN_THREADS=0 turns pinning off for Global().
+//
 // Thread-safety: Run/ParallelFor may be called from one thread at a time (the
 // engine thread). Nested calls from inside a task run inline.
 #pragma once
@@ -20,12 +29,17 @@ class ThreadPool {
  public:
   // n_threads counts the caller: n_threads == 1 runs everything inline.
   // n_threads <= 0 picks the number of hardware threads.
-  explicit ThreadPool(int n_threads = 0);
+  // pin_workers: pin each worker to its own CPU where the allowed CPUs are
+  // allowed (see above); otherwise workers float.
+  explicit ThreadPool(int n_threads = 0, bool pin_workers = true);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int num_threads() const { return n_threads_; }
+  // The CPU worker `tid` (1..num_threads()-1) is pinned to, or -1 if it
+  // floats (pinning off, too few CPUs allowed, or the pin refused).
+  int worker_cpu(int tid) const { return worker_cpus_[tid]; }
 
   // Calls fn(thread_index, num_threads) once on each of num_threads threads
   // and returns when all have finished.
@@ -69,6 +83,7 @@ class ThreadPool {
   static bool& in_task();
 
   int n_threads_;
+  std::vector<int> worker_cpus_;  // by tid; [0] (the caller) always -1
   std::vector<std::thread> workers_;
   TaskFn task_ = nullptr;
   void* task_ctx_ = nullptr;

@@ -405,12 +405,13 @@ void AdviseHugePages(void* data, size_t bytes) {
 }
 
 // An empty (zeroed, 64-byte aligned) panel copy of w: ceil(rows / 16)
-// panels of n_blocks / group_blocks stored blocks of block_bytes each, a
-// stored block holding group_blocks 32-value blocks of qs_bytes. Null if
-// the memory is not there.
+// panels of ceil(n_blocks / group_blocks) stored blocks of block_bytes each,
+// a stored block holding group_blocks 32-value blocks of qs_bytes, qs_stride
+// apart (default qs_bytes). Null if the memory is not there.
 std::shared_ptr<PackedWeight> AllocatePanels(const WeightView& w, int64_t qs_bytes,
                                              int64_t group_blocks, int64_t block_bytes,
-                                             PanelArena* arena) {
+                                             PanelArena* arena, int64_t scale_bytes = 32,
+                                             int64_t qs_stride = 0) {
   auto p = std::make_shared<PackedWeight>();
   p->type = w.type;
   p->rows = w.rows;
@@ -420,7 +421,9 @@ std::shared_ptr<PackedWeight> AllocatePanels(const WeightView& w, int64_t qs_byt
   p->qs_bytes = qs_bytes;
   p->group_blocks = group_blocks;
   p->block_bytes = block_bytes;
-  p->panel_bytes = p->n_blocks / group_blocks * block_bytes;
+  p->scale_bytes = scale_bytes;
+  p->qs_stride = qs_stride > 0 ? qs_stride : qs_bytes;
+  p->panel_bytes = (p->n_blocks + group_blocks - 1) / group_blocks * block_bytes;
   const size_t total = static_cast<size_t>(p->n_panels * p->panel_bytes);
   if (arena != nullptr) {
     p->storage = {arena->Allocate(total, &p->arena_chunk), [](void*) {}};
@@ -639,18 +642,22 @@ std::shared_ptr<const PackedWeight> PackWeight(const WeightView& w, PanelArena* 
   constexpr int64_t kP = internal::kPanelRows;
   const bool five = w.type == DType::kQ5_0 || w.type == DType::kQ5_1;
   const int64_t qs_bytes = w.type == DType::kQ8_0 ? 8 * 64 : (five ? 5 * 64 : 4 * 64);
+  // Q4_1 and Q5_1: one block (qs, d, m) is 320 / 384 bytes; the others
+  // (IQ4_NL with Q4_0) in pairs (matmul_panels.h: qs, both d, qs), 64-byte
+  // multiples with no padding.
   const int64_t scale_bytes = (internal::PanelHasMin(w.type) ? 2 : 1) * kP * 2;
+  const int64_t group = internal::PanelHasMin(w.type) ? 1 : 2;
   std::shared_ptr<PackedWeight> p =
-      AllocatePanels(w, qs_bytes, 1, (qs_bytes + scale_bytes + 63) / 64 * 64, arena);
+      AllocatePanels(w, qs_bytes, group, group * (qs_bytes + scale_bytes), arena, scale_bytes,
+                     qs_bytes + group * scale_bytes);
   if (p == nullptr) return nullptr;
   const int64_t nb = p->n_blocks;
   for (int64_t pi = 0; pi < p->n_panels; ++pi) {
-    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
     for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
       const int64_t r = pi * kP + n;
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* qs = panel + b * p->block_bytes;
-        auto* d = reinterpret_cast<uint16_t*>(qs + p->qs_bytes);
+        uint8_t* qs = const_cast<uint8_t*>(p->Qs(pi, b));
+        auto* d = const_cast<uint16_t*>(p->D(pi, b));
         uint16_t* m = d + kP;
         if (w.type == DType::kQ8_0) {
           const BlockQ8_0& blk = RowBlocks<BlockQ8_0>(w, r)[b];

@@ -78,12 +78,8 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
   const int64_t pe = (r1 + kPanelRows - 1) / kPanelRows;
   for (int64_t p = pb; p < pe; ++p) {
     // B tile of block b: packed Q8_0 bytes in place, else the unpacked copy.
-    const uint8_t* bsrc;
-    int64_t bstride;
-    if constexpr (kType == DType::kQ8_0) {
-      bsrc = w.Qs(p, 0);
-      bstride = w.block_bytes;
-    } else {
+    const uint8_t* bsrc = nullptr;
+    if constexpr (kType != DType::kQ8_0) {
       const __m512i low4 = _mm512_set1_epi8(0x0F);
       for (int64_t b = 0; b < nb; ++b) {
         for (int j = 0; j < 4; ++j) {
@@ -102,8 +98,14 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
         }
       }
       bsrc = unpacked.data();
-      bstride = 512;
     }
+    auto bsrc_of = [&](int64_t b) -> const uint8_t* {
+      if constexpr (kType == DType::kQ8_0) {
+        return w.Qs(p, b);
+      } else {
+        return bsrc + b * 512;
+      }
+    };
     const __mmask16 mask = PanelRowMask(p, r0, r1);
     for (int64_t c = 0; c < full_chunks + (tail > 0 ? 1 : 0); ++c) {
       const int64_t t0 = c * 16;
@@ -159,7 +161,7 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
           if (b % 8 == 0) {
             for (int t = 0; t < 16; ++t) ksumi[t] = _mm512_setzero_si512();
           }
-          const uint8_t* wb = bsrc + b * bstride;
+          const uint8_t* wb = bsrc_of(b);
           for (int t = 0; t < nt; ++t) {
             const int8_t* x = (c < full_chunks ? a.qs + (t0 + t) * act_stride
                                                : pad.data() + t * act_stride) +
@@ -199,11 +201,11 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
       int64_t b = 0;
       for (; b + 2 <= nb; b += 2) {
         Tiles::template LoadA<0>(arows + b * kQK, act_stride);
-        Tiles::template LoadB<0>(bsrc + b * bstride, 64);
+        Tiles::template LoadB<0>(bsrc_of(b), 64);
         Tiles::template ZeroC<0>();
         Tiles::template DotC<0>();
         Tiles::template LoadA<1>(arows + (b + 1) * kQK, act_stride);
-        Tiles::template LoadB<1>(bsrc + (b + 1) * bstride, 64);
+        Tiles::template LoadB<1>(bsrc_of(b + 1), 64);
         Tiles::template ZeroC<1>();
         Tiles::template DotC<1>();
         Tiles::template StoreC<0>(cbuf[0], 64);
@@ -213,7 +215,7 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
       }
       if (b < nb) {
         Tiles::template LoadA<0>(arows + b * kQK, act_stride);
-        Tiles::template LoadB<0>(bsrc + b * bstride, 64);
+        Tiles::template LoadB<0>(bsrc_of(b), 64);
         Tiles::template ZeroC<0>();
         Tiles::template DotC<0>();
         Tiles::template StoreC<0>(cbuf[0], 64);

@@ -15,9 +15,17 @@
 //   Q5_0: the Q4 nibbles of its low 4 bits, then its fifth bits as 8 masks
 //     of 64 bits, mask g's bit 4n + i the fifth bit of element 4g + i of
 //     row n (one kmov + masked move per group puts 16 at those bytes).
-// Each block's weights are followed by its d as 16 fp16 and (Q4_1) m likewise,
-// padded to 64 bytes (Q8_0 576, Q4_0 320, Q4_1 320, Q5_0 384 bytes per
-// block), so a panel is one linear stream, as a one-token product reads it.
+// Q4_1's block is followed by its d then m as 16 fp16 each (320 bytes a
+// block). Q8_0, Q4_0 and Q5_0 store blocks in pairs: the first block's
+// weights, the first's d and the second's as 16 fp16 each (one 64-byte
+// line), then the second block's weights. A pair is a whole number of
+// 64-byte lines with no padding (1,088, 576 and 704 bytes: GGUF's own 34,
+// 18 and 22 bytes a row-block, where one padded block each was 5.9%, 11%
+// and 9% larger -- bytes a one-token product had to stream), and a block's
+// d follows its weights, so a panel is still read front to back in one
+// linear stream (the d line after the pair, where the kernel jumped ahead
+// for the first d and back, measured slower). An odd last block leaves its
+// pair's second half zero.
 // Q4_K: a group of its 8 sub-blocks (one 256-value super-block) is 8 x 256
 // bytes of nibbles laid out as Q4_0's (each sub-block's element e and e + 16
 // share a byte), then per sub-block its 16 rows' 6-bit scales and mins as
@@ -95,9 +103,11 @@ struct PackedWeight {
   int64_t n_blocks = 0;     // cols / 32
   int64_t n_panels = 0;     // ceil(rows / 16)
   int64_t qs_bytes = 0;     // per block per panel: 512 (Q8_0), 256 (Q4), 320 (Q5_0)
-  int64_t block_bytes = 0;  // qs, d, m (Q4_1), padded to 64 (Q4_K: a super-block)
-  int64_t panel_bytes = 0;  // n_blocks * block_bytes (Q4_K: n_blocks / 8 * ...)
-  int64_t group_blocks = 1;  // 32-value blocks per stored block (Q4_K: 8)
+  int64_t block_bytes = 0;  // a stored block: its blocks' qs, then d (and m) (Q4_K: a super-block)
+  int64_t panel_bytes = 0;  // ceil(n_blocks / group_blocks) * block_bytes
+  int64_t group_blocks = 1;  // 32-value blocks per stored block (Q8_0/Q4_0/Q5_0: 2, Q4_K: 8)
+  int64_t scale_bytes = 32;  // per 32-value block: d (Q4_1: d, m)
+  int64_t qs_stride = 0;     // from one block's qs to the next's in a stored block
   std::unique_ptr<uint8_t, void (*)(void*)> storage{nullptr, nullptr};
   // The PanelArena chunk that storage was cut from (storage then frees
   // nothing itself); null for a weight allocated on its own.
@@ -105,7 +115,7 @@ struct PackedWeight {
 
   const uint8_t* Panel(int64_t p) const { return storage.get() + p * panel_bytes; }
   const uint8_t* Qs(int64_t p, int64_t b) const {
-    return Panel(p) + b / group_blocks * block_bytes + b % group_blocks * qs_bytes;
+    return Panel(p) + b / group_blocks * block_bytes + b % group_blocks * qs_stride;
   }
   // Q4_K only: the 16 scales then 16 mins (bytes) of sub-block b, and the
   // super-block's 16 d then 16 dmin (fp16).
@@ -127,8 +137,10 @@ struct PackedWeight {
   const uint16_t* Q6D(int64_t p, int64_t b) const {
     return reinterpret_cast<const uint16_t*>(Panel(p) + b / 8 * block_bytes + 8 * 384 + 256);
   }
+  // Q8_0, Q4_0, Q4_1, Q5_0: the 16 rows' d of block b (fp16).
   const uint16_t* D(int64_t p, int64_t b) const {
-    return reinterpret_cast<const uint16_t*>(Qs(p, b) + qs_bytes);
+    return reinterpret_cast<const uint16_t*>(Panel(p) + b / group_blocks * block_bytes +
+                                             qs_bytes + b % group_blocks * scale_bytes);
   }
   // IQ4_XS only: the 16 rows' int8 scales (ls - 32) of sub-block b, and
   // the super-block's 16 d (fp16).

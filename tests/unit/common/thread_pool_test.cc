@@ -1,5 +1,6 @@
 #include "common/thread_pool.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -7,6 +8,10 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 namespace kvserve {
 namespace {
@@ -144,6 +149,68 @@ TEST(ThreadPoolSingleTest, DefaultSizeIsPositive) {
   ThreadPool pool;
   EXPECT_GE(pool.num_threads(), 1);
 }
+
+#if defined(__linux__)
+// The CPUs the calling thread may run on, in increasing order.
+std::vector<int> ThisThreadCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+// Each worker of a pool as large as the allowed CPUs is pinned to its own
+// one (worker i to the i-th allowed CPU), as its own affinity mask says from
+// inside a task; with pinning off, fewer threads than CPUs (a second process
+// would pin to the same ones) or more, workers keep the caller's mask.
+TEST(ThreadPoolPinningTest, WorkersPinnedToDistinctCpusWhenThePoolTakesThemAll) {
+  const std::vector<int> allowed = ThisThreadCpus();
+  if (allowed.size() < 2) GTEST_SKIP() << "needs 2 CPUs, the process may use " << allowed.size();
+  if (allowed.size() > 256) GTEST_SKIP() << "a pool of " << allowed.size() << " threads";
+  const int n = static_cast<int>(allowed.size());
+  auto masks_of = [](ThreadPool& pool) {
+    std::vector<std::vector<int>> masks(pool.num_threads());
+    pool.Run([&](int tid, int) { masks[tid] = ThisThreadCpus(); });
+    return masks;
+  };
+  {
+    ThreadPool pool(n);
+    const auto masks = masks_of(pool);
+    EXPECT_EQ(pool.worker_cpu(0), -1);
+    EXPECT_EQ(masks[0], allowed);  // the caller is never pinned
+    for (int tid = 1; tid < n; ++tid) {
+      EXPECT_EQ(pool.worker_cpu(tid), allowed[tid]) << "worker " << tid;
+      EXPECT_EQ(masks[tid], std::vector<int>{allowed[tid]}) << "worker " << tid;
+    }
+  }
+  {
+    ThreadPool pool(n, /*pin_workers=*/false);
+    const auto masks = masks_of(pool);
+    for (int tid = 1; tid < n; ++tid) {
+      EXPECT_EQ(pool.worker_cpu(tid), -1);
+      EXPECT_EQ(masks[tid], allowed) << "worker " << tid;
+    }
+  }
+  if (allowed.size() >= 3) {
+    ThreadPool pool(2);
+    const auto masks = masks_of(pool);
+    EXPECT_EQ(pool.worker_cpu(1), -1);
+    EXPECT_EQ(masks[1], allowed);
+  }
+  {
+    ThreadPool pool(static_cast<int>(allowed.size()) + 1);
+    const auto masks = masks_of(pool);
+    for (int tid = 1; tid < pool.num_threads(); ++tid) {
+      EXPECT_EQ(pool.worker_cpu(tid), -1);
+      EXPECT_EQ(masks[tid], allowed) << "worker " << tid;
+    }
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace kvserve

@@ -454,13 +454,22 @@ TEST(PackWeightTest, PacksOnlyQuantizedTypesAndReportsItsBytes) {
   EXPECT_EQ(PackWeight(WeightView{DType::kF16, f16.data(), 17, 64}), nullptr);
   const Case c(DType::kQ4_0, 17, 64, 1, 3);
   ASSERT_NE(c.packed, nullptr);
-  // Two panels (17 rows), two blocks each: 256 bytes of nibbles + 32 of d,
-  // padded to 320.
-  EXPECT_EQ(PackedBytes(*c.packed), 2 * 2 * 320);
-  // Q5_0: the nibbles, 64 bytes of fifth bits and 32 of d, padded to 384.
+  // Two panels (17 rows), one pair of blocks each: 2 x 256 bytes of
+  // nibbles, then 2 x 32 of d -- GGUF's 18 bytes a row-block, no padding.
+  EXPECT_EQ(PackedBytes(*c.packed), 2 * 576);
+  // Q5_0: per block the nibbles and 64 bytes of fifth bits, then the pair's
+  // d (22 bytes a row-block).
   const Case c5(DType::kQ5_0, 17, 64, 1, 3);
   ASSERT_NE(c5.packed, nullptr);
-  EXPECT_EQ(PackedBytes(*c5.packed), 2 * 2 * 384);
+  EXPECT_EQ(PackedBytes(*c5.packed), 2 * 704);
+  // Q8_0 with 3 blocks a row: a full pair and a half-empty one per panel.
+  const Case c8(DType::kQ8_0, 17, 96, 1, 3);
+  ASSERT_NE(c8.packed, nullptr);
+  EXPECT_EQ(PackedBytes(*c8.packed), 2 * 2 * 1088);
+  // Q4_1: single blocks of nibbles, d and m (320 bytes, no padding).
+  const Case c41(DType::kQ4_1, 17, 64, 1, 3);
+  ASSERT_NE(c41.packed, nullptr);
+  EXPECT_EQ(PackedBytes(*c41.packed), 2 * 2 * 320);
   // Q4_K: per super-block 8 x 256 bytes of nibbles, 8 x 32 of scales and
   // mins, 64 of d and dmin.
   const Case ck(DType::kQ4_K, 17, 512, 1, 3);
