@@ -9,9 +9,9 @@
 # its embedding lookup is one row -- plus the K/V the step attends to) times
 # steps per second, over the read bandwidth kernels::ReadProbe measures on
 # the same threads right after each run (median of the runs' ratios). A
-# fixed figure cannot judge a run: on the 2-vCPU development VM a 2-thread
-# read gives ~33 GB/s on 4 KB pages, ~60 on huge pages, and no more than one
-# thread's ~30 when the scheduler stacks both threads on one CPU.
+# fixed figure cannot judge a run: on the 2-vCPU development VM (a shared
+# host) a 2-thread huge-page read gives ~60 GB/s in some minutes and ~35 in
+# others (kernels/cpu/read_probe.h).
 #
 # Nothing of llama.cpp or of the models is part of this repository: point
 # LLAMA_BIN at a llama.cpp build (llama-bench, llama-batched-bench) and

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -70,6 +71,37 @@ double ReadProbe::PassBytesPerSecond(ThreadPool* pool) {
   for (uint64_t v : sums) sum += v;
   checksum_ = sum;
   return static_cast<double>(bytes_) / std::max(s, 1e-9);
+}
+
+double ReadProbe::HugePageShare() const {
+#if defined(__linux__)
+  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (f == nullptr) return -1;
+  const auto begin = reinterpret_cast<uintptr_t>(data_);
+  char line[512];
+  bool inside = false;
+  double huge_kb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long lo = 0, hi = 0;
+    // A mapping's header line: "lo-hi perms offset dev inode [path]".
+    if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && std::strchr(line, ':') != nullptr &&
+        std::strncmp(line, "AnonHugePages", 13) != 0) {
+      if (inside) break;
+      inside = lo <= begin && begin < hi;
+      continue;
+    }
+    unsigned long kb = 0;
+    if (inside && std::sscanf(line, "AnonHugePages: %lu kB", &kb) == 1) {
+      huge_kb = static_cast<double>(kb);
+      break;
+    }
+  }
+  std::fclose(f);
+  if (huge_kb < 0) return -1;
+  return std::min(1.0, huge_kb * 1024.0 / static_cast<double>(bytes_));
+#else
+  return -1;
+#endif
 }
 
 double ReadProbe::BestGbps(ThreadPool* pool, int passes) {

@@ -4,11 +4,11 @@
 // weight panels ask for them too, kernels::PackWeight). `kvserve probe
 // --cpu` prints it and `kvserve bench --bandwidth` measures it right after
 // each decode run, so "decode reads N% of what this machine can read" is a
-// ratio of two figures taken seconds apart, under the same page size and
-// thread placement. Both matter: on the 2-vCPU development VM a 2-thread
-// read of 1 GiB gives ~33 GB/s on 4 KB pages and ~60 GB/s on huge pages,
-// one thread ~30, and two threads the scheduler stacks on one CPU no more
-// than one (the 28.8 GB/s once quoted for this machine was such a figure).
+// ratio of two figures taken seconds apart, on the same threads and page
+// size. On the 2-vCPU development VM (a shared host) a 2-thread read of
+// 512 MiB-1 GiB on huge pages (100% granted, workers pinned) gives ~60 GB/s
+// in some minutes and ~35 in others, ~33 on 4 KB pages, ~30 on one thread:
+// the 28.8 GB/s once quoted for this machine was one of the low figures.
 //
 // Thread-safety: a ReadProbe is used by one caller at a time; Pass() runs
 // on the pool it is given.
@@ -48,6 +48,11 @@ class ReadProbe {
   // Best of `passes` passes, in GB/s (1e9 bytes).
   double BestGbps(ThreadPool* pool, int passes);
   uint64_t checksum() const { return checksum_; }
+  // Share (0-1) of the buffer the kernel backs with transparent huge pages
+  // now (the AnonHugePages of its mapping in /proc/self/smaps); -1 where
+  // that cannot be read. A 2-thread read here moves from ~33 to ~60 GB/s
+  // with it, so a figure is only read together with this share.
+  double HugePageShare() const;
   // The buffer's contents, for tests: word i holds i * 0x9E3779B97F4A7C15.
   const void* data() const { return data_; }
 

@@ -13,14 +13,14 @@
 // windows included) times steps per second, against the machine's read
 // bandwidth measured right after each run by kernels::ReadProbe on the same
 // threads. The ratio is taken per run and the median run is shown: a
-// shared machine's bandwidth moves with its neighbours, and the threads'
-// placement moves both figures (kernels/cpu/read_probe.h).
+// shared host's bandwidth moves between minutes (kernels/cpu/read_probe.h).
 //
 // Thread-safety: runs on the main thread; the engine is stepped here.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -193,6 +193,17 @@ class BenchCommand final : public Command {
       }
       std::printf("\n");
       std::fflush(stdout);
+    }
+    if (probe != nullptr) {
+      // Huge pages double a read here (read_probe.h): say whether the
+      // probe's buffer got them.
+      const double huge = probe->HugePageShare();
+      std::printf("\nread GB/s: kernels::ReadProbe over %lld MiB on %d threads, best of 3 passes "
+                  "after each run; huge pages %s\n",
+                  static_cast<long long>(probe->bytes() >> 20), pool->num_threads(),
+                  huge < 0 ? "advised (share unknown)"
+                           : (std::to_string(static_cast<int>(100 * huge + 0.5)) + "% granted")
+                                 .c_str());
     }
     return 0;
   }

@@ -49,6 +49,13 @@ TEST(ReadProbeTest, ReadsEveryByteOfItsBufferOnEveryThread) {
   }
   EXPECT_GT(probe.BestGbps(&pool, 2), 0);
   EXPECT_EQ(probe.checksum(), want);
+  // Its mapping is found in /proc/self/smaps (whether the kernel granted
+  // huge pages depends on the machine).
+  const double huge = probe.HugePageShare();
+#if defined(__linux__)
+  EXPECT_GE(huge, 0.0);
+#endif
+  EXPECT_LE(huge, 1.0);
 }
 
 }  // namespace
