@@ -55,9 +55,11 @@ json ReadJson(const std::string& path) {
 // A latency distribution as the summary reports it: `count` samples, and
 // quantiles that can only grow from p50 to max. Every request over a socket
 // takes time, so a distribution of them is positive (a zero is a clock or
-// bookkeeping bug); gaps between tokens may be zero one by one (two tokens
-// in one read) but not all of them (`all_positive` false: only the mean
-// and the maximum must be).
+// bookkeeping bug); gaps between tokens may be zero (`all_positive`
+// false): tokens that arrive in one read share a timestamp, and a short
+// reply from a fast model (stories260K, 4 tokens) can arrive whole in one
+// read, so even the largest gap may be zero (seen once in a full suite run
+// after decode got faster); they must not be negative.
 void ExpectSaneDistribution(const json& d, long count, const std::string& name,
                             bool all_positive = true) {
   SCOPED_TRACE(name);
@@ -65,15 +67,16 @@ void ExpectSaneDistribution(const json& d, long count, const std::string& name,
   if (count == 0) return;
   if (all_positive) {
     EXPECT_GT(d["p50"].get<double>(), 0);
+    EXPECT_GT(d["max"].get<double>(), 0);
+    EXPECT_GT(d["mean"].get<double>(), 0);
   } else {
     EXPECT_GE(d["p50"].get<double>(), 0);
+    EXPECT_GE(d["mean"].get<double>(), 0);
   }
-  EXPECT_GT(d["max"].get<double>(), 0);
   EXPECT_LE(d["p50"].get<double>(), d["p90"].get<double>());
   EXPECT_LE(d["p90"].get<double>(), d["p95"].get<double>());
   EXPECT_LE(d["p95"].get<double>(), d["p99"].get<double>());
   EXPECT_LE(d["p99"].get<double>(), d["max"].get<double>());
-  EXPECT_GT(d["mean"].get<double>(), 0);
   EXPECT_LE(d["mean"].get<double>(), d["max"].get<double>() * (1 + 1e-12));
 }
 
