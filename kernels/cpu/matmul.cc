@@ -374,16 +374,6 @@ void MatMulPanelsScalar(const WeightView& w, const QuantizedActs& acts, int64_t 
   }
 }
 
-}  // namespace internal
-
-namespace {
-
-template <typename Block>
-const Block* RowBlocks(const WeightView& w, int64_t r) {
-  return reinterpret_cast<const Block*>(static_cast<const uint8_t*>(w.data) +
-                                        r * RowBytes(w.type, w.cols));
-}
-
 // Asks for transparent huge pages over the 2 MB-aligned interior of a large
 // allocation (before its first touch). A batch-1 decode streams every panel
 // once per token, and a head like Gemma 3's (189 MB of panels) on 4 KB pages
@@ -402,6 +392,16 @@ void AdviseHugePages(void* data, size_t bytes) {
   (void)data;
   (void)bytes;
 #endif
+}
+
+}  // namespace internal
+
+namespace {
+
+template <typename Block>
+const Block* RowBlocks(const WeightView& w, int64_t r) {
+  return reinterpret_cast<const Block*>(static_cast<const uint8_t*>(w.data) +
+                                        r * RowBytes(w.type, w.cols));
 }
 
 // An empty (zeroed, 64-byte aligned) panel copy of w: ceil(rows / 16)
@@ -429,7 +429,7 @@ std::shared_ptr<PackedWeight> AllocatePanels(const WeightView& w, int64_t qs_byt
     p->storage = {arena->Allocate(total, &p->arena_chunk), [](void*) {}};
   } else {
     p->storage = {static_cast<uint8_t*>(std::aligned_alloc(64, total)), std::free};
-    if (p->storage) AdviseHugePages(p->storage.get(), total);
+    if (p->storage) internal::AdviseHugePages(p->storage.get(), total);
   }
   if (!p->storage) return nullptr;
   std::memset(p->storage.get(), 0, total);
@@ -452,6 +452,24 @@ void SetFifthBitMasks(uint8_t* masks, int64_t n, Bit4 bit4) {
   }
 }
 
+// Calls fn(sb, n, src) for every 256-value super-block of every row of a
+// super-block format: sb the packed super-block of the row's panel, n the
+// row's lane in it (0..15), src the row's GGUF super-block.
+template <class Fn>
+void ForEachSuperBlock(const WeightView& w, PackedWeight* p, Fn&& fn) {
+  constexpr int64_t kP = internal::kPanelRows;
+  const int64_t n_super = w.cols / kQK_K;
+  const int64_t sb_bytes = RowBytes(w.type, kQK_K);
+  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
+    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
+    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
+      const uint8_t* row =
+          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols);
+      for (int64_t s = 0; s < n_super; ++s) fn(panel + s * p->block_bytes, n, row + s * sb_bytes);
+    }
+  }
+}
+
 // Q4_K and Q5_K panels (matmul_panels.h): per super-block, the 8
 // sub-blocks' nibbles as Q4_0's layout (Q5_K: and their fifth bits as Q5_0's
 // masks), their scales and mins, then d and dmin.
@@ -463,78 +481,59 @@ std::shared_ptr<const PackedWeight> PackQ4KOrQ5K(const WeightView& w, PanelArena
   // Q4_K 2,368, Q5_K 2,880: multiples of 64.
   std::shared_ptr<PackedWeight> p = AllocatePanels(w, qsb, 8, 8 * qsb + 8 * 32 + 2 * kP * 2, arena);
   if (p == nullptr) return nullptr;
-  const int64_t n_super = w.cols / kQK_K;
-  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
-    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
-    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
-      const auto* blocks = reinterpret_cast<const Blk*>(
-          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols));
-      for (int64_t s = 0; s < n_super; ++s) {
-        const Blk& blk = blocks[s];
-        uint8_t* sb = panel + s * p->block_bytes;
-        for (int j = 0; j < 8; ++j) {
-          // Element e of sub-block j: nibble (j % 2) of qs[32 (j / 2) + e]
-          // (Q5_K: plus 16 times bit j of qh[e]).
-          const uint8_t* q = blk.qs + 32 * (j / 2);
-          auto nib = [&](int e) { return (q[e] >> (4 * (j % 2))) & 0x0F; };
-          uint8_t* qs = sb + j * qsb;
-          for (int e = 0; e < kQK / 2; ++e) {
-            qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(nib(e) | (nib(e + 16) << 4));
-          }
-          if constexpr (kFive) {
-            SetFifthBitMasks(qs + 256, n, [&](int e) { return blk.qh[e] >> j; });
-          }
-          int sc;
-          int mn;
-          internal::KQuantScaleMin(blk.scales, j, &sc, &mn);
-          sb[8 * qsb + j * 32 + n] = static_cast<uint8_t>(sc);
-          sb[8 * qsb + j * 32 + 16 + n] = static_cast<uint8_t>(mn);
-        }
-        auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * qsb + 8 * 32);
-        dd[n] = blk.d;
-        dd[kP + n] = blk.dmin;
+  ForEachSuperBlock(w, p.get(), [&](uint8_t* sb, int64_t n, const uint8_t* src) {
+    const Blk& blk = *reinterpret_cast<const Blk*>(src);
+    for (int j = 0; j < 8; ++j) {
+      // Element e of sub-block j: nibble (j % 2) of qs[32 (j / 2) + e]
+      // (Q5_K: plus 16 times bit j of qh[e]).
+      const uint8_t* q = blk.qs + 32 * (j / 2);
+      auto nib = [&](int e) { return (q[e] >> (4 * (j % 2))) & 0x0F; };
+      uint8_t* qs = sb + j * qsb;
+      for (int e = 0; e < kQK / 2; ++e) {
+        qs[(e / 4) * 64 + n * 4 + e % 4] = static_cast<uint8_t>(nib(e) | (nib(e + 16) << 4));
       }
+      if constexpr (kFive) {
+        SetFifthBitMasks(qs + 256, n, [&](int e) { return blk.qh[e] >> j; });
+      }
+      int sc;
+      int mn;
+      internal::KQuantScaleMin(blk.scales, j, &sc, &mn);
+      sb[8 * qsb + j * 32 + n] = static_cast<uint8_t>(sc);
+      sb[8 * qsb + j * 32 + 16 + n] = static_cast<uint8_t>(mn);
     }
-  }
+    auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * qsb + 8 * 32);
+    dd[n] = blk.d;
+    dd[kP + n] = blk.dmin;
+  });
   return p;
 }
 
 // Q6_K panels (matmul_panels.h): per super-block, 8 blocks of nibbles and
 // bit masks, the int8 scales, then d.
 std::shared_ptr<const PackedWeight> PackQ6K(const WeightView& w, PanelArena* arena) {
-  constexpr int64_t kP = internal::kPanelRows;
   std::shared_ptr<PackedWeight> p =
       AllocatePanels(w, 384, 8, (8 * 384 + 256 + 32 + 63) / 64 * 64, arena);  // 3,392
   if (p == nullptr) return nullptr;
-  const int64_t n_super = w.cols / kQK_K;
-  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
-    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
-    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
-      const auto* blocks = reinterpret_cast<const BlockQ6_K*>(
-          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols));
-      for (int64_t s = 0; s < n_super; ++s) {
-        const BlockQ6_K& blk = blocks[s];
-        uint8_t* sb = panel + s * p->block_bytes;
-        for (int j = 0; j < 8; ++j) {
-          uint8_t* qs = sb + j * 384;
-          auto q = [&](int e) { return internal::Q6KValue(blk, 32 * j + e); };
-          for (int e = 0; e < kQK / 2; ++e) {
-            qs[(e / 4) * 64 + n * 4 + e % 4] =
-                static_cast<uint8_t>((q(e) & 0x0F) | ((q(e + 16) & 0x0F) << 4));
-          }
-          for (int h = 0; h < 2; ++h) {
-            for (int i = 0; i < 4; ++i) {
-              uint8_t top = 0;
-              for (int g = 0; g < 4; ++g) top |= static_cast<uint8_t>((q(16 * h + 4 * g + i) >> 4) << (2 * g));
-              qs[256 + 64 * h + 4 * n + i] = top;
-            }
-          }
+  ForEachSuperBlock(w, p.get(), [&](uint8_t* sb, int64_t n, const uint8_t* src) {
+    const BlockQ6_K& blk = *reinterpret_cast<const BlockQ6_K*>(src);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t* qs = sb + j * 384;
+      auto q = [&](int e) { return internal::Q6KValue(blk, 32 * j + e); };
+      for (int e = 0; e < kQK / 2; ++e) {
+        qs[(e / 4) * 64 + n * 4 + e % 4] =
+            static_cast<uint8_t>((q(e) & 0x0F) | ((q(e + 16) & 0x0F) << 4));
+      }
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 4; ++i) {
+          uint8_t top = 0;
+          for (int g = 0; g < 4; ++g) top |= static_cast<uint8_t>((q(16 * h + 4 * g + i) >> 4) << (2 * g));
+          qs[256 + 64 * h + 4 * n + i] = top;
         }
-        for (int k = 0; k < 16; ++k) sb[8 * 384 + k * 16 + n] = static_cast<uint8_t>(blk.scales[k]);
-        reinterpret_cast<uint16_t*>(sb + 8 * 384 + 256)[n] = blk.d;
       }
     }
-  }
+    for (int k = 0; k < 16; ++k) sb[8 * 384 + k * 16 + n] = static_cast<uint8_t>(blk.scales[k]);
+    reinterpret_cast<uint16_t*>(sb + 8 * 384 + 256)[n] = blk.d;
+  });
   return p;
 }
 
@@ -545,27 +544,18 @@ std::shared_ptr<const PackedWeight> PackIq4Xs(const WeightView& w, PanelArena* a
   std::shared_ptr<PackedWeight> p =
       AllocatePanels(w, 256, 8, (8 * 256 + 8 * 16 + 2 * kP + 63) / 64 * 64, arena);  // 2,240
   if (p == nullptr) return nullptr;
-  const int64_t n_super = w.cols / kQK_K;
-  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
-    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
-    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
-      const auto* blocks = reinterpret_cast<const BlockIQ4_XS*>(
-          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols));
-      for (int64_t s = 0; s < n_super; ++s) {
-        const BlockIQ4_XS& blk = blocks[s];
-        uint8_t* sb = panel + s * p->block_bytes;
-        for (int j = 0; j < 8; ++j) {
-          // Sub-block j: qs[16 j + l] holds elements l (low) and l + 16.
-          const uint8_t* q = blk.qs + 16 * j;
-          uint8_t* qs = sb + j * 256;
-          for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = q[e];
-          sb[8 * 256 + j * 16 + n] =
-              static_cast<uint8_t>(static_cast<int8_t>(internal::IQ4XSScale(blk, j) - 32));
-        }
-        reinterpret_cast<uint16_t*>(sb + 8 * 256 + 8 * 16)[n] = blk.d;
-      }
+  ForEachSuperBlock(w, p.get(), [&](uint8_t* sb, int64_t n, const uint8_t* src) {
+    const BlockIQ4_XS& blk = *reinterpret_cast<const BlockIQ4_XS*>(src);
+    for (int j = 0; j < 8; ++j) {
+      // Sub-block j: qs[16 j + l] holds elements l (low) and l + 16.
+      const uint8_t* q = blk.qs + 16 * j;
+      uint8_t* qs = sb + j * 256;
+      for (int e = 0; e < kQK / 2; ++e) qs[(e / 4) * 64 + n * 4 + e % 4] = q[e];
+      sb[8 * 256 + j * 16 + n] =
+          static_cast<uint8_t>(static_cast<int8_t>(internal::IQ4XSScale(blk, j) - 32));
     }
-  }
+    reinterpret_cast<uint16_t*>(sb + 8 * 256 + 8 * 16)[n] = blk.d;
+  });
   return p;
 }
 
@@ -581,49 +571,35 @@ std::shared_ptr<const PackedWeight> PackK16(const WeightView& w, PanelArena* are
   std::shared_ptr<PackedWeight> p =
       AllocatePanels(w, qsb, 8, 8 * qsb + 256 + (q3 ? 0 : 256) + 2 * kP * 2, arena);
   if (p == nullptr) return nullptr;
-  const int64_t n_super = w.cols / kQK_K;
-  const int64_t sb_bytes = RowBytes(w.type, kQK_K);
   internal::KSuperBlockInts k;
-  for (int64_t pi = 0; pi < p->n_panels; ++pi) {
-    uint8_t* panel = p->storage.get() + pi * p->panel_bytes;
-    for (int64_t n = 0; n < kP && pi * kP + n < w.rows; ++n) {
-      const uint8_t* row =
-          static_cast<const uint8_t*>(w.data) + (pi * kP + n) * RowBytes(w.type, w.cols);
-      for (int64_t s = 0; s < n_super; ++s) {
-        internal::DecodeKSuperBlock(w.type, row + s * sb_bytes, &k);
-        uint8_t* sb = panel + s * p->block_bytes;
-        for (int j = 0; j < 8; ++j) {
-          uint8_t* qs = sb + j * qsb;
-          // Unsigned values: Q2_K's q, Q3_K's q + 4 (its third bit apart).
-          auto u = [&](int e) { return k.q[32 * j + e] + (q3 ? 4 : 0); };
-          for (int h = 0; h < 2; ++h) {
-            for (int i = 0; i < 4; ++i) {
-              uint8_t bits = 0;
-              for (int g = 0; g < 4; ++g) bits |= static_cast<uint8_t>((u(16 * h + 4 * g + i) & 3) << (2 * g));
-              qs[64 * h + 4 * n + i] = bits;
-            }
-          }
-          if (q3) SetFifthBitMasks(qs + 128, n, [&](int e) { return u(e) >> 2; });
+  ForEachSuperBlock(w, p.get(), [&](uint8_t* sb, int64_t n, const uint8_t* src) {
+    internal::DecodeKSuperBlock(w.type, src, &k);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t* qs = sb + j * qsb;
+      // Unsigned values: Q2_K's q, Q3_K's q + 4 (its third bit apart).
+      auto u = [&](int e) { return k.q[32 * j + e] + (q3 ? 4 : 0); };
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 4; ++i) {
+          uint8_t bits = 0;
+          for (int g = 0; g < 4; ++g) bits |= static_cast<uint8_t>((u(16 * h + 4 * g + i) & 3) << (2 * g));
+          qs[64 * h + 4 * n + i] = bits;
         }
-        for (int i = 0; i < 16; ++i) {
-          sb[8 * qsb + i * 16 + n] = static_cast<uint8_t>(static_cast<int8_t>(k.sc[i]));
-          if (!q3) sb[8 * qsb + 256 + i * 16 + n] = static_cast<uint8_t>(k.mn[i]);
-        }
-        auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * qsb + 256 + (q3 ? 0 : 256));
-        uint16_t d;
-        uint16_t dmin = 0;
-        if (q3) {
-          std::memcpy(&d, &reinterpret_cast<const BlockQ3_K*>(row + s * sb_bytes)->d, 2);
-        } else {
-          const auto* blk = reinterpret_cast<const BlockQ2_K*>(row + s * sb_bytes);
-          std::memcpy(&d, &blk->d, 2);
-          std::memcpy(&dmin, &blk->dmin, 2);
-        }
-        dd[n] = d;
-        dd[kP + n] = dmin;
       }
+      if (q3) SetFifthBitMasks(qs + 128, n, [&](int e) { return u(e) >> 2; });
     }
-  }
+    for (int i = 0; i < 16; ++i) {
+      sb[8 * qsb + i * 16 + n] = static_cast<uint8_t>(static_cast<int8_t>(k.sc[i]));
+      if (!q3) sb[8 * qsb + 256 + i * 16 + n] = static_cast<uint8_t>(k.mn[i]);
+    }
+    // d and dmin as the file stores them (fp16 bits).
+    auto* dd = reinterpret_cast<uint16_t*>(sb + 8 * qsb + 256 + (q3 ? 0 : 256));
+    if (q3) {
+      dd[n] = reinterpret_cast<const BlockQ3_K*>(src)->d;
+    } else {
+      dd[n] = reinterpret_cast<const BlockQ2_K*>(src)->d;
+      dd[kP + n] = reinterpret_cast<const BlockQ2_K*>(src)->dmin;
+    }
+  });
   return p;
 }
 
@@ -715,7 +691,7 @@ uint8_t* PanelArena::Allocate(size_t bytes, std::shared_ptr<void>* owner) {
     const size_t size = std::max(kChunk, (need + kHuge - 1) / kHuge * kHuge);
     void* mem = std::aligned_alloc(kHuge, size);
     if (mem == nullptr) return nullptr;
-    AdviseHugePages(mem, size);
+    internal::AdviseHugePages(mem, size);
     chunk_ = std::shared_ptr<void>(mem, std::free);
     base_ = static_cast<uint8_t*>(mem);
     size_ = size;
@@ -728,9 +704,6 @@ uint8_t* PanelArena::Allocate(size_t bytes, std::shared_ptr<void>* owner) {
 }
 
 int64_t PackedBytes(const PackedWeight& p) { return p.n_panels * p.panel_bytes; }
-
-namespace internal {
-}  // namespace internal
 
 void DequantizeRow(DType type, const void* src, float* dst, int64_t n) {
   switch (type) {

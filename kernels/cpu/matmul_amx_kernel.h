@@ -232,32 +232,15 @@ void AmxPanels(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens, 
 template <class Tiles>
 void AmxPanelsDispatch(const PackedWeight& w, const QuantizedActs& a, int64_t n_tokens,
                        int64_t r0, int64_t r1, float* y, int64_t y_stride) {
-  switch (w.type) {
-    case DType::kQ8_0:
-      return AmxPanels<Tiles, DType::kQ8_0>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ4_0:
-      return AmxPanels<Tiles, DType::kQ4_0>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ4_1:
-      return AmxPanels<Tiles, DType::kQ4_1>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ5_0:
-      return AmxPanels<Tiles, DType::kQ5_0>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ5_1:
-      return AmxPanels<Tiles, DType::kQ5_1>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kIQ4_NL:
-      return AmxPanels<Tiles, DType::kIQ4_NL>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kIQ4_XS:
-      return AmxPanels<Tiles, DType::kIQ4_XS>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ4_K:
-      return AmxPanels<Tiles, DType::kQ4_K>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ5_K:
-      return AmxPanels<Tiles, DType::kQ5_K>(w, a, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ6_K:
-      return AmxPanels<Tiles, DType::kQ6_K>(w, a, n_tokens, r0, r1, y, y_stride);
-    default:
-      // Q2_K, Q3_K: 16-value scales and 2-3 bit planes, no tile layout; the
-      // VNNI kernel computes the same expression.
-      return MatMulPanelsVnni(w, a, n_tokens, r0, r1, y, y_stride);
-  }
+  VisitPanelType(w.type, [&]<DType kType>() {
+    if constexpr (kType == DType::kQ2_K || kType == DType::kQ3_K) {
+      // 16-value scales and 2-3 bit planes, no tile layout; the VNNI kernel
+      // computes the same expression.
+      MatMulPanelsVnni(w, a, n_tokens, r0, r1, y, y_stride);
+    } else {
+      AmxPanels<Tiles, kType>(w, a, n_tokens, r0, r1, y, y_stride);
+    }
+  });
 }
 
 }  // namespace

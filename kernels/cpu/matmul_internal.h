@@ -3,6 +3,7 @@
 // kernel tests include this.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/cpu/matmul.h"
@@ -81,6 +82,11 @@ void MatMulRowsAvx512Vnni(const WeightView& w, const float* x, int64_t x_stride,
 
 // Weight types whose products run on quantized activations (every type but
 // the float ones).
+// Asks for transparent huge pages over the 2 MB-aligned interior of
+// [data, data + bytes) before its first touch (the weight panels, the
+// PanelArena's chunks, the read-bandwidth probe); a no-op off Linux.
+void AdviseHugePages(void* data, size_t bytes);
+
 constexpr bool IsQuantized(DType t) {
   return t != DType::kF32 && t != DType::kF16 && t != DType::kBF16;
 }

@@ -196,6 +196,41 @@ constexpr bool PanelHasMin(DType t) { return t == DType::kQ4_1 || t == DType::kQ
 // IQ4_NL and IQ4_XS: the nibbles index kIq4nlValues.
 constexpr bool PanelIq4(DType t) { return t == DType::kIQ4_NL || t == DType::kIQ4_XS; }
 
+// Calls fn.template operator()<kType>() with the packed type t as a
+// template argument (every CanPackPanels type); nothing for another type.
+// One list for every kernel's dispatch.
+template <class Fn>
+void VisitPanelType(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::kQ8_0:
+      return fn.template operator()<DType::kQ8_0>();
+    case DType::kQ4_0:
+      return fn.template operator()<DType::kQ4_0>();
+    case DType::kQ4_1:
+      return fn.template operator()<DType::kQ4_1>();
+    case DType::kQ5_0:
+      return fn.template operator()<DType::kQ5_0>();
+    case DType::kQ5_1:
+      return fn.template operator()<DType::kQ5_1>();
+    case DType::kIQ4_NL:
+      return fn.template operator()<DType::kIQ4_NL>();
+    case DType::kQ2_K:
+      return fn.template operator()<DType::kQ2_K>();
+    case DType::kQ3_K:
+      return fn.template operator()<DType::kQ3_K>();
+    case DType::kQ4_K:
+      return fn.template operator()<DType::kQ4_K>();
+    case DType::kQ5_K:
+      return fn.template operator()<DType::kQ5_K>();
+    case DType::kQ6_K:
+      return fn.template operator()<DType::kQ6_K>();
+    case DType::kIQ4_XS:
+      return fn.template operator()<DType::kIQ4_XS>();
+    default:
+      return;
+  }
+}
+
 // Rows [r0, r1) of y for all n_tokens tokens from a packed weight. The
 // VNNI kernel serves any n_tokens; the AMX kernels are meant for many
 // (MatMulMany routes by AmxMinTokens()).

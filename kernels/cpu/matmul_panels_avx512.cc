@@ -47,6 +47,49 @@ inline __m512i Bcast32(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The T tokens' activations a tile reads: int8 values, (d, s) pairs, and
+// the integer block sums (32-value formats) or the Q8_K 16-value sums.
+template <int T>
+struct TileActs {
+  const int8_t* xq[T];
+  const float* xds[T];
+  const int32_t* xsum[T];
+  const int16_t* xbs[T];
+  __attribute__((always_inline)) TileActs(const QuantizedActs& a, int64_t t0, int64_t nb) {
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      xq[t] = a.qs + (t0 + t) * nb * kQK;
+      xds[t] = a.ds + (t0 + t) * 2 * nb;
+      xsum[t] = a.sums != nullptr ? a.sums + (t0 + t) * nb : nullptr;
+      xbs[t] = a.bsums != nullptr ? a.bsums + (t0 + t) * nb * 2 : nullptr;
+    }
+  }
+};
+
+template <int P, int T>
+__attribute__((always_inline)) inline void ZeroTile(__m512 (&acc)[P][T]) {
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
+  }
+}
+
+// Writes the tile's rows of [r0, r1) for its T tokens.
+template <int P, int T>
+__attribute__((always_inline)) inline void StoreTile(const __m512 (&acc)[P][T], int64_t p0,
+                                                     int64_t t0, int64_t r0, int64_t r1, float* y,
+                                                     int64_t y_stride) {
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
+    }
+  }
+}
+
 // P panels (p0..p0+P-1) x T tokens (t0..t0+T-1), all blocks. Every loop
 // over panels, tokens and a block's groups is unrolled in full
 // (`#pragma GCC unroll`), so acc, isum and the unpacked weights live in
@@ -60,20 +103,11 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
                int64_t r1, float* y, int64_t y_stride) {
   const int64_t nb = w.n_blocks;
   __m512 acc[P][T];
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
-  }
-  const int8_t* xq[T];
-  const float* xds[T];
-  const int32_t* xsum[T];
-#pragma GCC unroll 16
-  for (int t = 0; t < T; ++t) {
-    xq[t] = a.qs + (t0 + t) * nb * kQK;
-    xds[t] = a.ds + (t0 + t) * 2 * nb;
-    xsum[t] = a.sums != nullptr ? a.sums + (t0 + t) * nb : nullptr;
-  }
+  ZeroTile(acc);
+  const TileActs<T> x(a, t0, nb);
+  const auto& xq = x.xq;
+  const auto& xds = x.xds;
+  const auto& xsum = x.xsum;
   for (int64_t b = 0; b < nb; ++b) {
     if constexpr (P == 1 && T == 1) PrefetchAhead(w.Qs(p0, b), 576);
     __m512i isum[P][T];
@@ -128,20 +162,13 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
       PanelScales<kType>(w, p0 + p, b, &dw, &mw);
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
-        acc[p][t] = PanelBlockEpilogue<kType>(acc[p][t], isum[p][t], dw, mw, xds[t][2 * b],
-                                              xds[t][2 * b + 1],
-                                              PanelUsesSum(kType) ? xsum[t][b] : 0);
+        acc[p][t] =
+            PanelBlockEpilogue<kType>(acc[p][t], isum[p][t], dw, mw, xds[t][2 * b],
+                                      xds[t][2 * b + 1], PanelUsesSum(kType) ? xsum[t][b] : 0);
       }
     }
   }
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) {
-      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
-    }
-  }
+  StoreTile(acc, p0, t0, r0, r1, y, y_stride);
 }
 
 // Q4_K panels (matmul_panels.h): per super-block, each sub-block's exact
@@ -150,24 +177,15 @@ void PanelTile(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_
 // fifth bits; IQ4_XS maps its nibbles through the table and scales each
 // sub-block's offset-corrected dot by its signed scale (no mins).
 template <DType kType, int P, int T>
-void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
-                  int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0, int64_t r0,
+                  int64_t r1, float* y, int64_t y_stride) {
   const int64_t nb = w.n_blocks;
   __m512 acc[P][T];
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
-  }
-  const int8_t* xq[T];
-  const float* xds[T];
-  const int16_t* xbs[T];
-#pragma GCC unroll 16
-  for (int t = 0; t < T; ++t) {
-    xq[t] = a.qs + (t0 + t) * nb * kQK;
-    xds[t] = a.ds + (t0 + t) * 2 * nb;
-    xbs[t] = a.bsums + (t0 + t) * nb * 2;
-  }
+  ZeroTile(acc);
+  const TileActs<T> x(a, t0, nb);
+  const auto& xq = x.xq;
+  const auto& xds = x.xds;
+  const auto& xbs = x.xbs;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t s = 0; s < nb / 8; ++s) {
     __m512i sumi[P][T];
@@ -234,20 +252,13 @@ void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
           acc[p][t] =
               PanelIq4XsSuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s, xds[t][2 * 8 * s]);
         } else {
-          acc[p][t] = PanelQ4KSuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s,
-                                            xbs[t] + 16 * s, xds[t][2 * 8 * s]);
+          acc[p][t] = PanelQ4KSuperEpilogue(acc[p][t], sumi[p][t], w, p0 + p, s, xbs[t] + 16 * s,
+                                            xds[t][2 * 8 * s]);
         }
       }
     }
   }
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) {
-      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
-    }
-  }
+  StoreTile(acc, p0, t0, r0, r1, y, y_stride);
 }
 
 // Q6_K panels (matmul_panels.h): per sub-block of 16 values, the exact
@@ -256,24 +267,15 @@ void PanelTileQ4K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
 // passes (its first and second 16 values), so sumi, the pass's block sums
 // and acc fit in registers.
 template <int P, int T>
-void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
-                  int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0, int64_t r0,
+                  int64_t r1, float* y, int64_t y_stride) {
   const int64_t nb = w.n_blocks;
   __m512 acc[P][T];
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
-  }
-  const int8_t* xq[T];
-  const float* xds[T];
-  const int16_t* xbs[T];
-#pragma GCC unroll 16
-  for (int t = 0; t < T; ++t) {
-    xq[t] = a.qs + (t0 + t) * nb * kQK;
-    xds[t] = a.ds + (t0 + t) * 2 * nb;
-    xbs[t] = a.bsums + (t0 + t) * nb * 2;
-  }
+  ZeroTile(acc);
+  const TileActs<T> x(a, t0, nb);
+  const auto& xq = x.xq;
+  const auto& xds = x.xds;
+  const auto& xbs = x.xbs;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t s = 0; s < nb / 8; ++s) {
     __m512i sumi[P][T];
@@ -371,8 +373,7 @@ void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
 #pragma GCC unroll 16
           for (int t = 0; t < T; ++t) {
             sumi[p][t] = _mm512_add_epi32(
-                sumi[p][t], PanelQ6SubBlock(isum[p][t], w, p0 + p, b, half,
-                                            xbs[t][2 * b + half]));
+                sumi[p][t], PanelQ6SubBlock(isum[p][t], w, p0 + p, b, half, xbs[t][2 * b + half]));
           }
         }
       }
@@ -385,14 +386,7 @@ void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
       }
     }
   }
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) {
-      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
-    }
-  }
+  StoreTile(acc, p0, t0, r0, r1, y, y_stride);
 }
 
 // Q2_K and Q3_K panels (matmul_panels.h): per 16-value sub-block (a half of
@@ -400,24 +394,15 @@ void PanelTileQ6K(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
 // the offset, scaled and summed as int32 over the super-block (Q2_K: its
 // mins against the activations' sums beside it); then the float steps.
 template <DType kType, int P, int T>
-void PanelTileK16(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0,
-                  int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+void PanelTileK16(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int64_t t0, int64_t r0,
+                  int64_t r1, float* y, int64_t y_stride) {
   const int64_t nb = w.n_blocks;
   __m512 acc[P][T];
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
-  }
-  const int8_t* xq[T];
-  const float* xds[T];
-  const int16_t* xbs[T];
-#pragma GCC unroll 16
-  for (int t = 0; t < T; ++t) {
-    xq[t] = a.qs + (t0 + t) * nb * kQK;
-    xds[t] = a.ds + (t0 + t) * 2 * nb;
-    xbs[t] = a.bsums + (t0 + t) * nb * 2;
-  }
+  ZeroTile(acc);
+  const TileActs<T> x(a, t0, nb);
+  const auto& xq = x.xq;
+  const auto& xds = x.xds;
+  const auto& xbs = x.xbs;
   for (int64_t s = 0; s < nb / 8; ++s) {
     __m512i sumi[P][T];
     __m512i summ[P][T];
@@ -473,14 +458,7 @@ void PanelTileK16(const PackedWeight& w, int64_t p0, const QuantizedActs& a, int
       }
     }
   }
-#pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-    const __mmask16 mask = PanelRowMask(p0 + p, r0, r1);
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) {
-      _mm512_mask_storeu_ps(y + (t0 + t) * y_stride + (p0 + p) * kPanelRows, mask, acc[p][t]);
-    }
-  }
+  StoreTile(acc, p0, t0, r0, r1, y, y_stride);
 }
 
 template <DType kType, int P, int T>
@@ -547,34 +525,8 @@ void PanelsForType(const PackedWeight& w, const QuantizedActs& acts, int64_t n_t
 
 void MatMulPanelsVnni(const PackedWeight& w, const QuantizedActs& acts, int64_t n_tokens,
                       int64_t r0, int64_t r1, float* y, int64_t y_stride) {
-  switch (w.type) {
-    case DType::kQ8_0:
-      return PanelsForType<DType::kQ8_0>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ4_0:
-      return PanelsForType<DType::kQ4_0>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ4_1:
-      return PanelsForType<DType::kQ4_1>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ5_0:
-      return PanelsForType<DType::kQ5_0>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ5_1:
-      return PanelsForType<DType::kQ5_1>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kIQ4_NL:
-      return PanelsForType<DType::kIQ4_NL>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kIQ4_XS:
-      return PanelsForType<DType::kIQ4_XS>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ2_K:
-      return PanelsForType<DType::kQ2_K>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ3_K:
-      return PanelsForType<DType::kQ3_K>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ4_K:
-      return PanelsForType<DType::kQ4_K>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ5_K:
-      return PanelsForType<DType::kQ5_K>(w, acts, n_tokens, r0, r1, y, y_stride);
-    case DType::kQ6_K:
-      return PanelsForType<DType::kQ6_K>(w, acts, n_tokens, r0, r1, y, y_stride);
-    default:
-      return;
-  }
+  VisitPanelType(
+      w.type, [&]<DType kType>() { PanelsForType<kType>(w, acts, n_tokens, r0, r1, y, y_stride); });
 }
 
 }  // namespace kvserve::kernels::internal

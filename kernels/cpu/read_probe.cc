@@ -1,19 +1,18 @@
 // ReadProbe and SumWords (kernels/cpu/read_probe.h).
 #include "kernels/cpu/read_probe.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "common/thread_pool.h"
 #include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/matmul_internal.h"
 
 namespace kvserve::kernels {
 namespace internal {
@@ -39,12 +38,11 @@ namespace {
 constexpr size_t kHuge = size_t{2} << 20;
 }  // namespace
 
-ReadProbe::ReadProbe(size_t bytes) : bytes_((std::max<size_t>(bytes, 1) + kHuge - 1) / kHuge * kHuge) {
+ReadProbe::ReadProbe(size_t bytes)
+    : bytes_((std::max<size_t>(bytes, 1) + kHuge - 1) / kHuge * kHuge) {
   data_ = std::aligned_alloc(kHuge, bytes_);
   if (data_ == nullptr) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(data_, bytes_, MADV_HUGEPAGE);  // as the weight panels ask
-#endif
+  internal::AdviseHugePages(data_, bytes_);  // as the weight panels ask
   auto* w = static_cast<uint64_t*>(data_);
   for (size_t i = 0; i < bytes_ / 8; ++i) w[i] = i * 0x9E3779B97F4A7C15ull;
 }
@@ -102,6 +100,12 @@ double ReadProbe::HugePageShare() const {
 #else
   return -1;
 #endif
+}
+
+std::string ReadProbe::HugePageNote() const {
+  const double huge = HugePageShare();
+  if (huge < 0) return "share unknown";
+  return std::to_string(static_cast<int>(100 * huge + 0.5)) + "% granted";
 }
 
 double ReadProbe::BestGbps(ThreadPool* pool, int passes) {

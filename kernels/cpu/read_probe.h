@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace kvserve {
 class ThreadPool;
@@ -53,6 +54,8 @@ class ReadProbe {
   // that cannot be read. A 2-thread read here moves from ~33 to ~60 GB/s
   // with it, so a figure is only read together with this share.
   double HugePageShare() const;
+  // HugePageShare for a report: "N% granted", or "share unknown".
+  std::string HugePageNote() const;
   // The buffer's contents, for tests: word i holds i * 0x9E3779B97F4A7C15.
   const void* data() const { return data_; }
 

@@ -20,7 +20,6 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -83,8 +82,11 @@ class BenchCommand final : public Command {
     const double weight_bytes = static_cast<double>(l.model->weight_bytes());
     // KV bytes per token of one layer, as the pool stores them (quantized
     // K/V with their scales included).
-    const MemoryPlan plan = ValueOrDie(PlanFromFlags(*engine_flags_, c));
-    const double kv_layer_token = static_cast<double>(plan.kv_bytes_per_token) / c.n_layers;
+    const double kv_layer_token =
+        bandwidth_
+            ? static_cast<double>(ValueOrDie(PlanFromFlags(*engine_flags_, c)).kv_bytes_per_token) /
+                  c.n_layers
+            : 0;
     std::unique_ptr<kernels::ReadProbe> probe;
     if (bandwidth_) {
       // Far beyond any last-level cache, at most 2 GiB.
@@ -160,7 +162,10 @@ class BenchCommand final : public Command {
             // its token). Exact at batch 1; a larger batch whose prompts took
             // several steps has sequences a few slots apart, which moves the
             // KV term (a small part beside the weights) by as little.
-            decode_bytes += weight_bytes + st.last_batch_seqs * kv_step_bytes(prompt_ + decode_steps);
+            if (bandwidth_) {
+              decode_bytes +=
+                  weight_bytes + st.last_batch_seqs * kv_step_bytes(prompt_ + decode_steps);
+            }
             ++decode_steps;
             decode_tokens += st.last_batch_tokens;
             peak_blocks = std::max(peak_blocks, st.blocks_used);
@@ -177,9 +182,8 @@ class BenchCommand final : public Command {
           bw_runs.push_back(r);
         }
       }
-      std::printf("| %5d | %10d | %7d | %13.1f | %12.1f | %14.2f | %18.1f |", batch, prompt_,
-                  gen_, best_prefill, best_decode, best_step,
-                  static_cast<double>(peak_blocks) / batch);
+      std::printf("| %5d | %10d | %7d | %13.1f | %12.1f | %14.2f | %18.1f |", batch, prompt_, gen_,
+                  best_prefill, best_decode, best_step, static_cast<double>(peak_blocks) / batch);
       if (!bw_runs.empty()) {
         // The median run by its ratio (the lower middle of an even count).
         std::sort(bw_runs.begin(), bw_runs.end(), [](const BandwidthRun& a, const BandwidthRun& b) {
@@ -195,15 +199,13 @@ class BenchCommand final : public Command {
       std::fflush(stdout);
     }
     if (probe != nullptr) {
-      // Huge pages double a read here (read_probe.h): say whether the
-      // probe's buffer got them.
-      const double huge = probe->HugePageShare();
-      std::printf("\nread GB/s: kernels::ReadProbe over %lld MiB on %d threads, best of 3 passes "
-                  "after each run; huge pages %s\n",
-                  static_cast<long long>(probe->bytes() >> 20), pool->num_threads(),
-                  huge < 0 ? "advised (share unknown)"
-                           : (std::to_string(static_cast<int>(100 * huge + 0.5)) + "% granted")
-                                 .c_str());
+      // Whether the probe's buffer got huge pages moves its figure
+      // (read_probe.h).
+      std::printf(
+          "\nread GB/s: kernels::ReadProbe over %lld MiB on %d threads, best of 3 passes "
+          "after each run; huge pages advised, %s\n",
+          static_cast<long long>(probe->bytes() >> 20), pool->num_threads(),
+          probe->HugePageNote().c_str());
     }
     return 0;
   }

@@ -6,7 +6,6 @@
 // Thread-safety: runs on the main thread.
 #include <cstdint>
 #include <cstdio>
-#include <string>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
@@ -39,13 +38,11 @@ class ProbeCommand final : public Command {
       kernels::ReadProbe probe(static_cast<size_t>(mib_) << 20);
       ThreadPool* pool = &ThreadPool::Global();
       const double gbps = probe.BestGbps(pool, iters_);
-      const double huge = probe.HugePageShare();
       std::printf(
           "host memory read: %.1f GB/s (best of %d passes over %lld MiB, %d threads; huge pages "
           "advised, %s)\n",
           gbps, iters_, static_cast<long long>(probe.bytes() >> 20), pool->num_threads(),
-          huge < 0 ? "share unknown"
-                   : (std::to_string(static_cast<int>(100 * huge + 0.5)) + "% granted").c_str());
+          probe.HugePageNote().c_str());
       return 0;
     }
     auto r = ValueOrDie(cuda::ProbeBandwidth(static_cast<size_t>(mib_) << 20, iters_));
