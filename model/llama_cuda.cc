@@ -114,10 +114,12 @@ absl::Status CudaLlama::Upload(const LlamaModel& model) {
     RETURN_IF_ERROR(cuda::CopyToDevice(b.data(), data, bytes));
     return b;
   };
-  auto vector = [&](const std::string& name) -> absl::StatusOr<cuda::DeviceBuffer> {
+  // F32 vectors (LlamaModel checked their lengths at load).
+  auto vector = [&](const std::string& name,
+                    int64_t n = -1) -> absl::StatusOr<cuda::DeviceBuffer> {
     ASSIGN_OR_RETURN(const GgufTensorInfo* t, Tensor(f, name));
     if (t->type != GgmlType::kF32) return absl::InvalidArgumentError(name + " is not F32");
-    return raw(t->data, sizeof(float) * static_cast<size_t>(c.dim));
+    return raw(t->data, sizeof(float) * static_cast<size_t>(n < 0 ? c.dim : n));
   };
 
   // The embedding table stays in its file type: EmbeddingGather dequantizes
@@ -143,6 +145,25 @@ absl::Status CudaLlama::Upload(const LlamaModel& model) {
     ASSIGN_OR_RETURN(L.w_gate, matrix(p + "ffn_gate.weight"));
     ASSIGN_OR_RETURN(L.w_up, matrix(p + "ffn_up.weight"));
     ASSIGN_OR_RETURN(L.w_down, matrix(p + "ffn_down.weight"));
+    if (c.qkv_bias) {
+      ASSIGN_OR_RETURN(L.bq, vector(p + "attn_q.bias", c.q_dim()));
+      ASSIGN_OR_RETURN(L.bk, vector(p + "attn_k.bias", c.kv_dim()));
+      ASSIGN_OR_RETURN(L.bv, vector(p + "attn_v.bias", c.kv_dim()));
+    }
+    if (c.qk_norm) {
+      ASSIGN_OR_RETURN(L.q_norm, vector(p + "attn_q_norm.weight", c.head_dim));
+      ASSIGN_OR_RETURN(L.k_norm, vector(p + "attn_k_norm.weight", c.head_dim));
+    }
+    if (c.post_norms) {
+      ASSIGN_OR_RETURN(L.post_attn_norm, vector(p + "post_attention_norm.weight"));
+      ASSIGN_OR_RETURN(L.post_ffn_norm, vector(p + "post_ffw_norm.weight"));
+    }
+  }
+  // The RoPE divisors come from the config (a tensor or computed from
+  // metadata), not always from a tensor.
+  if (!c.rope_freq_factors.empty()) {
+    ASSIGN_OR_RETURN(rope_freqs_, raw(c.rope_freq_factors.data(),
+                                      sizeof(float) * c.rope_freq_factors.size()));
   }
   return stream_.Synchronize();
 }
@@ -152,31 +173,7 @@ absl::Status CudaLlama::CheckKvLayout(kernels::KvDType dtype, int32_t block_size
 }
 
 absl::Status CudaLlama::SupportsModel(const LlamaConfig& c) {
-  // The CPU forward's additions for more families are not ported yet.
-  if (c.qkv_bias) {
-    return absl::UnimplementedError(
-        "the CUDA forward does not support Q/K/V biases (qwen2) yet (use --device cpu)");
-  }
-  if (c.architecture == "qwen3" || c.architecture == "gemma3") {
-    return absl::UnimplementedError(absl::StrCat(
-        "the CUDA forward does not support architecture '", c.architecture,
-        "' (QK-norm", c.post_norms ? ", post-norms, GELU, local RoPE base" : "",
-        ") yet (use --device cpu)"));
-  }
-  if (c.q_dim() != c.dim) {
-    return absl::UnimplementedError(
-        absl::StrCat("the CUDA forward needs head_count x key_length == embedding_length (",
-                     c.q_dim(), " != ", c.dim, ") (use --device cpu)"));
-  }
-  if (!c.rope_freq_factors.empty()) {
-    return absl::UnimplementedError(absl::StrCat("the CUDA forward does not support rope scaling '",
-                                                 c.rope_scaling, "' yet (use --device cpu)"));
-  }
-  if (c.sliding_window > 0) {
-    return absl::UnimplementedError(
-        "the CUDA forward does not support sliding-window attention yet (use --device cpu)");
-  }
-  // 64 and 128 run the tuned kernels; other head dims the generic one.
+  // Every family the CPU forward runs; the attention kernels bound the head.
   if (c.head_dim > cuda::kGenericMaxHeadDim) {
     return absl::UnimplementedError(
         absl::StrCat("the CUDA attention kernels support head_dim up to ", cuda::kGenericMaxHeadDim,
@@ -279,6 +276,28 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   if (kv.n_kv_heads != c.n_kv_heads || kv.head_dim != c.head_dim) {
     return absl::InvalidArgumentError("KV view does not match the model's heads");
   }
+  // KV cache groups (hybrid attention): as LlamaModel::Forward checks them.
+  const bool grouped_kv = !b.group_kv.empty();
+  if (grouped_kv) {
+    if (b.layer_group.size() != static_cast<size_t>(c.n_layers) ||
+        b.layer_index.size() != static_cast<size_t>(c.n_layers)) {
+      return absl::InvalidArgumentError("KV group map does not cover every layer");
+    }
+    if (want_mass) return absl::UnimplementedError("attention mass (h2o) with KV cache groups");
+    for (const kernels::PagedKvView& g : b.group_kv) {
+      if (g.n_seqs != kv.n_seqs || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim ||
+          g.block_size != kv.block_size || g.dtype != kv.dtype || g.pool != kv.pool) {
+        return absl::InvalidArgumentError("a KV group's view does not match the main view");
+      }
+    }
+    for (int32_t l = 0; l < c.n_layers; ++l) {
+      const int32_t g = b.layer_group[l];
+      if (g < 0 || g >= static_cast<int32_t>(b.group_kv.size()) || b.layer_index[l] < 0 ||
+          b.layer_index[l] >= b.group_kv[g].block_bytes / b.group_kv[g].layer_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " has no KV group slot"));
+      }
+    }
+  }
   RETURN_IF_ERROR(CheckKvLayout(kv.dtype, kv.block_size));
   const int32_t n_seqs = kv.n_seqs;
   for (size_t i = 0; i < n_sz; ++i) {
@@ -307,6 +326,15 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
       return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i], " of sequence ", s,
                                                      " has no KV slot (capacity ", capacity,
                                                      ")"));
+    }
+    for (const kernels::PagedKvView& g : b.group_kv) {
+      const int64_t group_capacity =
+          static_cast<int64_t>(g.seq_block_offsets[s + 1] - g.seq_block_offsets[s]) * g.block_size;
+      if (slots[i] >= group_capacity) {
+        return absl::InvalidArgumentError(absl::StrCat("slot ", slots[i], " of sequence ", s,
+                                                       " has no slot in a KV group (capacity ",
+                                                       group_capacity, ")"));
+      }
     }
   }
   for (int32_t r : b.logit_rows) {
@@ -369,6 +397,13 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   const size_t o_qoff = put(q_offsets.data(), q_offsets.size());
   const size_t o_lens = put(seq_lens.data(), seq_lens.size());
   const size_t o_slots = shifted ? put(slots.data(), n_sz) : o_pos;
+  // KV cache groups: each group's block table and offsets.
+  std::vector<std::pair<size_t, size_t>> o_groups;
+  for (const kernels::PagedKvView& g : b.group_kv) {
+    const size_t ob = put(g.block_ids, static_cast<size_t>(g.seq_block_offsets[n_seqs]));
+    const size_t oo = put(g.seq_block_offsets, static_cast<size_t>(n_seqs) + 1);
+    o_groups.emplace_back(ob, oo);
+  }
   // H2O: which sequences' mass rows the step fills (1: wanted).
   size_t o_wanted = 0;
   if (want_mass) {
@@ -396,6 +431,13 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   kernels::PagedKvView dkv = kv;  // kv.pool is already device memory
   dkv.block_ids = d + o_blocks;
   dkv.seq_block_offsets = d + o_offsets;
+  std::vector<kernels::PagedKvView> dgroups;
+  for (size_t g = 0; g < o_groups.size(); ++g) {
+    kernels::PagedKvView v = b.group_kv[g];
+    v.block_ids = d + o_groups[g].first;
+    v.seq_block_offsets = d + o_groups[g].second;
+    dgroups.push_back(v);
+  }
 
   float* x = x_.as<float>();
   float* xn = xn_.as<float>();
@@ -408,9 +450,15 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
 
   RETURN_IF_ERROR(cuda::EmbeddingGather(embd_type_, token_embd_.data(), c.vocab_size, c.dim,
                                         d_tokens, n, x, st));
+  if (c.embed_scale != 1.0f) {
+    RETURN_IF_ERROR(cuda::ScaleInPlace(x, c.embed_scale, static_cast<int64_t>(n) * c.dim, st));
+  }
 
-  const kernels::RopeParams rope{c.head_dim, c.rope_dim, c.rope_freq_base, c.rope_style};
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const float scale = c.attention_scale > 0 ? c.attention_scale
+                                            : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  // As on the CPU: a window reaching back past slot 0 for every token masks
+  // nothing, and such steps keep the tuned kernels on windowed layers too.
+  const bool window_masks = c.sliding_window > 0 && max_context > c.sliding_window;
   cuda::DecodeAttentionBatch decode;
   decode.n_tokens = n;
   decode.token_seq = d_seq;
@@ -445,32 +493,67 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
     RETURN_IF_ERROR(blas_->MatMul(L.wq, xn, n, c.dim, q, q_dim));
     RETURN_IF_ERROR(blas_->MatMul(L.wk, xn, n, c.dim, k, kv_dim));
     RETURN_IF_ERROR(blas_->MatMul(L.wv, xn, n, c.dim, v, kv_dim));
+    if (c.qkv_bias) {
+      RETURN_IF_ERROR(cuda::AddRowBias(q, L.bq.as<float>(), n, q_dim, st));
+      RETURN_IF_ERROR(cuda::AddRowBias(k, L.bk.as<float>(), n, kv_dim, st));
+      RETURN_IF_ERROR(cuda::AddRowBias(v, L.bv.as<float>(), n, kv_dim, st));
+    }
+    if (c.qk_norm) {  // per head, before RoPE
+      RETURN_IF_ERROR(cuda::RmsNorm(q, L.q_norm.as<float>(), static_cast<int64_t>(n) * c.n_heads,
+                                    c.head_dim, c.rms_eps, q, st));
+      RETURN_IF_ERROR(cuda::RmsNorm(k, L.k_norm.as<float>(),
+                                    static_cast<int64_t>(n) * c.n_kv_heads, c.head_dim, c.rms_eps,
+                                    k, st));
+    }
+    kernels::RopeParams rope = c.RopeForLayer(l);
+    rope.freq_factors = rope_freqs_.size() > 0 ? rope_freqs_.as<float>() : nullptr;  // device
     RETURN_IF_ERROR(cuda::Rope(q, n, q_dim, c.n_heads, d_pos, rope, st));
     RETURN_IF_ERROR(cuda::Rope(k, n, kv_dim, c.n_kv_heads, d_pos, rope, st));
-    RETURN_IF_ERROR(cuda::AppendKv(dkv, l, n, d_seq, d_slot, k, kv_dim, v, kv_dim, st));
+    // The layer's K/V: its group's table and its slot in the group's page,
+    // or layer l of the one all-layers view.
+    const kernels::PagedKvView& lkv = grouped_kv ? dgroups[b.layer_group[l]] : dkv;
+    const int32_t ll = grouped_kv ? b.layer_index[l] : l;
+    RETURN_IF_ERROR(cuda::AppendKv(lkv, ll, n, d_seq, d_slot, k, kv_dim, v, kv_dim, st));
     if (want_mass) {
-      RETURN_IF_ERROR(cuda::AccumulateAttentionMass(dkv, l, n, d_seq, d_slot, c.n_heads, scale, q,
+      RETURN_IF_ERROR(cuda::AccumulateAttentionMass(lkv, ll, n, d_seq, d_slot, c.n_heads, scale, q,
                                                     q_dim, d + o_wanted, mass_.as<float>(),
                                                     b.attention_mass_stride, st));
     }
-    if (use_prefill) {
-      RETURN_IF_ERROR(cuda::PagedPrefillAttention(dkv, l, prefill, q, q_dim, attn, q_dim, st));
+    // A window that masks runs on the generic kernel (the tuned ones attend
+    // from position 0).
+    const int32_t window = window_masks && c.LayerWindowed(l) ? c.sliding_window : 0;
+    if (window > 0) {
+      RETURN_IF_ERROR(cuda::PagedAttentionGeneric(lkv, ll, n, d_seq, d_slot, c.n_heads, scale, q,
+                                                  q_dim, attn, q_dim, window, st));
+    } else if (use_prefill) {
+      RETURN_IF_ERROR(cuda::PagedPrefillAttention(lkv, ll, prefill, q, q_dim, attn, q_dim, st));
     } else if (use_decode) {
-      RETURN_IF_ERROR(cuda::PagedDecodeAttention(dkv, l, decode, q, q_dim, attn, q_dim,
+      RETURN_IF_ERROR(cuda::PagedDecodeAttention(lkv, ll, decode, q, q_dim, attn, q_dim,
                                                  workspace_bytes > 0 ? workspace_.data() : nullptr,
                                                  workspace_bytes, st));
     } else {
-      RETURN_IF_ERROR(cuda::PagedAttentionGeneric(dkv, l, n, d_seq, d_slot, c.n_heads, scale, q,
-                                                  q_dim, attn, q_dim, st));
+      RETURN_IF_ERROR(cuda::PagedAttentionGeneric(lkv, ll, n, d_seq, d_slot, c.n_heads, scale, q,
+                                                  q_dim, attn, q_dim, 0, st));
     }
     RETURN_IF_ERROR(blas_->MatMul(L.wo, attn, n, q_dim, xn, c.dim));
+    if (c.post_norms) {
+      RETURN_IF_ERROR(
+          cuda::RmsNorm(xn, L.post_attn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st));
+    }
     RETURN_IF_ERROR(cuda::AddInPlace(x, xn, static_cast<int64_t>(n) * c.dim, st));
-    // Feed-forward block (SwiGLU).
+    // Feed-forward block (SwiGLU; GEGLU with the tanh GELU for Gemma).
     RETURN_IF_ERROR(cuda::RmsNorm(x, L.ffn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st));
     RETURN_IF_ERROR(blas_->MatMul(L.w_gate, xn, n, c.dim, gate, c.ffn_dim));
     RETURN_IF_ERROR(blas_->MatMul(L.w_up, xn, n, c.dim, up, c.ffn_dim));
-    RETURN_IF_ERROR(cuda::SiluMul(gate, up, static_cast<int64_t>(n) * c.ffn_dim, gate, st));
+    if (c.gelu_ffn) {
+      RETURN_IF_ERROR(cuda::GeluTanhMul(gate, up, static_cast<int64_t>(n) * c.ffn_dim, gate, st));
+    } else {
+      RETURN_IF_ERROR(cuda::SiluMul(gate, up, static_cast<int64_t>(n) * c.ffn_dim, gate, st));
+    }
     RETURN_IF_ERROR(blas_->MatMul(L.w_down, gate, n, c.ffn_dim, xn, c.dim));
+    if (c.post_norms) {
+      RETURN_IF_ERROR(cuda::RmsNorm(xn, L.post_ffn_norm.as<float>(), n, c.dim, c.rms_eps, xn, st));
+    }
     RETURN_IF_ERROR(cuda::AddInPlace(x, xn, static_cast<int64_t>(n) * c.dim, st));
   }
 
@@ -483,6 +566,10 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
         cuda::RmsNorm(fin, output_norm_.as<float>(), n_logits, c.dim, c.rms_eps, fin, st));
     RETURN_IF_ERROR(
         blas_->MatMul(output_, fin, n_logits, c.dim, logits_.as<float>(), c.vocab_size));
+    if (c.final_logit_softcap > 0) {
+      RETURN_IF_ERROR(cuda::SoftcapInPlace(logits_.as<float>(), c.final_logit_softcap,
+                                           n_logits * c.vocab_size, st));
+    }
     RETURN_IF_ERROR(
         cuda::CopyToHostAsync(logits, logits_.data(), sizeof(float) * n_logits * c.vocab_size, st));
   }

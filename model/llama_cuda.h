@@ -1,7 +1,11 @@
 // CudaLlama: LlamaModel's forward on an NVIDIA GPU over a device-resident
 // paged KV pool, with the CPU forward's semantics (ragged batch, GQA, both
 // RoPE layouts, tied output) and logits copied back to host memory so the
-// engine's sampler is unchanged.
+// engine's sampler is unchanged. Every family the CPU forward runs: Llama
+// 3.x's RoPE scaling, Qwen2's Q/K/V biases, Qwen3's QK-norm, Gemma 3's
+// post-norms, GELU FFN, scaled embeddings, per-layer RoPE base and sliding
+// windows, with KV cache groups (hybrid attention) as the engine lays them
+// out.
 //
 // Weights are uploaded once, at Create: matrices through cuda::UploadWeight
 // (F32, F16 and BF16 stay as they are; Q8_0/Q4_0/Q4_1 stay in their GGUF
@@ -68,6 +72,10 @@ class CudaLlama final : public ForwardBackend {
   struct Layer {
     cuda::DeviceBuffer attn_norm, ffn_norm;
     cuda::DeviceWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+    // The families' additions, empty where the model has none (as on the
+    // CPU: Qwen2's Q/K/V biases, Qwen3/Gemma 3's QK-norm, Gemma 3's
+    // post-attention and post-FFN norms).
+    cuda::DeviceBuffer bq, bk, bv, q_norm, k_norm, post_attn_norm, post_ffn_norm;
   };
 
   CudaLlama() = default;
@@ -84,6 +92,7 @@ class CudaLlama final : public ForwardBackend {
   kernels::DType embd_type_ = kernels::DType::kF32;
   cuda::DeviceBuffer token_embd_;  // [vocab][dim] in embd_type_
   cuda::DeviceBuffer output_norm_;
+  cuda::DeviceBuffer rope_freqs_;  // Llama 3's rope_freq_factors; empty without
   cuda::DeviceWeight output_;
   std::vector<Layer> layers_;
 

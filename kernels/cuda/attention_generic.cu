@@ -32,6 +32,7 @@ struct GenericArgs {
   const int32_t* token_pos;
   int32_t head_dim;
   int32_t group;
+  int32_t window;  // > 0: only the last `window` positions
   float scale;
   const float* q;
   int64_t q_stride;
@@ -70,6 +71,7 @@ __global__ void __launch_bounds__(kThreads) GenericAttentionKernel(GenericArgs a
   const int32_t kvh = h / a.group;
   const int32_t seq = a.token_seq[t];
   const int32_t len = a.token_pos[t] + 1;
+  const int32_t begin = a.window > 0 && len > a.window ? len - a.window : 0;
   const float* qh = a.q + t * a.q_stride + static_cast<int64_t>(h) * hd;
   for (int32_t i = threadIdx.x; i < hd; i += kThreads) {
     qs[i] = D == kernels::KvDType::kF16 ? RoundF16(qh[i]) : qh[i];
@@ -84,10 +86,10 @@ __global__ void __launch_bounds__(kThreads) GenericAttentionKernel(GenericArgs a
   };
 
   float mx = -FLT_MAX;
-  for (int32_t p = threadIdx.x; p < len; p += kThreads) mx = fmaxf(mx, score(p));
+  for (int32_t p = begin + threadIdx.x; p < len; p += kThreads) mx = fmaxf(mx, score(p));
   mx = internal::BlockReduce<kThreads, true>(mx, red);
   float sum = 0.0f;
-  for (int32_t p = threadIdx.x; p < len; p += kThreads) sum += expf(score(p) - mx);
+  for (int32_t p = begin + threadIdx.x; p < len; p += kThreads) sum += expf(score(p) - mx);
   sum = internal::BlockReduce<kThreads, false>(sum, red);
   const float inv = 1.0f / sum;
 
@@ -97,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) GenericAttentionKernel(GenericArgs a
   const int32_t c = threadIdx.x % hd;
   const int32_t lane = threadIdx.x / hd;
   float acc = 0.0f;
-  for (int32_t base = 0; base < len; base += kThreads) {
+  for (int32_t base = begin; base < len; base += kThreads) {
     const int32_t p = base + threadIdx.x;
     float w = 0.0f;
     if (p < len) {
@@ -130,8 +132,13 @@ __global__ void __launch_bounds__(kThreads) GenericAttentionKernel(GenericArgs a
 absl::Status PagedAttentionGeneric(const kernels::PagedKvView& kv, int32_t layer, int32_t n_tokens,
                                    const int32_t* token_seq, const int32_t* token_pos,
                                    int32_t n_heads, float scale, const float* q, int64_t q_stride,
-                                   float* out, int64_t out_stride, StreamHandle stream) {
+                                   float* out, int64_t out_stride, int32_t window,
+                                   StreamHandle stream) {
   if (n_tokens <= 0) return absl::OkStatus();
+  if (window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PagedAttentionGeneric: window ", window, " is negative"));
+  }
   if (kv.head_dim <= 0 || kv.head_dim > kGenericMaxHeadDim || kv.n_kv_heads <= 0 || n_heads <= 0 ||
       n_heads % kv.n_kv_heads != 0 || n_heads > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("PagedAttentionGeneric: head_dim ", kv.head_dim,
@@ -156,6 +163,7 @@ absl::Status PagedAttentionGeneric(const kernels::PagedKvView& kv, int32_t layer
                 token_pos,
                 kv.head_dim,
                 n_heads / kv.n_kv_heads,
+                window,
                 scale,
                 q,
                 q_stride,

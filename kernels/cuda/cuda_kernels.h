@@ -41,13 +41,32 @@ absl::Status RmsNorm(const float* x, const float* weight, int64_t n_rows, int64_
 // Rotary embedding in place over n_tokens rows (stride floats apart) of
 // n_heads heads of p.head_dim; token t sits at positions[t]. Both layouts of
 // kernels::RopeStyle (kNorm: adjacent pairs, GGUF llama; kNeox: halves).
-// Angles follow ggml's float recurrence as kernels::Rope does.
+// Angles follow ggml's float recurrence as kernels::Rope does, divided by
+// p.freq_factors[i] (Llama 3's rope scaling) when set: here a DEVICE array
+// of rot_dim / 2 floats (the CPU twin takes a host one).
 absl::Status Rope(float* x, int64_t n_tokens, int64_t stride, int32_t n_heads,
                   const int32_t* positions, const kernels::RopeParams& p, StreamHandle stream);
 
 // out[i] = silu(gate[i]) * up[i]; out may alias gate. CPU twin: kernels::SiluMul.
 absl::Status SiluMul(const float* gate, const float* up, int64_t n, float* out,
                      StreamHandle stream);
+
+// out[i] = gelu(gate[i]) * up[i], GELU's tanh form with ggml's CPU rounding
+// points (gate and GELU rounded to f16; <= -10 -> 0, >= 10 -> gate), Gemma's
+// GEGLU; out may alias gate. CPU twin: kernels::GeluTanhMul.
+absl::Status GeluTanhMul(const float* gate, const float* up, int64_t n, float* out,
+                         StreamHandle stream);
+
+// x[r * n + i] += bias[i] for r < n_rows (Qwen2's Q/K/V biases). CPU twin:
+// kernels::AddInPlace per row.
+absl::Status AddRowBias(float* x, const float* bias, int64_t n_rows, int64_t n,
+                        StreamHandle stream);
+
+// x[i] *= s (Gemma's embedding scale).
+absl::Status ScaleInPlace(float* x, float s, int64_t n, StreamHandle stream);
+
+// x[i] = cap * tanh(x[i] / cap), cap > 0 (final logit soft-capping).
+absl::Status SoftcapInPlace(float* x, float cap, int64_t n, StreamHandle stream);
 
 // x[i] += y[i] (the residual add). CPU twin: kernels::AddInPlace.
 absl::Status AddInPlace(float* x, const float* y, int64_t n, StreamHandle stream);

@@ -104,6 +104,12 @@ absl::Status Rope(float*, int64_t, int64_t, int32_t, const int32_t*, const kerne
 absl::Status SiluMul(const float*, const float*, int64_t, float*, StreamHandle) {
   return NotBuilt();
 }
+absl::Status GeluTanhMul(const float*, const float*, int64_t, float*, StreamHandle) {
+  return NotBuilt();
+}
+absl::Status AddRowBias(float*, const float*, int64_t, int64_t, StreamHandle) { return NotBuilt(); }
+absl::Status ScaleInPlace(float*, float, int64_t, StreamHandle) { return NotBuilt(); }
+absl::Status SoftcapInPlace(float*, float, int64_t, StreamHandle) { return NotBuilt(); }
 absl::Status AddInPlace(float*, const float*, int64_t, StreamHandle) { return NotBuilt(); }
 absl::Status ArgmaxRows(const float*, int64_t, int64_t, int64_t, int32_t*, StreamHandle) {
   return NotBuilt();
@@ -177,7 +183,7 @@ absl::StatusOr<BandwidthReport> ProbeBandwidth(size_t, int) { return NotBuilt();
 
 absl::Status PagedAttentionGeneric(const kernels::PagedKvView&, int32_t, int32_t, const int32_t*,
                                    const int32_t*, int32_t, float, const float*, int64_t, float*,
-                                   int64_t, StreamHandle) {
+                                   int64_t, int32_t, StreamHandle) {
   return NotBuilt();
 }
 

@@ -120,7 +120,7 @@ __global__ void RmsNormKernel(const float* __restrict__ x, const float* __restri
 // (theta_i = pos * scale^i, multiplied up in float) as kernels::Rope does.
 __global__ void RopeKernel(float* x, int64_t n_tokens, int64_t stride, int32_t n_heads,
                            const int32_t* __restrict__ positions, int32_t head_dim, int32_t half,
-                           float theta_scale, bool neox) {
+                           float theta_scale, const float* __restrict__ freq_factors, bool neox) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t total = n_tokens * n_heads * half;
   if (idx >= total) return;
@@ -130,6 +130,7 @@ __global__ void RopeKernel(float* x, int64_t n_tokens, int64_t stride, int32_t n
   const int64_t t = th / n_heads;
   float theta = static_cast<float>(positions[t]);
   for (int32_t k = 0; k < i; ++k) theta *= theta_scale;
+  if (freq_factors != nullptr) theta /= freq_factors[i];
   float sn, cs;
   sincosf(theta, &sn, &cs);
   float* head = x + t * stride + static_cast<int64_t>(h) * head_dim;
@@ -149,6 +150,52 @@ __global__ void SiluMulKernel(const float* gate, const float* __restrict__ up, i
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = gate[i];
     out[i] = g / (1.0f + expf(-g)) * up[i];
+  }
+}
+
+// g and its GELU rounded to f16, the tails exact, as kernels::GeluTanhMul
+// computes ggml's CPU GELU.
+__global__ void GeluTanhMulKernel(const float* gate, const float* __restrict__ up, int64_t n,
+                                  float* out) {
+  constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = gate[i];
+    float gelu;
+    if (g <= -10.0f) {
+      gelu = 0.0f;
+    } else if (g >= 10.0f) {
+      gelu = g;
+    } else {
+      const float h = __half2float(__float2half_rn(g));
+      gelu = __half2float(
+          __float2half_rn(0.5f * h * (1.0f + tanhf(kSqrt2OverPi * h * (1.0f + 0.044715f * h * h)))));
+    }
+    out[i] = gelu * up[i];
+  }
+}
+
+// x[r * n + i] += bias[i] for n_rows rows.
+__global__ void AddRowBiasKernel(float* x, const float* __restrict__ bias, int64_t n_rows,
+                                 int64_t n) {
+  const int64_t total = n_rows * n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] += bias[i % n];
+  }
+}
+
+__global__ void ScaleKernel(float* x, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] *= s;
+  }
+}
+
+__global__ void SoftcapKernel(float* x, float cap, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = cap * tanhf(x[i] / cap);
   }
 }
 
@@ -264,7 +311,7 @@ absl::Status Rope(float* x, int64_t n_tokens, int64_t stride, int32_t n_heads,
   const float theta_scale = std::pow(p.freq_base, -2.0f / static_cast<float>(p.rot_dim));
   const int64_t total = n_tokens * n_heads * half;
   KVSERVE_CUDA_LAUNCH(static_cast<unsigned>((total + kThreads - 1) / kThreads), kThreads, 0, stream, RopeKernel)(
-      x, n_tokens, stride, n_heads, positions, p.head_dim, half, theta_scale,
+      x, n_tokens, stride, n_heads, positions, p.head_dim, half, theta_scale, p.freq_factors,
       p.style == kernels::RopeStyle::kNeox);
   return LaunchStatus("Rope");
 }
@@ -274,6 +321,34 @@ absl::Status SiluMul(const float* gate, const float* up, int64_t n, float* out,
   if (n <= 0) return absl::OkStatus();
   KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, SiluMulKernel)(gate, up, n, out);
   return LaunchStatus("SiluMul");
+}
+
+absl::Status GeluTanhMul(const float* gate, const float* up, int64_t n, float* out,
+                         StreamHandle stream) {
+  if (n <= 0) return absl::OkStatus();
+  KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, GeluTanhMulKernel)(gate, up, n, out);
+  return LaunchStatus("GeluTanhMul");
+}
+
+absl::Status AddRowBias(float* x, const float* bias, int64_t n_rows, int64_t n,
+                        StreamHandle stream) {
+  if (n_rows <= 0 || n <= 0) return absl::OkStatus();
+  KVSERVE_CUDA_LAUNCH(GridFor(n_rows * n, 4), kThreads, 0, stream, AddRowBiasKernel)(x, bias,
+                                                                                    n_rows, n);
+  return LaunchStatus("AddRowBias");
+}
+
+absl::Status ScaleInPlace(float* x, float s, int64_t n, StreamHandle stream) {
+  if (n <= 0) return absl::OkStatus();
+  KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, ScaleKernel)(x, s, n);
+  return LaunchStatus("ScaleInPlace");
+}
+
+absl::Status SoftcapInPlace(float* x, float cap, int64_t n, StreamHandle stream) {
+  if (n <= 0) return absl::OkStatus();
+  if (!(cap > 0)) return absl::InvalidArgumentError("SoftcapInPlace: cap must be positive");
+  KVSERVE_CUDA_LAUNCH(GridFor(n, 4), kThreads, 0, stream, SoftcapKernel)(x, cap, n);
+  return LaunchStatus("SoftcapInPlace");
 }
 
 absl::Status AddInPlace(float* x, const float* y, int64_t n, StreamHandle stream) {

@@ -20,6 +20,7 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/matmul_internal.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cuda/attention_generic.h"
 #include "kernels/cuda/attention_mass.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/matmul.h"
@@ -268,6 +269,73 @@ TEST_F(CudaTest, SiluMulAndResidualAddMatchCpu) {
       EXPECT_EQ(Download(dx2, n)[n - 1], x[n - 1]);
     }
   }
+}
+
+// Llama 3's RoPE scaling: the divisors are a device array here, a host one
+// for the CPU twin.
+TEST_F(CudaTest, RopeWithFreqFactorsMatchesCpu) {
+  const int64_t n_tokens = 4;
+  const std::vector<int32_t> pos = {0, 3, 700, 9000};
+  for (auto style : {kernels::RopeStyle::kNorm, kernels::RopeStyle::kNeox}) {
+    const int32_t hd = 64, n_heads = 2;
+    std::vector<float> factors(hd / 2);
+    for (size_t i = 0; i < factors.size(); ++i) factors[i] = 1.0f + 0.25f * static_cast<float>(i);
+    kernels::RopeParams p{hd, hd, 500000.f, style};
+    p.freq_factors = factors.data();
+    const auto x = RandomFloats(n_tokens * n_heads * hd, 4);
+    std::vector<float> want = x, unscaled = x;
+    kernels::RopeParams plain = p;
+    plain.freq_factors = nullptr;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      kernels::Rope(want.data() + t * n_heads * hd, n_heads, pos[t], p);
+      kernels::Rope(unscaled.data() + t * n_heads * hd, n_heads, pos[t], plain);
+    }
+    kernels::RopeParams dp = p;
+    dp.freq_factors = Upload(factors);
+    float* dx = Upload(x);
+    ASSERT_TRUE(cuda::Rope(dx, n_tokens, n_heads * hd, n_heads, Upload(pos), dp, stream()).ok());
+    const auto got = Download(dx, x.size());
+    EXPECT_LT(Nmse(got, want), 1e-10) << "style=" << static_cast<int>(style);
+    EXPECT_GT(Nmse(got, unscaled), 1e-3);  // the divisors were applied
+  }
+}
+
+TEST_F(CudaTest, GeluBiasScaleAndSoftcapMatchCpu) {
+  for (int64_t n : {1, 7, 1024, 100003}) {
+    auto g = RandomFloats(n, 5, 4.f);
+    if (n > 4) g[0] = -11.f, g[1] = 12.f, g[2] = -10.f, g[3] = 0.f;  // the exact tails
+    const auto u = RandomFloats(n, 6);
+    std::vector<float> want(n);
+    kernels::GeluTanhMulReference(g.data(), u.data(), n, want.data());
+    float* dg = Upload(g);
+    ASSERT_TRUE(cuda::GeluTanhMul(dg, Upload(u), n, dg, stream()).ok());
+    const auto got = Download(dg, n);
+    // tanhf on the device and in the CPU's table may differ in a last bit,
+    // which the f16 rounding of the GELU hides but for rare ties.
+    int64_t equal = 0;
+    for (int64_t i = 0; i < n; ++i) equal += got[i] == want[i];
+    EXPECT_GE(equal, n - std::max<int64_t>(1, n / 1000)) << "n=" << n;
+    EXPECT_LT(Nmse(got, want), 1e-9) << "n=" << n;
+  }
+  const int64_t rows = 3, width = 40;
+  const auto x = RandomFloats(rows * width, 7), bias = RandomFloats(width, 8);
+  std::vector<float> want = x;
+  for (int64_t r = 0; r < rows; ++r) kernels::AddInPlace(want.data() + r * width, bias.data(), width);
+  float* dx = Upload(x);
+  ASSERT_TRUE(cuda::AddRowBias(dx, Upload(bias), rows, width, stream()).ok());
+  EXPECT_EQ(Download(dx, x.size()), want);
+
+  std::vector<float> scaled = x;
+  for (float& v : scaled) v *= 25.3f;
+  float* ds = Upload(x);
+  ASSERT_TRUE(cuda::ScaleInPlace(ds, 25.3f, x.size(), stream()).ok());
+  EXPECT_EQ(Download(ds, x.size()), scaled);
+
+  std::vector<float> capped = scaled;
+  for (float& v : capped) v = 30.f * std::tanh(v / 30.f);
+  ASSERT_TRUE(cuda::SoftcapInPlace(ds, 30.f, x.size(), stream()).ok());
+  EXPECT_LT(Nmse(Download(ds, x.size()), capped), 1e-12);
+  EXPECT_FALSE(cuda::SoftcapInPlace(ds, 0.f, x.size(), stream()).ok());
 }
 
 TEST_F(CudaTest, ArgmaxPicksFirstMaximum) {
@@ -721,6 +789,70 @@ INSTANTIATE_TEST_SUITE_P(WideGroup, CudaPagedKvTest,
                                            KvParam{KvDType::kInt4, 16, 128, 12},
                                            KvParam{KvDType::kFp8E4M3, 16, 64, 3}),
                          KvParamName);
+
+// The generic kernel (head dims without a tuned kernel, and every windowed
+// layer whose window masks) with sliding windows, against the CPU
+// reference. The slots before each window are poisoned (NaN) in layer 1:
+// a kernel that read one would return NaN.
+TEST_F(CudaTest, GenericAttentionHonoursTheWindow) {
+  for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16}) {
+    for (int32_t hd : {8, 64, 256}) {
+      for (int32_t window : {0, 7, 16, 1000}) {
+        PagedKvFixture f;
+        f.dtype = dtype;
+        f.head_dim = hd;
+        f.n_kv_heads = 1;
+        f.lens = {1, 5, 37, 300};
+        f.Build(31);
+        f.FillOnCpu(9);
+        const kernels::PagedKvView host = f.HostView();
+        std::vector<int32_t> seq, pos;
+        for (int32_t s = 0; s < static_cast<int32_t>(f.lens.size()); ++s) {
+          seq.push_back(s);
+          pos.push_back(f.lens[s] - 1);
+          if (window == 0) continue;
+          for (int32_t p = 0; p < f.lens[s] - window; ++p) {  // before the window
+            uint8_t* k = host.BlockHead(1, f.block_ids[f.offsets[s] + p / f.block_size], 0) +
+                         (p % f.block_size) * host.RowBytes();
+            std::memset(k, 0xFF, host.RowBytes());
+            std::memset(k + host.layer_bytes / 2, 0xFF, host.RowBytes());
+          }
+        }
+        const int32_t n = static_cast<int32_t>(seq.size()), n_heads = 4;
+        const int64_t q_dim = int64_t{n_heads} * hd;
+        const auto q = RandomFloats(n * q_dim, 12);
+        kernels::AttentionBatch cb;
+        cb.n_tokens = n;
+        cb.token_seq = seq.data();
+        cb.token_pos = pos.data();
+        cb.n_heads = n_heads;
+        cb.scale = 1.f / std::sqrt(static_cast<float>(hd));
+        cb.window = window;
+        std::vector<float> want(n * q_dim);
+        kernels::PagedAttentionReference(host, 1, cb, q.data(), q_dim, want.data(), q_dim);
+        const auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
+        float* out = Alloc<float>(want.size());
+        ASSERT_TRUE(cuda::PagedAttentionGeneric(view, 1, n, Upload(seq), Upload(pos), n_heads,
+                                                cb.scale, Upload(q), q_dim, out, q_dim, window,
+                                                stream())
+                        .ok());
+        const auto got = Download(out, want.size());
+        SCOPED_TRACE(testing::Message() << KvDTypeName(dtype) << " hd=" << hd << " window=" << window);
+        for (float v : got) ASSERT_TRUE(std::isfinite(v));
+        EXPECT_LT(Nmse(got, want), dtype == KvDType::kF16 ? 1e-5 : 1e-9);
+      }
+    }
+  }
+  PagedKvFixture f;
+  f.lens = {4};
+  f.Build(1);
+  const auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
+  const std::vector<int32_t> zero = {0};
+  EXPECT_FALSE(cuda::PagedAttentionGeneric(view, 0, 1, Upload(zero), Upload(zero), 2, 1.f,
+                                           Alloc<float>(128), 128, Alloc<float>(128), 128, -1,
+                                           stream())
+                   .ok());
+}
 
 // Append takes any head dim (attention takes 64 and 128): int4 rows with a
 // partial last group and an odd channel count (the last byte's high nibble

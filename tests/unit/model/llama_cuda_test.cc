@@ -393,14 +393,20 @@ void ExpectAgreesUpToNearTies(const Loaded& l, const std::string& label,
 // and decode attention kernels) and each prompt alone, against the CPU.
 // The GPU runs the prompts together and each prompt alone; `alone` limits the
 // second to the first N prompts (each alone run is max_tokens batch-1 steps).
+// ignore_eos: random-weight models may pick EOS early; the run follows all
+// max_tokens anyway.
 void ExpectGpuMatchesCpu(const Loaded& l, const std::vector<std::vector<int32_t>>& prompts,
                          int max_tokens, const RunOptions& r, const Tolerance& tol,
                          std::vector<Output>* cpu_out = nullptr,
-                         size_t alone = std::numeric_limits<size_t>::max()) {
+                         size_t alone = std::numeric_limits<size_t>::max(),
+                         bool ignore_eos = false) {
   std::shared_ptr<ForwardBackend> gpu = CudaBackend(l, r.kv_dtype, r.block_size);
   ASSERT_NE(gpu, nullptr);
   std::vector<EngineRequest> reqs;
-  for (const std::vector<int32_t>& p : prompts) reqs.push_back({p, Greedy(max_tokens)});
+  for (const std::vector<int32_t>& p : prompts) {
+    reqs.push_back({p, Greedy(max_tokens)});
+    reqs.back().params.ignore_eos = ignore_eos;
+  }
   auto cpu = Generate(l, nullptr, reqs, r);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   auto together = Generate(l, gpu, reqs, r);
@@ -572,6 +578,106 @@ INSTANTIATE_TEST_SUITE_P(
                       TinyCase{GgmlType::kF32, kernels::KvDType::kInt4},
                       TinyCase{GgmlType::kQ4_1, kernels::KvDType::kInt4G64}),
     TinyCaseName);
+
+// ---- Model families on the device ----------------------------------------
+
+// Each family the CPU forward runs, written as a tiny random-weight model
+// (F32 weights, f16 KV): Llama 3's RoPE scaling, Qwen2's Q/K/V biases,
+// Qwen3's QK-norm with heads wider than dim / n_heads, Mistral's uniform
+// window, and Gemma 3 (QK-norm, post-norms, GELU FFN, scaled embeddings, a
+// 16-token window on 2 of every 3 layers with their own RoPE base, KV cache
+// groups in the engine) at head_dim 64 (the tuned kernels until the window
+// masks) and 256 (Gemma 3 270M's heads: the generic kernel), once with logit
+// soft-capping. Prompts and 40 generated tokens run past every window.
+struct FamilyCase {
+  const char* name;
+  testing::TinyLlamaOptions options;
+};
+void PrintTo(const FamilyCase& c, std::ostream* os) { *os << c.name; }
+
+std::vector<FamilyCase> FamilyCases() {
+  std::vector<FamilyCase> cases;
+  testing::TinyLlamaOptions base;
+  base.dim = 128;
+  base.n_heads = 2;
+  base.n_kv_heads = 1;
+  base.ffn_dim = 256;
+  base.n_layers = 3;
+  {
+    testing::TinyLlamaOptions o = base;
+    o.rope_scaling = "llama3";
+    o.rope_original_context = 16;
+    cases.push_back({"llama3_rope_scaling", o});
+  }
+  {
+    testing::TinyLlamaOptions o = base;
+    o.architecture = "qwen2";
+    cases.push_back({"qwen2_biases", o});
+  }
+  {
+    testing::TinyLlamaOptions o = base;
+    o.architecture = "qwen3";
+    o.n_heads = 4;
+    o.head_dim = 64;  // q_dim 256 on a 128-wide model
+    cases.push_back({"qwen3_qk_norm", o});
+  }
+  {
+    testing::TinyLlamaOptions o = base;
+    o.architecture = "mistral";
+    o.sliding_window = 16;
+    cases.push_back({"mistral_window", o});
+  }
+  {
+    testing::TinyLlamaOptions o = base;
+    o.architecture = "gemma3";
+    o.n_heads = 4;
+    o.head_dim = 64;
+    o.sliding_window = 16;
+    o.sliding_window_pattern = 3;
+    o.rope_freq_base = 1000000.0f;
+    o.rope_freq_base_swa = 10000.0f;
+    cases.push_back({"gemma3", o});
+    o.final_logit_softcap = 3.0f;
+    cases.push_back({"gemma3_softcap", o});
+    o.final_logit_softcap = 0.0f;
+    o.head_dim = 256;
+    o.n_heads = 2;
+    cases.push_back({"gemma3_head_dim_256", o});
+  }
+  return cases;
+}
+
+class CudaFamilyTest : public ::testing::TestWithParam<FamilyCase> {};
+
+TEST_P(CudaFamilyTest, GreedyMatchesCpuUpToNearTies) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const FamilyCase& c = GetParam();
+  const std::string path = testing::TempDir() + "/cuda-family-" + c.name + ".gguf";
+  std::ofstream(path, std::ios::binary) << testing::MakeTinyLlamaGguf(c.options);
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  const LlamaConfig& cfg = l.model->config();
+  // The file is read as the family it claims (else the case tests nothing).
+  if (c.options.architecture == "gemma3") {
+    ASSERT_TRUE(cfg.post_norms && cfg.gelu_ffn && cfg.qk_norm);
+    ASSERT_GT(cfg.n_windowed_layers(), 0);
+    ASSERT_LT(cfg.n_windowed_layers(), cfg.n_layers);
+  }
+  if (c.options.rope_scaling == "llama3") ASSERT_FALSE(cfg.rope_freq_factors.empty());
+  if (c.options.architecture == "qwen2") ASSERT_TRUE(cfg.qkv_bias);
+  RunOptions r;
+  r.max_batched_tokens = 24;  // prompts prefill in several chunks
+  ExpectGpuMatchesCpu(l,
+                      EncodeAll(l, {"hello world, this is a longer prompt than the chunk size",
+                                    "abc", "the quick brown fox jumps over the lazy dog"}),
+                      40, r, kTinyFloatTol, /*cpu_out=*/nullptr,
+                      /*alone=*/std::numeric_limits<size_t>::max(), /*ignore_eos=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, CudaFamilyTest, ::testing::ValuesIn(FamilyCases()),
+                         [](const ::testing::TestParamInfo<FamilyCase>& info) {
+                           return std::string(info.param.name);
+                         });
 
 // ---- Token eviction (H2O) on the device ----------------------------------
 
