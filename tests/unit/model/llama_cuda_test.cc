@@ -517,6 +517,47 @@ TEST(CudaLlamaTest, SmolLM2GreedyMatchesCpu) {
                       kSmolTokens, r, kSmolTol, /*cpu_out=*/nullptr, kSmolAlone);
 }
 
+// Gemma 3 270M (Q4_K_M; deploy/setup.sh --models all): QK-norm, post-norms,
+// GELU, 256-wide heads on the generic kernel, the local layers' RoPE base,
+// KV cache groups. The emulator (40 s for this test: a 262k-row head) follows two
+// prompts for 8 tokens, the first also alone; a GPU five prompts for 32
+// tokens each alone, and a prompt past the 512-token window.
+#ifdef KVSERVE_CUDA_EMULATOR
+constexpr int kGemmaTokens = 8;
+constexpr size_t kGemmaPrompts = 2;
+constexpr size_t kGemmaAlone = 1;
+#else
+constexpr int kGemmaTokens = 32;
+constexpr size_t kGemmaPrompts = 5;
+constexpr size_t kGemmaAlone = std::numeric_limits<size_t>::max();
+#endif
+
+TEST(CudaLlamaTest, Gemma3GreedyMatchesCpu) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  const std::string path = testing::ModelDirFile("gemma-3-270m-Q4_K_M.gguf");
+  KVSERVE_SKIP_IF_MISSING(path, "gemma-3-270m-Q4_K_M.gguf (deploy/setup.sh --models all)");
+  Loaded l = Load(path);
+  ASSERT_TRUE(l.model && l.tokenizer);
+  ASSERT_GT(l.model->config().n_windowed_layers(), 0);
+  RunOptions r;
+  r.max_batched_tokens = 64;  // several prefill chunks per prompt
+  std::vector<std::string> prompts = {"The capital of France is", "def fibonacci(n):",
+                                      "Water boils at", "A short poem about the sea:\n",
+                                      "Once upon a time, in a small village by the mountains, "
+                                      "there lived"};
+  prompts.resize(kGemmaPrompts);
+#ifndef KVSERVE_CUDA_EMULATOR
+  // Past the window: the windowed layers read only the last 512 positions.
+  std::string longer = "Notes from the river survey. ";
+  while (l.tokenizer->Encode(longer, true, false).size() < 600) {
+    longer += "The water level rose by a hand's width each day, and the ferry kept running. ";
+  }
+  prompts.push_back(longer + "In the end,");
+#endif
+  ExpectGpuMatchesCpu(l, EncodeAll(l, prompts), kGemmaTokens, r, kSmolTol, /*cpu_out=*/nullptr,
+                      kGemmaAlone);
+}
+
 // A tiny random-weight model the test writes itself (no ../shared, no
 // download), with head_dim 64 so that the tuned attention kernels run, in
 // each GGUF weight type and with each KV codec the CUDA kernels run.
