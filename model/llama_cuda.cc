@@ -519,21 +519,19 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
                                                     q_dim, d + o_wanted, mass_.as<float>(),
                                                     b.attention_mass_stride, st));
     }
-    // A window that masks runs on the generic kernel (the tuned ones attend
-    // from position 0).
+    // Every kernel starts a windowed layer's tokens at their window.
     const int32_t window = window_masks && c.LayerWindowed(l) ? c.sliding_window : 0;
-    if (window > 0) {
-      RETURN_IF_ERROR(cuda::PagedAttentionGeneric(lkv, ll, n, d_seq, d_slot, c.n_heads, scale, q,
-                                                  q_dim, attn, q_dim, window, st));
-    } else if (use_prefill) {
+    if (use_prefill) {
+      prefill.window = window;
       RETURN_IF_ERROR(cuda::PagedPrefillAttention(lkv, ll, prefill, q, q_dim, attn, q_dim, st));
     } else if (use_decode) {
+      decode.window = window;
       RETURN_IF_ERROR(cuda::PagedDecodeAttention(lkv, ll, decode, q, q_dim, attn, q_dim,
                                                  workspace_bytes > 0 ? workspace_.data() : nullptr,
                                                  workspace_bytes, st));
     } else {
       RETURN_IF_ERROR(cuda::PagedAttentionGeneric(lkv, ll, n, d_seq, d_slot, c.n_heads, scale, q,
-                                                  q_dim, attn, q_dim, 0, st));
+                                                  q_dim, attn, q_dim, window, st));
     }
     RETURN_IF_ERROR(blas_->MatMul(L.wo, attn, n, q_dim, xn, c.dim));
     if (c.post_norms) {

@@ -55,6 +55,7 @@ struct DecodeArgs {
   int32_t n_heads;
   int32_t split_len;  // positions per split
   int32_t n_splits;
+  int32_t window;  // > 0: each token attends to its last `window` positions
   float scale;
   float* ws_acc;  // [token][head][split][HD]
   float* ws_ml;   // [token][head][split][2]: max, sum
@@ -89,7 +90,10 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(DecodeArgs a) {
 
   const int32_t seq = a.token_seq[t];
   const int32_t len = a.token_pos[t] + 1;
-  const int32_t begin = split * a.split_len;
+  // Splits cover the token's window (all of [0, len) without one); slots
+  // before the window are never read.
+  const int32_t first = a.window > 0 && len > a.window ? len - a.window : 0;
+  const int32_t begin = first + split * a.split_len;
   const int32_t end = min(len, begin + a.split_len);
 
   float q[kMaxGroup][E];
@@ -288,7 +292,9 @@ SplitPlan PlanSplits(const kernels::PagedKvView& kv, const DecodeAttentionBatch&
   SplitPlan p;
   const int32_t group = kv.n_kv_heads > 0 ? b.n_heads / kv.n_kv_heads : 1;
   p.head_tiles = (group + kMaxGroup - 1) / kMaxGroup;
-  const int32_t max_ctx = std::max(1, b.max_context);
+  // Positions one token attends to at most (its window, when set).
+  const int32_t max_ctx =
+      std::max(1, b.window > 0 ? std::min(b.max_context, b.window) : b.max_context);
   const int64_t work = static_cast<int64_t>(b.n_tokens) * kv.n_kv_heads * p.head_tiles;
   // About four CTAs per SM keeps every SM streaming; beyond that splitting
   // only adds merge traffic.
@@ -329,6 +335,10 @@ absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,
   if (batch.max_context <= 0) {
     return absl::InvalidArgumentError("PagedDecodeAttention: max_context must be set");
   }
+  if (batch.window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PagedDecodeAttention: window ", batch.window, " is negative"));
+  }
   if (batch.n_tokens > 65535) {
     return absl::InvalidArgumentError("PagedDecodeAttention: more than 65535 tokens");
   }
@@ -351,6 +361,7 @@ absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,
   a.n_heads = batch.n_heads;
   a.split_len = plan.split_len;
   a.n_splits = plan.n_splits;
+  a.window = batch.window;
   a.scale = batch.scale;
   const int64_t parts = static_cast<int64_t>(batch.n_tokens) * batch.n_heads * plan.n_splits;
   a.ws_acc = static_cast<float*>(workspace);

@@ -42,6 +42,7 @@ struct PrefillArgs {
   float* out;
   int64_t out_stride;
   int32_t group;
+  int32_t window;  // > 0: a row at position p sees keys (p - window, p]
   float scale;
 };
 
@@ -68,6 +69,10 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillArgs a) {
   const int32_t pos0 = len - n_q;  // position of query row 0
   const int32_t rows = min(kQ, n_q - tile * kQ);
   const int32_t last_pos = pos0 + tile * kQ + rows - 1;
+  // The first key any row of the tile sees (its first row's window); keys
+  // before it are never read (a window group's blocks there may be gone).
+  const int32_t first_pos =
+      a.window > 0 ? max(0, pos0 + tile * kQ - a.window + 1) : 0;
 
   for (int idx = threadIdx.x; idx < kQ * HD; idx += kThreads) {
     const int r = idx / HD, d = idx % HD;
@@ -90,13 +95,13 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillArgs a) {
 
   const int32_t* blocks = a.kv.block_ids + a.kv.seq_block_offsets[seq];
   const int32_t mask = a.kv.block_size - 1;
-  for (int32_t k0 = 0; k0 <= last_pos; k0 += kK) {
+  for (int32_t k0 = first_pos / kK * kK; k0 <= last_pos; k0 += kK) {
     __syncthreads();  // the previous tile's readers are done (and s_q is written)
     for (int idx = threadIdx.x; idx < kK * kVecsPerRow; idx += kThreads) {
       const int j = idx / kVecsPerRow, c = idx % kVecsPerRow;
       const int32_t pos = k0 + j;
       float kf[E], vf[E];
-      if (pos <= last_pos) {
+      if (pos <= last_pos && pos >= first_pos) {
         const int32_t block = blocks[pos >> a.kv.block_shift];
         const uint8_t* row = a.kv.HeadKeys(block, kv_head) +
                              static_cast<int64_t>(pos & mask) * a.kv.row_bytes +
@@ -127,9 +132,14 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillArgs a) {
       if (r >= rows) break;  // warp-uniform
       const int32_t qpos = pos0 + tile * kQ + r;
       if (k0 > qpos) continue;  // the whole tile is in this row's future
+      // Keys this row sees: (qpos - window, qpos]; a tile wholly before them
+      // is skipped, so every tile it folds holds one (m_new is finite).
+      const int32_t qfirst = a.window > 0 ? qpos - a.window + 1 : 0;
+      if (k0 + kK <= qfirst) continue;
       const int32_t kpos = k0 + lane;
+      const bool visible = kpos <= qpos && kpos >= qfirst;
       float s = -INFINITY;
-      if (kpos <= qpos) {
+      if (visible) {
         float dot = 0.f;
 #pragma unroll 16
         for (int d = 0; d < HD; ++d) dot = fmaf(s_q[r][d], s_k[lane][d], dot);
@@ -138,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillArgs a) {
       float mx = s;
       for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float m_new = fmaxf(m[i], mx);  // finite: key k0 <= qpos is visible
-      const float p = kpos <= qpos ? __expf(s - m_new) : 0.f;
+      const float p = visible ? __expf(s - m_new) : 0.f;
       float sum = p;
       for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       const float factor = __expf(m[i] - m_new);
@@ -184,8 +194,20 @@ absl::Status PagedPrefillAttention(const kernels::PagedKvView& kv, int32_t layer
       batch.n_heads > 65535) {
     return absl::InvalidArgumentError("PagedPrefillAttention: missing arrays or too many seqs");
   }
-  PrefillArgs a{L, batch.q_seq_offsets, batch.seq_lens, q, q_stride, out, out_stride,
-                batch.n_heads / kv.n_kv_heads, batch.scale};
+  if (batch.window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PagedPrefillAttention: window ", batch.window, " is negative"));
+  }
+  PrefillArgs a{L,
+                batch.q_seq_offsets,
+                batch.seq_lens,
+                q,
+                q_stride,
+                out,
+                out_stride,
+                batch.n_heads / kv.n_kv_heads,
+                batch.window,
+                batch.scale};
   const dim3 grid(static_cast<unsigned>((batch.max_q_per_seq + kQ - 1) / kQ),
                   static_cast<unsigned>(batch.n_heads), static_cast<unsigned>(kv.n_seqs));
   return KVSERVE_DISPATCH_KV(kv.dtype, kv.head_dim, {

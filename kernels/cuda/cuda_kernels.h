@@ -107,6 +107,10 @@ struct DecodeAttentionBatch {
   int32_t n_heads = 0;      // query heads; n_heads % kv.n_kv_heads == 0
   float scale = 1.0f;       // usually 1/sqrt(head_dim)
   int32_t max_context = 0;  // host-side bound on token_pos[t] + 1; sizes the split
+  // Sliding window (kernels::AttentionBatch::window): > 0, token t attends
+  // only to [token_pos[t] - window + 1, token_pos[t]]; earlier slots are
+  // never read. 0: all of them.
+  int32_t window = 0;
 };
 
 // Device scratch (bytes) PagedDecodeAttention needs for this batch: the
@@ -140,6 +144,7 @@ struct PrefillAttentionBatch {
   int32_t max_q_per_seq = 0;
   int32_t n_heads = 0;
   float scale = 1.0f;
+  int32_t window = 0;  // as DecodeAttentionBatch::window, per query row
 };
 absl::Status PagedPrefillAttention(const kernels::PagedKvView& kv, int32_t layer,
                                    const PrefillAttentionBatch& batch, const float* q,

@@ -399,6 +399,24 @@ struct PagedKvFixture {
     return v;
   }
   kernels::PagedKvView HostView() { return View(host.data(), block_ids.data(), offsets.data()); }
+  // Makes K and V of `pos` of sequence s in `layer` unreadable: data bytes
+  // and row scales 0xFF (NaN for the float codecs and the scales), so a
+  // kernel that reads a slot before a window returns NaN.
+  void Poison(int32_t layer, int32_t s, int32_t pos) {
+    const kernels::PagedKvView v = HostView();
+    const int32_t block = block_ids[offsets[s] + pos / block_size];
+    for (int32_t h = 0; h < n_kv_heads; ++h) {
+      uint8_t* k = v.BlockHead(layer, block, h) + (pos % block_size) * v.RowBytes();
+      std::memset(k, 0xFF, v.RowBytes());
+      std::memset(k + layer_bytes / 2, 0xFF, v.RowBytes());
+      const int64_t meta = kernels::KvRowMetaBytes(dtype, head_dim);
+      if (meta > 0) {
+        uint8_t* m = v.BlockHeadMeta(layer, block, h) + (pos % block_size) * meta;
+        std::memset(m, 0xFF, meta);
+        std::memset(m + layer_bytes / 2, 0xFF, meta);
+      }
+    }
+  }
   // Every position of every sequence, appended on the CPU, in both layers.
   void FillOnCpu(uint32_t seed) {
     const int64_t w = int64_t{n_kv_heads} * head_dim;
@@ -595,6 +613,104 @@ TEST_P(CudaPagedKvTest, PrefillAttentionMatchesReference) {
   const auto got = Download(out, want.size());
   EXPECT_LT(Nmse(got, want), Threshold());
   ExpectQuantizedBound(got, want);
+}
+
+// Sliding windows in the tuned kernels: decode (a window inside one split,
+// and one spanning several splits of a 2,500-position context) and prefill
+// (query tiles whose rows start their windows at different keys). The slots
+// before every query's window are poisoned in layer 1, so reading one gives
+// NaN.
+TEST_P(CudaPagedKvTest, DecodeAttentionHonoursTheWindow) {
+  for (int32_t window : {1, 100, 1000}) {
+    SetUpKv({1, 5, 37, 300, 2500}, 23);
+    f_.FillOnCpu(5);
+    std::vector<int32_t> seq, pos;
+    for (int32_t s = 0; s < static_cast<int32_t>(f_.lens.size()); ++s) {
+      seq.push_back(s);
+      pos.push_back(f_.lens[s] - 1);
+      for (int32_t p = 0; p < f_.lens[s] - window; ++p) f_.Poison(1, s, p);
+    }
+    const int32_t n_heads = f_.n_kv_heads * group_;
+    const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
+    const int32_t n = static_cast<int32_t>(seq.size());
+    const auto q = RandomFloats(n * q_dim, 9);
+    kernels::AttentionBatch cb;
+    cb.n_tokens = n;
+    cb.token_seq = seq.data();
+    cb.token_pos = pos.data();
+    cb.n_heads = n_heads;
+    cb.scale = 1.f / std::sqrt(static_cast<float>(f_.head_dim));
+    cb.window = window;
+    std::vector<float> want(n * q_dim);
+    kernels::PagedAttentionReference(f_.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
+    const auto view = DeviceView(Upload(f_.host));
+    cuda::DecodeAttentionBatch b;
+    b.n_tokens = n;
+    b.token_seq = Upload(seq);
+    b.token_pos = Upload(pos);
+    b.n_heads = n_heads;
+    b.scale = cb.scale;
+    b.max_context = 2500;
+    b.window = window;
+    const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(view, b);
+    void* ws = ws_bytes > 0 ? Alloc<uint8_t>(ws_bytes) : nullptr;
+    float* out = Alloc<float>(want.size());
+    ASSERT_TRUE(cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws, ws_bytes,
+                                           stream())
+                    .ok());
+    const auto got = Download(out, want.size());
+    SCOPED_TRACE(testing::Message() << "window=" << window);
+    for (float v : got) ASSERT_TRUE(std::isfinite(v));
+    EXPECT_LT(Nmse(got, want), Threshold());
+    ExpectQuantizedBound(got, want);
+  }
+}
+
+TEST_P(CudaPagedKvTest, PrefillAttentionHonoursTheWindow) {
+  for (int32_t window : {1, 50}) {
+    SetUpKv({1, 40, 64, 300}, 35);
+    const std::vector<int32_t> chunk = {1, 17, 64, 100};
+    f_.FillOnCpu(6);
+    const int32_t n_heads = f_.n_kv_heads * group_;
+    const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
+    std::vector<int32_t> seq, pos, q_offsets = {0};
+    for (int32_t s = 0; s < 4; ++s) {
+      const int32_t first = f_.lens[s] - chunk[s];  // the chunk's first position
+      for (int32_t j = 0; j < chunk[s]; ++j) {
+        seq.push_back(s);
+        pos.push_back(first + j);
+      }
+      q_offsets.push_back(q_offsets.back() + chunk[s]);
+      for (int32_t p = 0; p < first - window + 1; ++p) f_.Poison(1, s, p);
+    }
+    const int32_t n = static_cast<int32_t>(seq.size());
+    const auto q = RandomFloats(n * q_dim, 19);
+    kernels::AttentionBatch cb;
+    cb.n_tokens = n;
+    cb.token_seq = seq.data();
+    cb.token_pos = pos.data();
+    cb.n_heads = n_heads;
+    cb.scale = 1.f / std::sqrt(static_cast<float>(f_.head_dim));
+    cb.window = window;
+    std::vector<float> want(n * q_dim);
+    kernels::PagedAttentionReference(f_.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
+    cuda::PrefillAttentionBatch b;
+    b.q_seq_offsets = Upload(q_offsets);
+    b.seq_lens = Upload(f_.lens);
+    b.max_q_per_seq = 100;
+    b.n_heads = n_heads;
+    b.scale = cb.scale;
+    b.window = window;
+    float* out = Alloc<float>(want.size());
+    ASSERT_TRUE(cuda::PagedPrefillAttention(DeviceView(Upload(f_.host)), 1, b, Upload(q), q_dim,
+                                            out, q_dim, stream())
+                    .ok());
+    const auto got = Download(out, want.size());
+    SCOPED_TRACE(testing::Message() << "window=" << window);
+    for (float v : got) ASSERT_TRUE(std::isfinite(v));
+    EXPECT_LT(Nmse(got, want), Threshold());
+    ExpectQuantizedBound(got, want);
+  }
 }
 
 // H2O statistics: the device mass equals the plain-loop reference's, for
