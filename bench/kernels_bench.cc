@@ -296,9 +296,17 @@ void BM_GemmaMatMuls(benchmark::State& state, int threads, int part) {
 
 // One layer's attention of a single decode token at context `ctx`, SmolLM2
 // geometry (9 query heads, 3 KV heads of 64), 16-token blocks.
-void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, int threads) {
+// One decode token's attention over ctx positions. Shape: SmolLM2's (3 KV
+// heads x 3 query heads, head_dim 64), or with gemma Gemma 3 270M's (1 KV
+// head x 4, head_dim 256). split: -1 the kernel's own choice, 0 one thread
+// per (token, KV head), 1 each pair's steps spread over the threads (f16).
+void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, int threads,
+                        bool gemma, int split) {
   const int32_t ctx = static_cast<int32_t>(state.range(0));
-  constexpr int32_t kBlock = 16, kKvHeads = 3, kHeads = 9, kHeadDim = 64;
+  constexpr int32_t kBlock = 16;
+  const int32_t kKvHeads = gemma ? 1 : 3, kHeads = gemma ? 4 : 9, kHeadDim = gemma ? 256 : 64;
+  std::unique_ptr<kernels::ScopedF16SplitForTesting> forced;
+  if (split >= 0) forced = std::make_unique<kernels::ScopedF16SplitForTesting>(split == 1);
   PagedKvView kv;
   kv.block_size = kBlock;
   kv.n_kv_heads = kKvHeads;
@@ -325,7 +333,7 @@ void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, 
   const auto q = MakeActs(kHeads * kHeadDim);
   std::vector<float> out(kHeads * kHeadDim);
   const int32_t seq = 0, last = ctx - 1;
-  AttentionBatch batch{1, &seq, &last, kHeads, 0.125f};
+  AttentionBatch batch{1, &seq, &last, kHeads, 1.0f / std::sqrt(static_cast<float>(kHeadDim))};
   ThreadPool* pool = Pool(threads);
   for (auto _ : state) {
     if (reference) {
@@ -535,15 +543,36 @@ void RegisterAll() {
     const std::string base = std::string("AttentionDecode/") + std::string(KvDTypeName(dt));
     for (int threads : {1, 2}) {
       benchmark::RegisterBenchmark((base + "/threads:" + std::to_string(threads)).c_str(),
-                                   BM_AttentionDecode, dt, false, threads)
+                                   BM_AttentionDecode, dt, false, threads, false, -1)
           ->Arg(512)
           ->Arg(2048)
           ->UseRealTime();
     }
-    benchmark::RegisterBenchmark((base + "/reference").c_str(), BM_AttentionDecode, dt, true, 1)
+    benchmark::RegisterBenchmark((base + "/reference").c_str(), BM_AttentionDecode, dt, true, 1,
+                                 false, -1)
         ->Arg(512)
         ->Arg(2048)
         ->UseRealTime();
+  }
+  // Single-stream decode on an f16 cache: one (token, KV head) pair per
+  // thread or its steps split over both threads, by context length, for
+  // SmolLM2's and Gemma 3 270M's heads (kMinF16SplitWork in attention.cc).
+  for (bool gemma : {false, true}) {
+    for (int split : {-1, 0, 1}) {
+      const char* how = split < 0 ? "auto" : split == 0 ? "whole" : "split";
+      benchmark::RegisterBenchmark((std::string("AttentionDecodeSplit/") +
+                                    (gemma ? "gemma3" : "smollm2") + "/f16/threads:2/" + how)
+                                       .c_str(),
+                                   BM_AttentionDecode, KvDType::kF16, false, 2, gemma, split)
+          ->Arg(32)
+          ->Arg(64)
+          ->Arg(128)
+          ->Arg(256)
+          ->Arg(512)
+          ->Arg(1024)
+          ->Arg(4096)
+          ->UseRealTime();
+    }
   }
 }
 

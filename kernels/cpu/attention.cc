@@ -104,10 +104,21 @@ void AttendScalar(const PagedKvView& kv, int32_t layer, const AttnItem& item, in
   }
 }
 
-// The f16 cache's split path (below) pays off once a pair's context is this
-// long: its units wait on each other, and short contexts leave little to
-// share.
-constexpr int32_t kMinF16SplitPositions = 256;
+// The f16 cache's split path (below) pays off only where whole pairs leave
+// a thread with nothing to do (fewer pairs than threads: Gemma 3's one KV
+// head in single-stream decode), from this many positions: its units wait
+// on each other, and short contexts leave little to share. Where every
+// thread has a pair (SmolLM2's three on two threads: only the last round is
+// short) splitting measured no better. kvserve_kernels_bench
+// AttentionDecodeSplit/*/f16/threads:2, whole vs split, median us of 6
+// interleaved runs (--benchmark_enable_random_interleaving) on the 2-vCPU
+// EPYC: gemma3 (1 pair, 4 x 256) at 64 / 128 / 256 / 1024 / 4096 positions
+// 3.5 / 6.5 / 13.1 / 55.1 / 240 vs 6.8 / 6.1 / 9.9 / 35.6 / 139; smollm2 (3
+// pairs, 3 x 64) at 256 / 512 / 1024 / 4096 6.8 / 12.9 / 26.3 / 120 vs
+// 10.2 / 18.1 / 30.0 / 139 (an earlier run had split ahead at 1024 and
+// 4096, 25 vs 26 and 100 vs 113). The former rule, any pair count below
+// twice the threads from 256 positions, split SmolLM2 where it cost 35-50%.
+constexpr int32_t kMinF16SplitPositions = 128;
 
 // -1: the heuristic decides; 0/1: ScopedF16SplitForTesting's choice.
 std::atomic<int> g_f16_split_override{-1};
@@ -323,7 +334,7 @@ void PagedAttention(const PagedKvView& kv, int32_t layer, const AttentionBatch& 
     if (n_threads > 1) {
       const int over = g_f16_split_override.load(std::memory_order_relaxed);
       bool split = over == 1;
-      if (over < 0 && n_pairs < 2 * n_threads) {
+      if (over < 0 && n_pairs < n_threads) {
         int32_t max_len = 0;  // positions attended, windows applied
         for (int32_t t = 0; t < batch.n_tokens; ++t) {
           const int32_t len = batch.token_pos[t] + 1;
