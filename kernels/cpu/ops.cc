@@ -227,6 +227,23 @@ void AddInPlace(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
+int64_t ArgMaxReference(const float* x, int64_t n) {
+  int64_t best = 0;
+  float best_value = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    if (x[i] > best_value) {
+      best_value = x[i];
+      best = i;
+    }
+  }
+  return best;
+}
+
+int64_t ArgMax(const float* x, int64_t n) {
+  if (UseAvx2()) return internal::ArgMaxAvx2(x, n);
+  return ArgMaxReference(x, n);
+}
+
 float SoftmaxInPlace(float* x, int64_t n) {
   if (n <= 0) return -INFINITY;
   if (UseAvx2()) return internal::SoftmaxInPlaceAvx2(x, n);

@@ -50,4 +50,10 @@ void AddInPlace(float* x, const float* y, int64_t n);
 // log-normalizer (useful for log-probabilities).
 float SoftmaxInPlace(float* x, int64_t n);
 
+// Greedy decoding's argmax: the lowest index of the largest of x[0, n) with
+// the plain loop's rule (best = x[0]; x[i] replaces it only when strictly
+// greater, so NaN never wins and a NaN x[0] keeps index 0). n >= 1.
+int64_t ArgMax(const float* x, int64_t n);
+int64_t ArgMaxReference(const float* x, int64_t n);
+
 }  // namespace kvserve::kernels

@@ -3,8 +3,10 @@
 
 #include <immintrin.h>
 
+#include <climits>
 #include <cmath>
 
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_internal.h"
 #include "kernels/cpu/simd_avx2.h"
 
@@ -208,6 +210,47 @@ float SoftmaxInPlaceAvx2(float* x, int64_t n) {
   const float inv = 1.0f / sum;
   for (; i < n; ++i) x[i] *= inv;
   return std::log(sum) + mx;
+}
+
+int64_t ArgMaxAvx2(const float* x, int64_t n) {
+  // A NaN first value wins by the plain loop's rule (nothing compares
+  // greater), and short rows are not worth the vectors.
+  if (n < 64 || std::isnan(x[0]) || n > INT32_MAX) return ArgMaxReference(x, n);
+  // Eight lanes, each the first index of its largest value (strict '>', so
+  // NaN never enters and the earliest of equal values stays), from -inf.
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i best_i = _mm256_set1_epi32(INT32_MAX);
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, gt);
+    best_i = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+    idx = _mm256_add_epi32(idx, step);
+  }
+  alignas(32) float bv[8];
+  alignas(32) int32_t bi[8];
+  _mm256_store_ps(bv, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bi), best_i);
+  float value = -INFINITY;
+  int64_t at = INT32_MAX;
+  for (int l = 0; l < 8; ++l) {
+    if (bv[l] > value || (bv[l] == value && bi[l] < at)) {
+      value = bv[l];
+      at = bi[l];
+    }
+  }
+  for (; i < n; ++i) {
+    if (x[i] > value) {
+      value = x[i];
+      at = i;
+    }
+  }
+  // Nothing above -inf: x[0] (not NaN) is -inf, and the plain loop keeps 0.
+  return at == INT32_MAX ? 0 : at;
 }
 
 }  // namespace kvserve::kernels::internal

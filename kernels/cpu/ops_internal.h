@@ -21,5 +21,6 @@ void GeluTanhMulAvx2(const float* table, const float* gate, const float* up, int
                      float* out);
 void AddInPlaceAvx2(float* x, const float* y, int64_t n);
 float SoftmaxInPlaceAvx2(float* x, int64_t n);
+int64_t ArgMaxAvx2(const float* x, int64_t n);
 
 }  // namespace kvserve::kernels::internal

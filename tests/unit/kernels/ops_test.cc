@@ -160,6 +160,52 @@ TEST_P(OpsTest, AddInPlaceAdds) {
   EXPECT_EQ(x, want);
 }
 
+// Greedy's argmax equals the plain loop on random rows and on the cases its
+// rule decides: ties (lowest index), NaN (never wins; a NaN first value
+// keeps 0), -inf rows, the maximum in the tail past the vector loop.
+TEST(ArgMaxTest, EqualsThePlainLoop) {
+  const float nan = std::nanf("");
+  for (int64_t n : {1, 7, 8, 63, 64, 65, 71, 1000, 262144}) {
+    for (int c = 0; c < 9; ++c) {
+      std::vector<float> x = RandomFloats(n, static_cast<uint32_t>(n * 10 + c));
+      const int64_t last = n - 1;
+      switch (c) {
+        case 1:  // a tie between two lanes and a later equal value
+          x[n / 3] = x[n / 2] = x[last] = 100.0f;
+          break;
+        case 2:  // NaNs everywhere but the maximum
+          for (int64_t i = 1; i < n; i += 3) x[i] = nan;
+          break;
+        case 3:  // NaN first: index 0 by the rule
+          x[0] = nan;
+          break;
+        case 4:  // all -inf
+          std::fill(x.begin(), x.end(), -INFINITY);
+          break;
+        case 5:  // -inf first, NaN and one finite value later
+          std::fill(x.begin(), x.end(), -INFINITY);
+          if (n > 2) x[n / 2] = nan, x[last] = -3.0f;
+          break;
+        case 6:  // the maximum in the tail
+          x[last] = 50.0f;
+          break;
+        case 7:  // +inf twice
+          x[last] = INFINITY, x[n / 2] = INFINITY;
+          break;
+        case 8:  // all equal
+          std::fill(x.begin(), x.end(), 0.5f);
+          break;
+        default:
+          break;
+      }
+      const int64_t want = ArgMaxReference(x.data(), n);
+      EXPECT_EQ(ArgMax(x.data(), n), want) << "n=" << n << " case " << c;
+      ScopedDisableSimdForTesting no_simd;
+      EXPECT_EQ(ArgMax(x.data(), n), want) << "n=" << n << " case " << c << " (no SIMD)";
+    }
+  }
+}
+
 TEST_P(OpsTest, SoftmaxMatchesDoublePrecision) {
   auto x = RandomFloats(n(), 7, 5.0f);
   double mx = x[0];
