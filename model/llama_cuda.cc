@@ -374,10 +374,14 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   }
   for (int32_t s = 0; s < n_seqs; ++s) q_offsets[s + 1] += q_offsets[s];
   // Head dims without a tuned kernel (e.g. stories260K's 8) take the
-  // generic kernel, which runs any ragged batch.
+  // generic kernel, which runs any ragged batch. 256-wide heads (Gemma 3)
+  // have the decode kernel only (not with f32 K/V), which also runs their
+  // prefill chunks: one CTA per (row, KV head, context split).
   const bool tuned = c.head_dim == 64 || c.head_dim == 128;
+  const bool decode_tuned =
+      tuned || (c.head_dim == 256 && kv.dtype != kernels::KvDType::kF32);
   const bool use_prefill = tuned && grouped && max_rows > 1;
-  const bool use_decode = tuned && !use_prefill;
+  const bool use_decode = decode_tuned && !use_prefill;
 
   // One staging copy of every int array of the step: [tokens][token_seq]
   // [positions][logit_rows][block_ids][seq_block_offsets][q_offsets][seq_lens]

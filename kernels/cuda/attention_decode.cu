@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(DecodeArgs a) {
   constexpr int E = C::kElems;  // elements per lane load
   constexpr int LPR = HD / E;          // lanes per row
   constexpr int RPW = 32 / LPR;        // rows per warp per step
+  static_assert(LPR >= 1 && LPR <= 32 && 32 % LPR == 0, "a row must fit one warp");
   constexpr int RPI = kWarps * RPW;    // rows per CTA per step
   constexpr int kStep = RPI * kUnroll;
 
@@ -310,6 +311,25 @@ SplitPlan PlanSplits(const kernels::PagedKvView& kv, const DecodeAttentionBatch&
   return p;
 }
 
+template <typename C, int HD>
+absl::Status LaunchDecode(const kernels::PagedKvView& kv, const DecodeArgs& a,
+                          const SplitPlan& plan, int32_t n_tokens, int32_t n_heads, float* out,
+                          int64_t out_stride, StreamHandle stream) {
+  if (absl::Status s = internal::CheckKvAlignment(kv, C::kRawBytes, "PagedDecodeAttention");
+      !s.ok()) {
+    return s;
+  }
+  const dim3 grid(static_cast<unsigned>(kv.n_kv_heads * plan.head_tiles),
+                  static_cast<unsigned>(n_tokens), static_cast<unsigned>(plan.n_splits));
+  KVSERVE_CUDA_LAUNCH(grid, kThreads, 0, stream, DecodeKernel<C, HD>)(a);
+  if (plan.n_splits > 1) {
+    KVSERVE_CUDA_LAUNCH(static_cast<unsigned>(n_tokens * n_heads), HD, 0, stream,
+                        MergeSplitsKernel<HD>)(a.ws_acc, a.ws_ml, n_heads, plan.n_splits, out,
+                                               out_stride);
+  }
+  return internal::LaunchStatus("PagedDecodeAttention");
+}
+
 }  // namespace
 
 size_t PagedDecodeAttentionWorkspaceBytes(const kernels::PagedKvView& kv,
@@ -366,19 +386,36 @@ absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,
   const int64_t parts = static_cast<int64_t>(batch.n_tokens) * batch.n_heads * plan.n_splits;
   a.ws_acc = static_cast<float*>(workspace);
   a.ws_ml = plan.n_splits > 1 ? a.ws_acc + parts * kv.head_dim : nullptr;
-  const dim3 grid(static_cast<unsigned>(kv.n_kv_heads * plan.head_tiles),
-                  static_cast<unsigned>(batch.n_tokens), static_cast<unsigned>(plan.n_splits));
+  // 256-wide heads (Gemma 3 270M-12B): a row is 32 lanes of 8 elements, so
+  // every codec with 8-element loads runs here; f32 (4-element loads) would
+  // need 64 lanes a row and stays on the generic kernel.
+  if (kv.head_dim == 256) {
+    using kernels::KvDType;
+    switch (kv.dtype) {
+      case KvDType::kF16:
+        return LaunchDecode<internal::KvCodecF16, 256>(kv, a, plan, batch.n_tokens, batch.n_heads,
+                                                       out, out_stride, stream);
+      case KvDType::kBF16:
+        return LaunchDecode<internal::KvCodecBF16, 256>(kv, a, plan, batch.n_tokens,
+                                                        batch.n_heads, out, out_stride, stream);
+      case KvDType::kInt8:
+      case KvDType::kFp8E4M3:
+      case KvDType::kFp8E5M2:
+        return LaunchDecode<internal::KvCodecByte, 256>(kv, a, plan, batch.n_tokens,
+                                                        batch.n_heads, out, out_stride, stream);
+      case KvDType::kInt4:
+      case KvDType::kInt4G64:
+        return LaunchDecode<internal::KvCodecInt4, 256>(kv, a, plan, batch.n_tokens,
+                                                        batch.n_heads, out, out_stride, stream);
+      default:
+        return absl::UnimplementedError(absl::StrCat(
+            "PagedDecodeAttention: head_dim 256 runs f16, bf16, int8, fp8 and int4 K/V, not ",
+            std::string(kernels::KvDTypeName(kv.dtype))));
+    }
+  }
   return KVSERVE_DISPATCH_KV(kv.dtype, kv.head_dim, {
-    if (absl::Status s = internal::CheckKvAlignment(kv, C::kRawBytes, "PagedDecodeAttention");
-        !s.ok()) {
-      return s;
-    }
-    KVSERVE_CUDA_LAUNCH(grid, kThreads, 0, stream, DecodeKernel<C, HD>)(a);
-    if (plan.n_splits > 1) {
-      KVSERVE_CUDA_LAUNCH(static_cast<unsigned>(batch.n_tokens * batch.n_heads), HD, 0, stream, MergeSplitsKernel<HD>)(a.ws_acc, a.ws_ml, batch.n_heads, plan.n_splits, out,
-                                        out_stride);
-    }
-    if (absl::Status s = internal::LaunchStatus("PagedDecodeAttention"); !s.ok()) return s;
+    return LaunchDecode<C, HD>(kv, a, plan, batch.n_tokens, batch.n_heads, out, out_stride,
+                               stream);
   });
 }
 

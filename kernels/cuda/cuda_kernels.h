@@ -122,8 +122,8 @@ size_t PagedDecodeAttentionWorkspaceBytes(const kernels::PagedKvView& kv,
 // per sequence): one CTA per (token, KV head, context split) reads the keys
 // and values of its split once for every query head of the group (GQA) with
 // 16-byte loads, keeps an online softmax over tiles of positions, and a
-// second kernel merges the splits (flash-decoding). Head dims 64 and 128.
-// workspace: at least PagedDecodeAttentionWorkspaceBytes (may be null when
+// second kernel merges the splits (flash-decoding). Head dims 64 and 128,
+// and 256 (Gemma 3) for every codec but f32. workspace: at least PagedDecodeAttentionWorkspaceBytes (may be null when
 // that is 0). q/out rows: n_heads*head_dim floats, q_stride/out_stride apart.
 // CPU twin: kernels::PagedAttention.
 absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,

@@ -970,6 +970,90 @@ TEST_F(CudaTest, GenericAttentionHonoursTheWindow) {
                    .ok());
 }
 
+// Gemma 3's 256-wide heads on the decode kernel (every codec with 8-element
+// loads; f32 is refused by name), ragged, split and windowed, against the
+// reference; the slots before each window are poisoned.
+TEST_F(CudaTest, DecodeAttentionRuns256WideHeads) {
+  for (KvDType dtype : {KvDType::kF16, KvDType::kBF16, KvDType::kInt8, KvDType::kFp8E4M3,
+                        KvDType::kInt4, KvDType::kInt4G64}) {
+    for (int32_t window : {0, 100}) {
+      PagedKvFixture f;
+      f.dtype = dtype;
+      f.head_dim = 256;
+      f.n_kv_heads = 1;
+      f.block_size = 16;
+      f.lens = {1, 37, 700};
+      f.Build(41);
+      f.FillOnCpu(11);
+      std::vector<int32_t> seq, pos;
+      for (int32_t s = 0; s < static_cast<int32_t>(f.lens.size()); ++s) {
+        seq.push_back(s);
+        pos.push_back(f.lens[s] - 1);
+        if (f.lens[s] > 3) {  // an earlier row too: any ragged batch
+          seq.push_back(s);
+          pos.push_back(f.lens[s] / 3);
+        }
+        if (window > 0) {
+          // Poison only what no row of this sequence sees.
+          for (int32_t p = 0; p < std::min(f.lens[s], f.lens[s] / 3 + 1) - window; ++p) {
+            f.Poison(1, s, p);
+          }
+        }
+      }
+      const int32_t n = static_cast<int32_t>(seq.size()), n_heads = 4;
+      const int64_t q_dim = int64_t{n_heads} * 256;
+      const auto q = RandomFloats(n * q_dim, 13);
+      kernels::AttentionBatch cb;
+      cb.n_tokens = n;
+      cb.token_seq = seq.data();
+      cb.token_pos = pos.data();
+      cb.n_heads = n_heads;
+      cb.scale = 1.f / 16.f;
+      cb.window = window;
+      std::vector<float> want(n * q_dim);
+      kernels::PagedAttentionReference(f.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
+      const auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
+      cuda::DecodeAttentionBatch b;
+      b.n_tokens = n;
+      b.token_seq = Upload(seq);
+      b.token_pos = Upload(pos);
+      b.n_heads = n_heads;
+      b.scale = cb.scale;
+      b.max_context = 700;
+      b.window = window;
+      const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(view, b);
+      void* ws = ws_bytes > 0 ? Alloc<uint8_t>(ws_bytes) : nullptr;
+      float* out = Alloc<float>(want.size());
+      ASSERT_TRUE(cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws,
+                                             ws_bytes, stream())
+                      .ok());
+      const auto got = Download(out, want.size());
+      SCOPED_TRACE(testing::Message() << KvDTypeName(dtype) << " window=" << window);
+      for (float v : got) ASSERT_TRUE(std::isfinite(v));
+      EXPECT_LT(Nmse(got, want), dtype == KvDType::kF16 ? 1e-5 : 1e-9);
+      if (kernels::KvRowMetaBytes(dtype, 256) > 0) EXPECT_LT(MaxAbsDiff(got, want), 5e-5);
+    }
+  }
+  PagedKvFixture f;
+  f.head_dim = 256;
+  f.n_kv_heads = 1;
+  f.lens = {4};
+  f.Build(1);
+  const std::vector<int32_t> zero = {3};
+  cuda::DecodeAttentionBatch b;
+  b.n_tokens = 1;
+  b.token_seq = Upload(std::vector<int32_t>{0});
+  b.token_pos = Upload(zero);
+  b.n_heads = 1;
+  b.max_context = 4;
+  const absl::Status s =
+      cuda::PagedDecodeAttention(f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets)),
+                                 0, b, Alloc<float>(256), 256, Alloc<float>(256), 256, nullptr, 0,
+                                 stream());
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("f32"), std::string::npos) << s;
+}
+
 // Append takes any head dim (attention takes 64 and 128): int4 rows with a
 // partial last group and an odd channel count (the last byte's high nibble
 // stays zero), byte codecs with an odd row length.

@@ -628,11 +628,13 @@ INSTANTIATE_TEST_SUITE_P(
 // window, and Gemma 3 (QK-norm, post-norms, GELU FFN, scaled embeddings, a
 // 16-token window on 2 of every 3 layers with their own RoPE base, KV cache
 // groups in the engine) at head_dim 64 (the tuned kernels until the window
-// masks) and 256 (Gemma 3 270M's heads: the generic kernel), once with logit
-// soft-capping. Prompts and 40 generated tokens run past every window.
+// masks) and 256 (Gemma 3 270M's heads: the decode kernel), once with logit
+// soft-capping, and with f32 K/V (256-wide heads then take the generic
+// kernel). Prompts and 40 generated tokens run past every window.
 struct FamilyCase {
   const char* name;
   testing::TinyLlamaOptions options;
+  kernels::KvDType kv = kernels::KvDType::kF16;
 };
 void PrintTo(const FamilyCase& c, std::ostream* os) { *os << c.name; }
 
@@ -683,7 +685,8 @@ std::vector<FamilyCase> FamilyCases() {
     o.final_logit_softcap = 0.0f;
     o.head_dim = 256;
     o.n_heads = 2;
-    cases.push_back({"gemma3_head_dim_256", o});
+    cases.push_back({"gemma3_head_dim_256", o});  // the decode kernel at 256
+    cases.push_back({"gemma3_head_dim_256_f32_kv", o, kernels::KvDType::kF32});  // generic
   }
   return cases;
 }
@@ -708,6 +711,7 @@ TEST_P(CudaFamilyTest, GreedyMatchesCpuUpToNearTies) {
   if (c.options.architecture == "qwen2") ASSERT_TRUE(cfg.qkv_bias);
   RunOptions r;
   r.max_batched_tokens = 24;  // prompts prefill in several chunks
+  r.kv_dtype = c.kv;
   ExpectGpuMatchesCpu(l,
                       EncodeAll(l, {"hello world, this is a longer prompt than the chunk size",
                                     "abc", "the quick brown fox jumps over the lazy dog"}),
