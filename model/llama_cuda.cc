@@ -195,11 +195,12 @@ absl::Status CudaLlama::SupportsKvLayout(kernels::KvDType dtype, int32_t block_s
         "int4 or int4-g64, not '",
         std::string(kernels::KvDTypeName(dtype)), "' (use --device cpu)"));
   }
-  // The quantized codecs run in the tuned attention kernels only.
-  if (quantized && head_dim != 0 && head_dim != 64 && head_dim != 128) {
+  // The quantized codecs run in the tuned attention kernels only (256: the
+  // decode kernel, which also takes that head dim's prefill chunks).
+  if (quantized && head_dim != 0 && head_dim != 64 && head_dim != 128 && head_dim != 256) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--device cuda runs --kv-cache-dtype ", std::string(kernels::KvDTypeName(dtype)),
-        " for head_dim 64 or 128; this model has ", head_dim,
+        " for head_dim 64, 128 or 256; this model has ", head_dim,
         " (use f32/f16/bf16 or --device cpu)"));
   }
   if (block_size <= 0 || (block_size & (block_size - 1)) != 0) {

@@ -51,7 +51,7 @@ class CudaLlama final : public ForwardBackend {
                                            int32_t block_size) const override;
 
   // The KV layouts the CUDA kernels run: f32/f16/bf16 for any head_dim;
-  // int8, fp8-e4m3/e5m2, int4 and int4-g64 for head_dim 64 and 128 (0: not
+  // int8, fp8-e4m3/e5m2, int4 and int4-g64 for head_dim 64, 128 and 256 (0: not
   // known yet); power-of-two block sizes. InvalidArgument naming the flag
   // otherwise (int4-kivi* has no CUDA kernels).
   [[nodiscard]] static absl::Status SupportsKvLayout(kernels::KvDType dtype, int32_t block_size,

@@ -629,8 +629,9 @@ INSTANTIATE_TEST_SUITE_P(
 // 16-token window on 2 of every 3 layers with their own RoPE base, KV cache
 // groups in the engine) at head_dim 64 (the tuned kernels until the window
 // masks) and 256 (Gemma 3 270M's heads: the decode kernel), once with logit
-// soft-capping, and with f32 K/V (256-wide heads then take the generic
-// kernel). Prompts and 40 generated tokens run past every window.
+// soft-capping, with f32 K/V (256-wide heads then take the generic kernel)
+// and with int8 and int4 K/V. Prompts and 40 generated tokens run past every
+// window.
 struct FamilyCase {
   const char* name;
   testing::TinyLlamaOptions options;
@@ -687,6 +688,8 @@ std::vector<FamilyCase> FamilyCases() {
     o.n_heads = 2;
     cases.push_back({"gemma3_head_dim_256", o});  // the decode kernel at 256
     cases.push_back({"gemma3_head_dim_256_f32_kv", o, kernels::KvDType::kF32});  // generic
+    cases.push_back({"gemma3_head_dim_256_int8_kv", o, kernels::KvDType::kInt8});
+    cases.push_back({"gemma3_head_dim_256_int4_kv", o, kernels::KvDType::kInt4});
   }
   return cases;
 }
@@ -715,7 +718,11 @@ TEST_P(CudaFamilyTest, GreedyMatchesCpuUpToNearTies) {
   ExpectGpuMatchesCpu(l,
                       EncodeAll(l, {"hello world, this is a longer prompt than the chunk size",
                                     "abc", "the quick brown fox jumps over the lazy dog"}),
-                      40, r, kTinyFloatTol, /*cpu_out=*/nullptr,
+                      40, r,
+                      // Quantized K/V: a last-bit difference in K or V before
+                      // the codec can move a code, as 8-bit activations do.
+                      kernels::KvIsQuantized(c.kv) ? kTinyQuantTol : kTinyFloatTol,
+                      /*cpu_out=*/nullptr,
                       /*alone=*/std::numeric_limits<size_t>::max(), /*ignore_eos=*/true);
 }
 
