@@ -1440,6 +1440,66 @@ TEST(PdCudaTest, DevicePoolsMoveThroughHostStagingAndEqualOneNode) {
 }
 
 
+// A hybrid-attention model (a written Gemma 3: 3 layers, a 16-token window
+// on 2 of them, so one full KV cache group and two window groups) with
+// device pools on both nodes: the prefill node stages every group's leased
+// blocks, the decode node pulls them into each group's table on its device,
+// and the text equals a CUDA `both` node's for prompts past the window.
+TEST(PdCudaTest, HybridModelLeasesEveryGroupThroughHostStaging) {
+  KVSERVE_SKIP_WITHOUT_GPU();
+  testing::TinyLlamaOptions o;
+  o.architecture = "gemma3";
+  o.dim = 128;
+  o.n_heads = 4;
+  o.n_kv_heads = 1;
+  o.head_dim = 64;
+  o.ffn_dim = 256;
+  o.n_layers = 3;
+  o.sliding_window = 16;
+  o.sliding_window_pattern = 3;
+  o.rope_freq_base = 1000000.0f;
+  o.rope_freq_base_swa = 10000.0f;
+  const std::string model = testing::TempDir() + "/pd-cuda-gemma3.gguf";
+  std::ofstream(model, std::ios::binary) << testing::MakeTinyLlamaGguf(o);
+  const std::vector<std::string> cuda = {"--device", "cuda"};
+  auto both = StartNode("both", cuda, model);
+  auto prefill = StartNode("prefill", cuda, model);
+  auto decode = StartNode("decode", cuda, model);
+  ASSERT_TRUE(both && prefill && decode);
+  Client b(both->grpc_port()), p(prefill->grpc_port()), d(decode->grpc_port());
+  EXPECT_EQ(p.Info().kv_memory(), "device-staged");
+  const pdv1::NodeInfo info = p.Info();
+  ASSERT_EQ(info.layout().group_windows_size(), 3);
+  int window_groups = 0;
+  for (int g = 0; g < 3; ++g) window_groups += info.layout().group_windows(g) == 16;
+  EXPECT_EQ(window_groups, 2);
+  for (const auto& prompt : UniquePrompts(3, "Hybrid device pool")) {
+    ASSERT_GT(p.CountTokens(prompt), 32) << "the prompt must run past the window";
+    pdv1::Lease lease;
+    ASSERT_TRUE(p.Prefill(prompt, &lease).ok());
+    ASSERT_EQ(lease.groups_size(), 2) << "every group beyond the first names its blocks";
+    for (const auto& g : lease.groups()) EXPECT_GT(g.block_ids_size(), 0);
+    ASSERT_TRUE(d.Attach(lease).ok());
+    const std::string want = b.Generate(prompt);
+    ASSERT_EQ(want.find("error"), std::string::npos) << want;
+    EXPECT_EQ(d.Generate(prompt), want) << prompt;
+  }
+  EXPECT_EQ(d.Info().transfers_ok(), 3);
+  EXPECT_EQ(d.Info().generation_mismatches(), 0);
+  // Baseline: nothing pinned or leased; each window group keeps one
+  // placeholder block for good.
+  for (Client* c : {&b, &p, &d}) {
+    bool idle = false;
+    for (int i = 0; i < 300 && !idle; ++i) {
+      const v1::Stats st = c->Stats();
+      idle = st.blocks_free() == st.blocks_total() - window_groups && st.running() == 0 &&
+             st.waiting() == 0 && st.kv_arriving() == 0 && c->Info().leases_active() == 0;
+      if (!idle) std::this_thread::sleep_for(50ms);
+    }
+    EXPECT_TRUE(idle);
+  }
+}
+
 // ---- The router's HTTP front end (server/router/router_http.h) ----
 
 // GET /v1/models lists the registered nodes' model (OpenAI list format),
