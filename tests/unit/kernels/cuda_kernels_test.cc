@@ -104,6 +104,48 @@ class CudaTest : public ::testing::Test {
   }
   cuda::StreamHandle stream() const { return stream_.get(); }
 
+  struct GotWant {
+    std::vector<float> got, want;
+  };
+  // Rows (seq[i], pos[i]) of n_heads query heads over layer 1 of fixture f
+  // (a PagedKvFixture) through cuda::PagedDecodeAttention and through
+  // kernels::PagedAttentionReference, with the same window and scale.
+  template <typename Fixture>
+  GotWant DecodeVsReference(Fixture& f, const std::vector<int32_t>& seq,
+                            const std::vector<int32_t>& pos, int32_t n_heads, int32_t window,
+                            uint32_t q_seed) {
+    const int32_t n = static_cast<int32_t>(seq.size());
+    const int64_t q_dim = int64_t{n_heads} * f.head_dim;
+    const auto q = RandomFloats(n * q_dim, q_seed);
+    kernels::AttentionBatch cb;
+    cb.n_tokens = n;
+    cb.token_seq = seq.data();
+    cb.token_pos = pos.data();
+    cb.n_heads = n_heads;
+    cb.scale = 1.f / std::sqrt(static_cast<float>(f.head_dim));
+    cb.window = window;
+    GotWant r;
+    r.want.resize(n * q_dim);
+    kernels::PagedAttentionReference(f.HostView(), 1, cb, q.data(), q_dim, r.want.data(), q_dim);
+    const auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
+    cuda::DecodeAttentionBatch b;
+    b.n_tokens = n;
+    b.token_seq = Upload(seq);
+    b.token_pos = Upload(pos);
+    b.n_heads = n_heads;
+    b.scale = cb.scale;
+    b.max_context = *std::max_element(f.lens.begin(), f.lens.end());
+    b.window = window;
+    const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(view, b);
+    void* ws = ws_bytes > 0 ? Alloc<uint8_t>(ws_bytes) : nullptr;
+    float* out = Alloc<float>(r.want.size());
+    const absl::Status s = cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws,
+                                                      ws_bytes, stream());
+    EXPECT_TRUE(s.ok()) << s;
+    r.got = s.ok() ? Download(out, r.want.size()) : std::vector<float>(r.want.size(), NAN);
+    return r;
+  }
+
   cuda::CudaStream stream_;
   std::unique_ptr<cuda::DeviceMemoryPool> pool_;
   std::vector<cuda::DeviceBuffer> buffers_;
@@ -532,7 +574,6 @@ TEST_P(CudaPagedKvTest, DecodeAttentionMatchesReference) {
   SetUpKv({1, 5, 37, 300, 2500}, 21);
   f_.FillOnCpu(3);
   const int32_t n_heads = f_.n_kv_heads * group_;
-  const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
   // The last token of each sequence, plus a few earlier ones (any ragged
   // batch is valid input).
   std::vector<int32_t> seq, pos;
@@ -544,82 +585,14 @@ TEST_P(CudaPagedKvTest, DecodeAttentionMatchesReference) {
       pos.push_back(f_.lens[s] / 3);
     }
   }
-  const int32_t n = static_cast<int32_t>(seq.size());
-  const auto q = RandomFloats(n * q_dim, 8);
-  kernels::AttentionBatch cb;
-  cb.n_tokens = n;
-  cb.token_seq = seq.data();
-  cb.token_pos = pos.data();
-  cb.n_heads = n_heads;
-  cb.scale = 1.f / std::sqrt(static_cast<float>(f_.head_dim));
-  std::vector<float> want(n * q_dim);
-  kernels::PagedAttentionReference(f_.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
-
-  const auto view = DeviceView(Upload(f_.host));
-  cuda::DecodeAttentionBatch b;
-  b.n_tokens = n;
-  b.token_seq = Upload(seq);
-  b.token_pos = Upload(pos);
-  b.n_heads = n_heads;
-  b.scale = cb.scale;
-  b.max_context = *std::max_element(f_.lens.begin(), f_.lens.end());
-  const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(view, b);
-  void* ws = ws_bytes > 0 ? Alloc<uint8_t>(ws_bytes) : nullptr;
-  float* out = Alloc<float>(want.size());
-  ASSERT_TRUE(cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws, ws_bytes,
-                                         stream())
-                  .ok());
-  const auto got = Download(out, want.size());
+  const auto [got, want] = DecodeVsReference(f_, seq, pos, n_heads, 0, 8);
   EXPECT_LT(Nmse(got, want), Threshold());
   ExpectQuantizedBound(got, want);
 }
 
-TEST_P(CudaPagedKvTest, PrefillAttentionMatchesReference) {
-  // Per sequence: KV length after the chunk, and the chunk's query rows.
-  SetUpKv({1, 40, 64, 300}, 33);
-  const std::vector<int32_t> chunk = {1, 17, 64, 100};
-  f_.FillOnCpu(4);
-  const int32_t n_heads = f_.n_kv_heads * group_;
-  const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
-  std::vector<int32_t> seq, pos, q_offsets = {0};
-  for (int32_t s = 0; s < 4; ++s) {
-    for (int32_t j = 0; j < chunk[s]; ++j) {
-      seq.push_back(s);
-      pos.push_back(f_.lens[s] - chunk[s] + j);
-    }
-    q_offsets.push_back(q_offsets.back() + chunk[s]);
-  }
-  const int32_t n = static_cast<int32_t>(seq.size());
-  const auto q = RandomFloats(n * q_dim, 18);
-  kernels::AttentionBatch cb;
-  cb.n_tokens = n;
-  cb.token_seq = seq.data();
-  cb.token_pos = pos.data();
-  cb.n_heads = n_heads;
-  cb.scale = 1.f / std::sqrt(static_cast<float>(f_.head_dim));
-  std::vector<float> want(n * q_dim);
-  kernels::PagedAttentionReference(f_.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
-
-  cuda::PrefillAttentionBatch b;
-  b.q_seq_offsets = Upload(q_offsets);
-  b.seq_lens = Upload(f_.lens);
-  b.max_q_per_seq = 100;
-  b.n_heads = n_heads;
-  b.scale = cb.scale;
-  float* out = Alloc<float>(want.size());
-  ASSERT_TRUE(cuda::PagedPrefillAttention(DeviceView(Upload(f_.host)), 1, b, Upload(q), q_dim, out,
-                                          q_dim, stream())
-                  .ok());
-  const auto got = Download(out, want.size());
-  EXPECT_LT(Nmse(got, want), Threshold());
-  ExpectQuantizedBound(got, want);
-}
-
-// Sliding windows in the tuned kernels: decode (a window inside one split,
-// and one spanning several splits of a 2,500-position context) and prefill
-// (query tiles whose rows start their windows at different keys). The slots
-// before every query's window are poisoned in layer 1, so reading one gives
-// NaN.
+// Sliding windows in the decode kernel: a window inside one split, and one
+// spanning several splits of a 2,500-position context. The slots before
+// every query's window are poisoned in layer 1, so reading one gives NaN.
 TEST_P(CudaPagedKvTest, DecodeAttentionHonoursTheWindow) {
   for (int32_t window : {1, 100, 1000}) {
     SetUpKv({1, 5, 37, 300, 2500}, 23);
@@ -630,35 +603,7 @@ TEST_P(CudaPagedKvTest, DecodeAttentionHonoursTheWindow) {
       pos.push_back(f_.lens[s] - 1);
       for (int32_t p = 0; p < f_.lens[s] - window; ++p) f_.Poison(1, s, p);
     }
-    const int32_t n_heads = f_.n_kv_heads * group_;
-    const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
-    const int32_t n = static_cast<int32_t>(seq.size());
-    const auto q = RandomFloats(n * q_dim, 9);
-    kernels::AttentionBatch cb;
-    cb.n_tokens = n;
-    cb.token_seq = seq.data();
-    cb.token_pos = pos.data();
-    cb.n_heads = n_heads;
-    cb.scale = 1.f / std::sqrt(static_cast<float>(f_.head_dim));
-    cb.window = window;
-    std::vector<float> want(n * q_dim);
-    kernels::PagedAttentionReference(f_.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
-    const auto view = DeviceView(Upload(f_.host));
-    cuda::DecodeAttentionBatch b;
-    b.n_tokens = n;
-    b.token_seq = Upload(seq);
-    b.token_pos = Upload(pos);
-    b.n_heads = n_heads;
-    b.scale = cb.scale;
-    b.max_context = 2500;
-    b.window = window;
-    const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(view, b);
-    void* ws = ws_bytes > 0 ? Alloc<uint8_t>(ws_bytes) : nullptr;
-    float* out = Alloc<float>(want.size());
-    ASSERT_TRUE(cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws, ws_bytes,
-                                           stream())
-                    .ok());
-    const auto got = Download(out, want.size());
+    const auto [got, want] = DecodeVsReference(f_, seq, pos, f_.n_kv_heads * group_, window, 9);
     SCOPED_TRACE(testing::Message() << "window=" << window);
     for (float v : got) ASSERT_TRUE(std::isfinite(v));
     EXPECT_LT(Nmse(got, want), Threshold());
@@ -666,11 +611,15 @@ TEST_P(CudaPagedKvTest, DecodeAttentionHonoursTheWindow) {
   }
 }
 
-TEST_P(CudaPagedKvTest, PrefillAttentionHonoursTheWindow) {
-  for (int32_t window : {1, 50}) {
-    SetUpKv({1, 40, 64, 300}, 35);
+// Per sequence: KV length after the chunk, and the chunk's query rows;
+// causal over everything (window 0) and with windows of 1 and 50, whose
+// query tiles start their rows' windows at different keys (the slots before
+// every row's window poisoned, as above).
+TEST_P(CudaPagedKvTest, PrefillAttentionMatchesReference) {
+  for (int32_t window : {0, 1, 50}) {
+    SetUpKv({1, 40, 64, 300}, 33);
     const std::vector<int32_t> chunk = {1, 17, 64, 100};
-    f_.FillOnCpu(6);
+    f_.FillOnCpu(4);
     const int32_t n_heads = f_.n_kv_heads * group_;
     const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
     std::vector<int32_t> seq, pos, q_offsets = {0};
@@ -681,10 +630,11 @@ TEST_P(CudaPagedKvTest, PrefillAttentionHonoursTheWindow) {
         pos.push_back(first + j);
       }
       q_offsets.push_back(q_offsets.back() + chunk[s]);
+      if (window == 0) continue;
       for (int32_t p = 0; p < first - window + 1; ++p) f_.Poison(1, s, p);
     }
     const int32_t n = static_cast<int32_t>(seq.size());
-    const auto q = RandomFloats(n * q_dim, 19);
+    const auto q = RandomFloats(n * q_dim, 18);
     kernels::AttentionBatch cb;
     cb.n_tokens = n;
     cb.token_seq = seq.data();
@@ -1000,34 +950,7 @@ TEST_F(CudaTest, DecodeAttentionRuns256WideHeads) {
           }
         }
       }
-      const int32_t n = static_cast<int32_t>(seq.size()), n_heads = 4;
-      const int64_t q_dim = int64_t{n_heads} * 256;
-      const auto q = RandomFloats(n * q_dim, 13);
-      kernels::AttentionBatch cb;
-      cb.n_tokens = n;
-      cb.token_seq = seq.data();
-      cb.token_pos = pos.data();
-      cb.n_heads = n_heads;
-      cb.scale = 1.f / 16.f;
-      cb.window = window;
-      std::vector<float> want(n * q_dim);
-      kernels::PagedAttentionReference(f.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
-      const auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
-      cuda::DecodeAttentionBatch b;
-      b.n_tokens = n;
-      b.token_seq = Upload(seq);
-      b.token_pos = Upload(pos);
-      b.n_heads = n_heads;
-      b.scale = cb.scale;
-      b.max_context = 700;
-      b.window = window;
-      const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(view, b);
-      void* ws = ws_bytes > 0 ? Alloc<uint8_t>(ws_bytes) : nullptr;
-      float* out = Alloc<float>(want.size());
-      ASSERT_TRUE(cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws,
-                                             ws_bytes, stream())
-                      .ok());
-      const auto got = Download(out, want.size());
+      const auto [got, want] = DecodeVsReference(f, seq, pos, 4, window, 13);
       SCOPED_TRACE(testing::Message() << KvDTypeName(dtype) << " window=" << window);
       for (float v : got) ASSERT_TRUE(std::isfinite(v));
       EXPECT_LT(Nmse(got, want), dtype == KvDType::kF16 ? 1e-5 : 1e-9);
