@@ -196,7 +196,7 @@ absl::Status CudaLlama::SupportsKvLayout(kernels::KvDType dtype, int32_t block_s
         std::string(kernels::KvDTypeName(dtype)), "' (use --device cpu)"));
   }
   // The quantized codecs run in the tuned attention kernels only (256: the
-  // decode kernel, which also takes that head dim's prefill chunks).
+  // decode kernel and the chunked prefill kernel).
   if (quantized && head_dim != 0 && head_dim != 64 && head_dim != 128 && head_dim != 256) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--device cuda runs --kv-cache-dtype ", std::string(kernels::KvDTypeName(dtype)),
@@ -376,12 +376,13 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   for (int32_t s = 0; s < n_seqs; ++s) q_offsets[s + 1] += q_offsets[s];
   // Head dims without a tuned kernel (e.g. stories260K's 8) take the
   // generic kernel, which runs any ragged batch. 256-wide heads (Gemma 3)
-  // have the decode kernel only (not with f32 K/V), which also runs their
-  // prefill chunks: one CTA per (row, KV head, context split).
+  // take the tiled prefill kernel (128 channels staged at a time) for
+  // prefill chunks and the decode kernel for decode rows (not with f32 K/V,
+  // whose decode rows stay on the generic kernel).
   const bool tuned = c.head_dim == 64 || c.head_dim == 128;
   const bool decode_tuned =
       tuned || (c.head_dim == 256 && kv.dtype != kernels::KvDType::kF32);
-  const bool use_prefill = tuned && grouped && max_rows > 1;
+  const bool use_prefill = (tuned || c.head_dim == 256) && grouped && max_rows > 1;
   const bool use_decode = decode_tuned && !use_prefill;
 
   // One staging copy of every int array of the step: [tokens][token_seq]

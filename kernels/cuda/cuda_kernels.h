@@ -137,7 +137,8 @@ absl::Status PagedDecodeAttention(const kernels::PagedKvView& kv, int32_t layer,
 // append). Causal. Tiled flash attention: each CTA takes a tile of query rows
 // of one head, streams K/V tiles of its sequence through shared memory and
 // keeps an online softmax. max_q_per_seq: host bound on any sequence's query
-// rows (sizes the grid). Head dims 64 and 128. CPU twin: kernels::PagedAttention.
+// rows (sizes the grid). Head dims 64, 128 and 256 (staged 128 channels at
+// a time). CPU twin: kernels::PagedAttention.
 struct PrefillAttentionBatch {
   const int32_t* q_seq_offsets = nullptr;
   const int32_t* seq_lens = nullptr;

@@ -146,6 +146,50 @@ class CudaTest : public ::testing::Test {
     return r;
   }
 
+  // Each sequence s of fixture f prefills its last chunk[s] positions
+  // (its KV already holds them) with n_heads query heads over layer 1,
+  // through cuda::PagedPrefillAttention and through
+  // kernels::PagedAttentionReference, with the same window and scale.
+  template <typename Fixture>
+  GotWant PrefillVsReference(Fixture& f, const std::vector<int32_t>& chunk, int32_t n_heads,
+                             int32_t window, uint32_t q_seed) {
+    const int64_t q_dim = int64_t{n_heads} * f.head_dim;
+    std::vector<int32_t> seq, pos, q_offsets = {0};
+    for (int32_t s = 0; s < static_cast<int32_t>(chunk.size()); ++s) {
+      for (int32_t j = 0; j < chunk[s]; ++j) {
+        seq.push_back(s);
+        pos.push_back(f.lens[s] - chunk[s] + j);
+      }
+      q_offsets.push_back(q_offsets.back() + chunk[s]);
+    }
+    const int32_t n = static_cast<int32_t>(seq.size());
+    const auto q = RandomFloats(n * q_dim, q_seed);
+    kernels::AttentionBatch cb;
+    cb.n_tokens = n;
+    cb.token_seq = seq.data();
+    cb.token_pos = pos.data();
+    cb.n_heads = n_heads;
+    cb.scale = 1.f / std::sqrt(static_cast<float>(f.head_dim));
+    cb.window = window;
+    GotWant r;
+    r.want.resize(n * q_dim);
+    kernels::PagedAttentionReference(f.HostView(), 1, cb, q.data(), q_dim, r.want.data(), q_dim);
+    cuda::PrefillAttentionBatch b;
+    b.q_seq_offsets = Upload(q_offsets);
+    b.seq_lens = Upload(f.lens);
+    b.max_q_per_seq = *std::max_element(chunk.begin(), chunk.end());
+    b.n_heads = n_heads;
+    b.scale = cb.scale;
+    b.window = window;
+    float* out = Alloc<float>(r.want.size());
+    const absl::Status s =
+        cuda::PagedPrefillAttention(f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets)),
+                                    1, b, Upload(q), q_dim, out, q_dim, stream());
+    EXPECT_TRUE(s.ok()) << s;
+    r.got = s.ok() ? Download(out, r.want.size()) : std::vector<float>(r.want.size(), NAN);
+    return r;
+  }
+
   cuda::CudaStream stream_;
   std::unique_ptr<cuda::DeviceMemoryPool> pool_;
   std::vector<cuda::DeviceBuffer> buffers_;
@@ -620,42 +664,13 @@ TEST_P(CudaPagedKvTest, PrefillAttentionMatchesReference) {
     SetUpKv({1, 40, 64, 300}, 33);
     const std::vector<int32_t> chunk = {1, 17, 64, 100};
     f_.FillOnCpu(4);
-    const int32_t n_heads = f_.n_kv_heads * group_;
-    const int64_t q_dim = int64_t{n_heads} * f_.head_dim;
-    std::vector<int32_t> seq, pos, q_offsets = {0};
-    for (int32_t s = 0; s < 4; ++s) {
-      const int32_t first = f_.lens[s] - chunk[s];  // the chunk's first position
-      for (int32_t j = 0; j < chunk[s]; ++j) {
-        seq.push_back(s);
-        pos.push_back(first + j);
+    if (window > 0) {
+      for (int32_t s = 0; s < 4; ++s) {
+        const int32_t first = f_.lens[s] - chunk[s];  // the chunk's first position
+        for (int32_t p = 0; p < first - window + 1; ++p) f_.Poison(1, s, p);
       }
-      q_offsets.push_back(q_offsets.back() + chunk[s]);
-      if (window == 0) continue;
-      for (int32_t p = 0; p < first - window + 1; ++p) f_.Poison(1, s, p);
     }
-    const int32_t n = static_cast<int32_t>(seq.size());
-    const auto q = RandomFloats(n * q_dim, 18);
-    kernels::AttentionBatch cb;
-    cb.n_tokens = n;
-    cb.token_seq = seq.data();
-    cb.token_pos = pos.data();
-    cb.n_heads = n_heads;
-    cb.scale = 1.f / std::sqrt(static_cast<float>(f_.head_dim));
-    cb.window = window;
-    std::vector<float> want(n * q_dim);
-    kernels::PagedAttentionReference(f_.HostView(), 1, cb, q.data(), q_dim, want.data(), q_dim);
-    cuda::PrefillAttentionBatch b;
-    b.q_seq_offsets = Upload(q_offsets);
-    b.seq_lens = Upload(f_.lens);
-    b.max_q_per_seq = 100;
-    b.n_heads = n_heads;
-    b.scale = cb.scale;
-    b.window = window;
-    float* out = Alloc<float>(want.size());
-    ASSERT_TRUE(cuda::PagedPrefillAttention(DeviceView(Upload(f_.host)), 1, b, Upload(q), q_dim,
-                                            out, q_dim, stream())
-                    .ok());
-    const auto got = Download(out, want.size());
+    const auto [got, want] = PrefillVsReference(f_, chunk, f_.n_kv_heads * group_, window, 18);
     SCOPED_TRACE(testing::Message() << "window=" << window);
     for (float v : got) ASSERT_TRUE(std::isfinite(v));
     EXPECT_LT(Nmse(got, want), Threshold());
@@ -923,6 +938,39 @@ TEST_F(CudaTest, GenericAttentionHonoursTheWindow) {
 // Gemma 3's 256-wide heads on the decode kernel (every codec with 8-element
 // loads; f32 is refused by name), ragged, split and windowed, against the
 // reference; the slots before each window are poisoned.
+// The prefill kernel at Gemma 3's 256-wide heads, which it stages 128
+// channels at a time (K chunks, softmax, V chunks): every codec, f32
+// included, causal and windowed (the slots before every row's window
+// poisoned), one KV head under four query heads.
+TEST_F(CudaTest, PrefillAttentionRuns256WideHeads) {
+  for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
+                        KvDType::kFp8E4M3, KvDType::kInt4, KvDType::kInt4G64}) {
+    for (int32_t window : {0, 1, 50}) {
+      PagedKvFixture f;
+      f.dtype = dtype;
+      f.head_dim = 256;
+      f.n_kv_heads = 1;
+      f.block_size = 16;
+      f.lens = {1, 40, 64, 300};
+      f.Build(43);
+      f.FillOnCpu(12);
+      const std::vector<int32_t> chunk = {1, 17, 64, 100};
+      if (window > 0) {
+        for (int32_t s = 0; s < 4; ++s) {
+          for (int32_t p = 0; p < f.lens[s] - chunk[s] - window + 1; ++p) f.Poison(1, s, p);
+        }
+      }
+      const auto [got, want] = PrefillVsReference(f, chunk, 4, window, 19);
+      SCOPED_TRACE(testing::Message() << KvDTypeName(dtype) << " window=" << window);
+      for (float v : got) ASSERT_TRUE(std::isfinite(v));
+      EXPECT_LT(Nmse(got, want), dtype == KvDType::kF16 ? 1e-5 : 1e-9);
+      if (kernels::KvRowMetaBytes(dtype, 256) > 0) {
+        EXPECT_LT(MaxAbsDiff(got, want), 5e-5);
+      }
+    }
+  }
+}
+
 TEST_F(CudaTest, DecodeAttentionRuns256WideHeads) {
   for (KvDType dtype : {KvDType::kF16, KvDType::kBF16, KvDType::kInt8, KvDType::kFp8E4M3,
                         KvDType::kInt4, KvDType::kInt4G64}) {
@@ -954,7 +1002,9 @@ TEST_F(CudaTest, DecodeAttentionRuns256WideHeads) {
       SCOPED_TRACE(testing::Message() << KvDTypeName(dtype) << " window=" << window);
       for (float v : got) ASSERT_TRUE(std::isfinite(v));
       EXPECT_LT(Nmse(got, want), dtype == KvDType::kF16 ? 1e-5 : 1e-9);
-      if (kernels::KvRowMetaBytes(dtype, 256) > 0) EXPECT_LT(MaxAbsDiff(got, want), 5e-5);
+      if (kernels::KvRowMetaBytes(dtype, 256) > 0) {
+        EXPECT_LT(MaxAbsDiff(got, want), 5e-5);
+      }
     }
   }
   PagedKvFixture f;
