@@ -107,53 +107,75 @@ class CudaTest : public ::testing::Test {
   struct GotWant {
     std::vector<float> got, want;
   };
-  // Rows (seq[i], pos[i]) of n_heads query heads over layer 1 of fixture f
-  // (a PagedKvFixture) through cuda::PagedDecodeAttention and through
-  // kernels::PagedAttentionReference, with the same window and scale.
+  // Random query rows (seq[i], pos[i]) of n_heads heads, and what
+  // kernels::PagedAttentionReference makes of them over layer 1 of fixture
+  // f (a PagedKvFixture), scaled by 1 / sqrt(head_dim), with `window`.
+  struct ReferenceRows {
+    std::vector<float> q, want;
+    float scale;
+    int64_t q_dim;
+  };
   template <typename Fixture>
-  GotWant DecodeVsReference(Fixture& f, const std::vector<int32_t>& seq,
-                            const std::vector<int32_t>& pos, int32_t n_heads, int32_t window,
-                            uint32_t q_seed) {
+  ReferenceRows Reference(Fixture& f, const std::vector<int32_t>& seq,
+                          const std::vector<int32_t>& pos, int32_t n_heads, int32_t window,
+                          uint32_t q_seed) {
     const int32_t n = static_cast<int32_t>(seq.size());
-    const int64_t q_dim = int64_t{n_heads} * f.head_dim;
-    const auto q = RandomFloats(n * q_dim, q_seed);
+    ReferenceRows r;
+    r.q_dim = int64_t{n_heads} * f.head_dim;
+    r.q = RandomFloats(n * r.q_dim, q_seed);
+    r.scale = 1.f / std::sqrt(static_cast<float>(f.head_dim));
     kernels::AttentionBatch cb;
     cb.n_tokens = n;
     cb.token_seq = seq.data();
     cb.token_pos = pos.data();
     cb.n_heads = n_heads;
-    cb.scale = 1.f / std::sqrt(static_cast<float>(f.head_dim));
+    cb.scale = r.scale;
     cb.window = window;
+    r.want.resize(n * r.q_dim);
+    kernels::PagedAttentionReference(f.HostView(), 1, cb, r.q.data(), r.q_dim, r.want.data(),
+                                     r.q_dim);
+    return r;
+  }
+  // The device rows a kernel call wrote to `out` (NaNs if it failed, which
+  // is recorded as a test failure too).
+  GotWant Compare(const absl::Status& s, const float* out, std::vector<float> want) {
+    EXPECT_TRUE(s.ok()) << s;
     GotWant r;
-    r.want.resize(n * q_dim);
-    kernels::PagedAttentionReference(f.HostView(), 1, cb, q.data(), q_dim, r.want.data(), q_dim);
+    r.got = s.ok() ? Download(out, want.size()) : std::vector<float>(want.size(), NAN);
+    r.want = std::move(want);
+    return r;
+  }
+
+  // Rows (seq[i], pos[i]) through cuda::PagedDecodeAttention against the
+  // reference (above).
+  template <typename Fixture>
+  GotWant DecodeVsReference(Fixture& f, const std::vector<int32_t>& seq,
+                            const std::vector<int32_t>& pos, int32_t n_heads, int32_t window,
+                            uint32_t q_seed) {
+    ReferenceRows ref = Reference(f, seq, pos, n_heads, window, q_seed);
     const auto view = f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets));
     cuda::DecodeAttentionBatch b;
-    b.n_tokens = n;
+    b.n_tokens = static_cast<int32_t>(seq.size());
     b.token_seq = Upload(seq);
     b.token_pos = Upload(pos);
     b.n_heads = n_heads;
-    b.scale = cb.scale;
+    b.scale = ref.scale;
     b.max_context = *std::max_element(f.lens.begin(), f.lens.end());
     b.window = window;
     const size_t ws_bytes = cuda::PagedDecodeAttentionWorkspaceBytes(view, b);
     void* ws = ws_bytes > 0 ? Alloc<uint8_t>(ws_bytes) : nullptr;
-    float* out = Alloc<float>(r.want.size());
-    const absl::Status s = cuda::PagedDecodeAttention(view, 1, b, Upload(q), q_dim, out, q_dim, ws,
-                                                      ws_bytes, stream());
-    EXPECT_TRUE(s.ok()) << s;
-    r.got = s.ok() ? Download(out, r.want.size()) : std::vector<float>(r.want.size(), NAN);
-    return r;
+    float* out = Alloc<float>(ref.want.size());
+    const absl::Status s = cuda::PagedDecodeAttention(view, 1, b, Upload(ref.q), ref.q_dim, out,
+                                                      ref.q_dim, ws, ws_bytes, stream());
+    return Compare(s, out, std::move(ref.want));
   }
 
-  // Each sequence s of fixture f prefills its last chunk[s] positions
-  // (its KV already holds them) with n_heads query heads over layer 1,
-  // through cuda::PagedPrefillAttention and through
-  // kernels::PagedAttentionReference, with the same window and scale.
+  // Each sequence s of fixture f prefills its last chunk[s] positions (its
+  // KV already holds them) through cuda::PagedPrefillAttention, against the
+  // reference (above).
   template <typename Fixture>
   GotWant PrefillVsReference(Fixture& f, const std::vector<int32_t>& chunk, int32_t n_heads,
                              int32_t window, uint32_t q_seed) {
-    const int64_t q_dim = int64_t{n_heads} * f.head_dim;
     std::vector<int32_t> seq, pos, q_offsets = {0};
     for (int32_t s = 0; s < static_cast<int32_t>(chunk.size()); ++s) {
       for (int32_t j = 0; j < chunk[s]; ++j) {
@@ -162,32 +184,19 @@ class CudaTest : public ::testing::Test {
       }
       q_offsets.push_back(q_offsets.back() + chunk[s]);
     }
-    const int32_t n = static_cast<int32_t>(seq.size());
-    const auto q = RandomFloats(n * q_dim, q_seed);
-    kernels::AttentionBatch cb;
-    cb.n_tokens = n;
-    cb.token_seq = seq.data();
-    cb.token_pos = pos.data();
-    cb.n_heads = n_heads;
-    cb.scale = 1.f / std::sqrt(static_cast<float>(f.head_dim));
-    cb.window = window;
-    GotWant r;
-    r.want.resize(n * q_dim);
-    kernels::PagedAttentionReference(f.HostView(), 1, cb, q.data(), q_dim, r.want.data(), q_dim);
+    ReferenceRows ref = Reference(f, seq, pos, n_heads, window, q_seed);
     cuda::PrefillAttentionBatch b;
     b.q_seq_offsets = Upload(q_offsets);
     b.seq_lens = Upload(f.lens);
     b.max_q_per_seq = *std::max_element(chunk.begin(), chunk.end());
     b.n_heads = n_heads;
-    b.scale = cb.scale;
+    b.scale = ref.scale;
     b.window = window;
-    float* out = Alloc<float>(r.want.size());
+    float* out = Alloc<float>(ref.want.size());
     const absl::Status s =
         cuda::PagedPrefillAttention(f.View(Upload(f.host), Upload(f.block_ids), Upload(f.offsets)),
-                                    1, b, Upload(q), q_dim, out, q_dim, stream());
-    EXPECT_TRUE(s.ok()) << s;
-    r.got = s.ok() ? Download(out, r.want.size()) : std::vector<float>(r.want.size(), NAN);
-    return r;
+                                    1, b, Upload(ref.q), ref.q_dim, out, ref.q_dim, stream());
+    return Compare(s, out, std::move(ref.want));
   }
 
   cuda::CudaStream stream_;
