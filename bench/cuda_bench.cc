@@ -212,13 +212,19 @@ void BM_MatMul(benchmark::State& state) {
   state.SetLabel(format == cuda::WeightFormat::kNative ? "q4_1 native" : "f16 cublas");
 }
 
-// One layer's prefill attention of SmolLM2 (9 query heads, 3 KV heads of
-// 64, f16 KV, block 16): one sequence's chunk of `n` query rows at the end
-// of a context of `ctx` positions. TFLOPS counts QK^T and PV over the
-// causal part (2 * 2 * head_dim * heads * attended pairs).
+// One layer's prefill attention, f16 KV, block 16: one sequence's chunk of
+// `n` query rows at the end of a context of `ctx` positions. Shapes:
+// SmolLM2 (9 query heads, 3 KV heads of 64) and Gemma 3 270M (4 query
+// heads, 1 KV head of 256). `kernel`: 0 the tiled prefill kernel, 1 the
+// decode kernel on the same rows (how 256-wide prefill chunks ran before
+// the prefill kernel took them). TFLOPS counts QK^T and PV over the causal
+// part (2 * 2 * head_dim * heads * attended pairs).
 void BM_PagedPrefillAttention(benchmark::State& state) {
   const int32_t n = static_cast<int32_t>(state.range(0)), ctx = static_cast<int32_t>(state.range(1));
-  constexpr int32_t kH = 9, kKvH = 3, kD = 64, kB = 16;
+  const bool gemma = state.range(2) == 1;
+  const bool decode_kernel = state.range(3) == 1;
+  const int32_t kH = gemma ? 4 : 9, kKvH = gemma ? 1 : 3, kD = gemma ? 256 : 64;
+  constexpr int32_t kB = 16;
   const auto dtype = kernels::KvDType::kF16;
   const int64_t half = kernels::PagedKvView::HalfLayerBytes(kB, kKvH, kD, dtype);
   const int32_t n_blocks = (ctx + kB - 1) / kB;
@@ -232,20 +238,40 @@ void BM_PagedPrefillAttention(benchmark::State& state) {
   keep_.clear();
   const kernels::PagedKvView kv =
       OneLayerKv(pool, kv_mem->as<uint8_t>(), half, kB, kKvH, kD, dtype, ids, offsets);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
   cuda::PrefillAttentionBatch b;
   b.q_seq_offsets = static_cast<const int32_t*>(Upload(pool, qoff.data(), qoff.size() * 4));
   b.seq_lens = static_cast<const int32_t*>(Upload(pool, lens.data(), lens.size() * 4));
   b.max_q_per_seq = n;
   b.n_heads = kH;
-  b.scale = 0.125f;
+  b.scale = scale;
+  // The same rows as decode rows: sequence 0 at positions ctx - n .. ctx - 1.
+  std::vector<int32_t> seq(n, 0), pos(n);
+  std::iota(pos.begin(), pos.end(), ctx - n);
+  cuda::DecodeAttentionBatch d;
+  d.n_tokens = n;
+  d.token_seq = static_cast<const int32_t*>(Upload(pool, seq.data(), seq.size() * 4));
+  d.token_pos = static_cast<const int32_t*>(Upload(pool, pos.data(), pos.size() * 4));
+  d.n_heads = kH;
+  d.scale = scale;
+  d.max_context = ctx;
+  const size_t ws_bytes = decode_kernel ? cuda::PagedDecodeAttentionWorkspaceBytes(kv, d) : 0;
+  auto ws_buf = pool.Allocate(std::max<size_t>(ws_bytes, 1));
+  void* ws = ws_bytes > 0 && ws_buf.ok() ? ws_buf->data() : nullptr;
   const int64_t q_dim = int64_t{kH} * kD;
   std::vector<float> qh(static_cast<size_t>(n * q_dim), 0.01f);
   const auto* q = static_cast<const float*>(Upload(pool, qh.data(), qh.size() * 4));
   auto out = pool.Allocate(qh.size() * 4);
   auto e0 = cuda::CudaEvent::Create();
   auto e1 = cuda::CudaEvent::Create();
-  if (!out.ok() || !e0.ok() || !e1.ok() || q == nullptr) return state.SkipWithError("setup failed");
+  if (!out.ok() || !e0.ok() || !e1.ok() || q == nullptr || (ws_bytes > 0 && ws == nullptr)) {
+    return state.SkipWithError("setup failed");
+  }
   auto launch = [&] {
+    if (decode_kernel) {
+      return cuda::PagedDecodeAttention(kv, 0, d, q, q_dim, out->as<float>(), q_dim, ws, ws_bytes,
+                                        stream->get());
+    }
     return cuda::PagedPrefillAttention(kv, 0, b, q, q_dim, out->as<float>(), q_dim, stream->get());
   };
   if (absl::Status st = launch(); !st.ok() || !stream->Synchronize().ok()) {
@@ -256,6 +282,8 @@ void BM_PagedPrefillAttention(benchmark::State& state) {
   const double pairs = static_cast<double>(n) * (ctx - n) + 0.5 * n * (n + 1.0);
   const double per_call = total_s / static_cast<double>(state.iterations());
   state.counters["TFLOPS"] = per_call > 0 ? 4.0 * kD * kH * pairs / per_call / 1e12 : 0;
+  state.SetLabel(std::string(gemma ? "gemma3 4x256/1" : "smollm2 9x64/3") +
+                 (decode_kernel ? " decode kernel" : " prefill kernel"));
   keep_.clear();
 }
 }  // namespace
@@ -290,10 +318,11 @@ BENCHMARK(kvserve::BM_MatMul)
     ->Unit(benchmark::kMicrosecond);
 
 BENCHMARK(kvserve::BM_PagedPrefillAttention)
-    ->Args({64, 64})
-    ->Args({512, 512})
-    ->Args({512, 2048})
-    ->ArgNames({"chunk", "ctx"})
+    ->Args({64, 64, 0, 0})
+    ->Args({512, 512, 0, 0})
+    ->Args({512, 2048, 0, 0})
+    ->ArgsProduct({{512}, {512, 2048}, {1}, {0, 1}})
+    ->ArgNames({"chunk", "ctx", "gemma3", "decode_kernel"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
