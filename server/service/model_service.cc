@@ -112,7 +112,11 @@ absl::StatusOr<PreparedRequest> ModelService::Prepare(const CompletionParams& p)
   } else {
     if (p.messages->empty()) return absl::InvalidArgumentError("messages is empty");
     if (!chat_template_) {
-      return absl::InvalidArgumentError("messages: this model has no usable chat template");
+      // Base models' files (Gemma 3 270M's among them) carry no template.
+      return absl::InvalidArgumentError(
+          "messages: this model has no usable chat template (the daemon's start-up log says "
+          "why); send a plain prompt instead (/v1/completions, gRPC Generate) or restart the "
+          "daemon with --chat-template FILE");
     }
     for (const ChatMessage& m : *p.messages) {
       if (m.role != "system" && m.role != "user" && m.role != "assistant" && m.role != "tool" &&

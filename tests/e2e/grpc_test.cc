@@ -708,10 +708,12 @@ TEST_P(GrpcTest, ChatIsServedOrRejectedNamingMessages) {
   std::string text;
   while (reader->Read(&chunk)) text += chunk.text();
   grpc::Status s = reader->Finish();
-  // stories260K has no chat template; a chat model answers.
+  // stories260K has no chat template (the refusal says what to do
+  // instead); a chat model answers.
   if (!s.ok()) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("messages"));
+    EXPECT_THAT(s.error_message(), HasSubstr("--chat-template FILE"));
   }
   pb::ChatRequest empty;
   ctx = Context();
