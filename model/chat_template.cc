@@ -107,7 +107,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromGguf(const GgufFile& file, bool a
   if (!file.Has("tokenizer.chat_template")) {
     if (allow_fallback) return ChatTemplate();
     return absl::InvalidArgumentError(
-        "model has no tokenizer.chat_template; pass allow_fallback to use ChatML");
+        "the model's GGUF has no tokenizer.chat_template (base models' files often have none)");
   }
   ASSIGN_OR_RETURN(std::string jinja, file.GetString("tokenizer.chat_template"));
   return FromTemplateString(jinja, allow_fallback,

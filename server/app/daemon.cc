@@ -231,7 +231,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const LoadedModel& l,
   } else if (auto t = ChatTemplate::FromGguf(l.model->file()); t.ok()) {
     chat = *t;
   } else {
-    spdlog::warn("chat disabled: {}", t.status().ToString());
+    spdlog::warn("chat disabled: {}; chat requests are refused, --chat-template FILE supplies a "
+                 "template",
+                 std::string(t.status().message()));
   }
   if (f.kv_events_retain < 0) {
     return absl::InvalidArgumentError("--kv-events-retain must be >= 0");
