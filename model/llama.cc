@@ -418,6 +418,25 @@ absl::Status LlamaModel::Bind() {
   return absl::OkStatus();
 }
 
+absl::Status CheckKvGroupMap(const ForwardBatch& b, int32_t n_layers) {
+  if (b.group_kv.empty()) return absl::OkStatus();
+  if (b.layer_group.size() != static_cast<size_t>(n_layers) ||
+      b.layer_index.size() != static_cast<size_t>(n_layers)) {
+    return absl::InvalidArgumentError("KV group map does not cover every layer");
+  }
+  if (b.attention_mass != nullptr) {
+    return absl::UnimplementedError("attention mass (h2o) with KV cache groups");
+  }
+  for (int32_t l = 0; l < n_layers; ++l) {
+    const int32_t g = b.layer_group[l];
+    if (g < 0 || g >= static_cast<int32_t>(b.group_kv.size()) || b.layer_index[l] < 0 ||
+        b.layer_index[l] >= b.group_kv[g].block_bytes / b.group_kv[g].layer_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", l, " has no KV group slot"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LlamaModel::CheckBatch(const ForwardBatch& b, const kernels::PagedKvView& kv) const {
   const size_t n = b.tokens.size();
   if (n == 0) return absl::InvalidArgumentError("empty batch");
@@ -489,26 +508,10 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, const kernels::PagedKvVi
                                  float* logits, ThreadPool* pool) {
   RETURN_IF_ERROR(CheckBatch(b, kv));
   const LlamaConfig& c = config_;
-  if (!b.group_kv.empty()) {
-    // KV cache groups: every group's view must cover the batch as the main
-    // one does, and every layer must name a group and a layer inside it.
-    if (b.layer_group.size() != static_cast<size_t>(c.n_layers) ||
-        b.layer_index.size() != static_cast<size_t>(c.n_layers)) {
-      return absl::InvalidArgumentError("KV group map does not cover every layer");
-    }
-    if (b.attention_mass != nullptr) {
-      return absl::UnimplementedError("attention mass (h2o) with KV cache groups");
-    }
-    for (const kernels::PagedKvView& g : b.group_kv) RETURN_IF_ERROR(CheckBatch(b, g));
-    for (int32_t l = 0; l < c.n_layers; ++l) {
-      if (b.layer_group[l] < 0 || b.layer_group[l] >= static_cast<int32_t>(b.group_kv.size()) ||
-          b.layer_index[l] < 0 ||
-          b.layer_index[l] >=
-              b.group_kv[b.layer_group[l]].block_bytes / b.group_kv[b.layer_group[l]].layer_bytes) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " has no KV group slot"));
-      }
-    }
-  }
+  // KV cache groups: every group's view must cover the batch as the main
+  // one does.
+  RETURN_IF_ERROR(CheckKvGroupMap(b, c.n_layers));
+  for (const kernels::PagedKvView& g : b.group_kv) RETURN_IF_ERROR(CheckBatch(b, g));
   const int64_t n = static_cast<int64_t>(b.tokens.size());
   const int64_t q_dim = c.q_dim();
   const int64_t kv_dim = c.kv_dim();

@@ -205,6 +205,13 @@ struct ForwardBatch {
   absl::Span<const int32_t> kv_slots() const { return slots.empty() ? positions : slots; }
 };
 
+// The batch's KV cache group map, as both forwards (CPU and CUDA) require
+// it: layer_group and layer_index cover n_layers, every layer names a group
+// and a layer slot inside that group's page, and no attention mass is asked
+// for (not with groups). OK for a batch without groups. Each forward still
+// checks every group's view against the batch itself.
+[[nodiscard]] absl::Status CheckKvGroupMap(const ForwardBatch& b, int32_t n_layers);
+
 class LlamaModel {
  public:
   // Opens and maps a GGUF file and binds every weight. Errors name the file

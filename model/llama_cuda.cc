@@ -277,26 +277,15 @@ absl::Status CudaLlama::Forward(const ForwardBatch& b, const kernels::PagedKvVie
   if (kv.n_kv_heads != c.n_kv_heads || kv.head_dim != c.head_dim) {
     return absl::InvalidArgumentError("KV view does not match the model's heads");
   }
-  // KV cache groups (hybrid attention): as LlamaModel::Forward checks them.
+  // KV cache groups (hybrid attention): the map as the CPU forward checks
+  // it; each group's view must match the main one (one device pool, one
+  // codec) and hold every token's slot (below).
   const bool grouped_kv = !b.group_kv.empty();
-  if (grouped_kv) {
-    if (b.layer_group.size() != static_cast<size_t>(c.n_layers) ||
-        b.layer_index.size() != static_cast<size_t>(c.n_layers)) {
-      return absl::InvalidArgumentError("KV group map does not cover every layer");
-    }
-    if (want_mass) return absl::UnimplementedError("attention mass (h2o) with KV cache groups");
-    for (const kernels::PagedKvView& g : b.group_kv) {
-      if (g.n_seqs != kv.n_seqs || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim ||
-          g.block_size != kv.block_size || g.dtype != kv.dtype || g.pool != kv.pool) {
-        return absl::InvalidArgumentError("a KV group's view does not match the main view");
-      }
-    }
-    for (int32_t l = 0; l < c.n_layers; ++l) {
-      const int32_t g = b.layer_group[l];
-      if (g < 0 || g >= static_cast<int32_t>(b.group_kv.size()) || b.layer_index[l] < 0 ||
-          b.layer_index[l] >= b.group_kv[g].block_bytes / b.group_kv[g].layer_bytes) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " has no KV group slot"));
-      }
+  RETURN_IF_ERROR(CheckKvGroupMap(b, c.n_layers));
+  for (const kernels::PagedKvView& g : b.group_kv) {
+    if (g.n_seqs != kv.n_seqs || g.n_kv_heads != c.n_kv_heads || g.head_dim != c.head_dim ||
+        g.block_size != kv.block_size || g.dtype != kv.dtype || g.pool != kv.pool) {
+      return absl::InvalidArgumentError("a KV group's view does not match the main view");
     }
   }
   RETURN_IF_ERROR(CheckKvLayout(kv.dtype, kv.block_size));

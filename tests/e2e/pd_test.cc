@@ -1447,20 +1447,9 @@ TEST(PdCudaTest, DevicePoolsMoveThroughHostStagingAndEqualOneNode) {
 // and the text equals a CUDA `both` node's for prompts past the window.
 TEST(PdCudaTest, HybridModelLeasesEveryGroupThroughHostStaging) {
   KVSERVE_SKIP_WITHOUT_GPU();
-  testing::TinyLlamaOptions o;
-  o.architecture = "gemma3";
-  o.dim = 128;
-  o.n_heads = 4;
-  o.n_kv_heads = 1;
-  o.head_dim = 64;
-  o.ffn_dim = 256;
-  o.n_layers = 3;
-  o.sliding_window = 16;
-  o.sliding_window_pattern = 3;
-  o.rope_freq_base = 1000000.0f;
-  o.rope_freq_base_swa = 10000.0f;
   const std::string model = testing::TempDir() + "/pd-cuda-gemma3.gguf";
-  std::ofstream(model, std::ios::binary) << testing::MakeTinyLlamaGguf(o);
+  std::ofstream(model, std::ios::binary)
+      << testing::MakeTinyLlamaGguf(testing::TinyGemma3Options());
   const std::vector<std::string> cuda = {"--device", "cuda"};
   auto both = StartNode("both", cuda, model);
   auto prefill = StartNode("prefill", cuda, model);

@@ -293,6 +293,22 @@ std::vector<float> RandomNormal(Rng& rng, int64_t n, float stddev, float mean = 
 
 }  // namespace
 
+TinyLlamaOptions TinyGemma3Options() {
+  TinyLlamaOptions o;
+  o.architecture = "gemma3";
+  o.dim = 128;
+  o.n_heads = 4;
+  o.n_kv_heads = 1;
+  o.head_dim = 64;
+  o.ffn_dim = 256;
+  o.n_layers = 3;
+  o.sliding_window = 16;
+  o.sliding_window_pattern = 3;
+  o.rope_freq_base = 1000000.0f;
+  o.rope_freq_base_swa = 10000.0f;
+  return o;
+}
+
 std::string MakeTinyLlamaGguf(const TinyLlamaOptions& o) {
   const Vocab vocab = MakeVocab();
   const int64_t n_vocab = static_cast<int64_t>(vocab.tokens.size());

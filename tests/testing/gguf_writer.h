@@ -96,6 +96,12 @@ struct TinyLlamaOptions {
   bool omit_qk_norm = false;  // a qwen3/gemma3 file without attn_{q,k}_norm
 };
 
+// A small Gemma 3 layout for hybrid-attention tests: 3 layers of 128, 4
+// query heads of 64 over one KV head, a 16-token window on 2 of every 3
+// layers (local RoPE base 10,000, global 1,000,000), so one full KV cache
+// group and two window groups.
+TinyLlamaOptions TinyGemma3Options();
+
 // A complete Llama GGUF with random weights and a small SentencePiece-style
 // vocabulary (<unk>, <s>, </s>, 256 byte tokens <0x00>..<0xFF>, a few dozen
 // merged pieces with scores). Returns the serialized file.

@@ -628,10 +628,10 @@ INSTANTIATE_TEST_SUITE_P(
 // window, and Gemma 3 (QK-norm, post-norms, GELU FFN, scaled embeddings, a
 // 16-token window on 2 of every 3 layers with their own RoPE base, KV cache
 // groups in the engine) at head_dim 64 (the tuned kernels until the window
-// masks) and 256 (Gemma 3 270M's heads: the decode kernel), once with logit
-// soft-capping, with f32 K/V (256-wide heads then take the generic kernel)
-// and with int8 and int4 K/V. Prompts and 40 generated tokens run past every
-// window.
+// masks) and 256 (Gemma 3 270M's heads: the chunked prefill kernel and the
+// decode kernel), once with logit soft-capping, with f32 K/V (256-wide
+// decode rows then take the generic kernel) and with int8 and int4 K/V.
+// Prompts and 40 generated tokens run past every window.
 struct FamilyCase {
   const char* name;
   testing::TinyLlamaOptions options;
@@ -672,22 +672,15 @@ std::vector<FamilyCase> FamilyCases() {
     cases.push_back({"mistral_window", o});
   }
   {
-    testing::TinyLlamaOptions o = base;
-    o.architecture = "gemma3";
-    o.n_heads = 4;
-    o.head_dim = 64;
-    o.sliding_window = 16;
-    o.sliding_window_pattern = 3;
-    o.rope_freq_base = 1000000.0f;
-    o.rope_freq_base_swa = 10000.0f;
+    testing::TinyLlamaOptions o = testing::TinyGemma3Options();  // base's sizes, 4 heads of 64
     cases.push_back({"gemma3", o});
     o.final_logit_softcap = 3.0f;
     cases.push_back({"gemma3_softcap", o});
     o.final_logit_softcap = 0.0f;
     o.head_dim = 256;
     o.n_heads = 2;
-    cases.push_back({"gemma3_head_dim_256", o});  // the decode kernel at 256
-    cases.push_back({"gemma3_head_dim_256_f32_kv", o, kernels::KvDType::kF32});  // generic
+    cases.push_back({"gemma3_head_dim_256", o});
+    cases.push_back({"gemma3_head_dim_256_f32_kv", o, kernels::KvDType::kF32});  // generic decode
     cases.push_back({"gemma3_head_dim_256_int8_kv", o, kernels::KvDType::kInt8});
     cases.push_back({"gemma3_head_dim_256_int4_kv", o, kernels::KvDType::kInt4});
   }
